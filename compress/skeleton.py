@@ -1,0 +1,159 @@
+"""Filter Skeletons for stripe-wise pruning (SWP, "Pruning Filter in Filter", NeurIPS 2020).
+
+A Filter Skeleton (FS) is a Parameter of shape (out_channels, kh, kw), initialised to 1, that scales
+every stripe (one filter's weights at one kernel offset, across all input channels) of a conv:
+the forward pass uses `weight * FS[:, None]`. Training adds an L1 subgradient `alpha * sign(FS)` to
+FS's gradient and zeroes every entry with |FS| <= threshold (value and gradient) at every step;
+a filter with no stripe left is dead and its BatchNorm channel is zeroed.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
+
+import torch
+import torch.nn as nn
+
+from compress.surgery import conv_bn_pairs, replace_module
+
+__all__ = ["SkeletonConv2d", "attach_skeletons", "swp_update", "skeleton_stats"]
+
+
+class SkeletonConv2d(nn.Conv2d):
+    """Conv2d whose weight (N, C/groups, kh, kw) is scaled per stripe by `skeleton` (N, kh, kw).
+
+    Every Conv2d argument (stride, padding incl. 'same', dilation, groups, bias, padding_mode)
+    behaves exactly as in nn.Conv2d; only the weight used by the forward pass changes.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        kh, kw = self.kernel_size
+        self.skeleton = nn.Parameter(
+            torch.ones(self.out_channels, kh, kw, device=self.weight.device, dtype=self.weight.dtype)
+        )
+
+    @classmethod
+    def from_conv(cls, conv: nn.Conv2d) -> SkeletonConv2d:
+        """A SkeletonConv2d with `conv`'s arguments, weight, bias, device and dtype; skeleton = 1."""
+        new = cls(
+            conv.in_channels,
+            conv.out_channels,
+            conv.kernel_size,
+            stride=conv.stride,
+            padding=conv.padding,
+            dilation=conv.dilation,
+            groups=conv.groups,
+            bias=conv.bias is not None,
+            padding_mode=conv.padding_mode,
+            device=conv.weight.device,
+            dtype=conv.weight.dtype,
+        )
+        with torch.no_grad():
+            new.weight.copy_(conv.weight)
+            if conv.bias is not None:
+                new.bias.copy_(conv.bias)
+        new.weight.requires_grad_(conv.weight.requires_grad)
+        new.train(conv.training)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, C, H, W) -> (B, N, Ho, Wo), the conv with weight * skeleton[:, None]."""
+        return self._conv_forward(x, self.weight * self.skeleton[:, None], self.bias)
+
+    def stripe_mask(self, threshold: float) -> torch.Tensor:
+        """Bool (N, kh, kw): True where the stripe is kept, i.e. |skeleton| > threshold."""
+        return self.skeleton.detach().abs() > threshold
+
+
+def _check_nonnegative(**values: float) -> None:
+    for key, value in values.items():
+        if value < 0:
+            raise ValueError(f"SWP {key} must be >= 0, got {value}; set prune.{key} to a non-negative number")
+
+
+def _selected(name: str, include: Sequence[str] | None, exclude: Sequence[str] | None) -> bool:
+    if include is not None and not any(fnmatch.fnmatchcase(name, p) for p in include):
+        return False
+    return not (exclude is not None and any(fnmatch.fnmatchcase(name, p) for p in exclude))
+
+
+def attach_skeletons(
+    model: nn.Module,
+    min_kernel_size: int = 2,
+    include: Sequence[str] | None = None,
+    exclude: Sequence[str] | None = None,
+) -> list[str]:
+    """Replace eligible Conv2d modules of `model` by SkeletonConv2d, in place; return their names.
+
+    Eligible: groups == 1, max(kh, kw) >= min_kernel_size, the name matches one of `include`
+    (fnmatch patterns; None = all) and none of `exclude`. Convs that already have a skeleton are kept.
+    """
+    if isinstance(include, str) or isinstance(exclude, str):
+        raise TypeError("attach_skeletons: include/exclude are lists of patterns, e.g. ['layer1.*']")
+    names = [
+        name
+        for name, m in model.named_modules()
+        if type(m) is nn.Conv2d
+        and m.groups == 1
+        and max(m.kernel_size) >= min_kernel_size
+        and _selected(name, include, exclude)
+    ]
+    for name in names:
+        replace_module(model, name, SkeletonConv2d.from_conv(model.get_submodule(name)))
+    return names
+
+
+def _skeleton_convs(model: nn.Module) -> list[tuple[str, SkeletonConv2d]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, SkeletonConv2d)]
+
+
+@torch.no_grad()
+def swp_update(model: nn.Module, alpha: float, threshold: float) -> None:
+    """The SWP step between backward (and the DDP gradient all-reduce) and optimizer.step().
+
+    For each skeleton FS: FS.grad += alpha * sign(FS); entries with |FS| <= threshold get value and
+    gradient zeroed. Filters without a kept stripe have weight, bias and their gradients of the
+    paired BatchNorm channel (compress.surgery.conv_bn_pairs) zeroed.
+    """
+    _check_nonnegative(alpha=alpha, threshold=threshold)
+    pairs = conv_bn_pairs(model)
+    for name, conv in _skeleton_convs(model):
+        fs = conv.skeleton
+        if fs.grad is None:
+            fs.grad = torch.zeros_like(fs)
+        fs.grad.add_(torch.sign(fs), alpha=alpha)
+        mask = fs.abs() > threshold
+        fs.mul_(mask)
+        fs.grad.mul_(mask)
+        dead = ~mask.flatten(1).any(dim=1)
+        if name in pairs and bool(dead.any()):
+            bn = model.get_submodule(pairs[name])
+            for p in (bn.weight, bn.bias):
+                if p is None:
+                    continue
+                p[dead] = 0
+                if p.grad is not None:
+                    p.grad[dead] = 0
+
+
+@torch.no_grad()
+def skeleton_stats(model: nn.Module, threshold: float) -> dict:
+    """Stripe statistics at `threshold`.
+
+    Returns {"layers": {name: {stripes_total, stripes_kept, filters_total, filters_dead}},
+    "stripes_total", "stripes_kept", "filters_total", "filters_dead"} (counts are ints).
+    """
+    _check_nonnegative(threshold=threshold)
+    layers = {}
+    for name, conv in _skeleton_convs(model):
+        mask = conv.stripe_mask(threshold)
+        layers[name] = {
+            "stripes_total": mask.numel(),
+            "stripes_kept": int(mask.sum()),
+            "filters_total": mask.shape[0],
+            "filters_dead": int((~mask.flatten(1).any(dim=1)).sum()),
+        }
+    keys = ("stripes_total", "stripes_kept", "filters_total", "filters_dead")
+    return {"layers": layers, **{k: sum(v[k] for v in layers.values()) for k in keys}}

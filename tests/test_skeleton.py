@@ -1,0 +1,140 @@
+"""Filter Skeleton: conv semantics vs F.conv2d, the SWP update rule, BN zeroing, attach and stats."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torchvision
+
+from compress.skeleton import SkeletonConv2d, attach_skeletons, skeleton_stats, swp_update
+
+
+@pytest.mark.parametrize(
+    "stride,padding,dilation,bias",
+    [(1, 1, 1, True), (2, 0, 1, False), (1, 2, 2, True), ((2, 1), (1, 0), (1, 2), False), (1, "same", 1, True)],
+)
+def test_skeleton_conv_matches_masked_f_conv2d(stride, padding, dilation, bias):
+    g = torch.Generator().manual_seed(0)
+    conv = nn.Conv2d(5, 7, 3, stride=stride, padding=padding, dilation=dilation, bias=bias).double()
+    sk = SkeletonConv2d.from_conv(conv)
+    with torch.no_grad():
+        sk.skeleton.copy_(torch.randn(7, 3, 3, generator=g, dtype=torch.double))
+    x = torch.randn(2, 5, 9, 8, generator=g, dtype=torch.double, requires_grad=True)
+    y = sk(x)
+
+    w = conv.weight.detach().clone().requires_grad_(True)
+    s = sk.skeleton.detach().clone().requires_grad_(True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    y_ref = F.conv2d(x_ref, w * s[:, None], conv.bias, stride, padding, dilation)
+    torch.testing.assert_close(y, y_ref)
+
+    dy = torch.randn(y.shape, generator=g, dtype=torch.double)
+    y.backward(dy)
+    y_ref.backward(dy)
+    torch.testing.assert_close(sk.weight.grad, w.grad)
+    torch.testing.assert_close(sk.skeleton.grad, s.grad)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+
+
+def test_from_conv_keeps_arguments_dtype_and_padding_mode():
+    conv = nn.Conv2d(3, 4, (3, 5), padding=(1, 2), padding_mode="circular", dtype=torch.float64)
+    sk = SkeletonConv2d.from_conv(conv)
+    assert sk.skeleton.shape == (4, 3, 5) and sk.skeleton.dtype == torch.float64
+    assert torch.equal(sk.skeleton, torch.ones(4, 3, 5, dtype=torch.float64))
+    x = torch.randn(2, 3, 6, 7, dtype=torch.float64)
+    torch.testing.assert_close(sk(x), conv(x))  # skeleton = 1: identical to the source conv
+
+
+def test_stripe_mask_threshold_is_strict():
+    sk = SkeletonConv2d(1, 2, 2)
+    with torch.no_grad():
+        sk.skeleton.copy_(torch.tensor([[[0.5, -0.01], [0.02, 0.0]], [[-0.3, 0.01], [0.011, -0.2]]]))
+    expected = torch.tensor([[[True, False], [True, False]], [[True, False], [True, True]]])
+    assert torch.equal(sk.stripe_mask(0.01), expected)
+
+
+def _net_with_bn():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(2, 2, 2, bias=False), nn.BatchNorm2d(2), nn.ReLU(), nn.Conv2d(2, 3, 1))
+
+
+def test_swp_update_hand_computed():
+    net = _net_with_bn()
+    assert attach_skeletons(net) == ["0"]
+    conv, bn = net[0], net[1]
+    with torch.no_grad():
+        conv.skeleton.copy_(torch.tensor([[[0.5, -0.2], [0.005, 1.0]], [[-0.008, 0.009], [0.003, -0.01]]]))
+        bn.weight.copy_(torch.tensor([1.5, 2.0]))
+        bn.bias.copy_(torch.tensor([0.1, -0.4]))
+    conv.skeleton.grad = torch.tensor([[[0.1, 0.2], [0.3, -0.4]], [[0.5, 0.6], [0.7, 0.8]]])
+    bn.weight.grad = torch.tensor([0.25, 0.5])
+    bn.bias.grad = torch.tensor([-0.25, 0.75])
+
+    swp_update(net, alpha=0.1, threshold=0.01)
+
+    # grad + 0.1 * sign(FS): [[0.2, 0.1], [0.4, -0.3]]; entries with |FS| <= 0.01 zeroed (value and grad).
+    torch.testing.assert_close(conv.skeleton.grad[0], torch.tensor([[0.2, 0.1], [0.0, -0.3]]))
+    torch.testing.assert_close(conv.skeleton.data[0], torch.tensor([[0.5, -0.2], [0.0, 1.0]]))
+    assert torch.equal(conv.skeleton.data[1], torch.zeros(2, 2))
+    assert torch.equal(conv.skeleton.grad[1], torch.zeros(2, 2))
+    # filter 1 is dead: its BN channel (weight, bias and their grads) zeroed, filter 0 untouched.
+    torch.testing.assert_close(bn.weight.data, torch.tensor([1.5, 0.0]))
+    torch.testing.assert_close(bn.bias.data, torch.tensor([0.1, 0.0]))
+    torch.testing.assert_close(bn.weight.grad, torch.tensor([0.25, 0.0]))
+    torch.testing.assert_close(bn.bias.grad, torch.tensor([-0.25, 0.0]))
+
+
+def test_swp_update_after_real_backward_and_stats():
+    net = _net_with_bn()
+    attach_skeletons(net)
+    with torch.no_grad():
+        net[0].skeleton[1] = 0.004  # filter 1 entirely below threshold -> dead
+    net(torch.randn(4, 2, 5, 5)).square().mean().backward()
+    expected_grad = net[0].skeleton.grad[0] + 1e-3 * torch.sign(net[0].skeleton[0])
+    swp_update(net, alpha=1e-3, threshold=0.005)
+    torch.testing.assert_close(net[0].skeleton.grad[0], expected_grad.detach())
+    assert float(net[1].weight[1].detach()) == 0.0 and float(net[1].bias[1].detach()) == 0.0
+    stats = skeleton_stats(net, threshold=0.005)
+    assert stats["layers"]["0"] == {"stripes_total": 8, "stripes_kept": 4, "filters_total": 2, "filters_dead": 1}
+    assert (stats["stripes_total"], stats["stripes_kept"], stats["filters_dead"]) == (8, 4, 1)
+
+
+@pytest.mark.parametrize("alpha,threshold,key", [(-1e-5, 0.01, "alpha"), (1e-5, -0.1, "threshold")])
+def test_swp_update_rejects_negative(alpha, threshold, key):
+    net = _net_with_bn()
+    attach_skeletons(net)
+    with pytest.raises(ValueError, match=f"{key} must be >= 0"):
+        swp_update(net, alpha=alpha, threshold=threshold)
+
+
+def test_attach_skeletons_torchvision_resnet18():
+    model = torchvision.models.resnet18(num_classes=10)
+    names = attach_skeletons(model)
+    expected = [n for n, m in torchvision.models.resnet18().named_modules()
+                if isinstance(m, nn.Conv2d) and m.kernel_size != (1, 1)]
+    assert names == expected and len(names) == 17  # stem 7x7 + 16 block 3x3; the 3 downsample 1x1 excluded
+    assert isinstance(model.layer1[0].conv1, SkeletonConv2d)
+    assert type(model.layer2[0].downsample[0]) is nn.Conv2d
+    assert attach_skeletons(model) == []  # idempotent
+
+
+def test_attach_skeletons_mobilenet_skips_depthwise_and_filters():
+    model = torchvision.models.mobilenet_v2(num_classes=10)
+    names = attach_skeletons(model)
+    assert names == ["features.0.0"]  # the only dense 3x3; depthwise (groups=C) and 1x1 convs stay
+    model = torchvision.models.resnet18(num_classes=10)
+    names = attach_skeletons(model, include=["layer1.*", "layer2.*"], exclude=["*.conv2"])
+    assert names == ["layer1.0.conv1", "layer1.1.conv1", "layer2.0.conv1", "layer2.1.conv1"]
+    names = attach_skeletons(torchvision.models.resnet18(), min_kernel_size=1, include=["layer4.0.*"])
+    assert names == ["layer4.0.conv1", "layer4.0.conv2", "layer4.0.downsample.0"]
+
+
+def test_attach_skeletons_cifar_resnet():
+    create_model = pytest.importorskip("compress.models").create_model
+    model = create_model("resnet20", num_classes=10)
+    names = attach_skeletons(model)
+    convs = [n for n, m in create_model("resnet20").named_modules() if isinstance(m, nn.Conv2d)]
+    assert names == [n for n in convs if n == "conv1" or n.endswith((".conv1", ".conv2"))]
+    assert len(names) == 19  # stem + 9 blocks x 2 (option-A shortcuts have no conv)
+    stats = skeleton_stats(model, 0.01)
+    assert stats["stripes_total"] == 9 * (16 + 6 * 16 + 6 * 32 + 6 * 64) and stats["filters_dead"] == 0
