@@ -1,0 +1,10 @@
+"""Model registry and families: CIFAR ResNets and VGGs, plus torchvision and timm models by name.
+
+`create_model("resnet56", num_classes=10)` builds a model; `list_models()` gives the registered
+names, and any `timm:<name>` is accepted too.
+"""
+
+from . import cifar_resnet, cifar_vgg, external  # noqa: F401  (register the entry points)
+from ._registry import create_model, list_models, register_model
+
+__all__ = ["create_model", "list_models", "register_model"]

@@ -1,0 +1,194 @@
+"""Model registry: every registered model builds, runs forward+backward, and matches documented sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from compress.models import create_model, list_models, register_model
+
+CIFAR_MODELS = list_models(module="cifar_resnet") + list_models(module="cifar_vgg")
+EXTERNAL_SAMPLE = ["resnet18", "vgg11_bn", "mobilenet_v2", "timm:resnet18"]
+
+
+def count_macs(model: nn.Module, input_size: int, in_chans: int = 3) -> int:
+    """Multiply-adds of Conv2d and Linear layers for one image, by hand formula on hooked outputs:
+    conv: out_elems * in_ch/groups * kh*kw; linear: out_elems * in_features."""
+    total = 0
+
+    def hook(module, inputs, output):
+        nonlocal total
+        per_image = output[0].numel()
+        if isinstance(module, nn.Conv2d):
+            kh, kw = module.kernel_size
+            total += per_image * module.in_channels // module.groups * kh * kw
+        else:
+            total += per_image * module.in_features
+
+    handles = [
+        m.register_forward_hook(hook) for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))
+    ]
+    model.eval()
+    with torch.no_grad():
+        model(torch.randn(1, in_chans, input_size, input_size))
+    for h in handles:
+        h.remove()
+    return total
+
+
+def n_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_registry_lists_all_families():
+    names = set(list_models())
+    assert {
+        "resnet20",
+        "resnet32",
+        "resnet56",
+        "resnet110",
+        "resnet29_bottleneck",
+        "resnet164_bottleneck",
+    } <= names
+    assert {"vgg11", "vgg13", "vgg16", "vgg19"} <= names
+    assert {"resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "mobilenet_v2"} <= names
+    assert {"vgg11_bn", "vgg13_bn", "vgg16_bn", "vgg19_bn"} <= names
+    assert list_models("resnet1*", module="cifar_resnet") == ["resnet110", "resnet164_bottleneck"]
+
+
+@pytest.mark.parametrize("name", CIFAR_MODELS + EXTERNAL_SAMPLE)
+def test_forward_backward(name):
+    torch.manual_seed(0)
+    size = 32 if name in EXTERNAL_SAMPLE else 8
+    model = create_model(name, num_classes=7, input_size=size)
+    x = torch.randn(2, 3, size, size)
+    out = model(x)
+    assert out.shape == (2, 7)
+    out.square().sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert any(g.abs().sum() > 0 for g in grads)
+
+
+@pytest.mark.parametrize(
+    "name", ["resnet20", "vgg11", "resnet18", "vgg11_bn", "mobilenet_v2", "timm:resnet18"]
+)
+def test_in_chans(name):
+    model = create_model(name, num_classes=5, in_chans=1)
+    assert model(torch.randn(2, 1, 32, 32)).shape == (2, 5)
+
+
+# He et al. 2016, Table 6 (params rounded to two significant digits).
+@pytest.mark.parametrize(
+    "name, documented_m", [("resnet20", 0.27), ("resnet32", 0.46), ("resnet56", 0.85), ("resnet110", 1.7)]
+)
+def test_cifar_resnet_params(name, documented_m):
+    params_m = n_params(create_model(name)) / 1e6
+    assert float(f"{params_m:.2g}") == documented_m
+
+
+def test_resnet164_bottleneck_params():
+    # He et al. 2016b ("Identity Mappings"), ResNet-164: 1.7 M params.
+    assert float(f"{n_params(create_model('resnet164_bottleneck')) / 1e6:.2g}") == 1.7
+
+
+@pytest.mark.parametrize("name, documented_macs", [("resnet56", 125.49e6), ("vgg16", 313.73e6)])
+def test_cifar_macs(name, documented_macs):
+    macs = count_macs(create_model(name), 32)
+    assert abs(macs - documented_macs) / documented_macs < 0.01
+
+
+def test_resnet56_shortcut_is_parameter_free():
+    model = create_model("resnet56")
+    downsamples = [m.downsample for m in model.modules() if hasattr(m, "downsample")]
+    assert sum(d is not None for d in downsamples) == 2  # stage 2 and stage 3 entries
+    assert all(d is None or n_params(d) == 0 for d in downsamples)
+    # Option A: subsampled input in the middle channels, zeros in the padded ones.
+    block = model.layer2[0]
+    x = torch.randn(2, 16, 8, 8)
+    y = block.downsample(x)
+    assert y.shape == (2, 32, 4, 4)
+    assert torch.equal(y[:, 8:24], x[:, :, ::2, ::2])
+    assert not y[:, :8].any() and not y[:, 24:].any()
+
+
+def test_bottleneck_structure():
+    model = create_model("resnet29_bottleneck")
+    outs = [
+        model.layer1[0].conv3.out_channels,
+        model.layer2[0].conv3.out_channels,
+        model.layer3[0].conv3.out_channels,
+    ]
+    assert outs == [64, 128, 256]
+    # PiX squeeze factors (conv1 in/out channels): 1 for the very first block, 2 at stage entries, 4 elsewhere.
+    factors = [
+        b.conv1.in_channels // b.conv1.out_channels
+        for s in (model.layer1, model.layer2, model.layer3)
+        for b in s
+    ]
+    assert factors == [1, 4, 4, 2, 4, 4, 2, 4, 4]
+    for stage in (model.layer1, model.layer2, model.layer3):
+        assert isinstance(stage[0].downsample[0], nn.Conv2d) and isinstance(
+            stage[0].downsample[1], nn.BatchNorm2d
+        )
+        assert all(b.downsample is None for b in stage[1:])
+
+
+def test_block_layer_types_are_used():
+    class MyConv(nn.Conv2d):
+        pass
+
+    model = create_model("resnet20", conv_layer=MyConv, norm_layer=nn.Identity)
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+    assert len(convs) == 19 and all(type(m) is MyConv for m in convs)
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+
+
+def test_weight_init():
+    torch.manual_seed(0)
+    model = create_model("vgg16")
+    conv = model.features[14]  # a 256 -> 256 conv: fan_out = 256 * 9
+    assert conv.weight.std().item() == pytest.approx((2 / (256 * 9)) ** 0.5, rel=0.02)
+    bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    assert all(torch.equal(b.weight, torch.ones_like(b.weight)) and not b.bias.any() for b in bns)
+
+
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [
+        ("resnet56", {}),
+        ("resnet29_bottleneck", {"widths": [8, 16, 32]}),
+        ("vgg11", {"in_chans": 1}),
+        ("mobilenet_v2", {"width_mult": 0.5}),
+        ("timm:resnet18", {"num_classes": 4}),
+    ],
+)
+def test_compress_arch_rebuilds(name, kwargs):
+    model = create_model(name, **kwargs)
+    arch = model.compress_arch
+    assert arch["name"] == name
+    assert {"num_classes", "input_size", "in_chans"} <= set(arch["kwargs"])
+    rebuilt = create_model(arch["name"], **arch["kwargs"])
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    assert shapes == {k: v.shape for k, v in rebuilt.state_dict().items()}
+    assert rebuilt.compress_arch == arch
+
+
+def test_unknown_model_error():
+    with pytest.raises(ValueError, match=r"unknown model 'resnet57'.*resnet56.*timm:<name>"):
+        create_model("resnet57")
+    with pytest.raises(ValueError, match="timm has no model 'not_a_model'"):
+        create_model("timm:not_a_model")
+
+
+def test_bad_depth_and_duplicate_registration():
+    from compress.models.cifar_resnet import _create_cifar_resnet
+
+    with pytest.raises(ValueError, match="6n\\+2"):
+        _create_cifar_resnet(21, bottleneck=False)
+    with pytest.raises(ValueError, match="already registered"):
+
+        @register_model
+        def resnet56():
+            pass
