@@ -17,34 +17,14 @@ from ._weight_init import init_weights
 __all__ = ["CifarVGG", "VGG_CFGS"]
 
 # Output channels of each conv; "M" is a 2x2 max-pool.
-VGG_CFGS: dict[str, tuple[int | str, ...]] = {  # fmt: skip
+# fmt: off
+VGG_CFGS: dict[str, tuple[int | str, ...]] = {
     "vgg11": (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"),
     "vgg13": (64, 64, "M", 128, 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"),
     "vgg16": (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"),
-    "vgg19": (
-        64,
-        64,
-        "M",
-        128,
-        128,
-        "M",
-        256,
-        256,
-        256,
-        256,
-        "M",
-        512,
-        512,
-        512,
-        512,
-        "M",
-        512,
-        512,
-        512,
-        512,
-        "M",
-    ),
+    "vgg19": (64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512, "M", 512, 512, 512, 512, "M"),
 }
+# fmt: on
 
 
 class CifarVGG(nn.Module):
