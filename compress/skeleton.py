@@ -67,7 +67,7 @@ class SkeletonConv2d(nn.Conv2d):
         return self.skeleton.detach().abs() > threshold
 
 
-def _check_nonnegative(**values: float) -> None:
+def check_nonnegative(**values: float) -> None:
     for key, value in values.items():
         if value < 0:
             raise ValueError(f"SWP {key} must be >= 0, got {value}; set prune.{key} to a non-negative number")
@@ -117,7 +117,7 @@ def swp_update(model: nn.Module, alpha: float, threshold: float) -> None:
     gradient zeroed. Filters without a kept stripe have weight, bias and their gradients of the
     paired BatchNorm channel (compress.surgery.conv_bn_pairs) zeroed.
     """
-    _check_nonnegative(alpha=alpha, threshold=threshold)
+    check_nonnegative(alpha=alpha, threshold=threshold)
     pairs = conv_bn_pairs(model)
     for name, conv in _skeleton_convs(model):
         fs = conv.skeleton
@@ -145,7 +145,7 @@ def skeleton_stats(model: nn.Module, threshold: float) -> dict:
     Returns {"layers": {name: {stripes_total, stripes_kept, filters_total, filters_dead}},
     "stripes_total", "stripes_kept", "filters_total", "filters_dead"} (counts are ints).
     """
-    _check_nonnegative(threshold=threshold)
+    check_nonnegative(threshold=threshold)
     layers = {}
     for name, conv in _skeleton_convs(model):
         mask = conv.stripe_mask(threshold)

@@ -1,0 +1,85 @@
+"""Run logging for the engine: TensorBoard scalars and skeleton heatmaps, progress bars, summary text.
+
+Only rank 0 logs; on other ranks (or with enabled=False) every method is a no-op.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from tqdm import tqdm
+
+from compress.skeleton import SkeletonConv2d
+
+__all__ = ["RunLogger", "progress", "skeleton_heatmap", "format_summary"]
+
+
+def progress(iterable, enabled: bool, **kwargs) -> tqdm:
+    """A tqdm bar, shown only when `enabled` and stderr is a terminal."""
+    return tqdm(iterable, disable=not (enabled and sys.stderr.isatty()), dynamic_ncols=True, **kwargs)
+
+
+def skeleton_heatmap(conv: SkeletonConv2d, threshold: float, scale: int = 4) -> torch.Tensor:
+    """Image (H, W) in [0, 1] of one skeleton: a row per filter, a column per (kh, kw) offset.
+
+    Values are |FS| / max|FS| for kept stripes and 0 for pruned ones; each cell is `scale` pixels
+    wide and high (H = out_channels * scale, W = kh * kw * scale).
+    """
+    fs = conv.skeleton.detach().float().abs().flatten(1).cpu()
+    fs = fs * (fs > threshold)
+    img = fs / fs.max().clamp_min(1e-12)
+    return img.repeat_interleave(scale, 0).repeat_interleave(scale, 1)
+
+
+class RunLogger:
+    """TensorBoard writer at `log_dir` (created lazily, rank 0 only)."""
+
+    def __init__(self, log_dir: str | Path, enabled: bool):
+        self.writer = None
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(log_dir))
+
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        if self.writer is not None:
+            for key, value in values.items():
+                self.writer.add_scalar(key, value, step)
+
+    def skeletons(self, model: nn.Module, stats: dict, threshold: float, step: int) -> None:
+        """Per-layer stripes kept (fraction), the total, and one heatmap image per skeleton layer."""
+        if self.writer is None or not stats["layers"]:
+            return
+        for name, layer in stats["layers"].items():
+            self.writer.add_scalar(f"stripes_kept/{name}", layer["stripes_kept"] / layer["stripes_total"], step)
+            conv = model.get_submodule(name)
+            self.writer.add_image(f"skeleton/{name}", skeleton_heatmap(conv, threshold), step, dataformats="HW")
+        self.writer.add_scalar("stripes_kept/total", stats["stripes_kept"] / stats["stripes_total"], step)
+        self.writer.add_scalar("stripes_kept/count", stats["stripes_kept"], step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def format_summary(summary: dict) -> str:
+    """A short multi-line text of the run summary for the terminal."""
+    total = max(summary["stripes_total"], 1)
+    macs_ratio = summary["macs_pruned_estimate"] / max(summary["macs_dense"], 1)
+    return "\n".join(
+        [
+            f"== {summary['model']} on {summary['data']} ({summary['device']}) ==",
+            f"test accuracy   {summary['test_accuracy']:.4f}  (best {summary['best_test_accuracy']:.4f})",
+            f"stripes kept    {summary['stripes_kept']} / {summary['stripes_total']}"
+            f"  ({summary['stripes_kept'] / total:.1%}), dead filters {summary['filters_dead']}",
+            f"MACs            {summary['macs_dense'] / 1e6:.2f} M dense -> {summary['macs_pruned_estimate'] / 1e6:.2f} M"
+            f" estimated ({macs_ratio:.1%})",
+            f"params          {summary['params'] / 1e6:.3f} M (dense)",
+            f"epochs / steps  {summary['epochs']} / {summary['steps']} in {summary['seconds']:.1f} s",
+            f"run dir         {summary['run_dir']}",
+            f"checkpoint      {summary['checkpoint']}",
+        ]
+    )
