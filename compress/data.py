@@ -1,0 +1,289 @@
+"""Datasets and loaders by name: digits (bundled with scikit-learn, the default), cifar10/cifar100 and
+imagenet/imagefolder from a local root, and fake (synthetic, for speed tests).
+
+`build_data(cfg, rank, world_size)` returns train/test DataLoaders (NCHW float32 images, int64
+labels) with the number of classes and the input geometry. Nothing is downloaded unless
+`download=true` is set for CIFAR. Random augmentation draws from torch's RNG: in loader workers it
+is seeded from the loader's seeded generator; with num_workers=0 it follows `torch.manual_seed`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+__all__ = ["Data", "DatasetNotFoundError", "build_data", "DATASETS"]
+
+DATASETS = ("digits", "cifar10", "cifar100", "imagenet", "imagefolder", "fake")
+
+# Accepted cfg keys and their defaults (None: dataset-specific or unset).
+_DEFAULTS: dict[str, Any] = {
+    "name": "digits",
+    "root": None,
+    "download": False,
+    "batch_size": 64,
+    "eval_batch_size": None,  # default: batch_size
+    "num_workers": 0,
+    "pin_memory": None,  # default: torch.cuda.is_available()
+    "input_size": None,  # default: 224 for imagenet/imagefolder, else 32
+    "in_chans": None,  # default 3; digits and fake accept any value
+    "seed": 0,
+    "num_classes": None,  # fake: number of classes (default 10); others: checked against the data
+    "train_size": 1024,  # fake only
+    "test_size": 256,  # fake only
+}
+
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+_CIFAR = {  # name: (torchvision class, folder under root, classes, mean, std)
+    "cifar10": ("CIFAR10", "cifar-10-batches-py", 10, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "cifar100": ("CIFAR100", "cifar-100-python", 100, (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+}
+DIGITS_TEST_SIZE, DIGITS_SPLIT_SEED = 360, 0
+
+
+@dataclass
+class Data:
+    """Loaders and geometry of a dataset: images (B, in_chans, input_size, input_size)."""
+
+    train: DataLoader
+    test: DataLoader
+    num_classes: int
+    input_size: int
+    in_chans: int
+
+
+class DatasetNotFoundError(FileNotFoundError):
+    """The dataset's files are not where the config says."""
+
+
+def build_data(cfg, rank: int = 0, world_size: int = 1) -> Data:
+    """Build train/test loaders from `cfg` (a dict or OmegaConf node with the keys of `_DEFAULTS`).
+
+    With world_size > 1 each rank gets a DistributedSampler (train: shuffled with `seed`, call
+    `data.train.sampler.set_epoch(epoch)` each epoch; test: unshuffled, padded to equal length) and
+    `batch_size` is per rank. Otherwise the train loader shuffles with a generator seeded by `seed`.
+    """
+    opts = _options(cfg)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"build_data: need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+    name = opts["name"]
+    if name == "digits":
+        train, test, num_classes = _digits(opts)
+    elif name in _CIFAR:
+        train, test, num_classes = _cifar(opts)
+    elif name in ("imagenet", "imagefolder"):
+        train, test, num_classes = _image_folder(opts)
+    else:
+        train, test, num_classes = _fake(opts)
+    if opts["num_classes"] is not None and opts["num_classes"] != num_classes:
+        raise ValueError(
+            f"build_data: data.num_classes={opts['num_classes']} but {name} has {num_classes} classes; "
+            "fix data.num_classes or leave it unset"
+        )
+    train_loader, test_loader = _loaders(train, test, opts, rank, world_size)
+    return Data(train_loader, test_loader, num_classes, opts["input_size"], opts["in_chans"])
+
+
+def _options(cfg) -> dict[str, Any]:
+    """cfg (dict or OmegaConf node) -> dict with every key of _DEFAULTS, dataset defaults filled in."""
+    from omegaconf import OmegaConf
+
+    given = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
+    unknown = sorted(set(given) - set(_DEFAULTS))
+    if unknown:
+        raise ValueError(f"build_data: unknown data keys {unknown}; accepted keys: {', '.join(_DEFAULTS)}")
+    opts = {**_DEFAULTS, **{k: v for k, v in given.items() if v is not None}}
+    name = opts["name"]
+    if name not in DATASETS:
+        raise ValueError(f"build_data: unknown dataset {name!r}; known datasets: {', '.join(DATASETS)}")
+    if opts["input_size"] is None:
+        opts["input_size"] = 224 if name in ("imagenet", "imagefolder") else 32
+    if opts["in_chans"] is None:
+        opts["in_chans"] = 3
+    elif opts["in_chans"] != 3 and name not in ("digits", "fake"):
+        raise ValueError(f"build_data: {name} images have 3 channels, got data.in_chans={opts['in_chans']}")
+    if opts["eval_batch_size"] is None:
+        opts["eval_batch_size"] = opts["batch_size"]
+    if opts["pin_memory"] is None:
+        opts["pin_memory"] = torch.cuda.is_available()
+    return opts
+
+
+def _loaders(train: Dataset, test: Dataset, opts: dict, rank: int, world_size: int):
+    workers = opts["num_workers"]
+    common = dict(num_workers=workers, pin_memory=opts["pin_memory"], persistent_workers=workers > 0)
+    # Seeds the shuffle order (single process) and the per-epoch worker seeds; differs across ranks.
+    generator = torch.Generator().manual_seed(opts["seed"] + rank)
+    if world_size > 1:
+        train_sampler = DistributedSampler(train, world_size, rank, shuffle=True, seed=opts["seed"])
+        test_sampler = DistributedSampler(test, world_size, rank, shuffle=False)
+        train_loader = DataLoader(
+            train, opts["batch_size"], sampler=train_sampler, generator=generator, **common
+        )
+    else:
+        test_sampler = None
+        train_loader = DataLoader(train, opts["batch_size"], shuffle=True, generator=generator, **common)
+    test_loader = DataLoader(test, opts["eval_batch_size"], shuffle=False, sampler=test_sampler, **common)
+    return train_loader, test_loader
+
+
+def _require_root(opts: dict, expected: str, how: str) -> Path:
+    """The configured root as a Path; DatasetNotFoundError naming what belongs there if unset or missing."""
+    name, root = opts["name"], opts["root"]
+    where = "data.root is not set" if root is None else f"data.root={root} does not exist"
+    if root is None or not Path(root).expanduser().is_dir():
+        raise DatasetNotFoundError(f"{name}: {where}; expected {expected} there. {how}")
+    return Path(root).expanduser()
+
+
+# ---- digits ---------------------------------------------------------------------------------------
+
+
+class _ImageTensors(Dataset):
+    """Images (N, 1, H, W) repeated to `in_chans` channels, optionally randomly shifted by up to
+    `pad` pixels (the uncovered border takes the value `fill`)."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, in_chans: int, pad: int = 0, fill=0.0):
+        self.images, self.labels, self.in_chans, self.pad, self.fill = images, labels, in_chans, pad, fill
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int):
+        x = self.images[i]
+        if self.pad:
+            p, (h, w) = self.pad, x.shape[-2:]
+            dy, dx = torch.randint(0, 2 * p + 1, (2,)).tolist()
+            x = F.pad(x, (p, p, p, p), value=self.fill)[:, dy : dy + h, dx : dx + w]
+        return x.expand(self.in_chans, -1, -1), self.labels[i]
+
+
+def _digits(opts: dict):
+    """scikit-learn's 1,797 8x8 digits in [0, 1], bilinearly resized to input_size and normalised
+    with the train split's mean/std; a fixed stratified 1,437/360 split. Train: random shifts of up
+    to input_size/16 pixels (no flips: digits are not mirror-invariant)."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    size = opts["input_size"]
+    images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0  # (1797, 1, 8, 8)
+    images = F.interpolate(images, size=(size, size), mode="bilinear", align_corners=False)
+    labels = torch.tensor(digits.target, dtype=torch.int64)
+    idx_train, idx_test = train_test_split(
+        np.arange(len(labels)),
+        test_size=DIGITS_TEST_SIZE,
+        stratify=digits.target,
+        random_state=DIGITS_SPLIT_SEED,
+    )
+    idx_train, idx_test = torch.from_numpy(idx_train), torch.from_numpy(idx_test)
+    mean, std = images[idx_train].mean(), images[idx_train].std()
+    images = (images - mean) / std
+    pad = max(1, size // 16)
+    train = _ImageTensors(
+        images[idx_train], labels[idx_train], opts["in_chans"], pad, fill=(-mean / std).item()
+    )
+    test = _ImageTensors(images[idx_test], labels[idx_test], opts["in_chans"])
+    return train, test, 10
+
+
+# ---- cifar10 / cifar100 ---------------------------------------------------------------------------
+
+
+def _cifar(opts: dict):
+    """torchvision CIFAR from data.root; train: random crop (pad input_size/8) + flip; both normalised."""
+    import torchvision.datasets as tvd
+    import torchvision.transforms as T
+
+    name, size = opts["name"], opts["input_size"]
+    cls_name, folder, num_classes, mean, std = _CIFAR[name]
+    how = f"Set data.root=<dir containing {folder}/>, or data.download=true to download it into data.root."
+    root = _require_root(opts, f"{folder}/ (the python version of {name}, extracted)", how)
+    if not opts["download"] and not (root / folder).is_dir():
+        raise DatasetNotFoundError(f"{name}: {root / folder}/ not found under data.root={root}. {how}")
+    resize = [T.Resize(size)] if size != 32 else []
+    normalize = [T.ToTensor(), T.Normalize(mean, std)]
+    train_tf = T.Compose(
+        resize + [T.RandomCrop(size, padding=size // 8), T.RandomHorizontalFlip()] + normalize
+    )
+    test_tf = T.Compose(resize + normalize)
+    cls = getattr(tvd, cls_name)
+    try:
+        train = cls(str(root), train=True, transform=train_tf, download=opts["download"])
+        test = cls(str(root), train=False, transform=test_tf, download=opts["download"])
+    except RuntimeError as e:  # torchvision: "Dataset not found or corrupted"
+        raise DatasetNotFoundError(
+            f"{name}: files under {root / folder}/ are missing or corrupted ({e}). {how}"
+        ) from e
+    return train, test, num_classes
+
+
+# ---- imagenet / imagefolder -----------------------------------------------------------------------
+
+
+def _image_folder(opts: dict):
+    """ImageFolder train/ and val/ under data.root; train: RandomResizedCrop + flip; eval: resize to
+    input_size/0.875 and center-crop; ImageNet mean/std."""
+    import torchvision.datasets as tvd
+    import torchvision.transforms as T
+
+    name, size = opts["name"], opts["input_size"]
+    expected = "train/ and val/ class folders (train/<class>/<image>, val/<class>/<image>)"
+    how = "Set data.root=<that dir>."
+    if name == "imagenet":
+        how += " For ImageNet, extract ILSVRC2012 train and val there with val sorted into class folders."
+    root = _require_root(opts, expected, how)
+    missing = [d for d in ("train", "val") if not (root / d).is_dir()]
+    if missing:
+        raise DatasetNotFoundError(
+            f"{name}: no {' or '.join(d + '/' for d in missing)} in data.root={root}; expected {expected}. {how}"
+        )
+    normalize = [T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+    train_tf = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip()] + normalize)
+    test_tf = T.Compose([T.Resize(round(size / 0.875)), T.CenterCrop(size)] + normalize)
+    try:
+        train = tvd.ImageFolder(str(root / "train"), transform=train_tf)
+        test = tvd.ImageFolder(str(root / "val"), transform=test_tf)
+    except FileNotFoundError as e:  # torchvision: no class folders or no images
+        raise DatasetNotFoundError(f"{name}: {e}; expected {expected} in data.root={root}. {how}") from e
+    if train.classes != test.classes:
+        raise ValueError(
+            f"{name}: train/ has {len(train.classes)} classes and val/ has {len(test.classes)} "
+            f"(or they differ by name) in data.root={root}; both need the same class folders"
+        )
+    return train, test, len(train.classes)
+
+
+# ---- fake -----------------------------------------------------------------------------------------
+
+
+class _FakeImages(Dataset):
+    """`size` standard-normal images (in_chans, s, s), image i drawn from its own seeded generator
+    (so any size costs no memory and every worker sees the same data), with fixed random labels."""
+
+    def __init__(self, size: int, num_classes: int, shape: tuple[int, int, int], seed: int):
+        self.shape, self.seed = shape, seed
+        self.labels = torch.randint(0, num_classes, (size,), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i + 1)
+        return torch.randn(self.shape, generator=g), self.labels[i]
+
+
+def _fake(opts: dict):
+    """Random images and labels, deterministic in data.seed (train and test drawn independently)."""
+    num_classes = opts["num_classes"] or 10
+    shape = (opts["in_chans"], opts["input_size"], opts["input_size"])
+    seed = opts["seed"]
+    train = _FakeImages(opts["train_size"], num_classes, shape, 2 * seed)
+    test = _FakeImages(opts["test_size"], num_classes, shape, 2 * seed + 1)
+    return train, test, num_classes

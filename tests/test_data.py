@@ -1,0 +1,188 @@
+"""Data module: digits split/normalisation/determinism, fake sizes, samplers, clear errors for missing data."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+from PIL import Image
+from sklearn.datasets import load_digits
+from torch.utils.data import DistributedSampler
+
+from compress.data import DatasetNotFoundError, build_data
+
+
+def _all(loader):
+    xs, ys = zip(*loader)
+    return torch.cat(xs), torch.cat(ys)
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return build_data({"name": "digits", "batch_size": 128, "seed": 0})
+
+
+def test_digits_split_and_shapes(digits):
+    assert (digits.num_classes, digits.input_size, digits.in_chans) == (10, 32, 3)
+    x_test, y_test = _all(digits.test)
+    x_train, y_train = _all(digits.train)
+    assert x_train.shape == (1437, 3, 32, 32) and x_test.shape == (360, 3, 32, 32)
+    assert x_train.dtype == torch.float32 and y_train.dtype == torch.int64
+    assert torch.equal(x_test[:, 0], x_test[:, 2])  # grey repeated to 3 channels
+    # Every digit is used once: train + test label counts equal scikit-learn's; test split stratified.
+    target = load_digits().target
+    full = np.bincount(target, minlength=10)
+    counts_test = np.bincount(y_test.numpy(), minlength=10)
+    assert np.array_equal(np.bincount(y_train.numpy(), minlength=10) + counts_test, full)
+    assert np.all(np.abs(counts_test - full * 360 / len(target)) <= 1)
+
+
+def test_digits_normalised(digits):
+    x_test, _ = _all(digits.test)
+    x_train, _ = _all(digits.train)  # shifted copies: only a little extra background
+    for x in (x_train, x_test):
+        assert abs(x.mean().item()) < 0.1 and abs(x.std().item() - 1) < 0.1
+
+
+def test_digits_test_images_are_the_real_digits(digits):
+    """Each test image, pooled back to 8x8, correlates (affine-invariant) with a scikit-learn digit
+    of the same label; correlation is high only if it is that image, resized and normalised."""
+    ref = load_digits()
+    x_test, y_test = _all(digits.test)
+    pooled = F.adaptive_avg_pool2d(x_test[:, :1], 8).flatten(1).double()
+    pooled = (pooled - pooled.mean(1, keepdim=True)) / pooled.std(1, keepdim=True)
+    src = torch.tensor(ref.data, dtype=torch.float64)
+    src = (src - src.mean(1, keepdim=True)) / src.std(1, keepdim=True)
+    corr = pooled @ src.T / 63
+    best, idx = corr.max(1)
+    assert best.min() > 0.95
+    assert torch.equal(torch.tensor(ref.target)[idx], y_test)
+    assert len(set(idx.tolist())) >= 355  # distinct source images (a few digits are near-duplicates)
+
+
+def test_digits_augmentation_is_a_shift_not_a_flip(digits):
+    ds = digits.train.dataset
+    torch.manual_seed(1)
+    views = [ds[5][0][0] for _ in range(12)]
+    a = views[0]
+    for b in views[1:]:
+        # b equals a translated by some (dy, dx) within 2 * pad = 4 pixels on their overlap.
+        found = False
+        for dy in range(-4, 5):
+            for dx in range(-4, 5):
+                ya, yb = slice(max(dy, 0), 32 + min(dy, 0)), slice(max(-dy, 0), 32 + min(-dy, 0))
+                xa, xb = slice(max(dx, 0), 32 + min(dx, 0)), slice(max(-dx, 0), 32 + min(-dx, 0))
+                found |= torch.equal(a[ya, xa], b[yb, xb])
+        assert found
+    assert any(not torch.equal(a, b) for b in views[1:])
+
+
+def test_digits_deterministic():
+    def first_batch(seed):
+        data = build_data({"name": "digits", "batch_size": 32, "seed": seed})
+        torch.manual_seed(123)  # augmentation RNG (num_workers=0)
+        return next(iter(data.train))
+
+    (x0, y0), (x1, y1), (_, y2) = first_batch(0), first_batch(0), first_batch(1)
+    assert torch.equal(x0, x1) and torch.equal(y0, y1)
+    assert not torch.equal(y0, y2)
+
+
+def test_digits_options():
+    data = build_data(OmegaConf.create({"name": "digits", "input_size": 16, "in_chans": 1, "batch_size": 8}))
+    x, _ = next(iter(data.test))
+    assert x.shape == (8, 1, 16, 16) and data.in_chans == 1 and data.input_size == 16
+    assert len(data.test) == 45  # 360 / 8, eval_batch_size defaults to batch_size
+
+
+def test_fake_sizes_and_determinism():
+    cfg = {
+        "name": "fake",
+        "input_size": 12,
+        "num_classes": 7,
+        "train_size": 50,
+        "test_size": 20,
+        "batch_size": 16,
+    }
+    data = build_data(cfg)
+    x_train, y_train = _all(data.train)
+    x_test, y_test = _all(data.test)
+    assert x_train.shape == (50, 3, 12, 12) and x_test.shape == (20, 3, 12, 12)
+    assert data.num_classes == 7 and 0 <= y_train.min() and y_train.max() < 7
+    assert abs(x_train.mean().item()) < 0.05 and abs(x_train.std().item() - 1) < 0.05
+    again = build_data(cfg)
+    assert torch.equal(_all(again.test)[0], x_test)
+    ds, ds_again = data.train.dataset, again.train.dataset
+    assert all(torch.equal(ds[i][0], ds_again[i][0]) and ds[i][1] == ds_again[i][1] for i in range(50))
+    other = build_data({**cfg, "seed": 1}).test.dataset
+    assert not torch.equal(other[0][0], data.test.dataset[0][0])
+    assert not torch.equal(ds[0][0], data.test.dataset[0][0])
+
+
+def test_distributed_samplers():
+    cfg = {"name": "fake", "input_size": 4, "train_size": 40, "test_size": 10, "batch_size": 4, "seed": 3}
+    ranks = [build_data(cfg, rank=r, world_size=2) for r in range(2)]
+    train_idx = []
+    for data in ranks:
+        sampler = data.train.sampler
+        assert isinstance(sampler, DistributedSampler) and sampler.shuffle and sampler.seed == 3
+        sampler.set_epoch(0)
+        train_idx.append(list(sampler))
+    assert len(train_idx[0]) == 20 and sorted(train_idx[0] + train_idx[1]) == list(range(40))
+    test_samplers = [data.test.sampler for data in ranks]
+    assert [list(s) for s in test_samplers] == [[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]]
+    with pytest.raises(ValueError, match="rank"):
+        build_data(cfg, rank=2, world_size=2)
+
+
+def test_imagefolder(tmp_path):
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 3), ("val", 2)):
+        for cls in ("cat", "dog"):
+            (tmp_path / split / cls).mkdir(parents=True)
+            for i in range(n):
+                pixels = rng.integers(0, 256, (30, 40, 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(tmp_path / split / cls / f"{i}.png")
+    data = build_data({"name": "imagefolder", "root": str(tmp_path), "input_size": 16, "batch_size": 4})
+    x_train, y_train = _all(data.train)
+    x_test, y_test = _all(data.test)
+    assert data.num_classes == 2 and x_train.shape == (6, 3, 16, 16) and x_test.shape == (4, 3, 16, 16)
+    assert sorted(y_test.tolist()) == [0, 0, 1, 1]
+
+
+@pytest.mark.parametrize(
+    "name, folder", [("cifar10", "cifar-10-batches-py"), ("cifar100", "cifar-100-python")]
+)
+def test_missing_cifar(tmp_path, name, folder):
+    with pytest.raises(DatasetNotFoundError, match=rf"{folder}/.*data\.root=.*data\.download=true") as err:
+        build_data({"name": name, "root": str(tmp_path)})
+    assert str(tmp_path) in str(err.value) and isinstance(err.value, FileNotFoundError)
+    with pytest.raises(DatasetNotFoundError, match=rf"data\.root is not set.*{folder}/"):
+        build_data({"name": name})
+
+
+def test_missing_imagenet(tmp_path):
+    missing = tmp_path / "nowhere"
+    with pytest.raises(
+        DatasetNotFoundError, match=rf"{missing} does not exist.*train/ and val/ class folders"
+    ):
+        build_data({"name": "imagenet", "root": str(missing)})
+    (tmp_path / "train").mkdir()
+    with pytest.raises(DatasetNotFoundError, match=r"no val/ in data\.root=.*ILSVRC2012"):
+        build_data({"name": "imagenet", "root": str(tmp_path)})
+    (tmp_path / "val").mkdir()
+    with pytest.raises(DatasetNotFoundError, match=r"class folder.*train/ and val/ class folders"):
+        build_data({"name": "imagefolder", "root": str(tmp_path)})
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match=r"unknown dataset 'mnist'.*digits, cifar10, cifar100, imagenet"):
+        build_data({"name": "mnist"})
+    with pytest.raises(ValueError, match=r"unknown data keys \['batchsize'\].*batch_size"):
+        build_data({"name": "digits", "batchsize": 3})
+    with pytest.raises(ValueError, match="data.num_classes=100 but digits has 10"):
+        build_data({"name": "digits", "num_classes": 100})
+    with pytest.raises(ValueError, match="3 channels"):
+        build_data({"name": "cifar10", "in_chans": 1})
