@@ -16,6 +16,8 @@ _EXPORTS = {
     "attach_skeletons": "compress.skeleton",
     "swp_update": "compress.skeleton",
     "skeleton_stats": "compress.skeleton",
+    "profile": "compress.profile",
+    "compare": "compress.profile",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,0 +1,278 @@
+"""Per-layer and total cost of a model for one input: params, MACs, weight bytes, activations, latency.
+
+    report = compress.profile(model, input_size=(3, 32, 32))
+    report.to_dict()["macs"]; compress.compare(dense_report, compact_report)
+
+Units: MACs are multiply-adds (1 multiply-add = 1 MAC, FLOPs = 2 MACs). Counted layers are
+convolutions, Linear, and custom modules through their `macs(inp, out)` method (the extension
+protocol of docs/INTERFACES.md: a StripeConv2d counts its kept stripes, a PiX block its real work).
+Everything else (BatchNorm, activations, pooling, residual adds) counts 0 MACs, as in the
+literature totals (ResNet-50: 4.1 GMACs). Extra layer types plug in with `register_macs_handler`.
+
+Profiled layers are the leaf modules and every module with a `macs` method (whose children are
+then not profiled separately). Activation bytes are the outputs of profiled layers for one input,
+counting each newly allocated tensor once (an in-place op or a view of its input adds nothing).
+Weight bytes are the bytes of all parameters and persistent buffers (BN statistics, stripe
+indices), excluding BatchNorm's `num_batches_tracked` counter.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn as nn
+
+__all__ = ["LayerProfile", "ProfileReport", "profile", "compare", "register_macs_handler"]
+
+MacsHandler = Callable[[nn.Module, torch.Tensor, torch.Tensor], int]
+
+
+def _conv_macs(m: nn.Module, inp: torch.Tensor, out: torch.Tensor) -> int:
+    """Each output element costs in_channels/groups * prod(kernel_size) MACs."""
+    return out.numel() * (m.in_channels // m.groups) * math.prod(m.kernel_size)
+
+
+def _linear_macs(m: nn.Linear, inp: torch.Tensor, out: torch.Tensor) -> int:
+    return out.numel() * m.in_features
+
+
+_MACS_HANDLERS: dict[type[nn.Module], MacsHandler] = {
+    nn.Conv1d: _conv_macs,
+    nn.Conv2d: _conv_macs,
+    nn.Conv3d: _conv_macs,
+    nn.Linear: _linear_macs,
+}
+
+
+def register_macs_handler(module_type: type[nn.Module], handler: MacsHandler) -> None:
+    """Count modules of `module_type` (and its subclasses) with `handler(module, inp, out) -> MACs`.
+
+    Prefer a `macs(self, inp, out)` method on your own modules; this is for types you cannot edit.
+    """
+    _MACS_HANDLERS[module_type] = handler
+
+
+def _handler(module: nn.Module) -> MacsHandler | None:
+    if callable(getattr(module, "macs", None)):
+        return lambda m, inp, out: m.macs(inp, out)
+    for cls in type(module).__mro__:
+        if cls in _MACS_HANDLERS:
+            return _MACS_HANDLERS[cls]
+    return None
+
+
+def _is_profiled(module: nn.Module) -> bool:
+    return len(module._modules) == 0 or callable(getattr(module, "macs", None))
+
+
+def _profiled_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Leaf modules and modules with `macs()`, skipping the descendants of the latter."""
+    found, covered = [], []
+    for name, m in model.named_modules():
+        if any(name.startswith(c + ".") for c in covered):
+            continue
+        if _is_profiled(m):
+            found.append((name, m))
+            if len(m._modules):
+                covered.append(name)
+    return found
+
+
+def _weight_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """Parameters and persistent buffers of `module` and its children, minus BN's step counter."""
+    tensors = list(module.parameters())
+    for m in module.modules():
+        for bname, buf in m._buffers.items():
+            if buf is None or bname in m._non_persistent_buffers_set or bname == "num_batches_tracked":
+                continue
+            tensors.append(buf)
+    return tensors
+
+
+def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass
+class LayerProfile:
+    """One profiled layer: params (count), macs (multiply-adds), weight_bytes and activation_bytes
+    (bytes of its new output tensor for one input; 0 for in-place ops and views)."""
+
+    name: str
+    type: str
+    params: int
+    macs: int
+    weight_bytes: int
+    activation_bytes: int
+    output_shape: list[int]
+
+
+@dataclass
+class ProfileReport:
+    """Totals and per-layer rows for one input of shape `input_size` (C, H, W).
+
+    `activation_bytes` = {"max": largest layer output, "sum": all new layer outputs} in bytes;
+    `latency_ms` is the median forward time at `batch_size` on `device` (None when not measured).
+    """
+
+    input_size: list[int]
+    params: int
+    macs: int
+    weight_bytes: int
+    activation_bytes: dict[str, int]
+    latency_ms: float | None
+    device: str
+    batch_size: int
+    layers: list[LayerProfile] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict with the totals and `layers` (a list of per-layer dicts)."""
+        return asdict(self)
+
+
+def _count(model: nn.Module, x: torch.Tensor) -> list[LayerProfile]:
+    rows: dict[str, LayerProfile] = {}
+    seen_storage: set[int] = set()
+    keep_alive: list[torch.Tensor] = []  # holds outputs so a freed pointer is not reused and miscounted
+
+    def hook(name: str, module: nn.Module, handler: MacsHandler | None):
+        def fn(mod: nn.Module, inputs: tuple, out) -> None:
+            inp = inputs[0] if inputs else None
+            out_t = out if isinstance(out, torch.Tensor) else None
+            macs = int(handler(mod, inp, out_t)) if handler is not None and out_t is not None else 0
+            act = 0
+            if out_t is not None:
+                ptr = out_t.untyped_storage().data_ptr()
+                if ptr not in seen_storage:
+                    seen_storage.add(ptr)
+                    act = out_t.numel() * out_t.element_size()
+                keep_alive.append(out_t)
+            row = rows.get(name)
+            if row is None:  # first call; a module called twice accumulates
+                weights = _weight_tensors(mod)
+                rows[name] = LayerProfile(
+                    name=name,
+                    type=type(mod).__name__,
+                    params=sum(p.numel() for p in mod.parameters()),
+                    macs=macs,
+                    weight_bytes=_nbytes(weights),
+                    activation_bytes=act,
+                    output_shape=list(out_t.shape) if out_t is not None else [],
+                )
+            else:
+                row.macs += macs
+                row.activation_bytes += act
+
+        return fn
+
+    handles = [m.register_forward_hook(hook(n, m, _handler(m))) for n, m in _profiled_modules(model)]
+    seen_storage.add(x.untyped_storage().data_ptr())
+    try:
+        model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return list(rows.values())
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_latency(model: nn.Module, x: torch.Tensor, warmup: int = 3, repeats: int = 10) -> float:
+    """Median wall time of `model(x)` in milliseconds, after `warmup` runs (CUDA synchronised)."""
+    if repeats < 1:
+        raise ValueError(f"measure_latency: repeats must be >= 1, got {repeats}")
+    for _ in range(warmup):
+        model(x)
+    _sync(x.device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        model(x)
+        _sync(x.device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _model_device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.is_floating_point():
+            return t.device, t.dtype
+    return torch.device("cpu"), torch.float32
+
+
+@torch.inference_mode()
+def profile(
+    model: nn.Module,
+    input_size: Sequence[int] = (3, 32, 32),
+    batch_size: int = 1,
+    device: str | torch.device | None = None,
+    latency: bool = True,
+    warmup: int = 3,
+    repeats: int = 10,
+) -> ProfileReport:
+    """Profile `model` in eval mode on a random input (the mode is restored afterwards).
+
+    Args:
+        model: any nn.Module taking one (B, C, H, W) tensor.
+        input_size: (C, H, W) of one input.
+        batch_size: batch used for the latency measurement only; counts are for one input.
+        device: where to run (default: the model's device); the model is moved there.
+        latency: measure the median forward time (ms) over `repeats` runs after `warmup` runs.
+    """
+    if len(input_size) != 3:
+        raise ValueError(f"profile: input_size is (C, H, W), got {tuple(input_size)}")
+    model_device, dtype = _model_device_dtype(model)
+    device = torch.device(device) if device is not None else model_device
+    model.to(device)
+    was_training = model.training
+    model.eval()
+    try:
+        x = torch.randn(1, *input_size, device=device, dtype=dtype)
+        layers = _count(model, x)
+        ms = None
+        if latency:
+            xb = torch.randn(batch_size, *input_size, device=device, dtype=dtype)
+            ms = measure_latency(model, xb, warmup=warmup, repeats=repeats)
+    finally:
+        model.train(was_training)
+    acts = [row.activation_bytes for row in layers]
+    return ProfileReport(
+        input_size=list(input_size),
+        params=sum(p.numel() for p in model.parameters()),
+        macs=sum(row.macs for row in layers),
+        weight_bytes=_nbytes(_weight_tensors(model)),
+        activation_bytes={"max": max(acts, default=0), "sum": sum(acts)},
+        latency_ms=ms,
+        device=str(device),
+        batch_size=batch_size,
+        layers=layers,
+    )
+
+
+_COMPARED = (
+    ("params", lambda r: r.params),
+    ("macs", lambda r: r.macs),
+    ("weight_bytes", lambda r: r.weight_bytes),
+    ("activation_bytes_max", lambda r: r.activation_bytes["max"]),
+    ("activation_bytes_sum", lambda r: r.activation_bytes["sum"]),
+    ("latency_ms", lambda r: r.latency_ms),
+)
+
+
+def compare(dense: ProfileReport, compact: ProfileReport) -> list[dict]:
+    """Side-by-side totals: rows {metric, dense, compact, ratio} with ratio = compact / dense
+    (None when a value is missing or the dense value is 0)."""
+    rows = []
+    for metric, get in _COMPARED:
+        d, c = get(dense), get(compact)
+        ratio = c / d if d and c is not None else None
+        rows.append({"metric": metric, "dense": d, "compact": c, "ratio": ratio})
+    return rows

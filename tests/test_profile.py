@@ -1,0 +1,106 @@
+"""compress.profile: hand-counted small nets, documented totals of standard nets, fvcore cross-check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from fvcore.nn import FlopCountAnalysis
+
+from compress.models import create_model
+from compress.profile import compare, profile
+
+
+class HalfWork(nn.Module):
+    """A custom module following the `macs()` protocol: a 1x1 conv that claims half its dense work."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 6, 1, bias=False)
+
+    def forward(self, x):
+        return self.conv(x)
+
+    def macs(self, inp, out):
+        return out.numel() * 4 // 2
+
+
+def _small_net():
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, stride=2, padding=1),  # (4, 4, 4): 64 outputs * 3*9 = 1728 MACs
+        nn.BatchNorm2d(4),
+        nn.ReLU(inplace=True),  # in place: no new activation
+        nn.Conv2d(4, 4, 3, padding=1, groups=2, bias=False),  # 64 * 2*9 = 1152 MACs
+        HalfWork(),  # (6, 4, 4): 96 * 4 / 2 = 192 MACs
+        nn.Flatten(),  # a view: no new activation
+        nn.Linear(96, 5),  # 5 * 96 = 480 MACs
+    )
+
+
+def test_small_net_by_hand():
+    model = _small_net()
+    rep = profile(model, (3, 8, 8), latency=False)
+    assert rep.macs == 1728 + 1152 + 192 + 480
+    layers = {row.name: row for row in rep.layers}
+    assert [row.macs for row in rep.layers] == [1728, 0, 0, 1152, 192, 0, 480]
+    assert "4.conv" not in layers  # a module with macs() is profiled whole
+    assert layers["4"].params == 24
+    params = (4 * 27 + 4) + 8 + 4 * 2 * 9 + 24 + (96 * 5 + 5)
+    assert rep.params == params
+    # weights: params and BN running stats (float32), not num_batches_tracked
+    assert rep.weight_bytes == 4 * (params + 8)
+    # new activations (float32): conv 64, bn 64, grouped conv 64, HalfWork 96, linear 5
+    assert [row.activation_bytes for row in rep.layers] == [256, 256, 0, 256, 384, 0, 20]
+    assert rep.activation_bytes == {"max": 384, "sum": 256 * 3 + 384 + 20}
+    assert rep.latency_ms is None and rep.device == "cpu"
+
+
+def test_latency_and_mode_restored():
+    model = _small_net().train()
+    rep = profile(model, (3, 8, 8), batch_size=4, repeats=3)
+    assert rep.latency_ms > 0 and rep.batch_size == 4
+    assert model.training
+
+
+def test_to_dict_and_compare():
+    dense = profile(_small_net(), (3, 8, 8), latency=False)
+    smaller = nn.Sequential(nn.Conv2d(3, 4, 3, stride=2, padding=1), nn.Flatten(), nn.Linear(64, 5))
+    compact = profile(smaller, (3, 8, 8), latency=False)
+    d = dense.to_dict()
+    assert d["macs"] == dense.macs and d["layers"][0]["macs"] == 1728 and d["activation_bytes"]["sum"] > 0
+    rows = {row["metric"]: row for row in compare(dense, compact)}
+    assert rows["macs"]["dense"] == dense.macs and rows["macs"]["compact"] == 1728 + 320
+    assert rows["macs"]["ratio"] == pytest.approx((1728 + 320) / dense.macs)
+    assert rows["latency_ms"]["ratio"] is None
+
+
+@pytest.mark.parametrize(
+    "name, kwargs, size, macs, params",
+    [
+        ("resnet50", {"num_classes": 1000}, 224, 4.10e9, 25.56e6),  # torchvision: 4.09-4.12 GMACs
+        ("resnet56", {}, 32, 125e6, 0.85e6),  # He et al. 2016 CIFAR
+        ("vgg16", {}, 32, 313e6, None),  # CIFAR VGG16 (BN), as in SWP's table
+    ],
+)
+def test_documented_totals(name, kwargs, size, macs, params):
+    rep = profile(create_model(name, input_size=size, **kwargs), (3, size, size), latency=False)
+    assert rep.macs == pytest.approx(macs, rel=0.01)
+    if params is not None:
+        assert rep.params == pytest.approx(params, rel=0.01)
+
+
+@pytest.mark.parametrize("name", ["resnet18", "vgg11_bn", "mobilenet_v2"])
+def test_dense_macs_match_fvcore(name):
+    model = create_model(name, num_classes=10, input_size=64).eval()
+    x = torch.randn(1, 3, 64, 64)
+    flops = FlopCountAnalysis(model, x)
+    flops.unsupported_ops_warnings(False)
+    flops.uncalled_modules_warnings(False)
+    by_op = flops.by_operator()
+    fv_macs = by_op["conv"] + by_op.get("linear", 0) + by_op.get("addmm", 0)  # fvcore counts 1 FMA as 1
+    assert profile(model, (3, 64, 64), latency=False).macs == fv_macs
+
+
+def test_bad_input_size_is_clear():
+    with pytest.raises(ValueError, match="input_size is"):
+        profile(_small_net(), (8, 8), latency=False)
