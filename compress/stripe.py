@@ -1,0 +1,282 @@
+"""StripeConv2d: the compact module of a stripe-pruned conv (SWP, "Pruning Filter in Filter").
+
+A stripe is one filter's weights at one kernel offset across all input channels. A pruned conv keeps
+S stripes: weight (S, C), the output channel of each stripe `out_index` (S,) and its (kh, kw) `offset`
+(S, 2), both int64 buffers, in canonical order (sorted by offset, then output channel). The output is
+the dense conv with every other stripe zeroed (semantics: shared/DESIGN.md "Stripe conv").
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import kernels
+
+__all__ = ["StripeConv2d", "conv_padding"]
+
+MODES = ("stripe", "dense")
+
+
+def _pair(v) -> tuple[int, int]:
+    return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
+
+
+def conv_padding(conv: nn.Conv2d) -> tuple[int, int]:
+    """The symmetric (ph, pw) zero padding of `conv`, resolving 'valid' and symmetric 'same'."""
+    if conv.padding_mode != "zeros":
+        raise ValueError(
+            f"padding_mode={conv.padding_mode!r} is not supported by stripe compaction; use 'zeros' "
+            "or exclude this conv from attach_skeletons"
+        )
+    if conv.padding == "valid":
+        return (0, 0)
+    if conv.padding == "same":
+        total = [d * (k - 1) for d, k in zip(conv.dilation, conv.kernel_size)]
+        if any(t % 2 for t in total):
+            raise ValueError(
+                f"padding='same' with kernel {conv.kernel_size} and dilation {conv.dilation} pads "
+                "asymmetrically; use explicit symmetric padding for stripe compaction"
+            )
+        return (total[0] // 2, total[1] // 2)
+    return _pair(conv.padding)
+
+
+class StripeConv2d(nn.Module):
+    """Conv with only the kept stripes: x (B, C, H, W) -> y (B, N, Ho, Wo), Ho/Wo as the source conv.
+
+    Args:
+        in_channels, out_channels, kernel_size, stride, padding, dilation: as in nn.Conv2d
+            (groups 1, zero padding, ints or pairs).
+        num_stripes: S, the number of kept stripes (the module starts empty: zero weight and indices;
+            fill it with `from_skeleton`/`from_dense` or `load_state_dict`).
+        bias: whether there is a bias (N,).
+        mode: "stripe" runs `kernels.stripe_conv2d` on the kept stripes; "dense" runs F.conv2d with the
+            zero-filled dense weight (cached in eval). Both give the same output; `compress.compact`
+            picks the faster one per layer.
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size,
+        stride=1,
+        padding=0,
+        dilation=1,
+        num_stripes: int = 0,
+        bias: bool = False,
+        mode: str = "stripe",
+    ):
+        super().__init__()
+        self.in_channels, self.out_channels = int(in_channels), int(out_channels)
+        self.kernel_size, self.stride = _pair(kernel_size), _pair(stride)
+        self.padding, self.dilation = _pair(padding), _pair(dilation)
+        self.mode = mode
+        self.weight = nn.Parameter(torch.zeros(num_stripes, in_channels))
+        self.bias = nn.Parameter(torch.zeros(out_channels)) if bias else None
+        self.register_buffer("out_index", torch.zeros(num_stripes, dtype=torch.long))
+        self.register_buffer("offset", torch.zeros(num_stripes, 2, dtype=torch.long))
+        # kernels.stripe_plan of the indices; built once they are set (from_dense, load_state_dict)
+        self.register_buffer("plan", None, persistent=False)
+        self._dense_cache: tuple[tuple, torch.Tensor] | None = None
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @mode.setter
+    def mode(self, value: str) -> None:
+        if value not in MODES:
+            raise ValueError(f"StripeConv2d: mode must be one of {MODES}, got {value!r}")
+        self._mode = value
+
+    @property
+    def num_stripes(self) -> int:
+        return self.weight.shape[0]
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_dense(cls, conv: nn.Conv2d, mask: torch.Tensor, mode: str = "stripe") -> StripeConv2d:
+        """Keep the stripes of `conv` where `mask` (bool, (N, kh, kw)) is True; weight and bias copied."""
+        if conv.groups != 1:
+            raise ValueError(f"StripeConv2d: only groups=1 convs can be compacted, got groups={conv.groups}")
+        kh, kw = conv.kernel_size
+        if mask.shape != (conv.out_channels, kh, kw) or mask.dtype != torch.bool:
+            raise ValueError(
+                f"StripeConv2d.from_dense: mask must be bool of shape {(conv.out_channels, kh, kw)}, "
+                f"got {mask.dtype} {tuple(mask.shape)}"
+            )
+        # canonical order: by offset (kh, kw), then output channel
+        offset_major = mask.detach().to(conv.weight.device).permute(1, 2, 0)  # (kh, kw, N)
+        i, j, o = offset_major.nonzero(as_tuple=True)
+        new = cls(
+            conv.in_channels,
+            conv.out_channels,
+            conv.kernel_size,
+            conv.stride,
+            conv_padding(conv),
+            conv.dilation,
+            num_stripes=o.numel(),
+            bias=conv.bias is not None,
+            mode=mode,
+        ).to(device=conv.weight.device, dtype=conv.weight.dtype)
+        with torch.no_grad():
+            new.weight.copy_(conv.weight[o, :, i, j])
+            new.out_index.copy_(o)
+            new.offset.copy_(torch.stack([i, j], dim=1))
+            if conv.bias is not None:
+                new.bias.copy_(conv.bias)
+        new._build_plan()
+        new.train(conv.training)
+        return new
+
+    @classmethod
+    def from_skeleton(cls, conv: nn.Conv2d, threshold: float, mode: str = "stripe") -> StripeConv2d:
+        """From a SkeletonConv2d: stripes where |skeleton| > threshold, weight W * skeleton."""
+        dense = nn.Conv2d(
+            conv.in_channels,
+            conv.out_channels,
+            conv.kernel_size,
+            stride=conv.stride,
+            padding=conv.padding,
+            dilation=conv.dilation,
+            groups=conv.groups,
+            bias=conv.bias is not None,
+            padding_mode=conv.padding_mode,
+            device=conv.weight.device,
+            dtype=conv.weight.dtype,
+        )
+        with torch.no_grad():
+            dense.weight.copy_(conv.weight * conv.skeleton[:, None])
+            if conv.bias is not None:
+                dense.bias.copy_(conv.bias)
+        dense.train(conv.training)
+        return cls.from_dense(dense, conv.stripe_mask(threshold), mode=mode)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The zero-filled dense weight (N, C, kh, kw); differentiable w.r.t. `weight`."""
+        return kernels.stripe_to_dense(
+            self.weight, self.out_index, self.offset, self.out_channels, self.kernel_size
+        )
+
+    def to_dense(self) -> nn.Conv2d:
+        """An nn.Conv2d with the same output: dropped stripes are zeros."""
+        conv = nn.Conv2d(
+            self.in_channels,
+            self.out_channels,
+            self.kernel_size,
+            stride=self.stride,
+            padding=self.padding,
+            dilation=self.dilation,
+            bias=self.bias is not None,
+            device=self.weight.device,
+            dtype=self.weight.dtype,
+        )
+        with torch.no_grad():
+            conv.weight.copy_(self.dense_weight())
+            if self.bias is not None:
+                conv.bias.copy_(self.bias)
+        conv.train(self.training)
+        return conv
+
+    def stripe_mask(self) -> torch.Tensor:
+        """Bool (N, kh, kw): True where a stripe is kept."""
+        mask = torch.zeros(
+            self.out_channels, *self.kernel_size, dtype=torch.bool, device=self.out_index.device
+        )
+        mask[self.out_index, self.offset[:, 0], self.offset[:, 1]] = True
+        return mask
+
+    # ---- forward --------------------------------------------------------------------------------
+    def _cached_dense_weight(self) -> torch.Tensor:
+        if torch.is_grad_enabled() and self.weight.requires_grad:
+            return self.dense_weight()
+        w = self.weight
+        key = (
+            w.data_ptr(),
+            w._version,
+            w.dtype,
+            w.device,
+            self.out_index.data_ptr(),
+            self.out_index._version,
+        )
+        if self._dense_cache is None or self._dense_cache[0] != key:
+            with torch.no_grad():
+                self._dense_cache = (key, self.dense_weight())
+        return self._dense_cache[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, C, H, W) -> (B, N, Ho, Wo)."""
+        if self.num_stripes == 0:
+            return self._constant_output(x)
+        if self._mode == "dense":
+            return F.conv2d(
+                x, self._cached_dense_weight(), self.bias, self.stride, self.padding, self.dilation
+            )
+        return kernels.stripe_conv2d(
+            x,
+            self.weight,
+            self.out_index,
+            self.offset,
+            self.bias,
+            self.out_channels,
+            self.kernel_size,
+            self.stride,
+            self.padding,
+            self.dilation,
+            plan=self.plan,
+        )
+
+    def _constant_output(self, x: torch.Tensor) -> torch.Tensor:
+        """No stripe kept: the output is the bias (or zeros) at every pixel, computed from x's shape only."""
+        ho, wo = (
+            (n + 2 * p - d * (k - 1) - 1) // s + 1
+            for n, k, s, p, d in zip(x.shape[2:], self.kernel_size, self.stride, self.padding, self.dilation)
+        )
+        out = x.new_zeros(x.shape[0], self.out_channels, ho, wo)
+        return out if self.bias is None else out + self.bias[:, None, None]
+
+    # ---- extension protocol (compress.profile, compress.checkpoint) -----------------------------
+    def macs(self, inp: torch.Tensor, out: torch.Tensor) -> int:
+        """Multiply-adds of the kept stripes: B * Ho * Wo * S * C."""
+        b, _, ho, wo = out.shape
+        return b * ho * wo * self.num_stripes * self.in_channels
+
+    def config(self) -> dict:
+        """JSON-serialisable constructor kwargs: `StripeConv2d(**m.config())` has the same shapes."""
+        return {
+            "in_channels": self.in_channels,
+            "out_channels": self.out_channels,
+            "kernel_size": list(self.kernel_size),
+            "stride": list(self.stride),
+            "padding": list(self.padding),
+            "dilation": list(self.dilation),
+            "num_stripes": self.num_stripes,
+            "bias": self.bias is not None,
+            "mode": self._mode,
+        }
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._build_plan()
+
+    def _build_plan(self) -> None:
+        """Validate the stripe indices (range, canonical order) and rebuild the kernel's index plan."""
+        try:
+            plan = kernels.stripe_plan(self.out_index, self.offset, self.out_channels, self.kernel_size)
+        except ValueError as err:
+            raise ValueError(
+                f"StripeConv2d: invalid stripe indices ({err}); the state dict does not belong to this "
+                "module or is corrupt: rebuild it with StripeConv2d.from_dense/from_skeleton"
+            ) from None
+        self.plan = plan
+
+    def extra_repr(self) -> str:
+        total = self.out_channels * self.kernel_size[0] * self.kernel_size[1]
+        s = (
+            f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+            f"padding={self.padding}, dilation={self.dilation}, stripes={self.num_stripes}/{total}"
+        )
+        return s + f", bias={self.bias is not None}, mode={self._mode}"

@@ -1,0 +1,140 @@
+"""StripeConv2d against F.conv2d with the masked dense weight (the independent reference)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from compress.skeleton import SkeletonConv2d
+from compress.stripe import StripeConv2d
+
+GEOMETRIES = [  # (kernel, stride, padding, dilation)
+    (3, 1, 1, 1),
+    (3, 2, 1, 1),
+    (3, 1, 2, 2),
+    ((3, 5), (2, 1), (0, 2), (1, 2)),
+]
+
+
+def _random_mask(n: int, kh: int, kw: int, keep: float, gen: torch.Generator) -> torch.Tensor:
+    mask = torch.rand(n, kh, kw, generator=gen) < keep
+    mask[0] = False  # one dead filter
+    return mask
+
+
+def _masked_reference(conv: nn.Conv2d, mask: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    w = conv.weight * mask[:, None].to(conv.weight.dtype)
+    return F.conv2d(x, w, conv.bias, conv.stride, conv.padding, conv.dilation)
+
+
+@pytest.mark.parametrize("mode", ["stripe", "dense"])
+@pytest.mark.parametrize("kernel,stride,padding,dilation", GEOMETRIES)
+def test_from_dense_matches_masked_conv(mode, kernel, stride, padding, dilation):
+    gen = torch.Generator().manual_seed(0)
+    conv = nn.Conv2d(5, 7, kernel, stride=stride, padding=padding, dilation=dilation, bias=True)
+    mask = _random_mask(7, *conv.kernel_size, keep=0.5, gen=gen)
+    x = torch.randn(2, 5, 11, 13, generator=gen)
+    stripe = StripeConv2d.from_dense(conv, mask, mode=mode)
+    assert stripe.num_stripes == int(mask.sum())
+    torch.testing.assert_close(stripe(x), _masked_reference(conv, mask, x), rtol=1e-5, atol=1e-5)
+    dense = stripe.to_dense()
+    torch.testing.assert_close(dense(x), _masked_reference(conv, mask, x), rtol=1e-5, atol=1e-5)
+    assert torch.equal(StripeConv2d.from_dense(dense, mask).weight, stripe.weight)
+
+
+def test_canonical_order_and_mask():
+    gen = torch.Generator().manual_seed(1)
+    conv = nn.Conv2d(3, 6, 3, padding=1, bias=False)
+    mask = _random_mask(6, 3, 3, keep=0.4, gen=gen)
+    s = StripeConv2d.from_dense(conv, mask)
+    key = (s.offset[:, 0] * 3 + s.offset[:, 1]) * 6 + s.out_index
+    assert bool((key[1:] > key[:-1]).all())
+    assert torch.equal(s.stripe_mask(), mask)
+    assert f"stripes={int(mask.sum())}/54" in repr(s)
+
+
+def test_from_skeleton_uses_scaled_weight_and_threshold():
+    gen = torch.Generator().manual_seed(2)
+    conv = SkeletonConv2d(4, 6, 3, stride=2, padding=1, bias=False)
+    with torch.no_grad():
+        conv.skeleton.copy_(torch.rand(6, 3, 3, generator=gen) * 2 - 1)
+    x = torch.randn(2, 4, 9, 9, generator=gen)
+    threshold = 0.3
+    mask = conv.skeleton.abs() > threshold
+    s = StripeConv2d.from_skeleton(conv, threshold)
+    ref = F.conv2d(x, conv.weight * (conv.skeleton * mask)[:, None], None, 2, 1)
+    torch.testing.assert_close(s(x), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["stripe", "dense"])
+def test_gradients_match_masked_conv(mode):
+    gen = torch.Generator().manual_seed(3)
+    conv = nn.Conv2d(4, 5, 3, stride=2, padding=1, bias=True)
+    mask = _random_mask(5, 3, 3, keep=0.6, gen=gen)
+    x = torch.randn(2, 4, 8, 8, generator=gen, requires_grad=True)
+    s = StripeConv2d.from_dense(conv, mask, mode=mode)
+    g = torch.randn(2, 5, 4, 4, generator=gen)
+    (s(x) * g).sum().backward()
+    w = (conv.weight * mask[:, None]).detach().requires_grad_(True)
+    x2 = x.detach().clone().requires_grad_(True)
+    (F.conv2d(x2, w, conv.bias, 2, 1) * g).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
+    o, i, j = s.out_index, s.offset[:, 0], s.offset[:, 1]
+    torch.testing.assert_close(s.weight.grad, w.grad[o, :, i, j], rtol=1e-5, atol=1e-5)
+
+
+def test_no_stripe_outputs_bias_with_conv_shape():
+    conv = nn.Conv2d(3, 4, 3, stride=2, padding=1, bias=True)
+    s = StripeConv2d.from_dense(conv, torch.zeros(4, 3, 3, dtype=torch.bool))
+    x = torch.randn(2, 3, 9, 7)
+    torch.testing.assert_close(s(x), _masked_reference(conv, torch.zeros(4, 3, 3, dtype=torch.bool), x))
+
+
+def test_state_dict_roundtrip_weights_only_and_dtype():
+    gen = torch.Generator().manual_seed(4)
+    conv = nn.Conv2d(6, 8, 3, stride=2, padding=1, bias=True)
+    mask = _random_mask(8, 3, 3, keep=0.5, gen=gen)
+    s = StripeConv2d.from_dense(conv, mask, mode="dense")
+    buf = io.BytesIO()
+    torch.save(s.state_dict(), buf)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=True)
+    assert "plan" not in state
+    fresh = StripeConv2d(**s.config())
+    fresh.load_state_dict(state)
+    x = torch.randn(2, 6, 10, 10, generator=gen)
+    ref = _masked_reference(conv, mask, x)
+    for mode in ("stripe", "dense"):
+        fresh.mode = mode
+        torch.testing.assert_close(fresh(x), ref, rtol=1e-5, atol=1e-5)
+    fresh.to(torch.float64)
+    assert fresh.out_index.dtype == torch.int64 and fresh.weight.dtype == torch.float64
+    torch.testing.assert_close(fresh(x.double()), ref.double(), rtol=1e-5, atol=1e-5)
+
+
+def test_corrupt_indices_are_rejected():
+    conv = nn.Conv2d(3, 4, 3, padding=1)
+    s = StripeConv2d.from_dense(conv, torch.ones(4, 3, 3, dtype=torch.bool))
+    state = s.state_dict()
+    state["out_index"] = state["out_index"].flip(0)
+    with pytest.raises(ValueError, match="StripeConv2d: invalid stripe indices"):
+        StripeConv2d(**s.config()).load_state_dict(state)
+
+
+def test_macs_counts_kept_stripes():
+    conv = nn.Conv2d(5, 6, 3, stride=2, padding=1)
+    mask = _random_mask(6, 3, 3, keep=0.5, gen=torch.Generator().manual_seed(5))
+    s = StripeConv2d.from_dense(conv, mask)
+    x = torch.randn(2, 5, 8, 8)
+    assert s.macs(x, s(x)) == 2 * 4 * 4 * int(mask.sum()) * 5
+
+
+def test_bad_mode_and_grouped_conv_errors():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        StripeConv2d(3, 4, 3, mode="fast")
+    with pytest.raises(ValueError, match="groups=1"):
+        StripeConv2d.from_dense(nn.Conv2d(4, 4, 3, groups=2), torch.ones(4, 3, 3, dtype=torch.bool))
