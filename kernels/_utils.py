@@ -1,0 +1,82 @@
+"""Shared argument checks and layout helpers for the ``compress::`` ops."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def pair(v, name: str = "value") -> list[int]:
+    if isinstance(v, int):
+        return [v, v]
+    v = [int(a) for a in v]
+    if len(v) == 1:
+        return [v[0], v[0]]
+    if len(v) != 2:
+        raise ValueError(f"{name} must be an int or a pair of ints, got {v}")
+    return v
+
+
+def is_channels_last(x: torch.Tensor) -> bool:
+    """True when x is stored channels_last and not also plain contiguous (ambiguous shapes count as NCHW)."""
+    return x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+
+
+def memory_format(x: torch.Tensor) -> torch.memory_format:
+    """The layout the ops produce for an input ``x``: channels_last if ``x`` is, else contiguous NCHW."""
+    return torch.channels_last if is_channels_last(x) else torch.contiguous_format
+
+
+def check_4d(op: str, name: str, t: torch.Tensor, dtypes: Sequence[torch.dtype] = FLOAT_DTYPES) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: '{name}' must be a Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise ValueError(f"{op}: tensor '{name}' must be a dense (strided) tensor, got layout {t.layout}")
+    if t.dim() != 4:
+        raise ValueError(f"{op}: tensor '{name}' must be 4-D (N, C, H, W), got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{op}: tensor '{name}' has dtype {t.dtype}; supported: {', '.join(map(str, dtypes))}")
+
+
+def check_like(op: str, name: str, t: torch.Tensor, ref: torch.Tensor, ref_name: str = "x") -> None:
+    if t.layout != torch.strided:
+        raise ValueError(f"{op}: tensor '{name}' must be a dense (strided) tensor, got layout {t.layout}")
+    if t.device != ref.device:
+        raise ValueError(f"{op}: tensor '{name}' is on {t.device} but '{ref_name}' is on {ref.device}")
+    if t.dtype != ref.dtype:
+        raise TypeError(f"{op}: tensor '{name}' has dtype {t.dtype} but '{ref_name}' has dtype {ref.dtype}")
+
+
+def conv_out_size(size: int, k: int, s: int, p: int, d: int) -> int:
+    return (size + 2 * p - d * (k - 1) - 1) // s + 1
+
+
+def check_conv_params(op: str, stride, padding, dilation) -> None:
+    for nm, v, lo in (("stride", stride, 1), ("padding", padding, 0), ("dilation", dilation, 1)):
+        if len(v) != 2 or any(int(a) < lo for a in v):
+            raise ValueError(f"{op}: {nm} must be two ints >= {lo}, got {list(v)}")
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def use_kernel(t: torch.Tensor) -> bool:
+    """Whether a CUDA tensor goes to the compiled kernel (float64 always takes the PyTorch path)."""
+    return t.dtype in KERNEL_DTYPES
+
+
+def autocast_inputs(*ts):
+    """Under autocast, cast floating tensors to the autocast dtype (like F.conv2d); otherwise unchanged."""
+    ref = next((t for t in ts if isinstance(t, torch.Tensor)), None)
+    if ref is None:
+        return ts
+    dev = ref.device.type
+    if dev not in ("cuda", "cpu") or not torch.is_autocast_enabled(dev):
+        return ts
+    dt = torch.get_autocast_dtype(dev)
+    return tuple(t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in ts)

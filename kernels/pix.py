@@ -1,0 +1,163 @@
+"""PiX channel fusion (Pick-or-Mix, CVPR 2024) as the custom op ``compress::pix``.
+
+Semantics (DESIGN.md, official kernel of seed 003): x (B, C, H, W) is split into C/zeta contiguous groups of
+zeta channels; p (B, C/zeta, 1, 1) is the fusion probability. ``y[b, g] = p[b, g] * max_group(x)`` if
+``p[b, g] < tau`` else ``p[b, g] * mean_group(x)`` (p == tau takes the mean). Backward: the max branch sends
+``p * dy`` to the FIRST arg-max channel only, the mean branch ``p * dy / zeta`` to every channel;
+``dp = sum_hw (max or mean) * dy``. The p < tau test is done in float32 (float64 for float64 inputs).
+
+The op computes in the input dtype (accumulating in float32); under autocast it is not cast (it is
+memory-bound, a cast would cost a full pass); ``pix()`` casts ``p`` to ``x``'s dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kernels import _ext
+from kernels._utils import acc_dtype, check_4d, check_like, memory_format, use_kernel
+
+__all__ = ["pix", "pix_reference"]
+
+OP = "compress::pix"
+
+
+def _check(x: Tensor, p: Tensor, zeta: int, op: str = OP) -> None:
+    check_4d(op, "x", x)
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"{op}: 'p' must be a Tensor, got {type(p).__name__}")
+    check_like(op, "p", p, x)
+    if zeta < 1:
+        raise ValueError(f"{op}: zeta must be >= 1, got {zeta}")
+    B, C = x.shape[0], x.shape[1]
+    if C % zeta != 0:
+        raise ValueError(f"{op}: the channels of tensor 'x' ({C}) are not divisible by zeta={zeta}")
+    if tuple(p.shape) != (B, C // zeta, 1, 1):
+        raise ValueError(f"{op}: tensor 'p' must have shape {(B, C // zeta, 1, 1)} (B, C/zeta, 1, 1), got {tuple(p.shape)}")
+
+
+def _forward_torch(x: Tensor, p: Tensor, zeta: int, tau: float) -> Tensor:
+    B, C, H, W = x.shape
+    acc = acc_dtype(x.dtype)
+    xg = x.unflatten(1, (C // zeta, zeta))
+    mx = xg.amax(2).to(acc)
+    mean = xg.sum(2, dtype=acc) / zeta
+    pf = p.to(acc)
+    y = pf * torch.where(pf < tau, mx, mean)
+    return y.to(x.dtype).contiguous(memory_format=memory_format(x))
+
+
+def _backward_torch(grad: Tensor, x: Tensor, p: Tensor, zeta: int, tau: float) -> tuple[Tensor, Tensor]:
+    B, C, H, W = x.shape
+    acc = acc_dtype(x.dtype)
+    xg = x.unflatten(1, (C // zeta, zeta)).to(acc)  # (B, G, zeta, H, W)
+    mx = xg.amax(2, keepdim=True)
+    is_max = xg == mx
+    first = is_max & (is_max.cumsum(2) == 1)  # first arg-max channel only
+    pf = p.to(acc)  # (B, G, 1, 1)
+    use_max = pf < tau
+    g = grad.to(acc)
+    pg = (pf * g).unsqueeze(2)  # (B, G, 1, H, W)
+    dx = torch.where(use_max.unsqueeze(2), first.to(acc) * pg, (pg / zeta).expand_as(xg))
+    dx = dx.flatten(1, 2).to(x.dtype).contiguous(memory_format=memory_format(x))
+    sel = torch.where(use_max, mx.squeeze(2), xg.mean(2))
+    dp = (sel * g).sum((2, 3), keepdim=True).to(p.dtype)
+    return dx, dp
+
+
+@torch.library.custom_op(OP, mutates_args=())
+def _pix_op(x: Tensor, p: Tensor, zeta: int, tau: float) -> Tensor:
+    _check(x, p, zeta)
+    return _forward_torch(x, p, zeta, tau)
+
+
+@_pix_op.register_kernel("cuda")
+def _pix_cuda(x: Tensor, p: Tensor, zeta: int, tau: float) -> Tensor:
+    _check(x, p, zeta)
+    ext = _ext.load() if use_kernel(x) else None
+    if ext is None or x.numel() == 0:
+        return _forward_torch(x, p, zeta, tau)
+    fmt = memory_format(x)
+    return ext.pix_forward(x.contiguous(memory_format=fmt), p.contiguous(), zeta, tau,
+                           fmt == torch.channels_last)
+
+
+@_pix_op.register_fake
+def _pix_fake(x: Tensor, p: Tensor, zeta: int, tau: float) -> Tensor:
+    _check(x, p, zeta)
+    B, C, H, W = x.shape
+    return x.new_empty((B, C // zeta, H, W)).contiguous(memory_format=memory_format(x))
+
+
+@torch.library.custom_op("compress::pix_backward", mutates_args=())
+def _pix_backward_op(grad: Tensor, x: Tensor, p: Tensor, zeta: int, tau: float) -> tuple[Tensor, Tensor]:
+    _check(x, p, zeta, "compress::pix_backward")
+    return _backward_torch(grad, x, p, zeta, tau)
+
+
+def _check_grad(grad: Tensor, x: Tensor, zeta: int) -> None:
+    op = "compress::pix_backward"
+    check_4d(op, "grad", grad)
+    check_like(op, "grad", grad, x)
+    B, C, H, W = x.shape
+    if tuple(grad.shape) != (B, C // zeta, H, W):
+        raise ValueError(f"{op}: tensor 'grad' must have shape {(B, C // zeta, H, W)}, got {tuple(grad.shape)}")
+
+
+@_pix_backward_op.register_kernel("cuda")
+def _pix_backward_cuda(grad: Tensor, x: Tensor, p: Tensor, zeta: int, tau: float) -> tuple[Tensor, Tensor]:
+    _check(x, p, zeta, "compress::pix_backward")
+    _check_grad(grad, x, zeta)
+    ext = _ext.load() if use_kernel(x) else None
+    if ext is None or x.numel() == 0:
+        return _backward_torch(grad, x, p, zeta, tau)
+    fmt = memory_format(x)
+    dx, dp = ext.pix_backward(grad.contiguous(memory_format=fmt), x.contiguous(memory_format=fmt),
+                              p.contiguous(), zeta, tau, fmt == torch.channels_last)
+    return dx, dp
+
+
+@_pix_backward_op.register_fake
+def _pix_backward_fake(grad: Tensor, x: Tensor, p: Tensor, zeta: int, tau: float) -> tuple[Tensor, Tensor]:
+    _check(x, p, zeta, "compress::pix_backward")
+    return torch.empty_like(x, memory_format=memory_format(x)), torch.empty_like(p, memory_format=torch.contiguous_format)
+
+
+def _setup_context(ctx, inputs, output):
+    x, p, zeta, tau = inputs
+    ctx.save_for_backward(x, p)
+    ctx.zeta, ctx.tau = zeta, tau
+
+
+def _backward(ctx, grad):
+    x, p = ctx.saved_tensors
+    dx, dp = _pix_backward_op(grad, x, p, ctx.zeta, ctx.tau)
+    return dx, dp, None, None
+
+
+_pix_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def pix(x: Tensor, p: Tensor, zeta: int, tau: float = 0.5) -> Tensor:
+    """PiX channel fusion.
+
+    Args:
+        x: (B, C, H, W) float32/float16/bfloat16 (float64 takes the PyTorch path), NCHW or channels_last.
+        p: (B, C // zeta, 1, 1) fusion probabilities (cast to ``x``'s dtype).
+        zeta: group size; ``C % zeta`` must be 0.
+        tau: threshold; ``p < tau`` picks the max of the group, otherwise the mean.
+
+    Returns:
+        y: (B, C // zeta, H, W), channels_last if ``x`` is.
+    """
+    if isinstance(p, torch.Tensor) and isinstance(x, torch.Tensor) and p.dtype != x.dtype and x.dtype.is_floating_point:
+        p = p.to(x.dtype)
+    return _pix_op(x, p, int(zeta), float(tau))
+
+
+def pix_reference(x: Tensor, p: Tensor, zeta: int, tau: float = 0.5) -> Tensor:
+    """The PyTorch-ops path (no custom op), differentiable through autograd; used as the 'torch ops' baseline."""
+    _check(x, p, zeta)
+    xg = x.unflatten(1, (x.shape[1] // zeta, zeta))
+    return p * torch.where(p < tau, xg.amax(2), xg.mean(2))

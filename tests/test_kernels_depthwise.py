@@ -1,0 +1,133 @@
+"""compress::depthwise_conv2d against F.conv2d(groups=C) in float64."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels import _ext
+from kernels.depthwise import _dw_backward_op, _dw_op
+
+TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+CONFIGS = [  # (C, H, W, k, stride, padding, dilation)
+    (3, 7, 6, (3, 3), 1, 1, 1),
+    (4, 9, 8, (5, 5), 1, 2, 1),
+    (2, 9, 7, (3, 3), 2, 1, 1),
+    (3, 10, 9, (3, 2), (2, 1), (0, 2), (2, 1)),
+    (2, 6, 6, (1, 1), 1, 0, 1),
+]
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def make(C, H, W, k, device="cpu", dtype=torch.float32, layout="contiguous", B=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, C, H, W, generator=g, dtype=torch.float64)
+    w = torch.randn(C, 1, *k, generator=g, dtype=torch.float64)
+    b = torch.randn(C, generator=g, dtype=torch.float64)
+    x, w, b = (t.to(device, dtype) for t in (x, w, b))
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    elif layout == "noncontiguous":
+        x = x.transpose(2, 3).contiguous().transpose(2, 3)
+        assert not x.is_contiguous() and not x.is_contiguous(memory_format=torch.channels_last)
+    return x, w, b
+
+
+def check(device, dtype, layout, cfg, B=2):
+    C, H, W, k, s, p, d = cfg
+    x, w, b = make(C, H, W, k, device, dtype, layout, B)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    b.requires_grad_(True)
+    y = kernels.depthwise_conv2d(x, w, b, s, p, d)
+    x64, w64, b64 = (t.detach().cpu().double().requires_grad_(True) for t in (x, w, b))
+    yr = F.conv2d(x64, w64, b64, s, p, d, groups=C)
+    assert y.shape == yr.shape and y.dtype == dtype
+    if layout == "channels_last":
+        assert y.is_contiguous(memory_format=torch.channels_last)
+    assert rel_err(y.cpu(), yr) < TOL[dtype]
+    if B == 0:
+        return
+    dy = torch.randn(y.shape, dtype=torch.float64)
+    grads = torch.autograd.grad(y, (x, w, b), dy.to(device, dtype))
+    grads_r = torch.autograd.grad(yr, (x64, w64, b64), dy)
+    for g, gr in zip(grads, grads_r):
+        assert rel_err(g.cpu(), gr) < TOL[dtype]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "noncontiguous"])
+def test_matches_reference_cpu(cfg, layout):
+    check("cpu", torch.float32, layout, cfg)
+
+
+def test_bf16_cpu_and_empty_batch():
+    check("cpu", torch.bfloat16, "contiguous", CONFIGS[0])
+    check("cpu", torch.float32, "contiguous", CONFIGS[0], B=0)
+
+
+def test_gradcheck():
+    x, w, b = make(2, 5, 4, (3, 3), dtype=torch.float64)
+    for t in (x, w, b):
+        t.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda a, c, e: kernels.depthwise_conv2d(a, c, e, 2, 1, 1), (x, w, b))
+
+
+def test_errors():
+    x, w, b = make(3, 6, 6, (3, 3))
+    with pytest.raises(ValueError, match=r"compress::depthwise_conv2d: tensor 'weight' must have shape \(3, 1, kh, kw\)"):
+        kernels.depthwise_conv2d(x, w[:2], b)
+    with pytest.raises(ValueError, match=r"compress::depthwise_conv2d: tensor 'bias' must have shape \(3,\)"):
+        kernels.depthwise_conv2d(x, w, b[:2])
+    with pytest.raises(TypeError, match=r"compress::depthwise_conv2d: tensor 'weight' has dtype torch.float64"):
+        kernels.depthwise_conv2d(x, w.double())
+    with pytest.raises(ValueError, match=r"compress::depthwise_conv2d: tensor 'x' of spatial size \(6, 6\) is too small"):
+        kernels.depthwise_conv2d(x, w, dilation=4)
+    with pytest.raises(ValueError, match=r"compress::depthwise_conv2d: stride must be two ints >= 1"):
+        kernels.depthwise_conv2d(x, w, stride=0)
+
+
+def test_opcheck_cpu():
+    x, w, b = make(3, 6, 5, (3, 3))
+    for xx in (x, x.contiguous(memory_format=torch.channels_last)):
+        args = (xx.requires_grad_(True), w.clone().requires_grad_(True), b.clone().requires_grad_(True), [2, 1], [1, 1], [1, 1])
+        torch.library.opcheck(_dw_op, args)
+        torch.library.opcheck(_dw_backward_op, (torch.randn(2, 3, 3, 5), xx.detach(), w, [2, 1], [1, 1], [1, 1]))
+
+
+def test_module_autocast_compile():
+    conv = torch.nn.Conv2d(4, 4, 3, padding=1, groups=4)
+    m = kernels.DepthwiseConv2d.from_conv(conv)
+    x = torch.randn(2, 4, 6, 6)
+    torch.testing.assert_close(m(x), conv(x))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert m(x).dtype == torch.bfloat16
+    f = torch.compile(m, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(f(x), conv(x))
+
+
+# ----------------------------------------------------------------------------------------------------- CUDA
+@pytest.mark.cuda
+@pytest.mark.parametrize("cfg", CONFIGS + [(8, 20, 33, (3, 3), 1, 1, 1), (8, 17, 17, (5, 5), 1, 2, 1),
+                                           (8, 15, 15, (7, 7), 1, 3, 1), (4, 9, 9, (3, 3), 1, 4, 1),
+                                           (8, 16, 16, (5, 5), 2, 2, 1), (4, 12, 12, (3, 3), 1, 2, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "noncontiguous"])
+def test_matches_reference_cuda(cfg, dtype, layout):
+    assert _ext.load() is not None, "CUDA extension failed to build"
+    check("cuda", dtype, layout, cfg)
+
+
+@pytest.mark.cuda
+def test_cuda_empty_and_opcheck():
+    check("cuda", torch.float32, "contiguous", CONFIGS[0], B=0)
+    x, w, b = make(3, 6, 5, (3, 3), device="cuda")
+    for xx in (x, x.contiguous(memory_format=torch.channels_last)):
+        args = (xx.requires_grad_(True), w.clone().requires_grad_(True), b.clone().requires_grad_(True), [2, 1], [1, 1], [1, 1])
+        torch.library.opcheck(_dw_op, args)
+        dy = torch.randn(2, 3, 3, 5, device="cuda")
+        torch.library.opcheck(_dw_backward_op, (dy, xx.detach(), w, [2, 1], [1, 1], [1, 1]))

@@ -1,0 +1,200 @@
+"""compress::pix against a float64 reference written from the definition (DESIGN.md, seed 003)."""
+
+import pytest
+import torch
+
+import kernels
+from kernels import _ext
+from kernels.pix import _pix_backward_op, _pix_op
+
+
+def ref_pix(x, p, zeta, tau):
+    """Loop over groups and channels; max with a strict '>' keeps the FIRST arg-max (as the official kernel)."""
+    x, p = x.double(), p.double()
+    B, C, H, W = x.shape
+    ys, dmask = [], torch.zeros_like(x, dtype=torch.bool)
+    for g in range(C // zeta):
+        mx, idx = x[:, g * zeta].clone(), torch.full((B, H, W), g * zeta, dtype=torch.long)
+        s = x[:, g * zeta].clone()
+        for c in range(g * zeta + 1, (g + 1) * zeta):
+            better = x[:, c] > mx
+            mx = torch.where(better, x[:, c], mx)
+            idx = torch.where(better, torch.full_like(idx, c), idx)
+            s = s + x[:, c]
+        pg = p[:, g, 0, 0].view(B, 1, 1)
+        use_max = (p[:, g, 0, 0].float() < tau).view(B, 1, 1)
+        ys.append(pg * torch.where(use_max, mx, s / zeta))
+        for c in range(g * zeta, (g + 1) * zeta):
+            dmask[:, c] = idx == c
+    return torch.stack(ys, 1), dmask
+
+
+def ref_pix_backward(dy, x, p, zeta, tau):
+    x, p, dy = x.double(), p.double(), dy.double()
+    B, C, H, W = x.shape
+    _, first = ref_pix(x, p, zeta, tau)
+    dx = torch.zeros_like(x)
+    dp = torch.zeros_like(p)
+    for g in range(C // zeta):
+        pg = p[:, g, 0, 0].view(B, 1, 1)
+        use_max = (p[:, g, 0, 0].float() < tau).view(B, 1, 1)
+        grp = x[:, g * zeta:(g + 1) * zeta]
+        for c in range(g * zeta, (g + 1) * zeta):
+            dx[:, c] = torch.where(use_max, first[:, c] * pg * dy[:, g], pg * dy[:, g] / zeta)
+        sel = torch.where(use_max, grp.max(1).values, grp.mean(1))
+        dp[:, g, 0, 0] = (sel * dy[:, g]).sum((1, 2))
+    return dx, dp
+
+
+def make(B=2, C=8, H=5, W=6, zeta=4, dtype=torch.float32, device="cpu", layout="contiguous", ties=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, C, H, W, generator=g, dtype=torch.float64)
+    if ties:  # many equal values inside a group: checks the first-arg-max rule
+        x = (x * 1.5).round()
+    p = torch.rand(B, C // zeta, 1, 1, generator=g, dtype=torch.float64)
+    p[0, 0] = 0.1  # make sure both branches appear
+    p[-1, -1] = 0.9
+    x, p = x.to(device, dtype), p.to(device, dtype)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    elif layout == "noncontiguous":
+        x = torch.cat([x, x], 3)[..., ::2]
+        assert not x.is_contiguous() and not x.is_contiguous(memory_format=torch.channels_last)
+    return x, p
+
+
+TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def check_all(device, dtype, layout, ties):
+    x, p = make(dtype=dtype, device=device, layout=layout, ties=ties)
+    x.requires_grad_(True)
+    p.requires_grad_(True)
+    y = kernels.pix(x, p, 4, 0.5)
+    yr, _ = ref_pix(x.detach().cpu(), p.detach().cpu(), 4, 0.5)
+    assert y.dtype == dtype and y.shape == yr.shape
+    if layout == "channels_last":
+        assert y.is_contiguous(memory_format=torch.channels_last)
+    assert rel_err(y.cpu(), yr) < TOL[dtype]
+    dy = torch.randn(y.shape, dtype=torch.float64).to(device, dtype)
+    dx, dp = torch.autograd.grad(y, (x, p), dy)
+    dxr, dpr = ref_pix_backward(dy.cpu(), x.detach().cpu(), p.detach().cpu(), 4, 0.5)
+    assert rel_err(dx.cpu(), dxr) < TOL[dtype]
+    assert rel_err(dp.cpu(), dpr) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "noncontiguous"])
+def test_matches_reference_cpu(dtype, layout):
+    check_all("cpu", dtype, layout, ties=False)
+
+
+def test_first_argmax_with_ties():
+    check_all("cpu", torch.float32, "contiguous", ties=True)
+    x, p = make(ties=True)
+    p.fill_(0.1)
+    x.requires_grad_(True)
+    dx, = torch.autograd.grad(kernels.pix(x, p, 4).sum(), x)
+    # exactly one channel per group and position receives the gradient in the max branch
+    assert torch.equal((dx != 0).unflatten(1, (2, 4)).sum(2), torch.ones(2, 2, 5, 6, dtype=torch.long))
+
+
+def test_p_equal_tau_takes_mean():
+    x, p = make()
+    p.fill_(0.5)
+    y = kernels.pix(x, p, 4, 0.5)
+    torch.testing.assert_close(y, 0.5 * x.unflatten(1, (2, 4)).mean(2))
+    y = kernels.pix(x, p.fill_(0.25), 4, 0.25)
+    torch.testing.assert_close(y, 0.25 * x.unflatten(1, (2, 4)).mean(2))
+
+
+def test_gradcheck():
+    x, p = make(B=2, C=6, H=3, W=4, zeta=3, dtype=torch.float64)
+    x.requires_grad_(True)
+    p.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda a, b: kernels.pix(a, b, 3, 0.5), (x, p))
+
+
+def test_empty_batch():
+    x, p = make(B=1)
+    x, p = x[:0].requires_grad_(True), p[:0].requires_grad_(True)
+    y = kernels.pix(x, p, 4)
+    assert y.shape == (0, 2, 5, 6)
+    y.sum().backward()
+    assert x.grad.shape == x.shape and p.grad.shape == p.shape
+
+
+def test_errors():
+    x, p = make()
+    with pytest.raises(ValueError, match=r"compress::pix: the channels of tensor 'x' \(8\) are not divisible by zeta=3"):
+        kernels.pix(x, p, 3)
+    with pytest.raises(ValueError, match=r"compress::pix: tensor 'p' must have shape \(2, 2, 1, 1\)"):
+        kernels.pix(x, p[:, :1], 4)
+    with pytest.raises(ValueError, match=r"compress::pix: tensor 'x' must be 4-D"):
+        kernels.pix(x[0], p, 4)
+    with pytest.raises(TypeError, match=r"compress::pix: tensor 'x' has dtype torch.int64"):
+        kernels.pix(x.long(), p, 4)
+    with pytest.raises(ValueError, match=r"compress::pix: tensor 'p' is on meta but 'x' is on cpu"):
+        kernels.pix(x, p.to("meta"), 4)
+
+
+def test_opcheck_cpu():
+    x, p = make(B=2, C=8, H=3, W=3)
+    for xx in (x, x.contiguous(memory_format=torch.channels_last)):
+        torch.library.opcheck(_pix_op, (xx.requires_grad_(True), p.clone().requires_grad_(True), 4, 0.5))
+        dy = torch.randn(2, 2, 3, 3)
+        torch.library.opcheck(_pix_backward_op, (dy, xx.detach(), p, 4, 0.5))
+
+
+def test_autocast_bf16_and_compile():
+    x, p = make()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = kernels.pix(x.bfloat16(), p, 4)  # fp32 p is cast to x's dtype
+    assert y.dtype == torch.bfloat16
+    f = torch.compile(lambda a, b: kernels.pix(a, b, 4).square().sum(), backend="aot_eager", fullgraph=True)
+    xa = x.clone().requires_grad_(True)
+    f(xa, p).backward()
+    xb = x.clone().requires_grad_(True)
+    kernels.pix(xb, p, 4).square().sum().backward()
+    torch.testing.assert_close(xa.grad, xb.grad)
+
+
+# ----------------------------------------------------------------------------------------------------- CUDA
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "noncontiguous"])
+@pytest.mark.parametrize("ties", [False, True])
+def test_matches_reference_cuda(dtype, layout, ties):
+    assert _ext.load() is not None, "CUDA extension failed to build"
+    check_all("cuda", dtype, layout, ties)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", [(3, 16, 7, 7), (2, 32, 8, 8), (2, 8, 1, 37), (4, 12, 14, 14)])
+@pytest.mark.parametrize("zeta", [2, 4])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_cuda_shapes(shape, zeta, layout):
+    B, C, H, W = shape
+    x, p = make(B, C, H, W, zeta, device="cuda", layout=layout, seed=1)
+    x.requires_grad_(True)
+    p.requires_grad_(True)
+    y = kernels.pix(x, p, zeta)
+    yr, _ = ref_pix(x.detach().cpu(), p.detach().cpu(), zeta, 0.5)
+    assert rel_err(y.cpu(), yr) < 1e-5
+    dy = torch.randn_like(y)
+    dx, dp = torch.autograd.grad(y, (x, p), dy)
+    dxr, dpr = ref_pix_backward(dy.cpu(), x.detach().cpu(), p.detach().cpu(), zeta, 0.5)
+    assert rel_err(dx.cpu(), dxr) < 1e-5 and rel_err(dp.cpu(), dpr) < 1e-5
+
+
+@pytest.mark.cuda
+def test_opcheck_cuda():
+    x, p = make(device="cuda")
+    for xx in (x, x.contiguous(memory_format=torch.channels_last)):
+        torch.library.opcheck(_pix_op, (xx.requires_grad_(True), p.clone().requires_grad_(True), 4, 0.5))
+        torch.library.opcheck(_pix_backward_op, (torch.randn(2, 2, 5, 6, device="cuda"), xx.detach(), p, 4, 0.5))
