@@ -18,6 +18,8 @@ _EXPORTS = {
     "skeleton_stats": "compress.skeleton",
     "profile": "compress.profile",
     "compare": "compress.profile",
+    "save": "compress.checkpoint",
+    "load": "compress.checkpoint",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,0 +1,292 @@
+"""Compact model files: `save(model, path)` / `load(path)`, one safetensors file, no pickled code.
+
+The file holds the model's state_dict (parameters and persistent buffers, e.g. StripeConv2d's
+`out_index`/`offset`) and, in its metadata under "compress.recipe", a JSON recipe:
+
+    {"format": "compress.compact", "version": 1,
+     "arch": {"name": "resnet56", "kwargs": {...}},          # model.compress_arch (create_model)
+     "replacements": [{"name": "layer1.0.conv1", "type": "StripeConv2d", "config": {...}}, ...],
+     "removed": ["layer3.8.conv2", ...]}
+
+Loading rebuilds `create_model(arch)`, replaces the listed modules (parents before children) with
+types from an allowlist table of type keys, deletes removed modules, and loads the tensors with
+`load_state_dict(strict=True)`. Module types outside the table cannot be saved or loaded; custom
+modules join with `register_module_type(key, cls)` and implement `config()` (docs/INTERFACES.md).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from compress.surgery import get_module
+
+__all__ = ["save", "load", "register_module_type", "build_recipe", "FORMAT", "VERSION"]
+
+FORMAT = "compress.compact"
+VERSION = 1
+_META_KEY = "compress.recipe"
+
+
+def _conv_config(m: nn.Conv2d) -> dict:
+    return {
+        "in_channels": m.in_channels,
+        "out_channels": m.out_channels,
+        "kernel_size": list(m.kernel_size),
+        "stride": list(m.stride),
+        "padding": m.padding if isinstance(m.padding, str) else list(m.padding),
+        "dilation": list(m.dilation),
+        "groups": m.groups,
+        "bias": m.bias is not None,
+        "padding_mode": m.padding_mode,
+    }
+
+
+def _bn_config(m: nn.BatchNorm2d) -> dict:
+    return {
+        "num_features": m.num_features,
+        "eps": m.eps,
+        "momentum": m.momentum,
+        "affine": m.affine,
+        "track_running_stats": m.track_running_stats,
+    }
+
+
+def _linear_config(m: nn.Linear) -> dict:
+    return {"in_features": m.in_features, "out_features": m.out_features, "bias": m.bias is not None}
+
+
+def _no_config(m: nn.Module) -> dict:
+    return {}
+
+
+def _own_config(m: nn.Module) -> dict:
+    return m.config()
+
+
+# The allowlist: type key -> ("module:attribute" or class, config function). Strings are imported on
+# first use so that compress modules still being written never break `import compress.checkpoint`.
+_TYPES: dict[str, tuple[str | type, Callable[[nn.Module], dict]]] = {
+    "Conv2d": (nn.Conv2d, _conv_config),
+    "BatchNorm2d": (nn.BatchNorm2d, _bn_config),
+    "Linear": (nn.Linear, _linear_config),
+    "Identity": (nn.Identity, _no_config),
+    "ReLU": (nn.ReLU, lambda m: {"inplace": m.inplace}),
+    "Sequential": (nn.Sequential, _no_config),
+    "SkeletonConv2d": ("compress.skeleton:SkeletonConv2d", _conv_config),
+    "StripeConv2d": ("compress.stripe:StripeConv2d", _own_config),
+}
+
+
+def register_module_type(key: str, cls: type[nn.Module], config: Callable[[nn.Module], dict] | None = None) -> None:
+    """Allow `cls` in compact model files under type key `key`.
+
+    `config(module) -> dict` must return JSON-serialisable kwargs with which `cls(**kwargs)` builds
+    an empty module of the same shapes; by default the module's own `config()` method is used.
+    """
+    if key in _TYPES and _resolve(key) is not cls:
+        raise ValueError(f"register_module_type: key {key!r} is already taken by {_resolve(key).__name__}")
+    _TYPES[key] = (cls, config or _own_config)
+
+
+def _resolve(key: str) -> type[nn.Module]:
+    cls, _ = _TYPES[key]
+    if isinstance(cls, str):
+        module, _, attr = cls.partition(":")
+        cls = getattr(importlib.import_module(module), attr)
+    return cls
+
+
+def _type_key(module: nn.Module) -> str | None:
+    for key in _TYPES:
+        if type(module) is _resolve(key):
+            return key
+    return None
+
+
+def _config(module: nn.Module, key: str) -> dict:
+    """The module's config normalised through JSON (tuples become lists), so configs compare equal."""
+    return json.loads(json.dumps(_TYPES[key][1](module)))
+
+
+def _build(key: str, config: dict, where: str) -> nn.Module:
+    if key not in _TYPES:
+        raise ValueError(
+            f"{where}: unknown module type key {key!r} (allowed: {', '.join(sorted(_TYPES))}); if it is "
+            "your own module, call compress.checkpoint.register_module_type(key, cls) before loading"
+        )
+    try:
+        return _resolve(key)(**config)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: cannot build {key} from config {config}: {err}") from None
+
+
+def _same(model_mod: nn.Module, ref_mod: nn.Module | None) -> bool:
+    if ref_mod is None or type(model_mod) is not type(ref_mod):
+        return False
+    key = _type_key(model_mod)
+    return key is None or _config(model_mod, key) == _config(ref_mod, key)
+
+
+def _shapes(model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    return {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+
+
+def _apply(model: nn.Module, replacements: list[dict], removed: list[str], where: str) -> None:
+    """Apply recipe entries to `model` in place (parents listed before their children)."""
+    for entry in replacements:
+        name, key, config = entry["name"], entry["type"], entry["config"]
+        new = _build(key, config, f"{where}: module {name!r}")
+        parent, _, child = name.rpartition(".")
+        try:
+            get_module(model, parent)
+        except AttributeError:
+            raise ValueError(f"{where}: module {name!r} has no parent {parent!r} in the rebuilt model") from None
+        setattr(get_module(model, parent), child, new)
+    for name in removed:
+        parent, _, child = name.rpartition(".")
+        try:
+            delattr(get_module(model, parent), child)
+        except AttributeError:
+            raise ValueError(f"{where}: removed module {name!r} does not exist in the rebuilt model") from None
+
+
+def _reference(arch: dict, where: str) -> nn.Module:
+    from compress.models import create_model
+
+    try:
+        return create_model(arch["name"], **arch["kwargs"])
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: cannot rebuild the architecture {arch}: {err}") from None
+
+
+def _arch(model: nn.Module) -> dict:
+    arch = getattr(model, "compress_arch", None)
+    if not isinstance(arch, dict) or "name" not in arch or "kwargs" not in arch:
+        raise ValueError(
+            "compress.save: the model has no compress_arch {'name', 'kwargs'}; build it with "
+            "compress.create_model(...) (compaction keeps the attribute) so that load can rebuild it"
+        )
+    try:
+        return json.loads(json.dumps(arch))
+    except TypeError as err:
+        raise ValueError(f"compress.save: model.compress_arch is not JSON-serialisable ({err}); pass only "
+                         "JSON values (numbers, strings, lists, dicts) as create_model kwargs") from None
+
+
+def build_recipe(model: nn.Module) -> dict:
+    """The JSON recipe that rebuilds `model`'s structure from `create_model(**model.compress_arch)`.
+
+    Raises ValueError when a changed module's type is not in the allowlist, or when the rebuilt
+    structure would not match the model's state_dict (names, shapes, dtypes).
+    """
+    arch = _arch(model)
+    ref = _reference(arch, "compress.save")
+    replacements = []
+    for name, module in model.named_modules():
+        if not name:
+            continue
+        try:
+            ref_mod = get_module(ref, name)
+        except AttributeError:
+            ref_mod = None
+        if _same(module, ref_mod):
+            continue
+        key = _type_key(module)
+        if key is None:
+            raise ValueError(
+                f"compress.save: module {name!r} of type {type(module).__name__} differs from the rebuilt "
+                f"architecture and is not an allowed type ({', '.join(sorted(_TYPES))}); register it with "
+                "compress.checkpoint.register_module_type(key, cls) and give it a config() method"
+            )
+        entry = {"name": name, "type": key, "config": _config(module, key)}
+        _apply(ref, [entry], [], "compress.save")
+        replacements.append(entry)
+    model_names = {n for n, _ in model.named_modules()}
+    removed = [n for n, _ in ref.named_modules() if n and n not in model_names]
+    removed = [n for n in removed if n.rpartition(".")[0] not in removed]  # deleting a parent is enough
+    _apply(ref, [], removed, "compress.save")
+    if _shapes(ref) != _shapes(model):
+        diff = sorted(set(_shapes(ref).items()) ^ set(_shapes(model).items()))[:5]
+        raise ValueError(
+            f"compress.save: the recipe would not rebuild this model (state_dict entries differ: {diff}); "
+            "a module changed in a way its config() does not describe"
+        )
+    return {"format": FORMAT, "version": VERSION, "arch": arch, "replacements": replacements, "removed": removed}
+
+
+def save(model: nn.Module, path: str | os.PathLike) -> Path:
+    """Write `model` (recipe + state_dict) to one safetensors file at `path`, atomically."""
+    recipe = build_recipe(model)
+    tensors = {k: v.detach().to("cpu").clone().contiguous() for k, v in model.state_dict().items()}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        save_file(tensors, str(tmp), metadata={_META_KEY: json.dumps(recipe)})
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    if not path.is_file():
+        raise FileNotFoundError(f"compress.load: no compact model file at {path}")
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            metadata = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as err:  # safetensors raises its own error types for bad headers and short files
+        raise ValueError(
+            f"compress.load: {path} is not a readable safetensors file ({err}); it is truncated or "
+            "corrupt: export it again with compress.save or export.py"
+        ) from None
+    if _META_KEY not in metadata:
+        raise ValueError(f"compress.load: {path} has no compact-model recipe (metadata key {_META_KEY!r}); "
+                         "it was not written by compress.save")
+    try:
+        recipe = json.loads(metadata[_META_KEY])
+    except json.JSONDecodeError as err:
+        raise ValueError(f"compress.load: {path} has a corrupt recipe ({err})") from None
+    if not isinstance(recipe, dict) or recipe.get("format") != FORMAT:
+        raise ValueError(f"compress.load: {path} has no {FORMAT!r} recipe")
+    if recipe.get("version") != VERSION:
+        raise ValueError(
+            f"compress.load: {path} is format version {recipe.get('version')}; this code reads version "
+            f"{VERSION}: upgrade compress or re-export the model"
+        )
+    return recipe, tensors
+
+
+def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> nn.Module:
+    """Rebuild the model saved by `save` at `path` on `device`, in eval mode.
+
+    Raises ValueError naming the file and the problem for a truncated or tampered file (bad header,
+    missing or extra tensors, shape mismatch, unknown module type).
+    """
+    path = Path(path)
+    recipe, tensors = _read(path)
+    where = f"compress.load({path})"
+    try:
+        arch, replacements, removed = recipe["arch"], recipe["replacements"], recipe["removed"]
+        model = _reference(arch, where)
+        _apply(model, replacements, removed, where)
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"{where}: the recipe is incomplete or malformed ({err!r})") from None
+    try:
+        model.load_state_dict(tensors, strict=True, assign=True)
+    except RuntimeError as err:
+        detail = " ".join(str(err).split())
+        raise ValueError(f"{where}: the tensors do not fit the recipe's model: {detail}") from None
+    model.compress_arch = copy.deepcopy(arch)
+    return model.to(device).eval()

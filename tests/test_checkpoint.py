@@ -1,0 +1,195 @@
+"""compress.save / compress.load: round trips (dense, skeleton, stripe, shrunk and removed modules)
+compared against the original model's output, and clear errors for truncated or tampered files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from compress.checkpoint import build_recipe, load, register_module_type, save
+from compress.models import create_model
+from compress.skeleton import attach_skeletons
+from compress.stripe import StripeConv2d
+from compress.surgery import replace_module
+
+
+def _randomise(model: nn.Module, keep: float = 0.5, seed: int = 0) -> nn.Module:
+    """Random weights, BN statistics and skeletons with about `keep` of the stripes non-zero."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if not t.is_floating_point():
+                continue
+            if name.endswith("skeleton"):
+                t.copy_((torch.rand(t.shape, generator=g) < keep) * (0.5 + torch.rand(t.shape, generator=g)))
+            elif name.endswith("running_var"):
+                t.copy_(0.5 + torch.rand(t.shape, generator=g))
+            else:
+                t.copy_(0.1 * torch.randn(t.shape, generator=g))
+    return model.eval()
+
+
+def _round_trip(model: nn.Module, tmp_path, size: int = 32) -> nn.Module:
+    x = torch.randn(2, 3, size, size)
+    path = save(model, tmp_path / "m.safetensors")
+    loaded = load(path)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+    assert not list(tmp_path.glob(".*tmp*")), "the temporary file of the atomic write was left behind"
+    return loaded
+
+
+def test_dense_round_trip(tmp_path):
+    model = _randomise(create_model("resnet20"))
+    assert build_recipe(model)["replacements"] == []
+    loaded = _round_trip(model, tmp_path)
+    assert loaded.compress_arch == model.compress_arch and not loaded.training
+
+
+def test_skeleton_round_trip(tmp_path):
+    model = create_model("resnet18", num_classes=7, input_size=32)
+    names = attach_skeletons(model)
+    _randomise(model)
+    loaded = _round_trip(model, tmp_path)
+    assert {e["name"] for e in build_recipe(model)["replacements"]} == set(names)
+    torch.testing.assert_close(loaded.layer2[0].conv1.skeleton, model.layer2[0].conv1.skeleton)
+
+
+def test_stripe_and_shrunk_channels_round_trip(tmp_path):
+    """Stripe convs, a conv->BN->conv chain shrunk from 64 to 40 channels, BN folded to Identity."""
+    model = create_model("vgg11")
+    names = attach_skeletons(model)
+    _randomise(model, keep=0.4)
+    for name in names[1:]:
+        replace_module(model, name, StripeConv2d.from_skeleton(model.get_submodule(name), 0.0))
+    replace_module(model, "features.0", nn.Conv2d(3, 40, 3, padding=1, bias=True))
+    replace_module(model, "features.1", nn.Identity())
+    first = model.get_submodule(names[1])
+    replace_module(model, names[1], StripeConv2d.from_dense(nn.Conv2d(40, first.out_channels, 3, padding=1),
+                                                             torch.rand(first.out_channels, 3, 3) < 0.5))
+    _randomise(model)
+    loaded = _round_trip(model, tmp_path)
+    assert isinstance(loaded.get_submodule(names[2]), StripeConv2d)
+    torch.testing.assert_close(loaded.get_submodule(names[2]).out_index, model.get_submodule(names[2]).out_index)
+
+
+def test_removed_block_round_trip(tmp_path):
+    model = _randomise(create_model("resnet18", input_size=32))
+    del model.layer3[1]  # a whole residual block removed
+    recipe = build_recipe(model)
+    assert recipe["removed"] == ["layer3.1"]
+    loaded = _round_trip(model, tmp_path)
+    assert len(loaded.layer3) == 1
+
+
+def test_unknown_module_type_cannot_be_saved(tmp_path):
+    class Mine(nn.Module):
+        def forward(self, x):
+            return x
+
+    model = create_model("resnet20")
+    replace_module(model, "layer1.0.act1", Mine())
+    with pytest.raises(ValueError, match="not an allowed type.*register_module_type"):
+        save(model, tmp_path / "m.safetensors")
+
+
+def test_registered_custom_module_round_trip(tmp_path):
+    class Scale(nn.Module):
+        def __init__(self, channels: int):
+            super().__init__()
+            self.channels = channels
+            self.weight = nn.Parameter(torch.ones(channels, 1, 1))
+
+        def forward(self, x):
+            return x * self.weight
+
+        def config(self):
+            return {"channels": self.channels}
+
+    register_module_type("test.Scale", Scale)
+    model = create_model("resnet20")
+    replace_module(model, "layer2.0.act1", Scale(32))
+    _round_trip(_randomise(model), tmp_path)
+
+
+def test_model_without_arch_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="no compress_arch"):
+        save(nn.Sequential(nn.Conv2d(3, 4, 3)), tmp_path / "m.safetensors")
+
+
+# ---- truncated and tampered files --------------------------------------------------------------------
+
+
+@pytest.fixture
+def saved(tmp_path):
+    model = create_model("resnet20")
+    attach_skeletons(model)
+    return save(_randomise(model), tmp_path / "m.safetensors")
+
+
+def _rewrite(path, edit_tensors=None, edit_recipe=None):
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        metadata = f.metadata()
+    recipe = json.loads(metadata["compress.recipe"])
+    if edit_tensors:
+        edit_tensors(tensors)
+    if edit_recipe:
+        edit_recipe(recipe)
+    save_file(tensors, str(path), metadata={"compress.recipe": json.dumps(recipe)})
+
+
+def test_truncated_file(saved):
+    data = saved.read_bytes()
+    saved.write_bytes(data[: len(data) - 100])
+    with pytest.raises(ValueError, match=rf"{saved.name} is not a readable safetensors file.*truncated"):
+        load(saved)
+
+
+def test_bad_header(saved):
+    data = bytearray(saved.read_bytes())
+    data[8:16] = b"garbage!"
+    saved.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=rf"{saved.name} is not a readable safetensors file"):
+        load(saved)
+
+
+def test_missing_tensor(saved):
+    _rewrite(saved, edit_tensors=lambda t: t.pop("layer1.0.conv1.weight"))
+    with pytest.raises(ValueError, match=r"m.safetensors.*do not fit.*layer1.0.conv1.weight"):
+        load(saved)
+
+
+def test_shape_mismatch(saved):
+    def shrink(t):
+        t["layer1.0.bn1.weight"] = t["layer1.0.bn1.weight"][:8].clone()
+
+    _rewrite(saved, edit_tensors=shrink)
+    with pytest.raises(ValueError, match=r"m.safetensors.*do not fit.*size mismatch"):
+        load(saved)
+
+
+def test_unknown_type_key(saved):
+    def evil(recipe):
+        recipe["replacements"][0]["type"] = "os:system"
+
+    _rewrite(saved, edit_recipe=evil)
+    with pytest.raises(ValueError, match=r"m.safetensors.*unknown module type key 'os:system'"):
+        load(saved)
+
+
+def test_wrong_version_and_missing_recipe(saved, tmp_path):
+    _rewrite(saved, edit_recipe=lambda r: r.update(version=99))
+    with pytest.raises(ValueError, match="format version 99"):
+        load(saved)
+    plain = tmp_path / "plain.safetensors"
+    save_file({"w": torch.randn(3)}, str(plain))
+    with pytest.raises(ValueError, match="no compact-model recipe"):
+        load(plain)
+    with pytest.raises(FileNotFoundError, match="no compact model file"):
+        load(tmp_path / "absent.safetensors")
