@@ -1,0 +1,408 @@
+"""Stripe convolution (Stripe-Wise Pruning) as the custom op ``compress::stripe_conv2d``.
+
+A pruned conv keeps S stripes; stripe s has weight ``w_s`` (C,), output channel ``o_s`` and kernel offset
+``(kh_s, kw_s)``. With stride (sh, sw), padding (ph, pw) and dilation (dh, dw) of the source conv::
+
+    y[b, o, i, j] = sum_{s: o_s = o} sum_c w_s[c] * x[b, c, i*sh - ph + kh_s*dh, j*sw - pw + kw_s*dw]  (+ bias[o])
+
+(zero outside the image), i.e. ``F.conv2d`` with the dense weight ``W[o_s, :, kh_s, kw_s] = w_s``. Stripes come in
+canonical order: sorted by flat offset ``kh*KW + kw``, then by output channel, at most one stripe per
+(offset, channel).
+
+The *plan* (``stripe_plan``) is an int32 table (KH*KW, N+1): ``plan[k, n]`` = number of stripes whose key
+``k*N + o`` is below ``k*N + n``. So offset k's stripes are ``[plan[k, 0], plan[k, N])`` and, within them, those
+for output channels ``[n0, n1)`` are ``[plan[k, n0], plan[k, n1])``. Build it once per layer (``StripeConv2d`` keeps
+it as a non-persistent buffer) and pass it in; without it the op builds it on every call.
+
+CPU path (also the CUDA fallback and the float64 path): one GEMM of all stripes over the input (a 1x1 conv,
+``(S, C) @ (C, B*H*W)``) followed by one strided ``index_add_`` per offset into the output channels (a loop over
+the <= KH*KW offsets, never over stripes or pixels). Backward: ``grad_x`` is one GEMM ``W^T @ G`` where G holds
+each stripe's output gradient placed at its shifted input positions; ``grad_weight = G @ x^T``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kernels._utils import (
+    autocast_inputs,
+    check_4d,
+    check_conv_params,
+    check_like,
+    conv_out_size,
+    memory_format,
+    pair,
+)
+
+__all__ = ["stripe_conv2d", "stripe_plan", "stripe_to_dense", "stripe_route", "stripe_cost"]
+
+OP = "compress::stripe_conv2d"
+BOP = "compress::stripe_conv2d_backward"
+POP = "compress::stripe_plan"
+
+
+# ----------------------------------------------------------------------------------------------- checks
+def _check_index(op: str, out_index: Tensor, offset: Tensor, S: int, device) -> None:
+    for nm, t, shape in (("out_index", out_index, (S,)), ("offset", offset, (S, 2))):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{op}: '{nm}' must be a Tensor, got {type(t).__name__}")
+        if t.dtype != torch.int64:
+            raise TypeError(f"{op}: tensor '{nm}' must be int64, got {t.dtype}")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{op}: tensor '{nm}' must have shape {shape}, got {tuple(t.shape)}")
+        if t.device != device:
+            raise ValueError(f"{op}: tensor '{nm}' is on {t.device} but 'x' is on {device}")
+
+
+def _check(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, bias: Tensor | None, plan,
+           out_channels: int, kernel_size, stride, padding, dilation, op: str = OP):
+    check_4d(op, "x", x)
+    check_like(op, "weight", weight, x)
+    if weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"{op}: tensor 'weight' must have shape (S, {x.shape[1]}) for x with {x.shape[1]} "
+                         f"channels, got {tuple(weight.shape)}")
+    if not (x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last)):
+        raise ValueError(f"{op}: tensor 'x' must be contiguous NCHW or channels_last, got strides {x.stride()}")
+    S = weight.shape[0]
+    _check_index(op, out_index, offset, S, x.device)
+    if out_channels < 1:
+        raise ValueError(f"{op}: out_channels must be >= 1, got {out_channels}")
+    if len(kernel_size) != 2 or min(kernel_size) < 1:
+        raise ValueError(f"{op}: kernel_size must be two ints >= 1, got {list(kernel_size)}")
+    if bias is not None:
+        check_like(op, "bias", bias, x)
+        if tuple(bias.shape) != (out_channels,):
+            raise ValueError(f"{op}: tensor 'bias' must have shape ({out_channels},), got {tuple(bias.shape)}")
+    if plan is not None:
+        K = kernel_size[0] * kernel_size[1]
+        if plan.dtype != torch.int32 or tuple(plan.shape) != (K, out_channels + 1) or plan.device != x.device:
+            raise ValueError(f"{op}: tensor 'plan' must be int32 of shape ({K}, {out_channels + 1}) on "
+                             f"{x.device} (from kernels.stripe_plan), got {plan.dtype} {tuple(plan.shape)} "
+                             f"on {plan.device}")
+    check_conv_params(op, stride, padding, dilation)
+    H, W = x.shape[2:]
+    ho = conv_out_size(H, kernel_size[0], stride[0], padding[0], dilation[0])
+    wo = conv_out_size(W, kernel_size[1], stride[1], padding[1], dilation[1])
+    if ho < 1 or wo < 1:
+        raise ValueError(f"{op}: tensor 'x' of spatial size {(H, W)} is too small for kernel "
+                         f"{tuple(kernel_size)} with padding {list(padding)} and dilation {list(dilation)}")
+    return ho, wo
+
+
+# ----------------------------------------------------------------------------------------------- plan
+def _plan_torch(out_index: Tensor, offset: Tensor, out_channels: int, kernel_size) -> Tensor:
+    KH, KW = kernel_size
+    K, N = KH * KW, out_channels
+    key = offset[:, 0] * KW + offset[:, 1]
+    key = key * N + out_index
+    counts = torch.bincount(key, minlength=K * N) if key.numel() else key.new_zeros(K * N)
+    excl = torch.cat([counts.new_zeros(1), counts.cumsum(0)])  # (K*N + 1,)
+    idx = torch.arange(K, device=key.device)[:, None] * N + torch.arange(N + 1, device=key.device)[None, :]
+    return excl[idx].to(torch.int32)
+
+
+def stripe_plan(out_index: Tensor, offset: Tensor, out_channels: int, kernel_size, validate: bool = True) -> Tensor:
+    """Index table of a stripe layer: int32 (KH*KW, N+1), see the module docstring. Build it once per layer.
+
+    With ``validate`` (the default; it reads the indices on the host once) it checks ranges and canonical order.
+    """
+    kernel_size = pair(kernel_size, "kernel_size")
+    S = out_index.shape[0] if out_index.dim() == 1 else -1
+    _check_index("stripe_plan", out_index, offset, S, out_index.device)
+    if validate and S > 0:
+        KH, KW = kernel_size
+        o, kh, kw = out_index.cpu(), offset[:, 0].cpu(), offset[:, 1].cpu()
+        if int(o.min()) < 0 or int(o.max()) >= out_channels:
+            raise ValueError(f"stripe_plan: 'out_index' values must lie in [0, {out_channels}), "
+                             f"got [{int(o.min())}, {int(o.max())}]")
+        if int(kh.min()) < 0 or int(kh.max()) >= KH or int(kw.min()) < 0 or int(kw.max()) >= KW:
+            raise ValueError(f"stripe_plan: 'offset' values must lie in [0, {KH}) x [0, {KW}) for kernel "
+                             f"{(KH, KW)}")
+        key = (kh * KW + kw) * out_channels + o
+        if S > 1 and not bool((key[1:] > key[:-1]).all()):
+            raise ValueError("stripe_plan: stripes must be in canonical order (sorted by offset kh*KW+kw, then "
+                             "output channel) with at most one stripe per (offset, output channel)")
+    return _plan_torch(out_index, offset, out_channels, kernel_size)
+
+
+def stripe_to_dense(weight: Tensor, out_index: Tensor, offset: Tensor, out_channels: int, kernel_size) -> Tensor:
+    """Zero-filled dense weight (N, C, KH, KW) with ``W[o_s, :, kh_s, kw_s] = weight[s]`` (differentiable)."""
+    KH, KW = pair(kernel_size, "kernel_size")
+    S, C = weight.shape
+    flat = weight.new_zeros(out_channels * KH * KW, C)
+    rows = (out_index * KH + offset[:, 0]) * KW + offset[:, 1]
+    flat = flat.index_add(0, rows, weight)
+    return flat.view(out_channels, KH, KW, C).permute(0, 3, 1, 2).contiguous()
+
+
+def _segments(plan: Tensor | None, out_index, offset, N, kernel_size):
+    """Per offset k: (k, start, end) of its stripes, host ints (CPU/fallback path only)."""
+    if plan is None:
+        plan = _plan_torch(out_index, offset, N, kernel_size)
+    ends = plan[:, [0, N]].tolist()
+    return [(k, a, b) for k, (a, b) in enumerate(ends) if b > a]
+
+
+def _valid(n_out: int, n_in: int, r0: int, s: int):
+    """Output index range [i0, i1) whose input index i*s + r0 lies in [0, n_in)."""
+    i0 = max(0, (-r0 + s - 1) // s)
+    i1 = min(n_out, (n_in - 1 - r0) // s + 1)
+    return i0, max(i0, i1)
+
+
+def _windows(k, KW, H, W, ho, wo, stride, padding, dilation):
+    """For offset k: output slice (i0:i1, j0:j1) and the matching strided input slices (rows, cols)."""
+    kh, kw = divmod(k, KW)
+    r0, c0 = kh * dilation[0] - padding[0], kw * dilation[1] - padding[1]
+    i0, i1 = _valid(ho, H, r0, stride[0])
+    j0, j1 = _valid(wo, W, c0, stride[1])
+    if i1 <= i0 or j1 <= j0:
+        return None
+    rows = slice(i0 * stride[0] + r0, (i1 - 1) * stride[0] + r0 + 1, stride[0])
+    cols = slice(j0 * stride[1] + c0, (j1 - 1) * stride[1] + c0 + 1, stride[1])
+    return slice(i0, i1), slice(j0, j1), rows, cols
+
+
+# ----------------------------------------------------------------------------------------------- torch path
+def _forward_torch(x, weight, out_index, offset, bias, plan, N, kernel_size, stride, padding, dilation, relu):
+    B, C, H, W = x.shape
+    ho = conv_out_size(H, kernel_size[0], stride[0], padding[0], dilation[0])
+    wo = conv_out_size(W, kernel_size[1], stride[1], padding[1], dilation[1])
+    S = weight.shape[0]
+    # y in (N, B, Ho, Wo) so that the per-offset scatter is an index_add_ along dim 0 of whole planes
+    if bias is not None:
+        y = bias.view(N, 1, 1, 1).expand(N, B, ho, wo).clone()
+    else:
+        y = x.new_zeros(N, B, ho, wo)
+    if S > 0 and B > 0:
+        xc = x.transpose(0, 1).reshape(C, B * H * W)
+        p = torch.mm(weight, xc).view(S, B, H, W)  # every stripe at every input pixel
+        for k, a, b in _segments(plan, out_index, offset, N, kernel_size):
+            win = _windows(k, kernel_size[1], H, W, ho, wo, stride, padding, dilation)
+            if win is None:
+                continue
+            oi, oj, rows, cols = win
+            y[:, :, oi, oj].index_add_(0, out_index[a:b], p[a:b, :, rows, cols])
+    if relu:
+        y.clamp_min_(0)
+    return y.permute(1, 0, 2, 3).contiguous(memory_format=memory_format(x))
+
+
+def _backward_torch(grad, x, weight, out_index, offset, plan, N, kernel_size, stride, padding, dilation,
+                    need_x: bool, need_w: bool):
+    B, C, H, W = x.shape
+    S = weight.shape[0]
+    ho, wo = grad.shape[2:]
+    dx = dw = None
+    if S == 0 or B == 0:
+        dx = torch.zeros_like(x, memory_format=memory_format(x)) if need_x else None
+        dw = torch.zeros_like(weight, memory_format=torch.contiguous_format) if need_w else None
+        return dx, dw
+    # G[s, b, h, w] = grad[b, o_s, i, j] at the input pixel (h, w) that stripe s reads for output (i, j)
+    gt = grad.transpose(0, 1)  # (N, B, Ho, Wo) view
+    g = x.new_zeros(S, B, H, W)
+    for k, a, b in _segments(plan, out_index, offset, N, kernel_size):
+        win = _windows(k, kernel_size[1], H, W, ho, wo, stride, padding, dilation)
+        if win is None:
+            continue
+        oi, oj, rows, cols = win
+        g[a:b, :, rows, cols] = gt[:, :, oi, oj].index_select(0, out_index[a:b])
+    g2 = g.view(S, B * H * W)
+    if need_x:
+        dx = torch.mm(weight.t(), g2).view(C, B, H, W).permute(1, 0, 2, 3)
+        dx = dx.contiguous(memory_format=memory_format(x))
+    if need_w:
+        dw = torch.mm(g2, x.transpose(0, 1).reshape(C, B * H * W).t())
+    return dx, dw
+
+
+# ----------------------------------------------------------------------------------------------- ops
+@torch.library.custom_op(OP, mutates_args=())
+def _stripe_op(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, bias: Tensor | None,
+               plan: Tensor | None, out_channels: int, kernel_size: list[int], stride: list[int],
+               padding: list[int], dilation: list[int], relu: bool) -> Tensor:
+    _check(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding, dilation)
+    return _forward_torch(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding,
+                          dilation, relu)
+
+
+@_stripe_op.register_kernel("cuda")
+def _stripe_cuda(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding,
+                 dilation, relu):
+    _check(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding, dilation)
+    from kernels import stripe_triton
+
+    if stripe_triton.available(x):
+        if plan is None:
+            plan = _plan_torch(out_index, offset, out_channels, kernel_size)
+        return stripe_triton.forward(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride,
+                                     padding, dilation, relu)
+    return _forward_torch(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding,
+                          dilation, relu)
+
+
+@_stripe_op.register_fake
+def _stripe_fake(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding, dilation,
+                 relu):
+    ho, wo = _check(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding, dilation)
+    return x.new_empty((x.shape[0], out_channels, ho, wo)).contiguous(memory_format=memory_format(x))
+
+
+@torch.library.custom_op(BOP, mutates_args=())
+def _stripe_backward_op(grad: Tensor, x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor,
+                        plan: Tensor | None, out_channels: int, kernel_size: list[int], stride: list[int],
+                        padding: list[int], dilation: list[int], need_x: bool, need_w: bool
+                        ) -> tuple[Tensor, Tensor]:
+    _check_grad(grad, x, weight, out_index, offset, plan, out_channels, kernel_size, stride, padding, dilation)
+    dx, dw = _backward_torch(grad, x, weight, out_index, offset, plan, out_channels, kernel_size, stride, padding,
+                             dilation, need_x, need_w)
+    return _fill(dx, dw, x, weight)
+
+
+@_stripe_backward_op.register_kernel("cuda")
+def _stripe_backward_cuda(grad, x, weight, out_index, offset, plan, out_channels, kernel_size, stride, padding,
+                          dilation, need_x, need_w):
+    _check_grad(grad, x, weight, out_index, offset, plan, out_channels, kernel_size, stride, padding, dilation)
+    from kernels import stripe_triton
+
+    if stripe_triton.available(x) and hasattr(stripe_triton, "backward"):
+        if plan is None:
+            plan = _plan_torch(out_index, offset, out_channels, kernel_size)
+        dx, dw = stripe_triton.backward(grad, x, weight, out_index, offset, plan, out_channels, kernel_size,
+                                        stride, padding, dilation, need_x, need_w)
+    else:
+        dx, dw = _backward_torch(grad, x, weight, out_index, offset, plan, out_channels, kernel_size, stride,
+                                 padding, dilation, need_x, need_w)
+    return _fill(dx, dw, x, weight)
+
+
+def _fill(dx, dw, x, weight):
+    # the op always returns two tensors; unrequested ones are empty placeholders of the right shape
+    if dx is None:
+        dx = torch.empty_like(x, memory_format=memory_format(x))
+    if dw is None:
+        dw = torch.empty_like(weight, memory_format=torch.contiguous_format)
+    return dx, dw
+
+
+def _check_grad(grad, x, weight, out_index, offset, plan, out_channels, kernel_size, stride, padding, dilation):
+    ho, wo = _check(x, weight, out_index, offset, None, plan, out_channels, kernel_size, stride, padding, dilation,
+                    BOP)
+    check_4d(BOP, "grad", grad)
+    check_like(BOP, "grad", grad, x)
+    if tuple(grad.shape) != (x.shape[0], out_channels, ho, wo):
+        raise ValueError(f"{BOP}: tensor 'grad' must have shape {(x.shape[0], out_channels, ho, wo)}, "
+                         f"got {tuple(grad.shape)}")
+
+
+@_stripe_backward_op.register_fake
+def _stripe_backward_fake(grad, x, weight, out_index, offset, plan, out_channels, kernel_size, stride, padding,
+                          dilation, need_x, need_w):
+    _check_grad(grad, x, weight, out_index, offset, plan, out_channels, kernel_size, stride, padding, dilation)
+    return torch.empty_like(x, memory_format=memory_format(x)), torch.empty_like(
+        weight, memory_format=torch.contiguous_format)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, out_index, offset, bias, plan, N, ks, stride, padding, dilation, relu = inputs
+    ctx.save_for_backward(x, weight, out_index, offset, plan, output if relu else None)
+    ctx.conf = (N, ks, stride, padding, dilation)
+    ctx.has_bias, ctx.relu = bias is not None, relu
+
+
+def _backward(ctx, grad):
+    x, weight, out_index, offset, plan, y = ctx.saved_tensors
+    if ctx.relu:
+        grad = grad * (y > 0)
+    need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[4]
+    dx = dw = db = None
+    if need_x or need_w:
+        gx, gw = _stripe_backward_op(grad.contiguous(memory_format=memory_format(grad)), x, weight, out_index,
+                                     offset, plan, *ctx.conf, need_x, need_w)
+        dx, dw = (gx if need_x else None), (gw if need_w else None)
+    if ctx.has_bias and need_b:
+        db = grad.sum((0, 2, 3))
+    return dx, dw, None, None, db, None, None, None, None, None, None, None
+
+
+_stripe_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------- public
+def stripe_conv2d(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, bias: Tensor | None,
+                  out_channels: int, kernel_size, stride=1, padding=0, dilation=1, relu: bool = False,
+                  plan: Tensor | None = None) -> Tensor:
+    """Stripe convolution, equal to ``F.conv2d`` with the zero-filled dense weight (see ``stripe_to_dense``).
+
+    Args:
+        x: (B, C, H, W), contiguous NCHW or channels_last.
+        weight: (S, C) kept stripes, canonical order.  out_index: (S,) int64.  offset: (S, 2) int64 (kh, kw).
+        bias: (N,) or None.  out_channels: N.  kernel_size, stride, padding, dilation: int or pair.
+        relu: apply ReLU after the bias (fused in the CUDA kernel).
+        plan: ``stripe_plan(out_index, offset, N, kernel_size)``, built once per layer (optional).
+
+    Returns:
+        y: (B, N, Ho, Wo), channels_last if ``x`` is.
+    """
+    x, weight, bias = autocast_inputs(x, weight, bias)
+    return _stripe_op(x, weight, out_index, offset, bias, plan, int(out_channels),
+                      pair(kernel_size, "kernel_size"), pair(stride, "stride"), pair(padding, "padding"),
+                      pair(dilation, "dilation"), bool(relu))
+
+
+# ----------------------------------------------------------------------------------------------- route choice
+def stripe_cost(in_channels: int, out_channels: int, num_stripes: int, kernel_size, device: str = "cpu") -> float:
+    """Cost-model estimate of (stripe time / dense time) for a layer; < 1 means the stripe path should win.
+
+    CPU: the stripe path does the 1x1 GEMM (S*C per input pixel) plus a scatter of S values per pixel, against the
+    dense conv's N*KH*KW*C MACs per output pixel; fitted on the 2-core CPU (benchmarks/stripe_cpu.py).
+    CUDA: kept fraction against the fused kernel's measured efficiency (benchmarks/stripe_gpu.py).
+    """
+    KH, KW = pair(kernel_size, "kernel_size")
+    dense = out_channels * KH * KW * in_channels
+    if device == "cuda":
+        return 1.6 * num_stripes * in_channels / max(dense, 1) + 0.05
+    return (num_stripes * in_channels + 12.0 * num_stripes) / (0.85 * max(dense, 1))
+
+
+@torch.no_grad()
+def stripe_route(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, bias: Tensor | None,
+                 out_channels: int, kernel_size, stride=1, padding=0, dilation=1, plan: Tensor | None = None,
+                 repeats: int = 5) -> dict:
+    """Measure once whether the stripe op beats ``F.conv2d`` with the zero-filled dense weight on ``x``'s device,
+    shape, dtype and layout (like ``cudnn.benchmark``). Returns ``{"use_stripe": bool, "stripe_ms", "dense_ms"}``.
+
+    Call it once per layer (at export/load or on the first batch), not per forward.
+    """
+    ks = pair(kernel_size, "kernel_size")
+    if plan is None:
+        plan = stripe_plan(out_index, offset, out_channels, ks)
+    dense_w = stripe_to_dense(weight, out_index, offset, out_channels, ks).contiguous(
+        memory_format=memory_format(x))
+
+    def run_stripe():
+        return stripe_conv2d(x, weight, out_index, offset, bias, out_channels, ks, stride, padding, dilation,
+                             plan=plan)
+
+    def run_dense():
+        return F.conv2d(x, dense_w, bias, pair(stride), pair(padding), pair(dilation))
+
+    def timeit(fn):
+        fn()
+        ts = []
+        for _ in range(repeats):
+            if x.is_cuda:
+                torch.cuda.synchronize(x.device)
+            t0 = time.perf_counter()
+            fn()
+            if x.is_cuda:
+                torch.cuda.synchronize(x.device)
+            ts.append(time.perf_counter() - t0)
+        return sorted(ts)[len(ts) // 2] * 1e3
+
+    s_ms, d_ms = timeit(run_stripe), timeit(run_dense)
+    return {"use_stripe": s_ms < d_ms, "stripe_ms": s_ms, "dense_ms": d_ms}

@@ -1,0 +1,206 @@
+"""Tests of ``kernels.stripe_conv2d`` against ``F.conv2d`` with the zero-filled dense weight (float64)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels.stripe import stripe_to_dense
+
+CASES = [  # B, C, N, H, W, kernel, stride, padding, dilation
+    (2, 3, 5, 7, 6, (3, 3), (1, 1), (1, 1), (1, 1)),
+    (2, 4, 6, 9, 8, (3, 3), (2, 2), (1, 1), (1, 1)),
+    (2, 4, 6, 9, 8, (3, 2), (2, 1), (1, 0), (1, 2)),
+    (3, 5, 7, 11, 10, (3, 3), (2, 2), (2, 0), (2, 1)),
+    (1, 2, 3, 6, 7, (5, 3), (1, 3), (0, 2), (1, 1)),
+]
+
+
+def random_layer(N, C, kernel_size, keep, gen, dtype=torch.float64, device="cpu"):
+    """Random stripe layer in canonical order; never empty."""
+    KH, KW = kernel_size
+    m = torch.rand(N, KH, KW, generator=gen) < keep
+    m[0, 0, 0] = True
+    nz = m.permute(1, 2, 0).nonzero()  # rows (kh, kw, o): sorted by offset then output channel
+    w = torch.randn(len(nz), C, generator=gen, dtype=dtype)
+    return w.to(device), nz[:, 2].contiguous().to(device), nz[:, :2].contiguous().to(device)
+
+
+def _ref(x, w, oi, off, b, N, ks, st, pd, dl, relu=False):
+    y = F.conv2d(x, stripe_to_dense(w, oi, off, N, ks), b, st, pd, dl)
+    return y.relu() if relu else y
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_forward_backward_matches_dense(case, with_bias, layout):
+    B, C, N, H, W, ks, st, pd, dl = case
+    gen = torch.Generator().manual_seed(hash((case, with_bias, layout)) % 2**31)
+    w, oi, off = random_layer(N, C, ks, 0.5, gen)
+    x = torch.randn(B, C, H, W, generator=gen, dtype=torch.float64)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    b = torch.randn(N, generator=gen, dtype=torch.float64) if with_bias else None
+    plan = kernels.stripe_plan(oi, off, N, ks)
+    ins = [t.clone().requires_grad_() for t in (x, w)] + ([b.clone().requires_grad_()] if with_bias else [])
+    y = kernels.stripe_conv2d(ins[0], ins[1], oi, off, ins[2] if with_bias else None, N, ks, st, pd, dl, plan=plan)
+    ref_ins = [t.clone().requires_grad_() for t in (x, w)] + ([b.clone().requires_grad_()] if with_bias else [])
+    yr = _ref(ref_ins[0], ref_ins[1], oi, off, ref_ins[2] if with_bias else None, N, ks, st, pd, dl)
+    assert y.shape == yr.shape
+    torch.testing.assert_close(y, yr, rtol=1e-10, atol=1e-10)
+    assert y.is_contiguous(memory_format=torch.channels_last if layout == "channels_last"
+                           else torch.contiguous_format)
+    g = torch.randn(yr.shape, generator=gen, dtype=torch.float64)
+    got = torch.autograd.grad(y, ins, g)
+    want = torch.autograd.grad(yr, ref_ins, g)
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10)
+
+
+def test_no_plan_and_relu_match():
+    gen = torch.Generator().manual_seed(1)
+    w, oi, off = random_layer(6, 4, (3, 3), 0.4, gen)
+    x = torch.randn(2, 4, 8, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(6, generator=gen, dtype=torch.float64)
+    y = kernels.stripe_conv2d(x, w, oi, off, b, 6, 3, 2, 1, 1, relu=True)
+    yr = _ref(x, w, oi, off, b, 6, (3, 3), 2, 1, 1, relu=True)
+    assert (yr == 0).any() and (yr > 0).any()
+    torch.testing.assert_close(y, yr, rtol=1e-10, atol=1e-10)
+    g = torch.randn(yr.shape, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(torch.autograd.grad(y, x, g)[0], torch.autograd.grad(yr, x, g)[0])
+
+
+def test_float32_and_empty_batch():
+    gen = torch.Generator().manual_seed(2)
+    w, oi, off = random_layer(8, 6, (3, 3), 0.3, gen, dtype=torch.float32)
+    x = torch.randn(3, 6, 10, 10, generator=gen)
+    y = kernels.stripe_conv2d(x, w, oi, off, None, 8, 3, 1, 1, 1)
+    torch.testing.assert_close(y, _ref(x, w, oi, off, None, 8, (3, 3), 1, 1, 1), rtol=1e-5, atol=1e-5)
+    x0 = torch.randn(0, 6, 10, 10, requires_grad=True)
+    y0 = kernels.stripe_conv2d(x0, w, oi, off, None, 8, 3, 2, 1, 1)
+    assert y0.shape == (0, 8, 5, 5)
+    y0.sum().backward()
+    assert x0.grad.shape == x0.shape
+
+
+def test_all_stripes_kept_equals_dense_conv():
+    gen = torch.Generator().manual_seed(3)
+    w, oi, off = random_layer(4, 3, (3, 3), 1.1, gen)
+    assert len(oi) == 36
+    x = torch.randn(2, 3, 5, 5, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(kernels.stripe_conv2d(x, w, oi, off, None, 4, 3, 1, 1, 1),
+                               _ref(x, w, oi, off, None, 4, (3, 3), 1, 1, 1))
+
+
+def test_gradcheck():
+    gen = torch.Generator().manual_seed(4)
+    w, oi, off = random_layer(3, 2, (3, 3), 0.5, gen)
+    x = torch.randn(2, 2, 5, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, generator=gen, dtype=torch.float64, requires_grad=True)
+    w.requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda x, w, b: kernels.stripe_conv2d(x, w, oi, off, b, 3, 3, (2, 1), (1, 0), (1, 2)), (x, w, b))
+
+
+def test_opcheck():
+    gen = torch.Generator().manual_seed(5)
+    w, oi, off = random_layer(5, 3, (3, 3), 0.5, gen)
+    x = torch.randn(2, 3, 6, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(5, generator=gen, dtype=torch.float64, requires_grad=True)
+    w.requires_grad_()
+    plan = kernels.stripe_plan(oi, off, 5, 3)
+    torch.library.opcheck(torch.ops.compress.stripe_conv2d.default,
+                          (x, w, oi, off, b, plan, 5, [3, 3], [2, 2], [1, 1], [1, 1], False))
+    g = torch.randn(2, 5, 3, 3, generator=gen, dtype=torch.float64)
+    torch.library.opcheck(torch.ops.compress.stripe_conv2d_backward.default,
+                          (g, x.detach(), w.detach(), oi, off, plan, 5, [3, 3], [2, 2], [1, 1], [1, 1], True, True))
+
+
+def test_plan_contents():
+    oi = torch.tensor([1, 3, 0, 2, 3])
+    off = torch.tensor([[0, 0], [0, 0], [0, 2], [1, 1], [1, 1]])
+    plan = kernels.stripe_plan(oi, off, 4, (2, 3))
+    assert plan.dtype == torch.int32 and plan.shape == (6, 5)
+    assert plan[0].tolist() == [0, 0, 1, 1, 2]  # offset (0,0): stripes 0 (ch 1) and 1 (ch 3)
+    assert plan[2].tolist() == [2, 3, 3, 3, 3]  # offset (0,2): stripe 2 (ch 0)
+    assert plan[4].tolist() == [3, 3, 3, 4, 5]  # offset (1,1): stripes 3 (ch 2) and 4 (ch 3)
+
+
+@pytest.mark.parametrize("bad, msg", [
+    ("order", "canonical order"),
+    ("range", "out_index' values must lie"),
+    ("offset", "offset' values must lie"),
+])
+def test_plan_validation(bad, msg):
+    oi, off = torch.tensor([0, 1]), torch.tensor([[0, 0], [0, 1]])
+    if bad == "order":
+        off = torch.tensor([[0, 1], [0, 0]])
+    elif bad == "range":
+        oi = torch.tensor([0, 7])
+    else:
+        off = torch.tensor([[0, 0], [3, 0]])
+    with pytest.raises(ValueError, match=msg):
+        kernels.stripe_plan(oi, off, 2, 3)
+
+
+def test_errors():
+    gen = torch.Generator().manual_seed(6)
+    w, oi, off = random_layer(4, 3, (3, 3), 0.5, gen, dtype=torch.float32)
+    x = torch.randn(1, 3, 5, 5)
+    with pytest.raises(ValueError, match=r"tensor 'weight' must have shape \(S, 3\)"):
+        kernels.stripe_conv2d(x, w[:, :2], oi, off, None, 4, 3, 1, 1, 1)
+    with pytest.raises(TypeError, match="tensor 'out_index' must be int64"):
+        kernels.stripe_conv2d(x, w, oi.int(), off, None, 4, 3, 1, 1, 1)
+    with pytest.raises(ValueError, match="tensor 'x' must be 4-D"):
+        kernels.stripe_conv2d(x[0], w, oi, off, None, 4, 3, 1, 1, 1)
+    with pytest.raises(TypeError, match="tensor 'weight' has dtype torch.float64"):
+        kernels.stripe_conv2d(x, w.double(), oi, off, None, 4, 3, 1, 1, 1)
+    with pytest.raises(ValueError, match=r"tensor 'bias' must have shape \(4,\)"):
+        kernels.stripe_conv2d(x, w, oi, off, torch.zeros(3), 4, 3, 1, 1, 1)
+    with pytest.raises(ValueError, match="too small for kernel"):
+        kernels.stripe_conv2d(torch.randn(1, 3, 2, 2), w, oi, off, None, 4, 3, 1, 0, 1)
+    with pytest.raises(ValueError, match="tensor 'plan' must be int32"):
+        kernels.stripe_conv2d(x, w, oi, off, None, 4, 3, 1, 1, 1, plan=torch.zeros(9, 5, dtype=torch.int64))
+    with pytest.raises(ValueError, match="must be contiguous NCHW or channels_last"):
+        kernels.stripe_conv2d(x.transpose(2, 3), w, oi, off, None, 4, 3, 1, 1, 1)
+
+
+def test_route_helpers():
+    gen = torch.Generator().manual_seed(7)
+    w, oi, off = random_layer(8, 8, (3, 3), 0.3, gen, dtype=torch.float32)
+    x = torch.randn(2, 8, 8, 8, generator=gen)
+    r = kernels.stripe_route(x, w, oi, off, None, 8, 3, 1, 1, 1, repeats=1)
+    assert set(r) == {"use_stripe", "stripe_ms", "dense_ms"} and r["stripe_ms"] > 0 and r["dense_ms"] > 0
+    lo = kernels.stripe_cost(256, 256, int(0.1 * 256 * 9), 3)
+    hi = kernels.stripe_cost(256, 256, int(0.9 * 256 * 9), 3)
+    assert lo < 1 < hi
+
+
+# ----------------------------------------------------------------------------------------------- CUDA
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-3), (torch.float16, 1e-2), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_cuda_matches_dense(dtype, tol, layout):
+    gen = torch.Generator().manual_seed(9)
+    for case in CASES + [(4, 64, 64, 8, 8, (3, 3), (1, 1), (1, 1), (1, 1)),
+                         (2, 128, 96, 9, 9, (3, 3), (2, 2), (1, 1), (1, 1))]:
+        B, C, N, H, W, ks, st, pd, dl = case
+        w, oi, off = random_layer(N, C, ks, 0.3, gen, device="cuda")
+        x = torch.randn(B, C, H, W, generator=gen, dtype=torch.float64).cuda()
+        b = torch.randn(N, generator=gen, dtype=torch.float64).cuda()
+        yr = _ref(x, w, oi, off, b, N, ks, st, pd, dl, relu=True)
+        fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+        xd = x.to(dtype).contiguous(memory_format=fmt).requires_grad_()
+        wd, bd = w.to(dtype).requires_grad_(), b.to(dtype).requires_grad_()
+        plan = kernels.stripe_plan(oi, off, N, ks)
+        y = kernels.stripe_conv2d(xd, wd, oi, off, bd, N, ks, st, pd, dl, relu=True, plan=plan)
+        assert ((y.double() - yr).norm() / yr.norm()).item() < tol, case
+        g = torch.randn(yr.shape, generator=gen, dtype=torch.float64).cuda()
+        xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
+        want = torch.autograd.grad(_ref(xr, wr, oi, off, br, N, ks, st, pd, dl, relu=True), (xr, wr, br), g)
+        got = torch.autograd.grad(y, (xd, wd, bd), g.to(dtype))
+        for a, e in zip(got, want):
+            assert ((a.double() - e).norm() / e.norm()).item() < tol, case
