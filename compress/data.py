@@ -20,8 +20,6 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 __all__ = ["Data", "DatasetNotFoundError", "build_data", "DATASETS"]
 
-DATASETS = ("digits", "cifar10", "cifar100", "imagenet", "imagefolder", "fake")
-
 # Accepted cfg keys and their defaults (None: dataset-specific or unset).
 _DEFAULTS: dict[str, Any] = {
     "name": "digits",
@@ -73,14 +71,7 @@ def build_data(cfg, rank: int = 0, world_size: int = 1) -> Data:
     if not 0 <= rank < world_size:
         raise ValueError(f"build_data: need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
     name = opts["name"]
-    if name == "digits":
-        train, test, num_classes = _digits(opts)
-    elif name in _CIFAR:
-        train, test, num_classes = _cifar(opts)
-    elif name in ("imagenet", "imagefolder"):
-        train, test, num_classes = _image_folder(opts)
-    else:
-        train, test, num_classes = _fake(opts)
+    train, test, num_classes = _BUILDERS[name](opts)
     if opts["num_classes"] is not None and opts["num_classes"] != num_classes:
         raise ValueError(
             f"build_data: data.num_classes={opts['num_classes']} but {name} has {num_classes} classes; "
@@ -287,3 +278,15 @@ def _fake(opts: dict):
     train = _FakeImages(opts["train_size"], num_classes, shape, 2 * seed)
     test = _FakeImages(opts["test_size"], num_classes, shape, 2 * seed + 1)
     return train, test, num_classes
+
+
+# name -> builder(opts) -> (train dataset, test dataset, num_classes)
+_BUILDERS = {
+    "digits": _digits,
+    "cifar10": _cifar,
+    "cifar100": _cifar,
+    "imagenet": _image_folder,
+    "imagefolder": _image_folder,
+    "fake": _fake,
+}
+DATASETS = tuple(_BUILDERS)
