@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import kernels
 
-__all__ = ["StripeConv2d", "conv_padding"]
+__all__ = ["StripeConv2d", "conv_padding", "masked_conv"]
 
 MODES = ("stripe", "dense")
 
@@ -41,6 +41,31 @@ def conv_padding(conv: nn.Conv2d) -> tuple[int, int]:
             )
         return (total[0] // 2, total[1] // 2)
     return _pair(conv.padding)
+
+
+@torch.no_grad()
+def masked_conv(conv: nn.Conv2d, threshold: float) -> nn.Conv2d:
+    """The plain nn.Conv2d equal to SkeletonConv2d `conv` with the stripes |skeleton| <= threshold dropped:
+    weight W * skeleton * mask (zeros where dropped); same arguments, bias, device, dtype, mode."""
+    dense = nn.Conv2d(
+        conv.in_channels,
+        conv.out_channels,
+        conv.kernel_size,
+        stride=conv.stride,
+        padding=conv.padding,
+        dilation=conv.dilation,
+        groups=conv.groups,
+        bias=conv.bias is not None,
+        padding_mode=conv.padding_mode,
+        device=conv.weight.device,
+        dtype=conv.weight.dtype,
+    )
+    dense.weight.copy_(conv.weight * (conv.skeleton * conv.stripe_mask(threshold))[:, None])
+    dense.weight.requires_grad_(conv.weight.requires_grad)
+    if conv.bias is not None:
+        dense.bias.copy_(conv.bias)
+    dense.train(conv.training)
+    return dense
 
 
 class StripeConv2d(nn.Module):
@@ -135,25 +160,7 @@ class StripeConv2d(nn.Module):
     @classmethod
     def from_skeleton(cls, conv: nn.Conv2d, threshold: float, mode: str = "stripe") -> StripeConv2d:
         """From a SkeletonConv2d: stripes where |skeleton| > threshold, weight W * skeleton."""
-        dense = nn.Conv2d(
-            conv.in_channels,
-            conv.out_channels,
-            conv.kernel_size,
-            stride=conv.stride,
-            padding=conv.padding,
-            dilation=conv.dilation,
-            groups=conv.groups,
-            bias=conv.bias is not None,
-            padding_mode=conv.padding_mode,
-            device=conv.weight.device,
-            dtype=conv.weight.dtype,
-        )
-        with torch.no_grad():
-            dense.weight.copy_(conv.weight * conv.skeleton[:, None])
-            if conv.bias is not None:
-                dense.bias.copy_(conv.bias)
-        dense.train(conv.training)
-        return cls.from_dense(dense, conv.stripe_mask(threshold), mode=mode)
+        return cls.from_dense(masked_conv(conv, threshold), conv.stripe_mask(threshold), mode=mode)
 
     def dense_weight(self) -> torch.Tensor:
         """The zero-filled dense weight (N, C, kh, kw); differentiable w.r.t. `weight`."""

@@ -1,10 +1,34 @@
-"""Model surgery: find, replace and pair modules by their qualified names."""
+"""Model surgery: find, replace and pair modules by name; find conv -> (BN, act) -> conv chains with
+torch.fx, remove output channels along them, fold constant inputs and BatchNorm into convs."""
 
 from __future__ import annotations
 
-import torch.nn as nn
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["get_module", "replace_module", "conv_bn_pairs"]
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = [
+    "get_module",
+    "replace_module",
+    "conv_bn_pairs",
+    "Step",
+    "Chain",
+    "trace",
+    "find_chains",
+    "conv_bn_pairs_traced",
+    "chain_constants",
+    "consumer_columns",
+    "consumers_unpadded",
+    "fold_constant_inputs",
+    "remove_channels",
+    "fold_bn",
+]
 
 
 def get_module(model: nn.Module, name: str) -> nn.Module:
@@ -42,3 +66,292 @@ def conv_bn_pairs(model: nn.Module) -> dict[str, str]:
         elif len(module._modules) == 0 and not isinstance(module, (nn.ReLU, nn.Identity)):
             prev_conv = None
     return pairs
+
+
+# ---- graph analysis ------------------------------------------------------------------------------
+_ELEMENTWISE_MODULES = (
+    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SiLU, nn.GELU, nn.Hardswish, nn.Hardsigmoid,
+    nn.Sigmoid, nn.Tanh, nn.Mish, nn.Identity, nn.Dropout, nn.Dropout2d,
+)  # fmt: skip
+_ELEMENTWISE_FUNCTIONS = {
+    F.relu, F.relu_, torch.relu, torch.relu_, F.relu6, F.silu, F.gelu, F.hardswish, F.leaky_relu,
+    torch.sigmoid, torch.tanh, F.dropout,
+}  # fmt: skip
+_ELEMENTWISE_METHODS = {"relu", "relu_", "sigmoid", "tanh"}
+# pools map a spatially constant channel to the same constant
+_POOL_MODULES = (nn.MaxPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
+_POOL_FUNCTIONS = {F.max_pool2d, F.adaptive_avg_pool2d}
+
+
+@dataclass
+class Step:
+    """One channel-wise op between a producer conv and its consumers.
+
+    kind: "module" (`target` is a module name), "function" or "method" (applied with `args`/`kwargs`
+    after the tensor), or "pool" (maps a constant channel to itself; nothing to apply).
+    """
+
+    kind: str
+    target: Any = None
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class Chain:
+    """A conv whose output channels reach only channel-wise steps and then the input channels of
+    `consumers` (convs with groups 1, or one Linear after a flatten), so that any output channel can be
+    removed together with its BN channel and the consumers' matching inputs."""
+
+    producer: str
+    steps: list[Step]
+    consumers: list[str]
+
+
+class _Tracer(fx.Tracer):
+    """Keeps convs and our extension modules (those with `config()`) as leaves."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return (
+            isinstance(m, nn.Conv2d)
+            or callable(getattr(m, "config", None))
+            or super().is_leaf_module(m, qualname)
+        )
+
+
+def trace(model: nn.Module) -> fx.Graph | None:
+    """The torch.fx graph of `model` traced in eval mode, or None (with a warning) if tracing fails."""
+    was_training = model.training
+    model.eval()
+    try:
+        return _Tracer().trace(model)
+    except Exception as err:  # any tracing failure means: no graph-based surgery
+        warnings.warn(
+            f"torch.fx cannot trace {type(model).__name__} ({type(err).__name__}: {err}); dead filters "
+            "are kept and BatchNorm is not folded. Make the forward traceable to enable them.",
+            stacklevel=3,
+        )
+        return None
+    finally:
+        model.train(was_training)
+
+
+def _only_input(node: fx.Node, src: fx.Node) -> bool:
+    """`node` reads `src` as its first argument and no other graph value."""
+    others: list[fx.Node] = []
+    fx.node.map_arg((node.args[1:], node.kwargs), others.append)
+    return bool(node.args) and node.args[0] is src and not others
+
+
+def _module_calls(graph: fx.Graph) -> Counter:
+    return Counter(n.target for n in graph.nodes if n.op == "call_module")
+
+
+def _channelwise_step(model: nn.Module, node: fx.Node, src: fx.Node, channels: int, calls: Counter):
+    if not _only_input(node, src):
+        return None
+    args, kwargs = tuple(node.args[1:]), dict(node.kwargs)
+    if node.op == "call_module":
+        m = model.get_submodule(node.target)
+        if isinstance(m, nn.BatchNorm2d):
+            ok = m.num_features == channels and calls[node.target] == 1
+            return Step("module", node.target) if ok else None
+        if isinstance(m, _ELEMENTWISE_MODULES):
+            return Step("module", node.target)
+        return Step("pool") if isinstance(m, _POOL_MODULES) else None
+    if node.op == "call_function" and node.target in _ELEMENTWISE_FUNCTIONS:
+        return Step("function", node.target, args, kwargs)
+    if node.op == "call_function" and node.target in _POOL_FUNCTIONS:
+        return Step("pool")
+    if node.op == "call_method" and node.target in _ELEMENTWISE_METHODS:
+        return Step("method", node.target, args, kwargs)
+    return None
+
+
+def _is_flatten(node: fx.Node) -> bool:
+    is_fn = node.op == "call_function" and node.target is torch.flatten
+    is_method = node.op == "call_method" and node.target == "flatten"
+    if not (is_fn or is_method):
+        return False
+    start = node.args[1] if len(node.args) > 1 else node.kwargs.get("start_dim", 0)
+    end = node.args[2] if len(node.args) > 2 else node.kwargs.get("end_dim", -1)
+    return start == 1 and end == -1
+
+
+def _consumer(model: nn.Module, node: fx.Node, src: fx.Node, channels: int, calls: Counter, cls) -> bool:
+    if node.op != "call_module" or node.args != (src,) or node.kwargs or calls[node.target] != 1:
+        return False
+    m = model.get_submodule(node.target)
+    if cls is nn.Linear:
+        return type(m) is nn.Linear and m.in_features % channels == 0
+    return type(m) is nn.Conv2d and m.groups == 1 and m.in_channels == channels
+
+
+def _chain_from(model: nn.Module, node: fx.Node, calls: Counter) -> Chain | None:
+    channels = model.get_submodule(node.target).out_channels
+    steps, cur = [], node
+    while True:
+        users = list(cur.users)
+        if users and all(_consumer(model, u, cur, channels, calls, nn.Conv2d) for u in users):
+            return Chain(node.target, steps, [u.target for u in users])
+        if len(users) != 1:
+            return None
+        (user,) = users
+        if _is_flatten(user) and _only_input(user, cur):
+            linear = list(user.users)
+            if len(linear) == 1 and _consumer(model, linear[0], user, channels, calls, nn.Linear):
+                return Chain(node.target, steps, [linear[0].target])
+            return None
+        step = _channelwise_step(model, user, cur, channels, calls)
+        if step is None:
+            return None
+        steps.append(step)
+        cur = user
+
+
+def find_chains(model: nn.Module, graph: fx.Graph) -> list[Chain]:
+    """Chains of every Conv2d (groups 1, called once) whose output channels can be removed, in graph order.
+
+    Never returns a conv feeding a residual add, a concatenation or anything but channel-wise ops
+    (BN, activations, dropout, max/adaptive pools) followed by convs or flatten -> Linear.
+    """
+    calls = _module_calls(graph)
+    chains = []
+    for node in graph.nodes:
+        if node.op != "call_module" or calls[node.target] != 1:
+            continue
+        m = model.get_submodule(node.target)
+        if type(m) is nn.Conv2d and m.groups == 1:
+            chain = _chain_from(model, node, calls)
+            if chain is not None:
+                chains.append(chain)
+    return chains
+
+
+def conv_bn_pairs_traced(model: nn.Module, graph: fx.Graph) -> dict[str, str]:
+    """Map each Conv2d (called once) whose only user is a BatchNorm2d (called once) to that BN's name."""
+    calls = _module_calls(graph)
+    pairs = {}
+    for node in graph.nodes:
+        if node.op != "call_module" or calls[node.target] != 1:
+            continue
+        if not isinstance(model.get_submodule(node.target), nn.Conv2d) or len(node.users) != 1:
+            continue
+        (user,) = node.users
+        if user.op == "call_module" and user.args == (node,) and calls[user.target] == 1:
+            if isinstance(model.get_submodule(user.target), nn.BatchNorm2d):
+                pairs[node.target] = user.target
+    return pairs
+
+
+# ---- channel surgery -----------------------------------------------------------------------------
+@torch.no_grad()
+def chain_constants(model: nn.Module, chain: Chain) -> torch.Tensor:
+    """(C,) the value each producer channel reaches the consumers with when its filter is all zero
+    (the producer's bias, or 0, through the chain's steps with BN in eval mode)."""
+    producer = get_module(model, chain.producer)
+    w = producer.weight
+    x = producer.bias.detach().clone() if producer.bias is not None else w.new_zeros(w.shape[0])
+    x = x.view(1, -1, 1, 1)
+    for step in chain.steps:
+        if step.kind == "module":
+            m = get_module(model, step.target)
+            was_training = m.training
+            m.eval()
+            x = m(x.clone())
+            m.train(was_training)
+        elif step.kind == "function":
+            x = step.target(x.clone(), *step.args, **step.kwargs)
+        elif step.kind == "method":
+            x = getattr(x.clone(), step.target)(*step.args, **step.kwargs)
+    return x.flatten()
+
+
+def _set_param(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Replace (or add) Parameter `name` of `module` by a copy of `value`, keeping requires_grad."""
+    old = getattr(module, name)
+    requires_grad = old.requires_grad if old is not None else True
+    setattr(module, name, nn.Parameter(value.detach().clone(), requires_grad=requires_grad))
+
+
+def consumer_columns(model: nn.Module, chain: Chain, name: str) -> torch.Tensor:
+    """The consumer's weight viewed as (out, C, k) with C the producer's channels (k = kernel or hw)."""
+    m = get_module(model, name)
+    channels = get_module(model, chain.producer).out_channels
+    return m.weight.detach().reshape(m.weight.shape[0], channels, -1)
+
+
+@torch.no_grad()
+def fold_constant_inputs(model: nn.Module, chain: Chain, values: torch.Tensor, channels: torch.Tensor) -> None:
+    """Producer channels where `channels` (bool, (C,)) is True carry the constant `values` (C,): add their
+    contribution to each consumer's bias and zero their weights (in place). Exact for consumers that
+    do not pad their input (checked) and for zero values."""
+    values = torch.where(channels, values, torch.zeros_like(values))
+    for name in chain.consumers:
+        m = get_module(model, name)
+        if bool(values.any()) and isinstance(m, nn.Conv2d) and any(p != 0 for p in _padding(m)):
+            raise ValueError(f"fold_constant_inputs: consumer {name!r} pads its input; folding is not exact")
+        cols = consumer_columns(model, chain, name)
+        if bool(values.any()):
+            shift = (cols * values.to(cols.dtype)[None, :, None]).sum((1, 2))
+            _set_param(m, "bias", shift if m.bias is None else m.bias + shift)
+        cols = cols * (~channels).to(cols.dtype)[None, :, None]
+        _set_param(m, "weight", cols.reshape(m.weight.shape))
+
+
+def _padding(conv: nn.Conv2d) -> tuple[int, ...]:
+    if isinstance(conv.padding, str):
+        return (0,) if conv.padding == "valid" else (1,)
+    return conv.padding
+
+
+def consumers_unpadded(model: nn.Module, chain: Chain) -> bool:
+    """True when no consumer pads its input (so a constant input channel adds a constant to its output)."""
+    mods = [get_module(model, n) for n in chain.consumers]
+    return all(not isinstance(m, nn.Conv2d) or all(p == 0 for p in _padding(m)) for m in mods)
+
+
+@torch.no_grad()
+def remove_channels(model: nn.Module, chain: Chain, keep: torch.Tensor) -> None:
+    """Keep only the producer output channels where `keep` (bool, (C,)) is True: slice the producer's
+    weight and bias, every BN of the chain, and the consumers' input channels (in place)."""
+    producer = get_module(model, chain.producer)
+    _set_param(producer, "weight", producer.weight[keep])
+    if producer.bias is not None:
+        _set_param(producer, "bias", producer.bias[keep])
+    producer.out_channels = int(keep.sum())
+    for step in chain.steps:
+        m = get_module(model, step.target) if step.kind == "module" else None
+        if isinstance(m, nn.BatchNorm2d):
+            for attr in ("weight", "bias"):
+                if getattr(m, attr) is not None:
+                    _set_param(m, attr, getattr(m, attr)[keep])
+            for attr in ("running_mean", "running_var"):
+                if getattr(m, attr) is not None:
+                    setattr(m, attr, getattr(m, attr)[keep].clone())
+            m.num_features = int(keep.sum())
+    for name in chain.consumers:
+        m = get_module(model, name)
+        w = m.weight.reshape(m.weight.shape[0], keep.numel(), -1)[:, keep]
+        if isinstance(m, nn.Linear):
+            _set_param(m, "weight", w.reshape(w.shape[0], -1))
+            m.in_features = w.shape[1] * w.shape[2]
+        else:
+            _set_param(m, "weight", w.reshape(w.shape[0], w.shape[1], *m.kernel_size))
+            m.in_channels = w.shape[1]
+
+
+@torch.no_grad()
+def fold_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> None:
+    """Fold eval-mode `bn` into the preceding `conv` (in place): conv(x) then bn == the new conv(x)."""
+    if bn.running_mean is None:
+        raise ValueError("fold_bn: BatchNorm without running statistics cannot be folded")
+    scale = torch.rsqrt(bn.running_var + bn.eps)
+    if bn.weight is not None:
+        scale = scale * bn.weight
+    bias = conv.bias if conv.bias is not None else torch.zeros_like(bn.running_mean)
+    bias = (bias - bn.running_mean) * scale
+    if bn.bias is not None:
+        bias = bias + bn.bias
+    _set_param(conv, "weight", conv.weight * scale.view(-1, *([1] * (conv.weight.dim() - 1))))
+    _set_param(conv, "bias", bias)

@@ -1,0 +1,242 @@
+"""Compaction: a trained skeleton model -> a smaller model that computes the same function.
+
+`compact(model)` returns a new model (the caller's is never changed) where
+- every SkeletonConv2d becomes a StripeConv2d holding only its kept stripes, or a plain nn.Conv2d
+  when all its stripes are kept;
+- dead filters (no stripe left) are removed with their BN channel and the next conv's (or the final
+  Linear's) matching input channels wherever torch.fx finds a conv -> channel-wise ops -> conv chain
+  (plain VGG chains, the inner convs of residual blocks; never a conv feeding an add or a concat).
+  A dead filter's constant output (its BN bias after the activation) is folded into the next layer's
+  bias when that layer does not pad its input, else the filter is kept: the result is always exact;
+- a conv with no stripe left at all (e.g. the last conv of a fully pruned residual branch) becomes a
+  StripeConv2d with 0 stripes, which outputs its bias without reading its input, and the branch's
+  earlier convs shrink to one zero channel: only the shortcut path does work;
+- optionally BN is folded into the preceding conv, and a MAC budget picks the threshold.
+
+The chosen threshold and MAC counts are recorded in `compact_model.compress_compaction` (a dict:
+threshold, fold_bn, target_macs, macs, dense_macs; MACs are None when no budget was given).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+import torch.nn as nn
+
+import kernels
+from compress.skeleton import SkeletonConv2d
+from compress.stripe import StripeConv2d, masked_conv
+from compress.surgery import (
+    Chain,
+    chain_constants,
+    consumer_columns,
+    consumers_unpadded,
+    conv_bn_pairs_traced,
+    find_chains,
+    fold_constant_inputs,
+    get_module,
+    remove_channels,
+    replace_module,
+    trace,
+)
+from compress.surgery import fold_bn as fold_bn_into_conv
+
+__all__ = ["compact", "choose_modes"]
+
+
+def compact(
+    model: nn.Module,
+    threshold: float | None = None,
+    fold_bn: bool = False,
+    target_macs: float | None = None,
+    input_size: Sequence[int] | None = None,
+) -> nn.Module:
+    """A compact copy of `model` (see the module docstring); `model` itself is left unchanged.
+
+    Args:
+        model: any model, usually with SkeletonConv2d layers (compress.attach_skeletons).
+        threshold: stripes with |skeleton| <= threshold are dropped (default 0: drop the zeroed ones,
+            so the compact model equals the skeleton model exactly).
+        fold_bn: fold every BatchNorm2d that directly follows a conv into that conv (inference only;
+            the BN becomes nn.Identity).
+        target_macs: a MAC budget for one input, as a fraction in (0, 1] of the dense model's MACs or
+            an absolute count (> 1). The threshold is raised (bisection over the sorted |skeleton|
+            values) to the smallest value whose compact model meets the budget.
+        input_size: (C, H, W) used to count MACs for `target_macs`; default from
+            `model.compress_arch` (in_chans, input_size, input_size).
+
+    Returns:
+        The compact model (same training mode, device and dtype, `compress_arch` kept) with
+        `compress_compaction = {threshold, fold_bn, target_macs, macs, dense_macs}`.
+    """
+    base = 0.0 if threshold is None else float(threshold)
+    if base < 0:
+        raise ValueError(f"compact: threshold must be >= 0, got {threshold}")
+    if target_macs is None:
+        out, macs, dense = _compact_at(model, base, fold_bn), None, None
+    else:
+        out, base, macs, dense = _compact_to_budget(model, base, fold_bn, target_macs, input_size)
+    out.compress_compaction = {
+        "threshold": base,
+        "fold_bn": bool(fold_bn),
+        "target_macs": target_macs,
+        "macs": macs,
+        "dense_macs": dense,
+    }
+    return out
+
+
+def _compact_at(model: nn.Module, threshold: float, fold: bool) -> nn.Module:
+    out = copy.deepcopy(model)
+    pruned = []
+    for name, m in list(out.named_modules()):
+        if isinstance(m, SkeletonConv2d):
+            replace_module(out, name, masked_conv(m, threshold))
+            pruned.append(name)
+    graph = trace(out)
+    if graph is not None:
+        chains = find_chains(out, graph)
+        while any([_shrink(out, chain) for chain in chains]):
+            pass
+        if fold:
+            for conv_name, bn_name in conv_bn_pairs_traced(out, graph).items():
+                fold_bn_into_conv(get_module(out, conv_name), get_module(out, bn_name))
+                replace_module(out, bn_name, nn.Identity())
+    _to_stripe_convs(out, pruned)
+    return out
+
+
+@torch.no_grad()
+def _shrink(model: nn.Module, chain: Chain) -> bool:
+    """Remove the producer channels of `chain` that the consumers do not read (zero weights) or that
+    are dead with a constant that folds exactly; True if anything changed."""
+    producer = get_module(model, chain.producer)
+    dead = producer.weight.flatten(1).abs().amax(1) == 0
+    cols = [consumer_columns(model, chain, n).abs().amax(dim=(0, 2)) for n in chain.consumers]
+    unused = torch.stack(cols).amax(0) == 0
+    values = chain_constants(model, chain)
+    removable = unused | (dead & ((values == 0) | consumers_unpadded(model, chain)))
+    neutralise = removable & dead & ~unused
+    changed = bool(neutralise.any())
+    if changed:
+        fold_constant_inputs(model, chain, values, neutralise)
+    keep = ~removable
+    if not bool(keep.any()):  # keep one channel that nothing reads, with a zero filter
+        keep[0] = True
+        if bool(producer.weight[0].any()):
+            producer.weight[0] = 0
+            changed = True
+    if not bool(keep.all()):
+        remove_channels(model, chain, keep)
+        changed = True
+    return changed
+
+
+def _to_stripe_convs(model: nn.Module, pruned: list[str]) -> None:
+    """Pruned convs -> StripeConv2d (or stay nn.Conv2d when every stripe is kept); any other groups-1
+    conv whose weight is all zero -> StripeConv2d with no stripe."""
+    for name, m in list(model.named_modules()):
+        if type(m) is not nn.Conv2d or m.groups != 1:
+            continue
+        mask = m.weight.detach().abs().amax(1) > 0  # (N, kh, kw)
+        if (name in pruned and not bool(mask.all())) or not bool(mask.any()):
+            stripe = StripeConv2d.from_dense(m, mask)
+            stripe.mode = _cost_model_mode(stripe)
+            replace_module(model, name, stripe)
+
+
+def _cost_model_mode(m: StripeConv2d) -> str:
+    ratio = kernels.stripe_cost(
+        m.in_channels, m.out_channels, m.num_stripes, m.kernel_size, m.weight.device.type
+    )
+    return "stripe" if ratio < 1 else "dense"
+
+
+@torch.no_grad()
+def choose_modes(model: nn.Module, x: torch.Tensor, repeats: int = 5) -> dict[str, str]:
+    """Time each StripeConv2d of `model` on its real input for one forward of `x` (stripe op against
+    F.conv2d with the zero-filled weight, kernels.stripe_route) and set the faster mode, like
+    cudnn.benchmark. Call once, with a representative batch, in eval mode; returns {name: mode}."""
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, StripeConv2d) and m.num_stripes}
+    inputs: dict[str, torch.Tensor] = {}
+    hooks = [
+        m.register_forward_pre_hook(lambda mod, args, name=n: inputs.setdefault(name, args[0].clone()))
+        for n, m in layers.items()
+    ]
+    try:
+        model(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    for name, inp in inputs.items():
+        m = layers[name]
+        route = kernels.stripe_route(
+            inp, m.weight, m.out_index, m.offset, m.bias, m.out_channels, m.kernel_size,
+            m.stride, m.padding, m.dilation, plan=m.plan, repeats=repeats,
+        )  # fmt: skip
+        m.mode = "stripe" if route["use_stripe"] else "dense"
+    return {name: layers[name].mode for name in inputs}
+
+
+# ---- MAC budget ----------------------------------------------------------------------------------
+def _input_size(model: nn.Module, input_size: Sequence[int] | None) -> tuple[int, int, int]:
+    if input_size is not None:
+        if len(input_size) != 3:
+            raise ValueError(f"compact: input_size is (C, H, W), got {tuple(input_size)}")
+        return tuple(int(v) for v in input_size)
+    kwargs = getattr(model, "compress_arch", {}).get("kwargs", {})
+    if "input_size" not in kwargs:
+        raise ValueError(
+            "compact: target_macs needs the input size to count MACs; pass input_size=(C, H, W) "
+            "(the model has no compress_arch to read it from)"
+        )
+    size = kwargs["input_size"]
+    return (int(kwargs.get("in_chans", 3)), int(size), int(size))
+
+
+def _macs(model: nn.Module, input_size: tuple[int, int, int]) -> int:
+    from compress.profile import profile
+
+    return profile(model, input_size, latency=False).macs
+
+
+def _compact_to_budget(model, base, fold, target, input_size):
+    """Smallest threshold >= base among base and the |skeleton| values above it whose compact model meets
+    the budget (bisection: MACs fall as the threshold rises). Returns (model, threshold, macs, dense)."""
+    if target <= 0:
+        raise ValueError(
+            f"compact: target_macs must be a fraction in (0, 1] or a MAC count > 1, got {target}"
+        )
+    size = _input_size(model, input_size)
+    dense = _macs(model, size)
+    budget = target * dense if target <= 1 else target
+    fs = [m.skeleton.detach().abs().flatten() for m in model.modules() if isinstance(m, SkeletonConv2d)]
+    above = torch.unique(torch.cat(fs)) if fs else torch.zeros(0)
+    values = [base] + above[above > base].tolist()
+    best: tuple[int, nn.Module, int] | None = None
+
+    def meets(i: int) -> bool:
+        nonlocal best
+        candidate = _compact_at(model, values[i], fold)
+        macs = _macs(candidate, size)
+        if macs <= budget and (best is None or i < best[0]):
+            best = (i, candidate, macs)
+        return macs <= budget
+
+    lo, hi = -1, len(values) - 1  # invariant: values[hi] meets the budget, values[lo] (if any) does not
+    if not meets(hi):
+        raise ValueError(
+            f"compact: target_macs={target} ({int(budget)} MACs) is below what dropping every stripe "
+            f"reaches (dense: {dense} MACs); layers without a skeleton cannot be pruned: raise the "
+            "target or attach skeletons to more layers"
+        )
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if meets(mid):
+            hi = mid
+        else:
+            lo = mid
+    i, compact_model, macs = best
+    return compact_model, values[i], macs, dense
