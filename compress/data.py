@@ -195,6 +195,8 @@ def _cifar(opts: dict):
     name, size = opts["name"], opts["input_size"]
     cls_name, folder, num_classes, mean, std = _CIFAR[name]
     how = f"Set data.root=<dir containing {folder}/>, or data.download=true to download it into data.root."
+    if opts["download"] and opts["root"] is not None:
+        Path(opts["root"]).expanduser().mkdir(parents=True, exist_ok=True)  # the download's destination
     root = _require_root(opts, f"{folder}/ (the python version of {name}, extracted)", how)
     if not opts["download"] and not (root / folder).is_dir():
         raise DatasetNotFoundError(f"{name}: {root / folder}/ not found under data.root={root}. {how}")
