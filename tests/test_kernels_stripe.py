@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -177,6 +179,43 @@ def test_route_helpers():
     lo = kernels.stripe_cost(256, 256, int(0.1 * 256 * 9), 3)
     hi = kernels.stripe_cost(256, 256, int(0.9 * 256 * 9), 3)
     assert lo < 1 < hi
+
+
+_INTERPRET_SCRIPT = r"""
+import sys, torch
+sys.path.insert(0, "tests")
+import kernels
+from kernels import stripe_triton
+from test_kernels_stripe import random_layer, _ref
+gen = torch.Generator().manual_seed(8)
+cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, CHUNK=16, num_warps=4, num_stages=2)
+for dt, ks, st, pd, dl, C, N, c in [
+        (torch.float32, (3, 3), (1, 1), (1, 1), (1, 1), 16, 20, None),
+        (torch.float32, (3, 3), (2, 2), (1, 1), (1, 1), 40, 20, cfg),
+        (torch.float16, (3, 2), (2, 1), (0, 1), (2, 1), 16, 36, cfg)]:
+    w, oi, off = random_layer(N, C, ks, 0.4, gen, dtype=torch.float32)
+    x = torch.randn(2, C, 6, 5, generator=gen)
+    b = torch.randn(N, generator=gen)
+    plan = kernels.stripe_plan(oi, off, N, ks)
+    y = stripe_triton.forward(x.to(dt), w.to(dt), oi, off, b.to(dt), plan, N, list(ks), list(st), list(pd),
+                              list(dl), True, c)
+    yr = _ref(x.double(), w.double(), oi, off, b.double(), N, ks, st, pd, dl, relu=True)
+    err = ((y.double() - yr).norm() / yr.norm()).item()
+    assert y.shape == yr.shape and err < 1e-3, (dt, ks, st, err)
+print("OK")
+"""
+
+
+def test_triton_kernel_interpreted_on_cpu():
+    """The Triton kernel's indexing and one-hot reduction, run by TRITON_INTERPRET=1 on tiny shapes."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", _INTERPRET_SCRIPT], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout + r.stderr
 
 
 # ----------------------------------------------------------------------------------------------- CUDA
