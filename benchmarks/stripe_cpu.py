@@ -48,9 +48,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     ap.add_argument("--quick", action="store_true", help="first three shapes, channels_last only")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "stripe_cpu.json"))
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     rows = []
     shapes = SHAPES[:3] if args.quick else SHAPES
