@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import torchvision.models as tvm
 
 import kernels
+from compress.checkpoint import register_module_type
 from compress.models._weight_init import init_weights
 from compress.models.cifar_resnet import BasicBlock as CifarBasicBlock
 from compress.models.cifar_resnet import Bottleneck as CifarBottleneck
@@ -216,11 +217,15 @@ def _check_plain_bottleneck(name: str, block: nn.Module) -> None:
     where = f"insert_pix: layer '{name}' ({type(block).__module__}.{type(block).__name__})"
     acts = [getattr(block, a) for a in ("relu", "act1", "act2", "act3") if hasattr(block, a)]
     if not acts or not all(type(a) is nn.ReLU for a in acts):
-        raise ValueError(f"{where}: PiXBottleneck uses ReLU; this block has activations {acts}")
+        raise ValueError(
+            f"{where}: PiXBottleneck uses ReLU; this block has activations {[type(a).__name__ for a in acts]}"
+        )
     for extra in ("se", "drop_path", "aa", "drop_block"):
         mod = getattr(block, extra, None)
         if mod is not None and not isinstance(mod, nn.Identity):
-            raise ValueError(f"{where}: has '{extra}' = {mod}, which PiXBottleneck would drop; use a plain bottleneck")
+            raise ValueError(
+                f"{where}: has '{extra}' = {type(mod).__name__}, which PiXBottleneck would drop; use a plain bottleneck"
+            )
     conv1 = block.conv1
     if type(conv1) is not nn.Conv2d or conv1.kernel_size != (1, 1) or conv1.stride != (1, 1):
         raise ValueError(f"{where}: conv1 must be a plain stride-1 1x1 Conv2d (the squeeze), got {conv1}")
@@ -236,7 +241,9 @@ def _check_plain_bottleneck(name: str, block: nn.Module) -> None:
         and ds[0].bias is None
         and type(ds[1]) is nn.BatchNorm2d
     ):
-        raise ValueError(f"{where}: downsample must be Sequential(1x1 Conv2d without bias, BatchNorm2d), got {ds}")
+        raise ValueError(
+            f"{where}: downsample must be Sequential(1x1 Conv2d without bias, BatchNorm2d), got {ds}"
+        )
 
 
 def _pix_bottleneck_from(name: str, block: nn.Module, zeta: int, tau: float) -> PiXBottleneck:
@@ -332,3 +339,7 @@ def apply_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
     if isinstance(model, (CifarVGG, tvm.VGG)) or any(isinstance(m, _basic_block_types()) for m in modules):
         return downscale_pix(model, zeta, tau)
     raise ValueError(f"apply_pix: unsupported model {type(model).__name__}; {_SUPPORTED}")
+
+
+for _cls in (PiXBlock, PiXBottleneck, PiXConv2d):
+    register_module_type(_cls.__name__, _cls)

@@ -1,0 +1,351 @@
+"""PiX block and insertion: the block against a float64 reference written from the definition (DESIGN.md
+"PiX"), shapes kept by insertion, clear errors, the paper's MAC/param totals, save/load and ONNX export."""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torchvision
+
+import compress
+from compress.models import create_model
+from compress.pix import PiXBlock, PiXBottleneck, PiXConv2d, apply_pix, downscale_pix, insert_pix
+from compress.profile import profile
+
+
+class RefFusion(torch.autograd.Function):
+    """The PiX fusion from its definition, one group and one channel at a time (float64).
+    Forward: y = p * max_group(x) if p < tau else p * mean_group(x). Backward: the max branch sends
+    p * dy to the first arg-max channel only, the mean branch p * dy / zeta to every channel,
+    dp = sum_hw (max or mean) * dy."""
+
+    @staticmethod
+    def forward(ctx, x, p, zeta, tau):
+        ctx.save_for_backward(x, p)
+        ctx.zeta, ctx.tau = zeta, tau
+        y = []
+        for g in range(x.shape[1] // zeta):
+            chans = [x[:, g * zeta + k] for k in range(zeta)]
+            mx, mean = chans[0], sum(chans) / zeta
+            for c in chans[1:]:
+                mx = torch.maximum(mx, c)
+            pg = p[:, g, 0, 0].view(-1, 1, 1)
+            y.append(pg * torch.where(pg < tau, mx, mean))
+        return torch.stack(y, 1)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, p = ctx.saved_tensors
+        zeta, tau = ctx.zeta, ctx.tau
+        dx, dp = torch.zeros_like(x), torch.zeros_like(p)
+        for g in range(x.shape[1] // zeta):
+            chans = x[:, g * zeta : (g + 1) * zeta]
+            mx = chans.amax(1)
+            taken = torch.zeros_like(mx, dtype=torch.bool)  # first arg-max already found
+            for b in range(x.shape[0]):
+                pg = p[b, g, 0, 0]
+                if pg < tau:
+                    for k in range(zeta):
+                        first = (chans[b, k] == mx[b]) & ~taken[b]
+                        dx[b, g * zeta + k] = torch.where(first, pg * dy[b, g], 0.0)
+                        taken[b] |= first
+                    dp[b, g] = (mx[b] * dy[b, g]).sum()
+                else:
+                    dx[b, g * zeta : (g + 1) * zeta] = pg * dy[b, g] / zeta
+                    dp[b, g] = (chans[b].mean(0) * dy[b, g]).sum()
+        return dx, dp, None, None
+
+
+def _ref_block(block: PiXBlock, x: torch.Tensor) -> torch.Tensor:
+    w = block.weight.detach().double().requires_grad_()
+    p = torch.sigmoid(torch.einsum("oc,bc->bo", w[:, :, 0, 0], x.mean((2, 3))))[:, :, None, None]
+    return RefFusion.apply(x, p, block.zeta, block.tau), w
+
+
+def _inputs_with_ties(b: int, c: int, h: int, w: int, zeta: int) -> torch.Tensor:
+    """Random non-zero values in (1, 2) (so the pooled input is positive), with exact ties in each group's max."""
+    gen = torch.Generator().manual_seed(0)
+    x = 1 + torch.rand(b, c, h, w, generator=gen, dtype=torch.float64)
+    for g in range(c // zeta):  # channels 0 and zeta-1 of every group tie at the max at half the pixels
+        x[:, g * zeta, ::2] = 3.0
+        x[:, g * zeta + zeta - 1, ::2] = 3.0
+    return x
+
+
+def _three_branch_block(c: int, zeta: int, tau: float = 0.5) -> PiXBlock:
+    """A float64 PiXBlock whose predictor rows cycle through p ~ 0.18, p == 0.5 exactly (a zero row:
+    sigmoid(0)), p ~ 0.82 for inputs in (1, 2) (pooled input ~1.5)."""
+    block = PiXBlock(c, zeta, tau).double()
+    with torch.no_grad():
+        base = torch.rand(c // zeta, c, dtype=torch.float64) / c + 0.5 / c
+        sign = torch.tensor([-1.0, 0.0, 1.0], dtype=torch.float64).repeat(c)[: c // zeta]
+        block.weight.copy_((base * sign[:, None])[:, :, None, None])
+    return block
+
+
+@pytest.mark.parametrize("zeta,tau", [(4, 0.5), (3, 0.3), (1, 0.5)])
+def test_block_matches_float64_reference(zeta, tau):
+    b, c, h, w = 2, 6 * zeta, 4, 5
+    block = _three_branch_block(c, zeta, tau)
+    x = _inputs_with_ties(b, c, h, w, zeta).requires_grad_()
+    x_ref = x.detach().clone().requires_grad_()
+    y = block(x)
+    y_ref, w_ref = _ref_block(block, x_ref)
+    p = torch.sigmoid(block.weight[:, :, 0, 0] @ x.detach().mean((2, 3)).T)
+    assert (p < tau).any() and (p > tau).any() and (p == 0.5).any()  # every branch is exercised
+    assert y.shape == (b, c // zeta, h, w)
+    torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+    dy = 1 + torch.rand_like(y)
+    y.backward(dy)
+    y_ref.backward(dy)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(block.weight.grad, w_ref.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_block_ties_send_gradient_to_first_argmax_and_p_equal_tau_takes_mean():
+    block = PiXBlock(4, 4).double()
+    nn.init.zeros_(block.weight)  # p = sigmoid(0) = 0.5 = tau exactly -> mean
+    x = torch.tensor([1.0, 3.0, 3.0, 2.0], dtype=torch.float64).view(1, 4, 1, 1).requires_grad_()
+    block(x).sum().backward()
+    assert block(x).item() == 0.5 * 9.0 / 4
+    assert x.grad.flatten().tolist() == [0.5 / 4] * 4
+    block = PiXBlock(4, 4, tau=0.6).double()  # same p = 0.5 < 0.6 -> max; tie between channels 1 and 2
+    nn.init.zeros_(block.weight)
+    x.grad = None
+    block(x).sum().backward()
+    assert block(x).item() == 0.5 * 3.0
+    assert x.grad.flatten()[:3].tolist() == [0.0, 0.5, 0.0]
+
+
+def test_block_macs_count_pool_predictor_fusion():
+    # Supplement sec. E example: X of 12x5x5, zeta 4 -> pool 300 adds, predictor 12*3 = 36 multiply-adds,
+    # fusion 3 groups * 25 pixels * (3 compares + 1 multiply by p) = 300.
+    block = PiXBlock(12, 4)
+    x = torch.randn(2, 12, 5, 5)
+    assert block.macs(x, block(x)) == 2 * (300 + 36 + 300)
+
+
+def test_block_errors_name_the_problem():
+    with pytest.raises(ValueError, match=r"PiXBlock\(in_channels=10\).*not divisible by zeta=4"):
+        PiXBlock(10, 4)
+    with pytest.raises(ValueError, match=r"expected input \(B, 8, H, W\)"):
+        PiXBlock(8, 2)(torch.randn(1, 6, 3, 3))
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        PiXBlock(8, 2, 0.4),
+        PiXBottleneck(64, 32, 256, zeta=2, stride=2, downsample=True),
+        PiXConv2d(16, 32, zeta=4, stride=2, bias=True),
+    ],
+    ids=["block", "bottleneck", "conv"],
+)
+def test_config_rebuilds_same_shapes(module):
+    rebuilt = type(module)(**module.config())
+    assert rebuilt.config() == module.config()
+    assert {k: v.shape for k, v in rebuilt.state_dict().items()} == {
+        k: v.shape for k, v in module.state_dict().items()
+    }
+
+
+def _block_outputs(model: nn.Module, names: list[str], x: torch.Tensor) -> dict[str, tuple]:
+    shapes = {}
+    handles = [
+        model.get_submodule(n).register_forward_hook(lambda m, i, o, n=n: shapes.__setitem__(n, o.shape))
+        for n in names
+    ]
+    shapes["output"] = model(x).shape
+    for h in handles:
+        h.remove()
+    return shapes
+
+
+def _train_step(model: nn.Module, x: torch.Tensor) -> None:
+    """One forward/backward: finite loss, a finite non-zero gradient for every PiX predictor."""
+    loss = nn.functional.cross_entropy(model(x), torch.arange(x.shape[0]) % 10)
+    loss.backward()
+    assert torch.isfinite(loss)
+    pix = [m for m in model.modules() if isinstance(m, PiXBlock)]
+    assert pix and all(torch.isfinite(m.weight.grad).all() and m.weight.grad.abs().sum() > 0 for m in pix)
+
+
+@pytest.mark.parametrize("zeta", [4, 8])
+def test_torchvision_resnet50_insertion(zeta):
+    torch.manual_seed(0)
+    model = torchvision.models.resnet50(num_classes=10)
+    blocks = [f"layer{s}.{i}" for s, n in enumerate((3, 4, 6, 3), 1) for i in range(n)]
+    x = torch.randn(2, 3, 32, 32)
+    before = _block_outputs(model, blocks, x)
+    assert insert_pix(model, zeta) == blocks
+    assert _block_outputs(model, blocks, x) == before
+    widths = {blk: model.get_submodule(blk).conv2.out_channels for blk in blocks}
+    factors = [
+        model.get_submodule(blk).conv1.zeta for blk in ("layer1.0", "layer1.1", "layer2.0", "layer3.1")
+    ]
+    if zeta == 4:  # standard widths; first blocks 64 -> 64 (a gate) and 256 -> 128 (pairs)
+        assert factors == [1, 4, 2, 4] and widths["layer4.2"] == 512
+    else:  # thin: width = out / 8
+        assert factors == [2, 8, 4, 8] and widths["layer1.0"] == 32 and widths["layer4.2"] == 256
+    _train_step(model, x)
+
+
+def test_cifar_bottleneck_and_timm_insertion_keep_shapes():
+    for name in ("timm:resnet26", "resnet29_bottleneck"):  # timm zero-inits bn3: no grad to PiX
+        torch.manual_seed(0)
+        model = create_model(name, num_classes=10, input_size=32)
+        blocks = [n for n, m in model.named_modules() if type(m).__name__ == "Bottleneck"]
+        x = torch.randn(2, 3, 32, 32)
+        before = _block_outputs(model, blocks, x)
+        assert apply_pix(model, 4) == blocks
+        assert all(isinstance(model.get_submodule(b), PiXBottleneck) for b in blocks)
+        assert _block_outputs(model, blocks, x) == before
+    _train_step(model, x)
+
+
+@pytest.mark.parametrize("name,zeta", [("vgg11", 2), ("resnet20", 4), ("vgg11_bn", 2)])
+def test_downscaling_keeps_shapes(name, zeta):
+    torch.manual_seed(0)
+    model = create_model(name, num_classes=10, input_size=32)
+    convs = [n for n, m in model.named_modules() if isinstance(m, nn.Conv2d) and m.kernel_size == (3, 3)][1:]
+    x = torch.randn(2, 3, 32, 32)
+    before = _block_outputs(model, convs, x)
+    assert apply_pix(model, zeta) == convs
+    assert all(
+        model.get_submodule(n).conv.in_channels == model.get_submodule(n).pix.in_channels // zeta
+        for n in convs
+    )
+    assert _block_outputs(model, convs, x) == before
+    if name == "vgg11":
+        _train_step(model, x)
+
+
+def test_errors_name_the_layer():
+    with pytest.raises(
+        ValueError, match=r"downscale_pix: layer 'features.4': 64 input channels are not divisible by zeta=3"
+    ):
+        downscale_pix(create_model("vgg11"), 3)
+    with pytest.raises(
+        ValueError, match=r"layer 'layer1.0': block output channels 64 are not divisible by zeta=3"
+    ):
+        insert_pix(create_model("resnet29_bottleneck"), 3)
+    with pytest.raises(
+        ValueError, match=r"layer 'layer1.0'.*input channels 64 are not divisible by the new width 128"
+    ):
+        insert_pix(torchvision.models.resnet50(), 2)
+    with pytest.raises(ValueError, match=r"layer 'layer1.0'.*'se'.*would drop"):
+        with torch.device("meta"):
+            insert_pix(create_model("timm:seresnet50"), 4)
+    with pytest.raises(ValueError, match=r"unsupported model MobileNetV2; PiX supports bottleneck ResNets"):
+        apply_pix(create_model("mobilenet_v2"), 4)
+    with pytest.raises(ValueError, match=r"zeta must be a positive int, got 0"):
+        apply_pix(create_model("resnet20"), 0)
+
+
+def _paper_macs(model: nn.Module, size: int) -> int:
+    """MACs as the paper (and ptflops) count them: conv and Linear (with bias), 2 per BN element, 1 per
+    ReLU output and per pooling input element, and PiX blocks by their macs()."""
+    total = [0]
+
+    def hook(m, inp, out):
+        if isinstance(m, PiXBlock):
+            total[0] += m.macs(inp[0], out)
+        elif isinstance(m, nn.Conv2d):
+            total[0] += out.numel() * m.in_channels // m.groups * m.kernel_size[0] * m.kernel_size[1]
+        elif isinstance(m, nn.Linear):
+            total[0] += out.numel() * m.in_features + m.out_features
+        elif isinstance(m, nn.BatchNorm2d):
+            total[0] += 2 * out.numel()
+        elif isinstance(m, nn.ReLU):
+            total[0] += out.numel()
+        elif isinstance(m, (nn.MaxPool2d, nn.AdaptiveAvgPool2d)):
+            total[0] += inp[0].numel()
+
+    handles = [m.register_forward_hook(hook) for m in model.modules()]
+    with torch.no_grad():
+        model.eval()(torch.randn(1, 3, size, size, device="meta"))
+    for h in handles:
+        h.remove()
+    return total[0]
+
+
+# Paper Table 1 (PiX, CVPR 2024) and the supplement: GMACs at 224x224 and M params.
+PAPER = {
+    "resnet50": (4, 3.18, 25.5),
+    "resnet101": (4, 6.05, 44.5),
+    "resnet152": (4, 8.91, 60.1),
+    "thin resnet50": (8, 1.39, 12.3),
+}
+
+
+@pytest.mark.parametrize("name", list(PAPER))
+def test_paper_totals(name):
+    zeta, gmacs, mparams = PAPER[name]
+    with torch.device("meta"):
+        model = getattr(torchvision.models, name.split()[-1])()
+        insert_pix(model, zeta)
+    report = profile(model, (3, 224, 224), latency=False)
+    assert report.params / 1e6 == pytest.approx(mparams, rel=0.01)
+    paper = _paper_macs(model, 224) / 1e9
+    assert paper == pytest.approx(gmacs, rel=0.01)
+    # compress.profile counts convs, Linear and PiX only (BN, ReLU, pooling are 0): within 0.6% for
+    # zeta 4, 1.7% under for the thin net, whose BN/ReLU share of the total is larger.
+    assert report.macs / 1e9 == pytest.approx(gmacs, rel=0.006 if zeta == 4 else 0.02)
+    assert report.macs / 1e9 < paper
+
+
+def test_save_load_roundtrip(tmp_path):
+    torch.manual_seed(0)
+    model = create_model("resnet29_bottleneck", num_classes=10, input_size=32)
+    apply_pix(model, 8)
+    model.eval()
+    x = torch.randn(2, 3, 32, 32)
+    compress.save(model, tmp_path / "pix.safetensors")
+    loaded = compress.load(tmp_path / "pix.safetensors").eval()
+    assert isinstance(loaded.layer2[0], PiXBottleneck) and loaded.layer2[0].conv2.in_channels == 16
+    torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+
+
+def test_onnx_export_uses_standard_ops():
+    import onnx
+    import onnxruntime as ort
+
+    torch.manual_seed(0)
+    block = PiXBlock(16, 4).eval()
+    x = torch.randn(2, 16, 5, 5)
+    f = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(block, (x,), f, dynamo=False)
+    graph = onnx.load_from_string(f.getvalue()).graph
+    assert {"ReduceMax", "ReduceMean", "Where", "Less"} <= {n.op_type for n in graph.node}
+    assert all(n.domain in ("", "ai.onnx") for n in graph.node)
+    session = ort.InferenceSession(f.getvalue())
+    y = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
+    torch.testing.assert_close(torch.from_numpy(y), block(x).detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_cuda_matches_float64_reference(dtype):
+    zeta, c = 4, 64
+    block = _three_branch_block(c, zeta)
+    block.weight.data = block.weight.to(dtype).double()  # the reference sees the same rounded values
+    x = _inputs_with_ties(4, c, 7, 7, zeta).to(dtype).double()
+    x_ref = x.clone().requires_grad_()
+    y_ref, w_ref = _ref_block(block, x_ref)
+    dy = 1 + torch.rand_like(y_ref)
+    y_ref.backward(dy)
+    gpu = PiXBlock(c, zeta).cuda().to(dtype)
+    gpu.load_state_dict(block.state_dict())
+    xg = x.cuda().to(dtype).contiguous(memory_format=torch.channels_last).requires_grad_()
+    y = gpu(xg)
+    y.backward(dy.cuda().to(dtype))
+    tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-4, "atol": 1e-4}
+    torch.testing.assert_close(y.double().cpu(), y_ref.detach(), **tol)
+    torch.testing.assert_close(xg.grad.double().cpu(), x_ref.grad, **tol)
+    torch.testing.assert_close(gpu.weight.grad.double().cpu(), w_ref.grad, rtol=5e-2, atol=5e-2)
