@@ -155,3 +155,135 @@ def forward(x, weight, out_index, offset, bias, plan, out_channels, kernel_size,
         SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1], DH=dilation[0], DW=dilation[1], KH=KH, KW=KW,
         HAS_BIAS=bias is not None, RELU=relu, IS_FP32=x.dtype == torch.float32, BLOCK_M=BM, **cfg)
     return y
+
+
+# ----------------------------------------------------------------------------------------------- backward
+if triton is not None:
+
+    @triton.jit
+    def _stripe_dx_kernel(
+        g_ptr, w_ptr, oi_ptr, plan_ptr, dx_ptr,
+        Mi, C, H, W, Ho, Wo, N,
+        sx_b, sx_c, sx_h, sx_w,
+        SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+        DH: tl.constexpr, DW: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, IS_FP32: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+    ):
+        # dx[b, c, p, q] = sum_s w_s[c] * g[b, o_s, i, j] with p = i*SH - PH + kh_s*DH (likewise q):
+        # a GEMM over the stripes of each offset, the A operand gathered from g's channels (g channels_last)
+        pid_m = tl.program_id(0)
+        pid_c = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < Mi
+        q = offs_m % W
+        t = offs_m // W
+        p = t % H
+        bb = (t // H).to(tl.int64)
+        cs = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_ok = cs < C
+        ss = tl.arange(0, BLOCK_S)
+        acc = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
+        for k in range(KH * KW):
+            s_lo = tl.load(plan_ptr + k * (N + 1))
+            s_hi = tl.load(plan_ptr + k * (N + 1) + N)
+            if s_hi > s_lo:
+                ti = p + PH - (k // KW) * DH
+                tj = q + PW - (k % KW) * DW
+                i = ti // SH
+                j = tj // SW
+                ok = m_ok & (ti >= 0) & (tj >= 0) & (i * SH == ti) & (j * SW == tj) & (i < Ho) & (j < Wo)
+                g_row = ((bb * Ho + i) * Wo + j) * N
+                for s0 in range(s_lo, s_hi, BLOCK_S):
+                    st = s0 + ss
+                    s_ok = st < s_hi
+                    oc = tl.load(oi_ptr + st, mask=s_ok, other=0)
+                    a = tl.load(g_ptr + g_row[:, None] + oc[None, :], mask=ok[:, None] & s_ok[None, :], other=0.0)
+                    wv = tl.load(w_ptr + st[:, None].to(tl.int64) * C + cs[None, :], mask=s_ok[:, None] & c_ok[None, :],
+                                 other=0.0)
+                    if IS_FP32:
+                        a = _round_tf32(a)
+                        wv = _round_tf32(wv)
+                    acc = tl.dot(a, wv, acc)
+        off = (bb * sx_b + p * sx_h + q * sx_w)[:, None] + (cs * sx_c)[None, :]
+        tl.store(dx_ptr + off, acc.to(dx_ptr.dtype.element_ty), mask=m_ok[:, None] & c_ok[None, :])
+
+    @triton.jit
+    def _stripe_dw_kernel(
+        g_ptr, x_ptr, oi_ptr, plan_ptr, dw_ptr,
+        M, C, H, W, Ho, Wo, N, m_per_split,
+        SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+        DH: tl.constexpr, DW: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, IS_FP32: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, CHUNKS: tl.constexpr,
+    ):
+        # dw[s, c] = sum_m g[m, o_s] * x_shift_k(s)[m, c]; program = (offset k, stripe chunk, C tile, M split)
+        pid0 = tl.program_id(0)
+        k = pid0 // CHUNKS
+        s_lo = tl.load(plan_ptr + k * (N + 1)) + (pid0 % CHUNKS) * BLOCK_S
+        s_hi = tl.load(plan_ptr + k * (N + 1) + N)
+        if s_lo < s_hi:
+            cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+            c_ok = cs < C
+            st = s_lo + tl.arange(0, BLOCK_S)
+            s_ok = st < s_hi
+            oc = tl.load(oi_ptr + st, mask=s_ok, other=0)
+            acc = tl.zeros((BLOCK_S, BLOCK_C), dtype=tl.float32)
+            m_start = tl.program_id(2) * m_per_split
+            m_end = tl.minimum(m_start + m_per_split, M)
+            for m0 in range(m_start, m_end, BLOCK_M):
+                offs_m = m0 + tl.arange(0, BLOCK_M)
+                m_ok = offs_m < m_end
+                jw = offs_m % Wo
+                t = offs_m // Wo
+                io = t % Ho
+                bb = (t // Ho).to(tl.int64)
+                ih = io * SH - PH + (k // KW) * DH
+                iw = jw * SW - PW + (k % KW) * DW
+                x_ok = m_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+                gt = tl.load(g_ptr + (offs_m.to(tl.int64) * N)[None, :] + oc[:, None],
+                             mask=s_ok[:, None] & m_ok[None, :], other=0.0)
+                xa = tl.load(x_ptr + (((bb * H + ih) * W + iw) * C)[:, None] + cs[None, :],
+                             mask=x_ok[:, None] & c_ok[None, :], other=0.0)
+                if IS_FP32:
+                    gt = _round_tf32(gt)
+                    xa = _round_tf32(xa)
+                acc = tl.dot(gt, xa, acc)
+            tl.atomic_add(dw_ptr + st[:, None].to(tl.int64) * C + cs[None, :], acc,
+                          mask=s_ok[:, None] & c_ok[None, :])
+
+
+def backward(grad, x, weight, out_index, offset, plan, out_channels, kernel_size, stride, padding, dilation,
+             need_x, need_w):
+    """grad_x (transposed stripe conv, gathered GEMM) and grad_weight (split-M GEMM, fp32 atomics)."""
+    B, C, H, W = x.shape
+    N = out_channels
+    KH, KW = kernel_size
+    Ho, Wo = grad.shape[2:]
+    S = weight.shape[0]
+    g = grad.contiguous(memory_format=torch.channels_last)
+    common = dict(SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1], DH=dilation[0], DW=dilation[1], KH=KH,
+                  KW=KW, IS_FP32=x.dtype == torch.float32)
+    dx = dw = None
+    if need_x:
+        dx = torch.empty_like(x, memory_format=memory_format(x))
+        Mi = B * H * W
+        if Mi > 0:
+            bc = _pow2(C, 16, 128)
+            _stripe_dx_kernel[(triton.cdiv(Mi, 128), triton.cdiv(C, bc))](
+                g, weight.contiguous(), out_index, plan, dx, Mi, C, H, W, Ho, Wo, N, *dx.stride(), **common,
+                BLOCK_M=128, BLOCK_C=bc, BLOCK_S=32, num_warps=4 if bc <= 64 else 8)
+    if need_w:
+        dw32 = torch.zeros((S, C), device=x.device, dtype=torch.float32)
+        M = B * Ho * Wo
+        if M > 0 and S > 0:
+            xc = x.contiguous(memory_format=torch.channels_last)
+            bs, bc = 64, _pow2(C, 16, 64)
+            chunks = triton.cdiv(N, bs)
+            tiles = KH * KW * chunks * triton.cdiv(C, bc)
+            split = max(1, min(triton.cdiv(M, 1024), (4 * 132) // max(tiles, 1) + 1))
+            m_per = triton.cdiv(triton.cdiv(M, split), 128) * 128
+            split = triton.cdiv(M, m_per)
+            _stripe_dw_kernel[(KH * KW * chunks, triton.cdiv(C, bc), split)](
+                g, xc, out_index, plan, dw32, M, C, H, W, Ho, Wo, N, m_per, **common,
+                BLOCK_M=128, BLOCK_C=bc, BLOCK_S=bs, CHUNKS=chunks, num_warps=4)
+        dw = dw32.to(weight.dtype)
+    return dx, dw

@@ -202,6 +202,14 @@ for dt, ks, st, pd, dl, C, N, c in [
     yr = _ref(x.double(), w.double(), oi, off, b.double(), N, ks, st, pd, dl, relu=True)
     err = ((y.double() - yr).norm() / yr.norm()).item()
     assert y.shape == yr.shape and err < 1e-3, (dt, ks, st, err)
+    xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+    yr = _ref(xr, wr, oi, off, None, N, ks, st, pd, dl)
+    g = torch.randn(yr.shape, generator=gen, dtype=torch.float64)
+    want = torch.autograd.grad(yr, (xr, wr), g)
+    got = stripe_triton.backward(g.to(dt), x.to(dt), w.to(dt), oi, off, plan, N, list(ks), list(st), list(pd),
+                                 list(dl), True, True)
+    for a, e in zip(got, want):
+        assert ((a.double() - e).norm() / e.norm()).item() < 1e-3, (dt, ks, st)
 print("OK")
 """
 
