@@ -93,6 +93,15 @@ def run_stripe(x, w, oi, off, b, plan, N, cfg):
     return stripe_triton.forward(x, w, oi, off, b, plan, N, [3, 3], [1, 1], [1, 1], [1, 1], True, cfg)
 
 
+def _dense_bwd(a, g, wd):
+    return torch.ops.aten.convolution_backward(g, a, wd, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1,
+                                               [True, True, False])
+
+
+def _stripe_bwd(a, g, w, oi, off, plan, N):
+    return stripe_triton.backward(g, a, w, oi, off, plan, N, [3, 3], [1, 1], [1, 1], [1, 1], True, True)
+
+
 def _stripe_call(a, w, oi, off, b, plan, N, cfg):
     return run_stripe(a, w, oi, off, b, plan, N, cfg)
 
@@ -162,6 +171,14 @@ def main():
                            stripe_default_ms=round(def_ms, 4), config=best[1], speedup=round(sp, 2),
                            floor_ms=round(floor_ms, 4), attainable=round(attain, 2),
                            fraction=round(sp / attain, 2), rel_err=err)
+                if keep == 0.3 and layout == "cl":
+                    g = torch.randn(B, N, H, H, device="cuda", dtype=dt).contiguous(memory_format=fmt)
+                    db_ms = time_rotated(functools.partial(_dense_bwd, g=g, wd=wd), xs, reps=10)
+                    sb_ms = time_rotated(functools.partial(_stripe_bwd, g=g, w=w, oi=oi, off=off, plan=plan, N=N),
+                                         xs, reps=10)
+                    row.update(dense_bwd_ms=round(db_ms, 4), stripe_bwd_ms=round(sb_ms, 4),
+                               bwd_time_per_kept_mac_vs_dense=round(sb_ms / db_ms / (S / (9 * N)), 2))
+                    print(f"   backward: dense {db_ms:.4f} ms  stripe {sb_ms:.4f} ms", flush=True)
                 rows.append(row)
                 print(f"{net:8s} B={B:4d} C={C:3d} H={H:2d} keep={keep:.2f} {dname} {layout:4s} "
                       f"dense {dense_ms:7.4f}  stripe {best[0]:7.4f} (def {def_ms:7.4f})  x{sp:5.2f}  "
