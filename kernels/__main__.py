@@ -1,0 +1,88 @@
+"""``python -m kernels build``: compile (and cache) the CUDA extension now.
+``python -m kernels check-compile``: compile every source in kernels/csrc to an object file with nvcc, in
+parallel, without a GPU (CI runs it where nvcc exists); exits non-zero on the first error."""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+
+from kernels import _ext
+
+
+def _arch_flags() -> list[str]:
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "9.0").replace(",", ";").replace(" ", ";")
+    flags = []
+    for a in filter(None, archs.split(";")):
+        a = a.replace("+PTX", "")
+        num = a.replace(".", "")
+        flags.append(f"-gencode=arch=compute_{num},code=sm_{num}")
+    return flags
+
+
+def check_compile(jobs: int | None = None) -> int:
+    import torch
+    import torch.utils.cpp_extension as ce
+
+    home = _ext.cuda_home()
+    if home is None:
+        print("check-compile: no CUDA toolkit found (set CUDA_HOME)", file=sys.stderr)
+        return 2
+    nvcc = os.path.join(home, "bin", "nvcc")
+    try:
+        incs = ce.include_paths(device_type="cuda")
+    except TypeError:  # older torch
+        incs = ce.include_paths(cuda=True)
+    # CUDA headers from pip wheels (cusparse etc.) when the toolkit lacks them
+    site = os.path.dirname(os.path.dirname(torch.__file__))
+    wheel_incs = sorted(glob.glob(os.path.join(site, "nvidia", "*", "include")))
+    incs = [i for i in incs if os.path.isdir(i)] + [os.path.join(home, "include")] + wheel_incs
+    incs.append(sysconfig.get_paths()["include"])
+    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
+    with open(ce.__file__) as f:  # the C++ standard this torch's extensions are built with
+        std = "c++20" if "-std=c++20" in f.read() else "c++17"
+    common = [f"-std={std}", "-O1", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-DTORCH_EXTENSION_NAME={_ext.EXT_NAME}",
+              "-DTORCH_API_INCLUDE_EXTENSION_H", "-Xcompiler", "-fPIC"] + [f"-I{i}" for i in incs]
+    cu_flags = list(getattr(ce, "COMMON_NVCC_FLAGS", [])) + _arch_flags()
+    out = tempfile.mkdtemp(prefix="compress_check_")
+    procs = []
+    t0 = time.time()
+    for src in _ext.SOURCES:
+        path = os.path.join(_ext.CSRC, src)
+        cmd = [nvcc, "-c", path, "-o", os.path.join(out, src + ".o")] + common
+        if src.endswith(".cu"):
+            cmd += cu_flags
+        procs.append((src, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+    rc = 0
+    for src, p in procs:
+        log, _ = p.communicate()
+        status = "ok" if p.returncode == 0 else f"FAILED ({p.returncode})"
+        print(f"check-compile: {src}: {status}")
+        if p.returncode != 0:
+            rc = 1
+            print(log[-6000:])
+    print(f"check-compile: {len(procs)} sources with {nvcc} in {time.time() - t0:.0f}s -> {'ok' if rc == 0 else 'FAILED'}")
+    return rc
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kernels")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("build", help="compile and cache the CUDA extension (needs a GPU and nvcc)")
+    sub.add_parser("check-compile", help="compile the CUDA sources to object files with nvcc only (no GPU)")
+    args = ap.parse_args(argv)
+    if args.cmd == "build":
+        mod = _ext.load(verbose="-v" in sys.argv)
+        print("build:", "ok" if mod is not None else "unavailable (see the warning above)")
+        return 0 if mod is not None else 1
+    return check_compile()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
