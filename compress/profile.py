@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 import time
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -101,7 +103,8 @@ def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
 @dataclass
 class LayerProfile:
     """One profiled layer: params (count), macs (multiply-adds), weight_bytes and activation_bytes
-    (bytes of its new output tensor for one input; 0 for in-place ops and views)."""
+    (bytes of its new output tensor for one input; 0 for in-place ops and views), and latency_ms
+    (median time between its forward pre-hook and hook at the profile's batch size)."""
 
     name: str
     type: str
@@ -110,6 +113,7 @@ class LayerProfile:
     weight_bytes: int
     activation_bytes: int
     output_shape: list[int]
+    latency_ms: float | None = None
 
 
 @dataclass
@@ -201,6 +205,37 @@ def measure_latency(model: nn.Module, x: torch.Tensor, warmup: int = 3, repeats:
     return statistics.median(times)
 
 
+def _layer_latency(model: nn.Module, x: torch.Tensor, repeats: int) -> dict[str, float]:
+    """Median per-layer forward time (ms) of the profiled layers over `repeats` runs of `model(x)`."""
+    times: dict[str, list[float]] = {}
+    starts: dict[str, float] = {}
+
+    def pre(name: str):
+        def fn(mod, inputs) -> None:
+            _sync(x.device)
+            starts[name] = time.perf_counter()
+
+        return fn
+
+    def post(name: str):
+        def fn(mod, inputs, out) -> None:
+            _sync(x.device)
+            times.setdefault(name, []).append((time.perf_counter() - starts[name]) * 1e3)
+
+        return fn
+
+    handles = []
+    for name, m in _profiled_modules(model):
+        handles += [m.register_forward_pre_hook(pre(name)), m.register_forward_hook(post(name))]
+    try:
+        for _ in range(repeats):
+            model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def _model_device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
     for t in list(model.parameters()) + list(model.buffers()):
         if t.is_floating_point():
@@ -223,9 +258,10 @@ def profile(
     Args:
         model: any nn.Module taking one (B, C, H, W) tensor.
         input_size: (C, H, W) of one input.
-        batch_size: batch used for the latency measurement only; counts are for one input.
+        batch_size: batch used for the latency measurements only; counts are for one input.
         device: where to run (default: the model's device); the model is moved there.
-        latency: measure the median forward time (ms) over `repeats` runs after `warmup` runs.
+        latency: measure the median forward time (ms) over `repeats` runs after `warmup` runs, in
+            total and then per layer (timed with hooks in `repeats` further runs).
     """
     if len(input_size) != 3:
         raise ValueError(f"profile: input_size is (C, H, W), got {tuple(input_size)}")
@@ -241,6 +277,9 @@ def profile(
         if latency:
             xb = torch.randn(batch_size, *input_size, device=device, dtype=dtype)
             ms = measure_latency(model, xb, warmup=warmup, repeats=repeats)
+            per_layer = _layer_latency(model, xb, repeats)
+            for row in layers:
+                row.latency_ms = per_layer.get(row.name)
     finally:
         model.train(was_training)
     acts = [row.activation_bytes for row in layers]
@@ -276,3 +315,14 @@ def compare(dense: ProfileReport, compact: ProfileReport) -> list[dict]:
         ratio = c / d if d and c is not None else None
         rows.append({"metric": metric, "dense": d, "compact": c, "ratio": ratio})
     return rows
+
+
+class _CallableModule(types.ModuleType):
+    """Makes `compress.profile(...)` call `profile` even after `import compress.profile` has bound the
+    package attribute `compress.profile` to this module (a submodule and a function share the name)."""
+
+    def __call__(self, *args, **kwargs) -> ProfileReport:
+        return profile(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

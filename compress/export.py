@@ -1,0 +1,158 @@
+"""The export flow behind export.py: training checkpoint -> compact model, ONNX and reports.
+
+    result = export_checkpoint("outputs/.../checkpoints/last.pt", "export_dir")
+
+writes into `out_dir`: model.compact.safetensors (compress.save), model.onnx (standard ops),
+report.json, report.md and stripes.png, and returns the report dict.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from compress.checkpoint import load
+from compress.checkpoint import save as save_compact
+from compress.compaction import choose_modes, compact
+from compress.models import create_model
+from compress.onnx_export import check_onnx, export_onnx
+from compress.profile import profile
+from compress.report import plot_stripes, render_markdown, report_dict, stripes_per_layer
+from compress.skeleton import SkeletonConv2d
+from compress.surgery import replace_module
+
+__all__ = ["load_training_checkpoint", "load_any", "export_checkpoint", "FILES"]
+
+FILES = ("model.compact.safetensors", "model.onnx", "report.json", "report.md", "stripes.png")
+
+_KNOWN_CLASSES = {"digits": 10, "cifar10": 10, "cifar100": 100, "imagenet": 1000, "fake": 10}
+
+
+def _arch_from_config(cfg: dict, path: Path) -> dict:
+    """create_model arguments from a training config: model name/kwargs and the data geometry."""
+    data = cfg["data"]
+    num_classes = data.get("num_classes") or _KNOWN_CLASSES.get(data["name"])
+    if num_classes is None:
+        raise ValueError(
+            f"export: {path} does not record the number of classes of data {data['name']!r}; "
+            "set data.num_classes in the training config"
+        )
+    kwargs = {
+        "num_classes": int(num_classes),
+        "input_size": int(data.get("input_size") or 32),
+        "in_chans": int(data.get("in_chans") or 3),
+        **(cfg["model"].get("kwargs") or {}),
+    }
+    return {"name": cfg["model"]["name"], "kwargs": kwargs}
+
+
+def load_training_checkpoint(path: str | os.PathLike) -> tuple[nn.Module, dict]:
+    """(skeleton model with the trained weights, training config) from a train.py checkpoint.
+
+    The architecture comes from the checkpoint's "arch" (model.compress_arch) when present, else
+    from its config; every conv with a `<name>.skeleton` tensor becomes a SkeletonConv2d.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"export: no checkpoint at {path}; pass ckpt=<run dir>/checkpoints/last.pt")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(state, dict) or "model" not in state or "config" not in state:
+        raise ValueError(f"export: {path} is not a train.py checkpoint (no 'model' and 'config' entries)")
+    cfg = state["config"]
+    arch = state.get("arch") or _arch_from_config(cfg, path)
+    model = create_model(arch["name"], **arch["kwargs"])
+    for key in state["model"]:
+        if key.endswith(".skeleton"):
+            name = key[: -len(".skeleton")]
+            replace_module(model, name, SkeletonConv2d.from_conv(model.get_submodule(name)))
+    try:
+        model.load_state_dict(state["model"], strict=True)
+    except RuntimeError as err:
+        detail = " ".join(str(err).split())
+        raise ValueError(f"export: the weights in {path} do not fit {arch['name']}: {detail}") from None
+    return model.eval(), cfg
+
+
+def load_any(path: str | os.PathLike) -> tuple[nn.Module, dict]:
+    """A training checkpoint (.pt) or a compact model file (.safetensors) -> (model, training config
+    or {} for a compact file)."""
+    if Path(path).suffix == ".safetensors":
+        return load(path), {}
+    return load_training_checkpoint(path)
+
+
+def _input_size(model: nn.Module) -> tuple[int, int, int]:
+    kwargs = model.compress_arch["kwargs"]
+    return (int(kwargs.get("in_chans", 3)), int(kwargs.get("input_size", 32)), int(kwargs.get("input_size", 32)))
+
+
+def export_checkpoint(
+    ckpt: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    threshold: float | None = None,
+    target_macs: float | None = None,
+    fold_bn: bool = True,
+    choose_stripe_modes: bool = True,
+    onnx: bool = True,
+    stripe_mode: str = "dense",
+    opset: int = 17,
+    device: str | None = None,
+    batch_size: int = 1,
+    latency: bool = True,
+    repeats: int = 10,
+) -> dict:
+    """Compact the model in `ckpt` and write FILES into `out_dir`; return the report dict.
+
+    Args:
+        threshold, target_macs: compaction settings (see compress.compact); None takes the training
+            config's prune.threshold / prune.target_flops (threshold 0 without one).
+        fold_bn: fold BN into convs, in the compact model and (for a fair latency) the dense baseline.
+        choose_stripe_modes: time each stripe conv against its dense equivalent on `device` and keep
+            the faster (compress.choose_modes); otherwise the cost model's choice stays.
+        onnx, stripe_mode, opset: write model.onnx (see compress.onnx_export) and check it in
+            onnxruntime against PyTorch.
+        device: where latency is measured (default: cuda when available, else cpu).
+        batch_size, latency, repeats: latency measurement (compress.profile).
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model, cfg = load_any(ckpt)
+    prune = cfg.get("prune") or {}
+    if threshold is None:
+        threshold = prune.get("threshold", 0.0) if prune.get("name") == "swp" else 0.0
+    if target_macs is None:
+        target_macs = prune.get("target_flops")
+    size = _input_size(model)
+    small = compact(model, threshold=threshold, fold_bn=fold_bn, target_macs=target_macs, input_size=size)
+    used = small.compress_compaction["threshold"]
+    dense = create_model(model.compress_arch["name"], **model.compress_arch["kwargs"]).eval()
+    if fold_bn:
+        dense = compact(dense, fold_bn=True)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    small.to(device)
+    if choose_stripe_modes:
+        choose_modes(small, torch.randn(batch_size, *size, device=device))
+
+    save_compact(small, out / FILES[0])
+    onnx_info = None
+    if onnx:
+        export_onnx(small.cpu(), out / FILES[1], size, stripe_mode=stripe_mode, opset=opset)
+        err = check_onnx(out / FILES[1], small, torch.randn(2, *size))
+        onnx_info = {"file": FILES[1], "stripe_mode": stripe_mode, "opset": opset, "max_rel_error": err}
+    common = {"batch_size": batch_size, "device": device, "latency": latency, "repeats": repeats}
+    report = report_dict(
+        profile(dense, size, **common),
+        profile(small, size, **common),
+        threshold=used,
+        stripes=stripes_per_layer(model if cfg else small, used),
+    )
+    report.update(source=str(ckpt), target_macs=target_macs, fold_bn=fold_bn, onnx=onnx_info)
+    (out / FILES[2]).write_text(json.dumps(report, indent=2) + "\n")
+    (out / FILES[3]).write_text(render_markdown(report))
+    plot_stripes(report["stripes"], out / FILES[4])
+    return report
+

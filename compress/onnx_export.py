@@ -1,0 +1,129 @@
+"""ONNX export of compact models with standard ops only, checked against PyTorch in onnxruntime.
+
+    export_onnx(model, "model.onnx", input_size=(3, 32, 32))   # stripe convs as dense convs
+    export_onnx(model, "model.onnx", (3, 32, 32), stripe_mode="shift")
+    check_onnx("model.onnx", model, torch.randn(2, 3, 32, 32))  # max relative error
+
+Each StripeConv2d is exported as either
+- "dense" (default): an ONNX Conv with the dropped stripes as zeros; exact, and the fastest in
+  runtimes without a sparse kernel, but it does the dense conv's work;
+- "shift": one 1x1 Conv over all kept stripes on the zero-padded input, then per (kh, kw) offset a
+  strided Slice of its stripes, a Gather that places them in their output channels (a zero channel
+  where a filter has no stripe at that offset) and an Add: Conv/Pad/Slice/Concat/Gather/Add only.
+The batch dimension is dynamic; the spatial size is fixed to `input_size`.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from compress.stripe import StripeConv2d
+
+__all__ = ["ShiftAddConv2d", "onnx_ready", "export_onnx", "check_onnx", "STRIPE_MODES"]
+
+STRIPE_MODES = ("dense", "shift")
+
+
+class ShiftAddConv2d(nn.Module):
+    """A StripeConv2d as a 1x1 conv plus shifted adds: x (B, C, H, W) -> (B, N, Ho, Wo), same output."""
+
+    def __init__(self, stripe: StripeConv2d):
+        super().__init__()
+        self.stride, self.padding, self.dilation = stripe.stride, stripe.padding, stripe.dilation
+        self.kernel_size, self.out_channels = stripe.kernel_size, stripe.out_channels
+        self.weight = nn.Parameter(stripe.weight.detach().clone()[:, :, None, None])  # (S, C, 1, 1)
+        self.bias = None if stripe.bias is None else nn.Parameter(stripe.bias.detach().clone())
+        # per offset: (kh, kw, first stripe, last stripe + 1, gather index (N,) into [its stripes, zero])
+        self.groups: list[tuple[int, int, int, int]] = []
+        s = stripe.num_stripes
+        offsets = stripe.offset.tolist()
+        start = 0
+        for k in range(1, s + 1):
+            if k == s or offsets[k] != offsets[start]:
+                gather = torch.full((stripe.out_channels,), k - start, dtype=torch.long)
+                gather[stripe.out_index[start:k]] = torch.arange(k - start)
+                self.register_buffer(f"gather{len(self.groups)}", gather)
+                self.groups.append((*offsets[start], start, k))
+                start = k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ph, pw = self.padding
+        z = F.conv2d(F.pad(x, (pw, pw, ph, ph)), self.weight)  # (B, S, H + 2ph, W + 2pw)
+        ho = (x.shape[2] + 2 * ph - self.dilation[0] * (self.kernel_size[0] - 1) - 1) // self.stride[0] + 1
+        wo = (x.shape[3] + 2 * pw - self.dilation[1] * (self.kernel_size[1] - 1) - 1) // self.stride[1] + 1
+        y = x.new_zeros(x.shape[0], self.out_channels, ho, wo)
+        for g, (i, j, lo, hi) in enumerate(self.groups):
+            r, c = i * self.dilation[0], j * self.dilation[1]
+            part = z[:, lo:hi, r : r + self.stride[0] * (ho - 1) + 1 : self.stride[0],
+                     c : c + self.stride[1] * (wo - 1) + 1 : self.stride[1]]
+            part = torch.cat([part, part.new_zeros(part.shape[0], 1, ho, wo)], dim=1)
+            y = y + part.index_select(1, getattr(self, f"gather{g}"))
+        return y if self.bias is None else y + self.bias[:, None, None]
+
+
+def onnx_ready(model: nn.Module, stripe_mode: str = "dense") -> nn.Module:
+    """A copy of `model` in eval mode with every StripeConv2d replaced by standard-op modules."""
+    if stripe_mode not in STRIPE_MODES:
+        raise ValueError(f"stripe_mode must be one of {STRIPE_MODES}, got {stripe_mode!r}")
+    ready = copy.deepcopy(model).eval()
+    stripes = [(n, m) for n, m in ready.named_modules() if isinstance(m, StripeConv2d)]
+    for name, m in stripes:
+        new = m.to_dense() if stripe_mode == "dense" or m.num_stripes == 0 else ShiftAddConv2d(m)
+        parent, _, child = name.rpartition(".")
+        setattr(ready.get_submodule(parent), child, new.eval())
+    return ready
+
+
+def export_onnx(
+    model: nn.Module,
+    path: str | os.PathLike,
+    input_size: Sequence[int],
+    stripe_mode: str = "dense",
+    opset: int = 17,
+) -> Path:
+    """Write `model` as ONNX (input "input" (B, C, H, W), output "output"; B dynamic) and check it
+    with onnx.checker. Returns the path."""
+    import onnx
+
+    ready = onnx_ready(model, stripe_mode)
+    param = next(ready.parameters())
+    x = torch.randn(1, *input_size, device=param.device, dtype=param.dtype)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with torch.no_grad():
+        torch.onnx.export(
+            ready,
+            (x,),
+            str(path),
+            input_names=["input"],
+            output_names=["output"],
+            dynamic_axes={"input": {0: "batch"}, "output": {0: "batch"}},
+            opset_version=opset,
+            dynamo=False,
+        )
+    onnx.checker.check_model(str(path), full_check=True)
+    return path
+
+
+def check_onnx(path: str | os.PathLike, model: nn.Module, x: torch.Tensor) -> float:
+    """Max relative error of onnxruntime's output for `x` against `model(x)` in eval mode (CPU):
+    max |ort - torch| / max |torch|."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {"input": x.detach().cpu().float().numpy()})
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            want = model(x).float().cpu()
+    finally:
+        model.train(was_training)
+    return float((torch.from_numpy(got) - want).abs().max() / want.abs().max().clamp_min(1e-12))

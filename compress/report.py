@@ -1,0 +1,157 @@
+"""Dense-vs-compact reports: a markdown table, a JSON dict and a PNG of the stripes kept per layer.
+
+    data = report_dict(dense, compact, threshold=0.01, stripes=stripes_per_layer(model, 0.01))
+    text = render_markdown(data)
+    plot_stripes(data["stripes"], "stripes.png")
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch.nn as nn
+
+from compress.profile import ProfileReport, compare
+from compress.skeleton import SkeletonConv2d
+from compress.stripe import StripeConv2d
+
+__all__ = ["stripes_per_layer", "report_dict", "render_markdown", "plot_stripes"]
+
+
+def stripes_per_layer(model: nn.Module, threshold: float = 0.0) -> dict[str, dict[str, int]]:
+    """{layer: {"kept", "total"}} stripes for every SkeletonConv2d (|skeleton| > threshold) and
+    StripeConv2d (its stripes out of out_channels * kh * kw) of `model`."""
+    stripes = {}
+    for name, m in model.named_modules():
+        if isinstance(m, SkeletonConv2d):
+            mask = m.stripe_mask(threshold)
+            stripes[name] = {"kept": int(mask.sum()), "total": mask.numel()}
+        elif isinstance(m, StripeConv2d):
+            stripes[name] = {"kept": m.num_stripes, "total": m.out_channels * m.kernel_size[0] * m.kernel_size[1]}
+    return stripes
+
+
+def report_dict(
+    dense: ProfileReport, compact: ProfileReport, threshold: float | None, stripes: dict | None = None
+) -> dict:
+    """JSON-ready report: {"threshold", "dense", "compact" (ProfileReport.to_dict()), "comparison"
+    (compare rows), "stripes" ({layer: {"kept", "total"}})}."""
+    return {
+        "threshold": threshold,
+        "dense": dense.to_dict(),
+        "compact": compact.to_dict(),
+        "comparison": compare(dense, compact),
+        "stripes": stripes or {},
+    }
+
+
+def _count(v: float | None) -> str:
+    if v is None:
+        return "-"
+    for scale, unit in ((1e9, "G"), (1e6, "M"), (1e3, "K")):
+        if abs(v) >= scale:
+            return f"{v / scale:.2f} {unit}"
+    return f"{v:.0f}"
+
+
+def _bytes(v: float | None) -> str:
+    if v is None:
+        return "-"
+    for scale, unit in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if abs(v) >= scale:
+            return f"{v / scale:.2f} {unit}"
+    return f"{v:.0f} B"
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f} ms"
+
+
+_TOTALS = {
+    "params": ("params", _count),
+    "macs": ("MACs", _count),
+    "weight_bytes": ("weight bytes", _bytes),
+    "activation_bytes_max": ("largest activation", _bytes),
+    "activation_bytes_sum": ("sum of activations", _bytes),
+    "latency_ms": ("latency", _ms),
+}
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def render_markdown(report: dict) -> str:
+    """Markdown with the totals side by side and a per-layer table (layers with MACs or params).
+
+    `report` is a `report_dict` result (also after a JSON round trip)."""
+    dense, compact = report["dense"], report["compact"]
+    lines = [
+        "# Dense vs compact",
+        "",
+        f"Input {'x'.join(map(str, dense['input_size']))}, one input for counts; latency: median at batch "
+        f"{dense['batch_size']} on {dense['device']}. MACs are multiply-adds (FLOPs = 2 MACs). "
+        f"Stripe threshold: {report['threshold']}.",
+        "",
+    ]
+    rows = []
+    for row in report["comparison"]:
+        label, fmt = _TOTALS[row["metric"]]
+        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.3f}x"
+        rows.append([label, fmt(row["dense"]), fmt(row["compact"]), ratio])
+    lines += _table(["", "dense", "compact", "compact / dense"], rows)
+    stripes = report.get("stripes") or {}
+    if stripes:
+        kept = sum(s["kept"] for s in stripes.values())
+        total = sum(s["total"] for s in stripes.values())
+        lines += ["", f"Stripes kept: {kept} / {total} ({kept / max(total, 1):.1%}) in {len(stripes)} layers."]
+    lines += ["", "## Per layer", ""]
+    compact_layers = {row["name"]: row for row in compact["layers"]}
+    rows = []
+    for d in dense["layers"]:
+        if not (d["macs"] or d["params"]):
+            continue
+        c = compact_layers.get(d["name"])
+        s = stripes.get(d["name"])
+        rows.append([
+            f"`{d['name']}`",
+            c["type"] if c else "removed",
+            _count(d["macs"]),
+            _count(c["macs"]) if c else "0",
+            _count(d["params"]),
+            _count(c["params"]) if c else "0",
+            f"{s['kept']}/{s['total']}" if s else "-",
+            _ms(d["latency_ms"]),
+            _ms(c["latency_ms"]) if c else "-",
+        ])
+    lines += _table(
+        ["layer", "compact type", "MACs dense", "MACs compact", "params dense", "params compact",
+         "stripes kept", "latency dense", "latency compact"],
+        rows,
+    )
+    return "\n".join(lines) + "\n"
+
+
+def plot_stripes(stripes: dict[str, dict[str, int]], path: str | os.PathLike) -> Path:
+    """Bar chart (PNG) of the fraction of stripes kept per layer, in model order."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(stripes)
+    kept = [stripes[n]["kept"] / max(stripes[n]["total"], 1) for n in names]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.22 * len(names) + 2), 4))
+    ax.bar(range(len(names)), kept, color="tab:blue")
+    ax.set_xticks(range(len(names)), names, rotation=90, fontsize=6)
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("fraction of stripes kept")
+    total = sum(s["total"] for s in stripes.values())
+    ax.set_title(f"Stripes kept per layer ({sum(s['kept'] for s in stripes.values())} / {total} in all)")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
