@@ -1,0 +1,204 @@
+"""compress.compact: the compact model's eval output equals the skeleton model's (the reference)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+from compress import compact
+from compress.models import create_model
+from compress.profile import profile
+from compress.skeleton import SkeletonConv2d, attach_skeletons, swp_update
+from compress.stripe import StripeConv2d
+
+RTOL = 1e-5
+
+
+def _randomize_bn(model: nn.Module, gen: torch.Generator) -> None:
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                n = m.num_features
+                m.running_mean.copy_(torch.rand(n, generator=gen) - 0.5)
+                m.running_var.copy_(torch.rand(n, generator=gen) + 0.5)
+                m.weight.copy_(torch.rand(n, generator=gen) + 0.5)
+                m.bias.copy_(torch.rand(n, generator=gen) * 0.4 - 0.2)
+
+
+def skeleton_model(name: str, size: int, seed: int = 0, dead: float = 0.2, zero_bn: bool = True) -> nn.Module:
+    """`name` with skeletons keeping 30-70% of stripes at random, a fraction `dead` (at least one) of the
+    filters with no stripe,
+    BN statistics random; with `zero_bn` the dead filters' BN is zeroed as swp_update does."""
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = create_model(name, num_classes=10, input_size=size)
+    attach_skeletons(model)
+    _randomize_bn(model, gen)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, SkeletonConv2d):
+                keep = 0.3 + 0.4 * float(torch.rand(1, generator=gen))
+                fs = torch.rand(m.skeleton.shape, generator=gen) + 0.5
+                fs = fs * torch.sign(torch.rand(m.skeleton.shape, generator=gen) - 0.2)
+                fs[torch.rand(m.skeleton.shape, generator=gen) > keep] = 0
+                fs[torch.randperm(m.out_channels, generator=gen)[: max(1, round(dead * m.out_channels))]] = 0
+                m.skeleton.copy_(fs)
+    if zero_bn:
+        swp_update(model, alpha=0.0, threshold=0.0)
+    return model.eval()
+
+
+def alive(conv: SkeletonConv2d) -> int:
+    return int(conv.stripe_mask(0.0).flatten(1).any(1).sum())
+
+
+def assert_same_output(ref_model: nn.Module, model: nn.Module, x: torch.Tensor) -> None:
+    with torch.no_grad():
+        ref, out = ref_model(x), model(x)
+    err = float((out - ref).abs().max() / ref.abs().max())
+    assert err <= RTOL, f"relative error {err:.2e}"
+
+
+# (model, input size, [(producer, consumer)] pairs whose dead filters must be removed,
+#  [convs feeding a residual add, whose output channels must stay])
+CASES = {
+    "resnet56": (32, [(f"layer{s}.{b}.conv1", f"layer{s}.{b}.conv2") for s in (1, 2, 3) for b in (0, 8)],
+                 ["layer1.0.conv2", "layer3.8.conv2", "conv1"]),
+    "vgg16": (32, [("features.0", "features.3"), ("features.34", "features.37"), ("features.40", "classifier")],
+              []),
+    "resnet18": (64, [("layer1.0.conv1", "layer1.0.conv2"), ("layer4.1.conv1", "layer4.1.conv2")],
+                 ["layer2.0.conv2", "layer4.1.conv2"]),
+    "resnet50": (64, [("layer1.0.conv2", "layer1.0.conv3"), ("layer4.2.conv2", "layer4.2.conv3")], []),
+}  # fmt: skip
+FOLD_BN_CASES = ("resnet56", "resnet18")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_compact_equals_skeleton_model(name):
+    size, chains, residual = CASES[name]
+    model = skeleton_model(name, size)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(1))
+    for fold in (False, True) if name in FOLD_BN_CASES else (False,):
+        out = compact(model, fold_bn=fold)
+        assert_same_output(model, out, x)
+        assert out.compress_arch == model.compress_arch and out.compress_compaction["threshold"] == 0.0
+        assert any(isinstance(m, StripeConv2d) for m in out.modules())
+        assert not any(isinstance(m, SkeletonConv2d) for m in out.modules())
+        for producer, consumer in chains:
+            kept = alive(model.get_submodule(producer))
+            assert kept < model.get_submodule(producer).out_channels, "the random masks must kill filters"
+            assert out.get_submodule(producer).out_channels == kept
+            c = out.get_submodule(consumer)
+            assert (c.in_features if isinstance(c, nn.Linear) else c.in_channels) == kept
+        for conv in residual:
+            assert out.get_submodule(conv).out_channels == model.get_submodule(conv).out_channels
+        n_bn = sum(isinstance(m, nn.BatchNorm2d) for m in out.modules())
+        assert (n_bn == 0) if fold else (n_bn > 0)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), "compact changed the caller's model"
+
+
+def test_stripe_conv_from_skeleton_keeps_stride_and_mask():
+    model = skeleton_model("resnet20", 32, seed=3)
+    out = compact(model)
+    src, dst = model.layer2[0].conv1, out.layer2[0].conv1  # the stride-2 conv of stage 2
+    assert isinstance(dst, StripeConv2d) and dst.stride == (2, 2)
+    assert dst.num_stripes == int(src.stripe_mask(0.0).sum())
+
+
+def test_nonzero_bn_bias_of_dead_filters_is_folded_or_kept_exactly():
+    # BN not zeroed: a dead filter outputs relu(bn(0)) != 0. Unpadded consumers (1x1 conv3 of a
+    # bottleneck, the final Linear of VGG) absorb it in their bias; padded 3x3 consumers keep the filter.
+    for name, producer, consumer, padded in [
+        ("resnet29_bottleneck", "layer2.1.conv2", "layer2.1.conv3", False),
+        ("vgg11", "features.25", "classifier", False),
+        ("vgg11", "features.0", "features.4", True),
+    ]:
+        model = skeleton_model(name, 32, seed=4, dead=0.3, zero_bn=False)
+        with torch.no_grad():  # BN output > 0 for a zero input: every dead filter's constant is nonzero
+            for m in model.modules():
+                if isinstance(m, nn.BatchNorm2d):
+                    m.bias.add_(1.5)
+        x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(5))
+        out = compact(model)
+        assert_same_output(model, out, x)
+        src = model.get_submodule(producer)
+        expected = src.out_channels if padded else alive(src)
+        assert out.get_submodule(producer).out_channels == expected
+        if not padded:
+            assert out.get_submodule(consumer).bias is not None
+
+
+def test_empty_residual_branch_is_removed_exactly():
+    model = skeleton_model("resnet20", 32, seed=6)
+    block = model.layer2[1]
+    with torch.no_grad():
+        block.conv2.skeleton.zero_()
+    swp_update(model, alpha=0.0, threshold=0.0)
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(7))
+    for fold in (False, True):
+        out = compact(model, fold_bn=fold)
+        assert_same_output(model, out, x)
+        b = out.layer2[1]
+        assert isinstance(b.conv2, StripeConv2d) and b.conv2.num_stripes == 0
+        assert isinstance(b.conv1, StripeConv2d) and b.conv1.num_stripes == 0 and b.conv1.out_channels == 1
+    out64 = compact(model).to(torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(out64(x.double()).float(), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_target_macs_meets_budget_with_smallest_threshold():
+    model = skeleton_model("resnet20", 32, seed=8, dead=0.0)
+    gen = torch.Generator().manual_seed(9)
+    with torch.no_grad():  # |FS| on 12 levels, so that each threshold step drops some stripes
+        for m in model.modules():
+            if isinstance(m, SkeletonConv2d):
+                levels = torch.randint(1, 13, m.skeleton.shape, generator=gen) / 8
+                m.skeleton.copy_(torch.sign(m.skeleton) * levels)
+    size = (3, 32, 32)
+    dense = profile(model, size, latency=False).macs
+    out = compact(model, target_macs=0.4, input_size=size)
+    info = out.compress_compaction
+    macs = profile(out, size, latency=False).macs
+    assert info["dense_macs"] == dense and info["macs"] == macs <= 0.4 * dense
+    t = info["threshold"]
+    assert t > 0 and t in {k / 8 for k in range(1, 13)}
+    below = compact(model, threshold=t - 1 / 8)  # the next smaller candidate misses the budget
+    assert profile(below, size, latency=False).macs > 0.4 * dense
+    assert_same_output(compact(model, threshold=t), out, torch.randn(2, *size, generator=gen))
+    assert compact(model, target_macs=macs, input_size=size).compress_compaction["threshold"] == t
+    with pytest.raises(ValueError, match="below what dropping every stripe"):
+        compact(model, target_macs=100, input_size=size)  # the Linear alone has 640 MACs
+
+
+class _Untraceable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 4, 3, padding=1, bias=False)
+
+    def forward(self, x):
+        y = torch.relu(self.bn1(self.conv1(x)))
+        return self.conv2(y) if y.sum() > 0 else -self.conv2(y)  # data-dependent: fx cannot trace
+
+
+def test_untraceable_model_warns_and_stays_exact():
+    model = _Untraceable()
+    attach_skeletons(model)
+    gen = torch.Generator().manual_seed(10)
+    _randomize_bn(model, gen)
+    with torch.no_grad():
+        model.conv1.skeleton.copy_((torch.rand(8, 3, 3, generator=gen) < 0.5).float())
+        model.conv1.skeleton[:3] = 0
+    swp_update(model, 0.0, 0.0)
+    model.eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = compact(model)
+    assert any("cannot trace" in str(w.message) for w in caught)
+    assert out.conv1.out_channels == 8 and isinstance(out.conv1, StripeConv2d)
+    assert_same_output(model, out, torch.randn(2, 3, 8, 8, generator=gen))
