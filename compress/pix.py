@@ -4,11 +4,12 @@ PiXBlock squeezes C channels to C/zeta: p = sigmoid(W @ avgpool(x)) (B, C/zeta, 
 `kernels.pix(x, p, zeta, tau)` picks the max (p < tau) or the mean (p >= tau) of each contiguous group of
 zeta channels, scaled by p (../shared/DESIGN.md "PiX"). With zeta = 1 it is a pure gate, y = p * x.
 
-Two insertion modes (paper supplement, Fig. 1):
-- channel squeezing (`insert_pix`): each bottleneck's 1x1 squeeze conv + BN + ReLU becomes a PiXBlock
-  (the block is rebuilt as a PiXBottleneck); the bottleneck width becomes out_channels / zeta.
+Two insertion modes (paper supplement, Fig. 1), both in place and by module replacement only (blocks keep
+their class and forward, so checkpoints, torch.fx surgery and skeletons see ordinary convs around PiX):
+- channel squeezing (`insert_pix`): each bottleneck's 1x1 squeeze conv + BN + ReLU becomes a PiXBlock;
+  the bottleneck width becomes out_channels / zeta.
 - network downscaling (`downscale_pix`): a PiXBlock goes before each 3x3 conv after the network's first
-  conv, and the conv is rebuilt with in_channels / zeta inputs (PiXConv2d).
+  conv, and the conv is rebuilt with in_channels / zeta inputs (Sequential(PiXBlock, conv)).
 `apply_pix` picks the mode from the model family.
 """
 
@@ -29,7 +30,7 @@ from compress.models.cifar_resnet import Bottleneck as CifarBottleneck
 from compress.models.cifar_vgg import CifarVGG
 from compress.surgery import replace_module
 
-__all__ = ["PiXBlock", "PiXBottleneck", "PiXConv2d", "insert_pix", "downscale_pix", "apply_pix"]
+__all__ = ["PiXBlock", "insert_pix", "downscale_pix", "apply_pix"]
 
 
 def _check_zeta(where: str, zeta: int) -> None:
@@ -88,108 +89,6 @@ class PiXBlock(nn.Module):
         return f"{self.in_channels} -> {self.out_channels}, zeta={self.zeta}, tau={self.tau}"
 
 
-class PiXBottleneck(nn.Module):
-    """Bottleneck with PiX in place of the squeeze conv + BN + ReLU:
-    (B, in_channels, H, W) -> (B, out_channels, H/stride, W/stride).
-
-    conv1 = PiXBlock(in_channels, zeta) -> conv2 3x3 (in_channels/zeta -> width, carries stride, groups,
-    dilation) + bn2 + ReLU -> conv3 1x1 (width -> out_channels) + bn3 -> + shortcut -> ReLU. The shortcut
-    is identity, or `downsample` = Sequential(1x1 conv with the stride, BN) when `downsample` is True.
-    """
-
-    def __init__(
-        self,
-        in_channels: int,
-        width: int,
-        out_channels: int,
-        zeta: int,
-        tau: float = 0.5,
-        stride: int = 1,
-        groups: int = 1,
-        dilation: int = 1,
-        downsample: bool = False,
-    ):
-        super().__init__()
-        self.conv1 = PiXBlock(in_channels, zeta, tau)
-        self.conv2 = nn.Conv2d(
-            in_channels // zeta, width, 3, stride, dilation, dilation=dilation, groups=groups, bias=False
-        )
-        self.bn2 = nn.BatchNorm2d(width)
-        self.act2 = nn.ReLU(inplace=True)
-        self.conv3 = nn.Conv2d(width, out_channels, 1, bias=False)
-        self.bn3 = nn.BatchNorm2d(out_channels)
-        self.downsample = (
-            nn.Sequential(
-                nn.Conv2d(in_channels, out_channels, 1, stride, bias=False), nn.BatchNorm2d(out_channels)
-            )
-            if downsample
-            else None
-        )
-        self.act3 = nn.ReLU(inplace=True)
-        init_weights(self)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shortcut = x if self.downsample is None else self.downsample(x)
-        out = self.act2(self.bn2(self.conv2(self.conv1(x))))
-        out = self.bn3(self.conv3(out))
-        return self.act3(out + shortcut)
-
-    def config(self) -> dict:
-        """Constructor kwargs read from the current layers (so a compacted conv2 width is kept)."""
-        return {
-            "in_channels": self.conv1.in_channels,
-            "width": self.conv2.out_channels,
-            "out_channels": self.conv3.out_channels,
-            "zeta": self.conv1.zeta,
-            "tau": self.conv1.tau,
-            "stride": self.conv2.stride[0],
-            "groups": self.conv2.groups,
-            "dilation": self.conv2.dilation[0],
-            "downsample": self.downsample is not None,
-        }
-
-
-class PiXConv2d(nn.Module):
-    """PiXBlock then a conv with in_channels // zeta inputs (network downscaling mode):
-    (B, in_channels, H, W) -> (B, out_channels, Ho, Wo), Ho, Wo as the conv it replaces."""
-
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        zeta: int,
-        tau: float = 0.5,
-        kernel_size: int = 3,
-        stride: int = 1,
-        padding: int = 1,
-        dilation: int = 1,
-        bias: bool = False,
-    ):
-        super().__init__()
-        self.pix = PiXBlock(in_channels, zeta, tau)
-        self.conv = nn.Conv2d(
-            in_channels // zeta, out_channels, kernel_size, stride, padding, dilation=dilation, bias=bias
-        )
-        init_weights(self)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(self.pix(x))
-
-    def config(self) -> dict:
-        c = self.conv
-        return {
-            "in_channels": self.pix.in_channels,
-            "out_channels": c.out_channels,
-            "zeta": self.pix.zeta,
-            "tau": self.pix.tau,
-            "kernel_size": c.kernel_size[0],
-            "stride": c.stride[0],
-            "padding": c.padding[0],
-            "dilation": c.dilation[0],
-            "bias": c.bias is not None,
-        }
-
-
 def _timm_types(name: str) -> tuple[type, ...]:
     try:
         import timm.models.resnet as timm_resnet
@@ -206,52 +105,55 @@ def _basic_block_types() -> tuple[type, ...]:
     return (tvm.resnet.BasicBlock, CifarBasicBlock, *_timm_types("BasicBlock"))
 
 
-def _square(value: tuple[int, int], what: str, where: str) -> int:
-    if value[0] != value[1]:
-        raise ValueError(f"{where}: PiX supports square {what} only, got {tuple(value)}")
-    return value[0]
+def _resized(module: nn.Module, where: str, in_channels: int, out_channels: int) -> nn.Module:
+    """A freshly initialised copy of a plain Conv2d (same kernel, stride, padding, dilation, groups, bias)
+    or BatchNorm2d (same eps, momentum) with new channel counts."""
+    if type(module) is nn.BatchNorm2d:
+        new = nn.BatchNorm2d(out_channels, eps=module.eps, momentum=module.momentum)
+    elif type(module) is nn.Conv2d:
+        new = nn.Conv2d(
+            in_channels,
+            out_channels,
+            module.kernel_size,
+            module.stride,
+            module.padding,
+            module.dilation,
+            module.groups,
+            module.bias is not None,
+            module.padding_mode,
+        )
+    else:
+        raise ValueError(
+            f"{where}: expected a plain Conv2d or BatchNorm2d to resize, got {type(module).__name__}"
+        )
+    init_weights(new)
+    return new
 
 
-def _check_plain_bottleneck(name: str, block: nn.Module) -> None:
-    """Raise unless `block` is conv1x1-BN-ReLU, conv3x3-BN-ReLU, conv1x1-BN, (+ conv1x1-BN shortcut), ReLU."""
+def _squeeze_with_pix(name: str, block: nn.Module, zeta: int, tau: float) -> None:
+    """Replace `block`'s squeeze conv1 + bn1 + act1 by PiXBlock(in, in / width), width = out / zeta, and
+    resize conv2, bn2 and conv3's input to that width when it differs from the current one.
+
+    torchvision's Bottleneck applies one shared ReLU after bn1, bn2 and the residual sum; it stays after
+    PiX and is exact there: the block input is the output of a ReLU (previous block or stem), so PiX's
+    p * max / p * mean with p > 0 is non-negative and the ReLU leaves it unchanged.
+    """
     where = f"insert_pix: layer '{name}' ({type(block).__module__}.{type(block).__name__})"
-    acts = [getattr(block, a) for a in ("relu", "act1", "act2", "act3") if hasattr(block, a)]
-    if not acts or not all(type(a) is nn.ReLU for a in acts):
-        raise ValueError(
-            f"{where}: PiXBottleneck uses ReLU; this block has activations {[type(a).__name__ for a in acts]}"
-        )
-    for extra in ("se", "drop_path", "aa", "drop_block"):
-        mod = getattr(block, extra, None)
-        if mod is not None and not isinstance(mod, nn.Identity):
-            raise ValueError(
-                f"{where}: has '{extra}' = {type(mod).__name__}, which PiXBottleneck would drop; use a plain bottleneck"
-            )
-    conv1 = block.conv1
-    if type(conv1) is not nn.Conv2d or conv1.kernel_size != (1, 1) or conv1.stride != (1, 1):
-        raise ValueError(f"{where}: conv1 must be a plain stride-1 1x1 Conv2d (the squeeze), got {conv1}")
-    for bn in ("bn1", "bn2", "bn3"):
-        if type(getattr(block, bn)) is not nn.BatchNorm2d:
-            raise ValueError(f"{where}: {bn} must be BatchNorm2d, got {getattr(block, bn)}")
-    ds = block.downsample
-    if ds is not None and not (
-        isinstance(ds, nn.Sequential)
-        and len(ds) == 2
-        and type(ds[0]) is nn.Conv2d
-        and ds[0].kernel_size == (1, 1)
-        and ds[0].bias is None
-        and type(ds[1]) is nn.BatchNorm2d
+    conv1, conv2, conv3 = block.conv1, block.conv2, block.conv3
+    if (
+        type(conv1) is not nn.Conv2d
+        or conv1.kernel_size != (1, 1)
+        or conv1.stride != (1, 1)
+        or conv1.groups != 1
     ):
+        raise ValueError(f"{where}: conv1 must be the squeeze, a plain stride-1 1x1 Conv2d; got {conv1}")
+    act = getattr(block, "act1", getattr(block, "relu", None))
+    if type(act) is not nn.ReLU or type(block.bn1) is not nn.BatchNorm2d:
         raise ValueError(
-            f"{where}: downsample must be Sequential(1x1 Conv2d without bias, BatchNorm2d), got {ds}"
+            f"{where}: PiX replaces a squeeze conv + BatchNorm2d + ReLU; this block has "
+            f"{type(block.bn1).__name__} and {type(act).__name__}"
         )
-
-
-def _pix_bottleneck_from(name: str, block: nn.Module, zeta: int, tau: float) -> PiXBottleneck:
-    """The PiXBottleneck replacing `block`; conv2/bn2/conv3/bn3 and downsample are reused where their
-    shapes are unchanged (zeta = 4 on standard widths), otherwise built fresh."""
-    _check_plain_bottleneck(name, block)
-    where = f"insert_pix: layer '{name}'"
-    in_ch, out_ch = block.conv1.in_channels, block.conv3.out_channels
+    in_ch, out_ch = conv1.in_channels, conv3.out_channels
     if out_ch % zeta:
         raise ValueError(f"{where}: block output channels {out_ch} are not divisible by zeta={zeta}")
     width = out_ch // zeta
@@ -260,45 +162,44 @@ def _pix_bottleneck_from(name: str, block: nn.Module, zeta: int, tau: float) -> 
             f"{where}: input channels {in_ch} are not divisible by the new width {width} "
             f"(= output channels {out_ch} / zeta {zeta}); PiX can only squeeze, choose a larger zeta"
         )
-    conv2 = block.conv2
-    new = PiXBottleneck(
-        in_ch,
-        width,
-        out_ch,
-        zeta=in_ch // width,
-        tau=tau,
-        stride=_square(conv2.stride, "stride", where),
-        groups=conv2.groups,
-        dilation=_square(conv2.dilation, "dilation", where),
-        downsample=block.downsample is not None,
-    )
-    if new.downsample is not None:
-        new.downsample = block.downsample
-    if (conv2.in_channels, conv2.out_channels) == (new.conv2.in_channels, new.conv2.out_channels):
-        new.conv2, new.bn2, new.conv3, new.bn3 = conv2, block.bn2, block.conv3, block.bn3
-    return new
+    block.conv1, block.bn1 = PiXBlock(in_ch, in_ch // width, tau), nn.Identity()
+    if hasattr(block, "act1"):
+        block.act1 = nn.Identity()
+    if (conv2.in_channels, conv2.out_channels) != (width, width):
+        aa = getattr(block, "aa", None)
+        if aa is not None and not isinstance(aa, nn.Identity):
+            raise ValueError(
+                f"{where}: cannot change the width with anti-aliasing ({type(aa).__name__}); use zeta=4"
+            )
+        if width % conv2.groups:
+            raise ValueError(f"{where}: new width {width} is not divisible by conv2's groups={conv2.groups}")
+        block.conv2 = _resized(conv2, f"{where} conv2", width, width)
+        block.bn2 = _resized(block.bn2, f"{where} bn2", width, width)
+        block.conv3 = _resized(conv3, f"{where} conv3", width, out_ch)
 
 
 def insert_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
-    """Channel squeezing mode, in place: every bottleneck (torchvision, timm, our CIFAR ones) becomes a
-    PiXBottleneck of width out_channels / zeta whose squeeze is PiXBlock(in_channels, in_channels / width).
+    """Channel squeezing mode, in place: in every bottleneck (torchvision, timm, our CIFAR ones) PiX replaces
+    the squeeze conv + BN + ReLU, and the bottleneck width becomes out_channels / zeta.
 
-    With standard widths and zeta = 4 the PiX factor is 4, except 1 in stage 1's first block (64 -> 64, a
-    pure gate) and 2 in the first block of the later stages (e.g. 256 -> 128). Returns the block names.
+    The PiX factor of a block is in_channels / width. With zeta = 4 (standard widths) it is 4, except 1 in
+    stage 1's first block (64 -> 64: a pure gate, y = p * x) and 2 in the first block of the later stages
+    (e.g. 256 -> 128). With zeta = 8 (thin): 2 in stage 1's first block (64 -> 32), 4 in the other first
+    blocks, 8 elsewhere. Returns the names of the changed blocks.
     """
     _check_zeta("insert_pix", zeta)
     names = [n for n, m in model.named_modules() if isinstance(m, _bottleneck_types())]
     if not names:
         raise ValueError(f"insert_pix: {type(model).__name__} has no bottleneck block; {_SUPPORTED}")
     for name in names:
-        replace_module(model, name, _pix_bottleneck_from(name, model.get_submodule(name), zeta, tau))
+        _squeeze_with_pix(name, model.get_submodule(name), zeta, tau)
     return names
 
 
 def downscale_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
-    """Network downscaling mode, in place: every 3x3 Conv2d after the network's first conv becomes a
-    PiXConv2d (PiXBlock(in, zeta) then the conv with in / zeta inputs, freshly initialised).
-    Returns the replaced conv names."""
+    """Network downscaling mode, in place: every 3x3 Conv2d after the network's first conv becomes
+    Sequential(PiXBlock(in, zeta), the conv with in / zeta inputs, freshly initialised).
+    Returns the names of the replaced convs."""
     _check_zeta("downscale_pix", zeta)
     convs = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Conv2d)]
     targets = [(n, m) for n, m in convs[1:] if m.kernel_size == (3, 3)]
@@ -306,21 +207,11 @@ def downscale_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
         raise ValueError(f"downscale_pix: {type(model).__name__} has no 3x3 conv after its first conv")
     for name, conv in targets:
         where = f"downscale_pix: layer '{name}'"
-        if type(conv) is not nn.Conv2d or conv.groups != 1:
-            raise ValueError(f"{where}: expected a plain Conv2d with groups=1, got {conv}")
+        if conv.groups != 1:
+            raise ValueError(f"{where}: PiX needs a conv with groups=1, got groups={conv.groups}")
         _check_factor(where, conv.in_channels, zeta)
-        new = PiXConv2d(
-            conv.in_channels,
-            conv.out_channels,
-            zeta,
-            tau,
-            kernel_size=3,
-            stride=_square(conv.stride, "stride", where),
-            padding=_square(conv.padding, "padding", where),
-            dilation=_square(conv.dilation, "dilation", where),
-            bias=conv.bias is not None,
-        )
-        replace_module(model, name, new)
+        new_conv = _resized(conv, where, conv.in_channels // zeta, conv.out_channels)
+        replace_module(model, name, nn.Sequential(PiXBlock(conv.in_channels, zeta, tau), new_conv))
     return [n for n, _ in targets]
 
 
@@ -332,7 +223,7 @@ _SUPPORTED = (
 
 
 def apply_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
-    """Insert PiX in place, choosing the mode from the family (see _SUPPORTED); returns replaced names."""
+    """Insert PiX in place, choosing the mode from the family (see _SUPPORTED); returns the changed names."""
     modules = list(model.modules())
     if any(isinstance(m, _bottleneck_types()) for m in modules):
         return insert_pix(model, zeta, tau)
@@ -341,5 +232,4 @@ def apply_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
     raise ValueError(f"apply_pix: unsupported model {type(model).__name__}; {_SUPPORTED}")
 
 
-for _cls in (PiXBlock, PiXBottleneck, PiXConv2d):
-    register_module_type(_cls.__name__, _cls)
+register_module_type("PiXBlock", PiXBlock)

@@ -13,7 +13,7 @@ import torchvision
 
 import compress
 from compress.models import create_model
-from compress.pix import PiXBlock, PiXBottleneck, PiXConv2d, apply_pix, downscale_pix, insert_pix
+from compress.pix import PiXBlock, apply_pix, downscale_pix, insert_pix
 from compress.profile import profile
 
 
@@ -136,21 +136,11 @@ def test_block_errors_name_the_problem():
         PiXBlock(8, 2)(torch.randn(1, 6, 3, 3))
 
 
-@pytest.mark.parametrize(
-    "module",
-    [
-        PiXBlock(8, 2, 0.4),
-        PiXBottleneck(64, 32, 256, zeta=2, stride=2, downsample=True),
-        PiXConv2d(16, 32, zeta=4, stride=2, bias=True),
-    ],
-    ids=["block", "bottleneck", "conv"],
-)
-def test_config_rebuilds_same_shapes(module):
-    rebuilt = type(module)(**module.config())
-    assert rebuilt.config() == module.config()
-    assert {k: v.shape for k, v in rebuilt.state_dict().items()} == {
-        k: v.shape for k, v in module.state_dict().items()
-    }
+def test_config_rebuilds_same_shapes():
+    block = PiXBlock(8, 2, 0.4)
+    rebuilt = type(block)(**block.config())
+    assert rebuilt.config() == block.config() == {"in_channels": 8, "zeta": 2, "tau": 0.4}
+    assert rebuilt.weight.shape == block.weight.shape == (4, 8, 1, 1)
 
 
 def _block_outputs(model: nn.Module, names: list[str], x: torch.Tensor) -> dict[str, tuple]:
@@ -182,7 +172,11 @@ def test_torchvision_resnet50_insertion(zeta):
     x = torch.randn(2, 3, 32, 32)
     before = _block_outputs(model, blocks, x)
     assert insert_pix(model, zeta) == blocks
+    pix_out = []  # torchvision's shared ReLU stays after PiX: exact because PiX's output is >= 0 here
+    for blk in blocks:
+        model.get_submodule(blk).conv1.register_forward_hook(lambda m, i, o: pix_out.append(o.min().item()))
     assert _block_outputs(model, blocks, x) == before
+    assert len(pix_out) == len(blocks) and min(pix_out) >= 0
     widths = {blk: model.get_submodule(blk).conv2.out_channels for blk in blocks}
     factors = [
         model.get_submodule(blk).conv1.zeta for blk in ("layer1.0", "layer1.1", "layer2.0", "layer3.1")
@@ -202,7 +196,7 @@ def test_cifar_bottleneck_and_timm_insertion_keep_shapes():
         x = torch.randn(2, 3, 32, 32)
         before = _block_outputs(model, blocks, x)
         assert apply_pix(model, 4) == blocks
-        assert all(isinstance(model.get_submodule(b), PiXBottleneck) for b in blocks)
+        assert all(isinstance(model.get_submodule(b).conv1, PiXBlock) for b in blocks)
         assert _block_outputs(model, blocks, x) == before
     _train_step(model, x)
 
@@ -216,8 +210,7 @@ def test_downscaling_keeps_shapes(name, zeta):
     before = _block_outputs(model, convs, x)
     assert apply_pix(model, zeta) == convs
     assert all(
-        model.get_submodule(n).conv.in_channels == model.get_submodule(n).pix.in_channels // zeta
-        for n in convs
+        model.get_submodule(n)[1].in_channels == model.get_submodule(n)[0].in_channels // zeta for n in convs
     )
     assert _block_outputs(model, convs, x) == before
     if name == "vgg11":
@@ -230,16 +223,14 @@ def test_errors_name_the_layer():
     ):
         downscale_pix(create_model("vgg11"), 3)
     with pytest.raises(
-        ValueError, match=r"layer 'layer1.0': block output channels 64 are not divisible by zeta=3"
+        ValueError,
+        match=r"layer 'layer1.0' \(compress.*Bottleneck\): block output channels 64 are not divisible by zeta=3",
     ):
         insert_pix(create_model("resnet29_bottleneck"), 3)
     with pytest.raises(
         ValueError, match=r"layer 'layer1.0'.*input channels 64 are not divisible by the new width 128"
     ):
         insert_pix(torchvision.models.resnet50(), 2)
-    with pytest.raises(ValueError, match=r"layer 'layer1.0'.*'se'.*would drop"):
-        with torch.device("meta"):
-            insert_pix(create_model("timm:seresnet50"), 4)
     with pytest.raises(ValueError, match=r"unsupported model MobileNetV2; PiX supports bottleneck ResNets"):
         apply_pix(create_model("mobilenet_v2"), 4)
     with pytest.raises(ValueError, match=r"zeta must be a positive int, got 0"):
@@ -306,7 +297,7 @@ def test_save_load_roundtrip(tmp_path):
     x = torch.randn(2, 3, 32, 32)
     compress.save(model, tmp_path / "pix.safetensors")
     loaded = compress.load(tmp_path / "pix.safetensors").eval()
-    assert isinstance(loaded.layer2[0], PiXBottleneck) and loaded.layer2[0].conv2.in_channels == 16
+    assert isinstance(loaded.layer2[0].conv1, PiXBlock) and loaded.layer2[0].conv2.in_channels == 16
     torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
 
 
