@@ -1,0 +1,41 @@
+"""Export a trained model: `python export.py ckpt=<run dir>/checkpoints/last.pt [key=value ...]`.
+
+Compacts the model and writes model.compact.safetensors, model.onnx, report.md, report.json and
+stripes.png into `out` (default: the Hydra run directory); prints the dense-vs-compact table.
+Config: conf/export.yaml.
+"""
+
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from compress.export import export_checkpoint
+from compress.report import render_markdown
+
+
+@hydra.main(config_path="conf", config_name="export", version_base=None)
+def main(cfg: DictConfig) -> None:
+    out = Path(cfg.out) if cfg.out is not None else Path(HydraConfig.get().runtime.output_dir)
+    report = export_checkpoint(
+        hydra.utils.to_absolute_path(cfg.ckpt),
+        out,
+        threshold=cfg.threshold,
+        target_macs=cfg.target_macs,
+        fold_bn=cfg.fold_bn,
+        choose_stripe_modes=cfg.choose_modes,
+        onnx=cfg.onnx.enabled,
+        stripe_mode=cfg.onnx.stripe_mode,
+        opset=cfg.onnx.opset,
+        device=cfg.profile.device,
+        batch_size=cfg.profile.batch_size,
+        latency=cfg.profile.latency,
+        repeats=cfg.profile.repeats,
+    )
+    print(render_markdown(report).split("\n## Per layer")[0])
+    print(f"wrote {', '.join(sorted(p.name for p in out.iterdir() if p.is_file()))} to {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""ONNX export of compact models (onnxruntime vs PyTorch) and the export flow / export.py on a
+training checkpoint written by hand in the engine's format."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from compress.checkpoint import load
+from compress.compaction import compact
+from compress.export import FILES, export_checkpoint
+from compress.models import create_model
+from compress.onnx_export import ShiftAddConv2d, check_onnx, export_onnx
+from compress.skeleton import attach_skeletons
+from compress.stripe import StripeConv2d
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _skeleton_model(name: str, keep: float = 0.5, seed: int = 0, **kwargs) -> nn.Module:
+    """`name` with skeletons: random weights, BN statistics, about `keep` stripes kept and a few dead filters."""
+    g = torch.Generator().manual_seed(seed)
+    model = create_model(name, **kwargs)
+    attach_skeletons(model)
+    with torch.no_grad():
+        for pname, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if not t.is_floating_point():
+                continue
+            if pname.endswith("skeleton"):
+                t.copy_((torch.rand(t.shape, generator=g) < keep) * (0.5 + torch.rand(t.shape, generator=g)))
+                t[:2] = 0  # two dead filters per layer
+            elif pname.endswith("running_var"):
+                t.copy_(0.5 + torch.rand(t.shape, generator=g))
+            else:
+                t.copy_(0.2 * torch.randn(t.shape, generator=g))
+    return model.eval()
+
+
+@pytest.mark.parametrize("name, keep", [("resnet56", 0.3), ("vgg16", 0.7)])
+def test_onnx_of_compact_model_matches_pytorch(name, keep, tmp_path):
+    skeleton = _skeleton_model(name, keep)
+    small = compact(skeleton)
+    assert any(isinstance(m, StripeConv2d) for m in small.modules())
+    x = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        want = skeleton(x)
+    torch.testing.assert_close(small(x), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    path = export_onnx(small, tmp_path / "m.onnx", (3, 32, 32))
+    assert check_onnx(path, skeleton, x) <= 1e-4
+
+
+@pytest.mark.parametrize("stride, padding, dilation", [(1, 1, 1), (2, 1, 1), (2, 2, 2), (1, 0, 1)])
+def test_shift_add_conv_equals_stripe_conv(stride, padding, dilation):
+    conv = nn.Conv2d(5, 7, 3, stride=stride, padding=padding, dilation=dilation, bias=True)
+    mask = torch.rand(7, 3, 3) < 0.5
+    mask[3] = False  # a dead filter: its output is the bias only
+    stripe = StripeConv2d.from_dense(conv, mask).eval()
+    x = torch.randn(2, 5, 11, 9)
+    with torch.no_grad():
+        torch.testing.assert_close(ShiftAddConv2d(stripe)(x), stripe(x), rtol=1e-5, atol=1e-5)
+
+
+def test_onnx_shift_mode_uses_no_stripe_ops(tmp_path):
+    import onnx
+
+    convs = [nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.Conv2d(8, 6, 3, padding=2, dilation=2)]
+    model = nn.Sequential(
+        StripeConv2d.from_dense(convs[0], torch.rand(8, 3, 3) < 0.4), nn.ReLU(),
+        StripeConv2d.from_dense(convs[1], torch.rand(6, 3, 3) < 0.6),
+    ).eval()  # fmt: skip
+    path = export_onnx(model, tmp_path / "m.onnx", (3, 16, 16), stripe_mode="shift")
+    graph = onnx.load(str(path)).graph
+    assert all(node.domain in ("", "ai.onnx") for node in graph.node)  # standard ops only
+    weights = {init.name: list(init.dims) for init in graph.initializer}
+    convs = [node for node in graph.node if node.op_type == "Conv"]
+    assert len(convs) == 2 and all(weights[node.input[1]][2:] == [1, 1] for node in convs)  # 1x1 convs
+    assert {"Slice", "Gather"} <= {node.op_type for node in graph.node}
+    assert check_onnx(path, model, torch.randn(4, 3, 16, 16)) <= 1e-4
+
+
+def test_bad_stripe_mode_is_clear(tmp_path):
+    with pytest.raises(ValueError, match="stripe_mode must be one of"):
+        export_onnx(nn.Sequential(nn.Conv2d(3, 3, 1)), tmp_path / "m.onnx", (3, 4, 4), stripe_mode="sparse")
+
+
+# ---- export flow on a training checkpoint ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def training_checkpoint(tmp_path_factory):
+    """A resnet20 skeleton checkpoint with the keys and config layout of compress.engine."""
+    model = _skeleton_model("resnet20", keep=0.5, seed=1, num_classes=10, input_size=32)
+    config = {
+        "model": {"name": "resnet20", "kwargs": {}},
+        "data": {"name": "digits", "input_size": 32, "batch_size": 64},
+        "prune": {"name": "swp", "alpha": 1e-5, "threshold": 0.01, "target_flops": None,
+                  "min_kernel_size": 2, "include": None, "exclude": None},
+    }  # fmt: skip
+    path = tmp_path_factory.mktemp("run") / "checkpoints" / "last.pt"
+    path.parent.mkdir()
+    torch.save({"model": model.state_dict(), "config": config, "epoch": 1, "step": 10}, path)
+    return path, model
+
+
+def test_export_flow(training_checkpoint, tmp_path):
+    path, skeleton = training_checkpoint
+    report = export_checkpoint(path, tmp_path, latency=False, choose_stripe_modes=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(FILES)
+    small = load(tmp_path / FILES[0])
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        want = skeleton(x)
+        torch.testing.assert_close(small(x), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    assert report["onnx"]["max_rel_error"] <= 1e-4
+    assert check_onnx(tmp_path / FILES[1], skeleton, x) <= 1e-4
+    data = json.loads((tmp_path / FILES[2]).read_text())
+    assert data["threshold"] == 0.01
+    for side in ("dense", "compact"):
+        for key in ("params", "macs", "weight_bytes", "activation_bytes", "latency_ms", "device", "layers"):
+            assert key in data[side], (side, key)
+        assert set(data[side]["activation_bytes"]) == {"max", "sum"}
+        assert {"params", "macs", "weight_bytes", "activation_bytes"} <= set(data[side]["layers"][0])
+    assert data["dense"]["macs"] == 40551040  # resnet20 at 32x32, conv + linear
+    kept = sum(s["kept"] for s in data["stripes"].values()) / sum(s["total"] for s in data["stripes"].values())
+    assert 0.3 < kept < 0.6
+    assert data["compact"]["macs"] < 0.6 * data["dense"]["macs"]
+    assert "| MACs | 40.55 M |" in (tmp_path / FILES[3]).read_text()
+    assert (tmp_path / FILES[4]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_export_script(training_checkpoint, tmp_path):
+    path, _ = training_checkpoint
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "export.py", f"ckpt={path}", f"out={out}", "target_macs=0.3",
+         "profile.repeats=2", f"hydra.run.dir={tmp_path / 'hydra'}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| MACs |" in proc.stdout and "compact / dense" in proc.stdout
+    data = json.loads((out / "report.json").read_text())
+    assert data["compact"]["macs"] <= 0.3 * data["dense"]["macs"] and data["threshold"] > 0.01
+    assert data["compact"]["latency_ms"] > 0 and data["dense"]["latency_ms"] > 0
+    assert sorted(p.name for p in out.iterdir()) == sorted(FILES)
+
+
+def test_missing_checkpoint_is_clear(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        export_checkpoint(tmp_path / "nope.pt", tmp_path)
