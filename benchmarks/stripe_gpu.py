@@ -78,14 +78,20 @@ def ceilings():
 
 
 def candidates(C, N, dtype):
-    bk = stripe_triton._pow2(C, 16, 64 if dtype == torch.float32 else 128)
-    bns = sorted({stripe_triton._pow2(N, 16, 64), stripe_triton._pow2(N, 16, 128), stripe_triton._pow2(N, 16, 32)})
+    """Route (b) one-hot configs and route (a) dense-tile configs; the best per layer is kept."""
+    p2 = stripe_triton._pow2
+    bk = p2(C, 16, 64 if dtype == torch.float32 else 128)
+    bns = sorted({p2(N, 16, 32), p2(N, 16, 64), p2(N, 16, 128)})
     out = []
     for bn in bns:
         for ch in (16, 32):
             out.append(dict(BLOCK_M=128, BLOCK_N=bn, BLOCK_K=bk, CHUNK=ch, num_warps=4 if bn <= 64 else 8,
-                            num_stages=2))
-    out.append(dict(BLOCK_M=64, BLOCK_N=bns[0], BLOCK_K=bk, CHUNK=16, num_warps=4, num_stages=2))
+                            num_stages=2, DENSE=False))
+    out.append(dict(BLOCK_M=256, BLOCK_N=p2(N, 16, 64), BLOCK_K=bk, CHUNK=32, num_warps=8, num_stages=2,
+                    DENSE=False))
+    out.append(dict(BLOCK_M=64, BLOCK_N=bns[0], BLOCK_K=bk, CHUNK=16, num_warps=4, num_stages=3, DENSE=False))
+    for bm, bn, nw in ((128, p2(N, 16, 64), 4), (128, p2(N, 16, 128), 8), (256, p2(N, 16, 64), 8)):
+        out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, CHUNK=16, num_warps=nw, num_stages=3, DENSE=True))
     return out
 
 
@@ -100,6 +106,12 @@ def _dense_bwd(a, g, wd):
 
 def _stripe_bwd(a, g, w, oi, off, plan, N):
     return stripe_triton.backward(g, a, w, oi, off, plan, N, [3, 3], [1, 1], [1, 1], [1, 1], True, True)
+
+
+def _cudnn_bwd(a, g, w, oi, off, N):
+    from kernels.stripe import _backward_dense
+
+    return _backward_dense(g, a, w, oi, off, N, [3, 3], [1, 1], [1, 1], [1, 1], True, True)
 
 
 def _stripe_call(a, w, oi, off, b, plan, N, cfg):
@@ -168,7 +180,8 @@ def main():
                 sp = dense_ms / best[0]
                 row = dict(net=net, B=B, C=C, N=N, H=H, keep=keep, stripes=S, dtype=dname, layout=layout,
                            dense_ms=round(dense_ms, 4), stripe_ms=round(best[0], 4),
-                           stripe_default_ms=round(def_ms, 4), config=best[1], speedup=round(sp, 2),
+                           stripe_default_ms=round(def_ms, 4), config=best[1],
+                           route="a" if best[1]["DENSE"] else "b", speedup=round(sp, 2),
                            floor_ms=round(floor_ms, 4), attainable=round(attain, 2),
                            fraction=round(sp / attain, 2), rel_err=err)
                 if keep == 0.3 and layout == "cl":
@@ -176,12 +189,15 @@ def main():
                     db_ms = time_rotated(functools.partial(_dense_bwd, g=g, wd=wd), xs, reps=10)
                     sb_ms = time_rotated(functools.partial(_stripe_bwd, g=g, w=w, oi=oi, off=off, plan=plan, N=N),
                                          xs, reps=10)
-                    row.update(dense_bwd_ms=round(db_ms, 4), stripe_bwd_ms=round(sb_ms, 4),
-                               bwd_time_per_kept_mac_vs_dense=round(sb_ms / db_ms / (S / (9 * N)), 2))
-                    print(f"   backward: dense {db_ms:.4f} ms  stripe {sb_ms:.4f} ms", flush=True)
+                    cb_ms = time_rotated(functools.partial(_cudnn_bwd, g=g, w=w, oi=oi, off=off, N=N), xs, reps=10)
+                    row.update(dense_bwd_ms=round(db_ms, 4), stripe_bwd_triton_ms=round(sb_ms, 4),
+                               stripe_bwd_cudnn_ms=round(cb_ms, 4),
+                               bwd_time_per_kept_mac_vs_dense=round(min(sb_ms, cb_ms) / db_ms / (S / (9 * N)), 2))
+                    print(f"   backward: dense {db_ms:.4f} ms  stripe triton {sb_ms:.4f} ms  stripe via cudnn "
+                          f"{cb_ms:.4f} ms", flush=True)
                 rows.append(row)
                 print(f"{net:8s} B={B:4d} C={C:3d} H={H:2d} keep={keep:.2f} {dname} {layout:4s} "
-                      f"dense {dense_ms:7.4f}  stripe {best[0]:7.4f} (def {def_ms:7.4f})  x{sp:5.2f}  "
+                      f"dense {dense_ms:7.4f}  stripe {best[0]:7.4f} ({row['route']}; def {def_ms:7.4f})  x{sp:5.2f}  "
                       f"floor {floor_ms:7.4f}  attain x{attain:5.2f}  frac {sp / attain:4.2f}  err {err:.1e}",
                       flush=True)
     meta = dict(gpu=gpu, torch=torch.__version__, triton=getattr(stripe_triton.triton, "__version__", "?"),
@@ -191,11 +207,11 @@ def main():
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows, "correctness_failures": fails}, f, indent=1)
-    print("\n| shape | keep | dtype | layout | dense ms | stripe ms | speedup | attainable | fraction |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| shape | keep | dtype | layout | dense ms | stripe ms | route | speedup | attainable | fraction |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['net']} B{r['B']} {r['C']}x{r['H']}x{r['H']} | {r['keep']} | {r['dtype']} | {r['layout']} | "
-              f"{r['dense_ms']:.4f} | {r['stripe_ms']:.4f} | {r['speedup']:.2f} | {r['attainable']:.2f} | "
+              f"{r['dense_ms']:.4f} | {r['stripe_ms']:.4f} | {r['route']} | {r['speedup']:.2f} | {r['attainable']:.2f} | "
               f"{r['fraction']:.2f} |")
     print(f"correctness failures: {len(fails)} {fails[:10]}")
     print(f"GPU: {gpu}")

@@ -14,6 +14,9 @@ The *plan* (``stripe_plan``) is an int32 table (KH*KW, N+1): ``plan[k, n]`` = nu
 for output channels ``[n0, n1)`` are ``[plan[k, n0], plan[k, n1])``. Build it once per layer (``StripeConv2d`` keeps
 it as a non-persistent buffer) and pass it in; without it the op builds it on every call.
 
+CUDA path: the Triton kernel in ``kernels/stripe_triton.py`` (forward); backward by cuDNN's dense backward with the
+zero-filled weight (default, faster on an H200) or the Triton backward kernels (``COMPRESS_STRIPE_BACKWARD=triton``).
+
 CPU path (also the CUDA fallback and the float64 path): one GEMM of all stripes over the input (a 1x1 conv,
 ``(S, C) @ (C, B*H*W)``) followed by one strided ``index_add_`` per offset into the output channels (a loop over
 the <= KH*KW offsets, never over stripes or pixels). Backward: ``grad_x`` is one GEMM ``W^T @ G`` where G holds
@@ -22,6 +25,7 @@ each stripe's output gradient placed at its shifted input positions; ``grad_weig
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -269,7 +273,10 @@ def _stripe_backward_cuda(grad, x, weight, out_index, offset, plan, out_channels
     _check_grad(grad, x, weight, out_index, offset, plan, out_channels, kernel_size, stride, padding, dilation)
     from kernels import stripe_triton
 
-    if stripe_triton.available(x) and hasattr(stripe_triton, "backward"):
+    if x.dtype != torch.float64 and os.environ.get("COMPRESS_STRIPE_BACKWARD", "cudnn") == "cudnn":
+        dx, dw = _backward_dense(grad, x, weight, out_index, offset, out_channels, kernel_size, stride, padding,
+                                 dilation, need_x, need_w)
+    elif stripe_triton.available(x):
         if plan is None:
             plan = _plan_torch(out_index, offset, out_channels, kernel_size)
         dx, dw = stripe_triton.backward(grad, x, weight, out_index, offset, plan, out_channels, kernel_size,
@@ -278,6 +285,17 @@ def _stripe_backward_cuda(grad, x, weight, out_index, offset, plan, out_channels
         dx, dw = _backward_torch(grad, x, weight, out_index, offset, plan, out_channels, kernel_size, stride,
                                  padding, dilation, need_x, need_w)
     return _fill(dx, dw, x, weight)
+
+
+def _backward_dense(grad, x, weight, out_index, offset, N, kernel_size, stride, padding, dilation, need_x, need_w):
+    """cuDNN's dense conv backward with the zero-filled weight, then the kept stripes of its weight gradient
+    (exact; on an H200 this beats the Triton backward, see benchmarks/results/stripe_gpu_h200.json)."""
+    fmt = memory_format(x)
+    wd = stripe_to_dense(weight, out_index, offset, N, kernel_size).contiguous(memory_format=fmt)
+    dx, dW, _ = torch.ops.aten.convolution_backward(grad, x, wd, None, stride, padding, dilation, False, [0, 0], 1,
+                                                    [need_x, need_w, False])
+    dw = dW[out_index, :, offset[:, 0], offset[:, 1]] if need_w else None
+    return (dx.contiguous(memory_format=fmt) if need_x else None), dw
 
 
 def _fill(dx, dw, x, weight):

@@ -44,14 +44,15 @@ if triton is not None:
     @triton.jit
     def _stripe_fwd_kernel(
         x_ptr, w_ptr, oi_ptr, plan_ptr, b_ptr, y_ptr,
-        M, C, H, W, Ho, Wo, N,
+        M, C, H, W, Ho, Wo, N, S,
         sy_b, sy_c, sy_h, sy_w,
         SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
         DH: tl.constexpr, DW: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
         HAS_BIAS: tl.constexpr, RELU: tl.constexpr, IS_FP32: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
-        ONE_K: tl.constexpr,
+        ONE_K: tl.constexpr, DENSE: tl.constexpr,
     ):
+        # w_ptr: route (b) W^T (C, S); DENSE route (a): zero-filled dense weight (KH*KW, C, N)
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         n0 = pid_n * BLOCK_N
@@ -80,11 +81,8 @@ if triton is not None:
                                 other=0.0)
                     if IS_FP32:
                         a = _round_tf32(a)
-                for s0 in range(s_lo, s_hi, CHUNK):
-                    st = s0 + cc
-                    s_ok = st < s_hi
-                    oc = tl.load(oi_ptr + st, mask=s_ok, other=-1) - n0
-                    p = tl.zeros((BLOCK_M, CHUNK), dtype=tl.float32)
+                if DENSE:
+                    # route (a): exact dense tile for this offset (skipped above when the tile keeps none)
                     for c0 in range(0, C, BLOCK_K):
                         c_ok = (c0 + ck) < C
                         if not ONE_K:
@@ -92,20 +90,38 @@ if triton is not None:
                                         mask=a_ok[:, None] & c_ok[None, :], other=0.0)
                             if IS_FP32:
                                 a = _round_tf32(a)
-                        wt = tl.load(w_ptr + st[None, :].to(tl.int64) * C + (c0 + ck)[:, None],
-                                     mask=s_ok[None, :] & c_ok[:, None], other=0.0)
+                        wt = tl.load(w_ptr + (k * C + c0 + ck)[:, None].to(tl.int64) * N + (n0 + cols)[None, :],
+                                     mask=c_ok[:, None] & ((n0 + cols) < N)[None, :], other=0.0)
                         if IS_FP32:
                             wt = _round_tf32(wt)
-                        p = tl.dot(a, wt, p)
-                    r = (oc[:, None] == cols[None, :])
-                    if IS_FP32:
-                        p_hi = _round_tf32(p)
-                        p_lo = _round_tf32(p - p_hi)
-                        rf = r.to(tl.float32)
-                        acc = tl.dot(p_hi, rf, acc)
-                        acc = tl.dot(p_lo, rf, acc)
-                    else:
-                        acc = tl.dot(p.to(x_ptr.dtype.element_ty), r.to(x_ptr.dtype.element_ty), acc)
+                        acc = tl.dot(a, wt, acc)
+                else:
+                    for s0 in range(s_lo, s_hi, CHUNK):
+                        st = s0 + cc
+                        s_ok = st < s_hi
+                        oc = tl.load(oi_ptr + st, mask=s_ok, other=-1) - n0
+                        p = tl.zeros((BLOCK_M, CHUNK), dtype=tl.float32)
+                        for c0 in range(0, C, BLOCK_K):
+                            c_ok = (c0 + ck) < C
+                            if not ONE_K:
+                                a = tl.load(x_ptr + a_row[:, None] + (c0 + ck)[None, :],
+                                            mask=a_ok[:, None] & c_ok[None, :], other=0.0)
+                                if IS_FP32:
+                                    a = _round_tf32(a)
+                            wt = tl.load(w_ptr + (c0 + ck)[:, None].to(tl.int64) * S + st[None, :],
+                                         mask=s_ok[None, :] & c_ok[:, None], other=0.0)
+                            if IS_FP32:
+                                wt = _round_tf32(wt)
+                            p = tl.dot(a, wt, p)
+                        r = (oc[:, None] == cols[None, :])
+                        if IS_FP32:
+                            p_hi = _round_tf32(p)
+                            p_lo = _round_tf32(p - p_hi)
+                            rf = r.to(tl.float32)
+                            acc = tl.dot(p_hi, rf, acc)
+                            acc = tl.dot(p_lo, rf, acc)
+                        else:
+                            acc = tl.dot(p.to(x_ptr.dtype.element_ty), r.to(x_ptr.dtype.element_ty), acc)
         n_ok = (n0 + cols) < N
         if HAS_BIAS:
             bias = tl.load(b_ptr + n0 + cols, mask=n_ok, other=0.0).to(tl.float32)
@@ -128,7 +144,7 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype) -> dict:
     block_k = _pow2(C, 16, 64 if dtype == torch.float32 else 128)
     block_n = _pow2(N, 16, 64 if C <= 64 else 128)
     return dict(BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=block_k, CHUNK=16 if S <= 0.2 * K * N else 32,
-                num_warps=4 if block_n <= 64 else 8, num_stages=2)
+                num_warps=4 if block_n <= 64 else 8, num_stages=2, DENSE=C <= 16)
 
 
 def forward(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding, dilation,
@@ -148,10 +164,18 @@ def forward(x, weight, out_index, offset, bias, plan, out_channels, kernel_size,
     cfg = dict(config or default_config(C, N, weight.shape[0], KH * KW, x.dtype))
     BM, BN = cfg.pop("BLOCK_M"), cfg["BLOCK_N"]
     cfg["ONE_K"] = C <= cfg["BLOCK_K"]
+    cfg.setdefault("DENSE", False)
+    if cfg["DENSE"]:
+        # zero-filled dense weight (KH*KW, C, N): cheap (K*C*N elements) and exact
+        wk = weight.new_zeros(KH * KW, N, C)
+        wk[offset[:, 0] * KW + offset[:, 1], out_index] = weight
+        wop = wk.transpose(1, 2).contiguous()
+    else:
+        wop = weight.t().contiguous()
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
     _stripe_fwd_kernel[grid](
-        xc, weight.contiguous(), out_index, plan, bias if bias is not None else y, y,
-        M, C, H, W, Ho, Wo, N, *y.stride(),
+        xc, wop, out_index, plan, bias if bias is not None else y, y,
+        M, C, H, W, Ho, Wo, N, weight.shape[0], *y.stride(),
         SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1], DH=dilation[0], DW=dilation[1], KH=KH, KW=KW,
         HAS_BIAS=bias is not None, RELU=relu, IS_FP32=x.dtype == torch.float32, BLOCK_M=BM, **cfg)
     return y

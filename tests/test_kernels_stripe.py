@@ -192,6 +192,7 @@ cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, CHUNK=16, num_warps=4, num_stages
 for dt, ks, st, pd, dl, C, N, c in [
         (torch.float32, (3, 3), (1, 1), (1, 1), (1, 1), 16, 20, None),
         (torch.float32, (3, 3), (2, 2), (1, 1), (1, 1), 40, 20, cfg),
+        (torch.float16, (3, 3), (2, 2), (1, 1), (1, 1), 40, 20, dict(cfg, DENSE=True)),
         (torch.float16, (3, 2), (2, 1), (0, 1), (2, 1), 16, 36, cfg)]:
     w, oi, off = random_layer(N, C, ks, 0.4, gen, dtype=torch.float32)
     x = torch.randn(2, C, 6, 5, generator=gen)
@@ -230,7 +231,9 @@ def test_triton_kernel_interpreted_on_cpu():
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-3), (torch.float16, 1e-2), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])
-def test_cuda_matches_dense(dtype, tol, layout):
+@pytest.mark.parametrize("bwd", ["cudnn", "triton"])
+def test_cuda_matches_dense(dtype, tol, layout, bwd, monkeypatch):
+    monkeypatch.setenv("COMPRESS_STRIPE_BACKWARD", bwd)
     gen = torch.Generator().manual_seed(9)
     for case in CASES + [(4, 64, 64, 8, 8, (3, 3), (1, 1), (1, 1), (1, 1)),
                          (2, 128, 96, 9, 9, (3, 3), (2, 2), (1, 1), (1, 1))]:
