@@ -138,14 +138,14 @@ def test_export_script(training_checkpoint, tmp_path):
     path, _ = training_checkpoint
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "export.py", f"ckpt={path}", f"out={out}", "target_macs=0.3",
-         "profile.repeats=2", f"hydra.run.dir={tmp_path / 'hydra'}"],
+        [sys.executable, "export.py", f"ckpt={path}", f"out={out}", "threshold=0.9",
+         "choose_modes=false", "profile.repeats=2", f"hydra.run.dir={tmp_path / 'hydra'}"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| MACs |" in proc.stdout and "compact / dense" in proc.stdout
     data = json.loads((out / "report.json").read_text())
-    assert data["compact"]["macs"] <= 0.3 * data["dense"]["macs"] and data["threshold"] > 0.01
+    assert data["threshold"] == 0.9 and data["compact"]["macs"] < 0.5 * data["dense"]["macs"]
     assert data["compact"]["latency_ms"] > 0 and data["dense"]["latency_ms"] > 0
     assert sorted(p.name for p in out.iterdir()) == sorted(FILES)
 
