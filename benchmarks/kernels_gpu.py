@@ -24,8 +24,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels import _ext
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+import kernels  # noqa: E402
+from kernels import _ext  # noqa: E402
 
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
