@@ -200,14 +200,9 @@ class StripeConv2d(nn.Module):
     def _cached_dense_weight(self) -> torch.Tensor:
         if torch.is_grad_enabled() and self.weight.requires_grad:
             return self.dense_weight()
-        w = self.weight
-        key = (
-            w.data_ptr(),
-            w._version,
-            w.dtype,
-            w.device,
-            self.out_index.data_ptr(),
-            self.out_index._version,
+        key = tuple(
+            (t.data_ptr(), t.dtype, t.device, None if t.is_inference() else t._version)
+            for t in (self.weight, self.out_index, self.offset)
         )
         if self._dense_cache is None or self._dense_cache[0] != key:
             with torch.no_grad():
