@@ -1,0 +1,129 @@
+"""CPU inference benchmark: PiX ResNet-50 (zeta 4) against torchvision ResNet-50, same treatment.
+
+fp32, 224x224, batch 1 and 8, eval + torch.inference_mode, BN folded into the convs in both models, NCHW
+and channels_last (each layout applied to both). The two models run interleaved (A, B, A, B, ...) so that
+load changes hit both alike; the median of the repeats is reported, with the load average before and after.
+
+    python benchmarks/pix_cpu.py [--repeats 15] [--batches 1 8] [--size 224] [--no-fold] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torchvision
+from torch.nn.utils.fusion import fuse_conv_bn_eval
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from compress.pix import insert_pix  # noqa: E402
+from compress.surgery import conv_bn_pairs, replace_module  # noqa: E402
+
+
+def fold_bn(model: nn.Module) -> nn.Module:
+    """Fold every BatchNorm2d into the conv before it (eval statistics); the BN becomes Identity."""
+    for conv_name, bn_name in conv_bn_pairs(model).items():
+        conv, bn = model.get_submodule(conv_name), model.get_submodule(bn_name)
+        replace_module(model, conv_name, fuse_conv_bn_eval(conv, bn))
+        replace_module(model, bn_name, nn.Identity())
+    return model
+
+
+def build(pix: bool, fold: bool, channels_last: bool) -> nn.Module:
+    torch.manual_seed(0)
+    model = torchvision.models.resnet50()
+    if pix:
+        insert_pix(model, 4)
+    model.eval()
+    with torch.no_grad():  # non-trivial BN statistics, so folding does real work
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.1, 0.1)
+                m.running_var.uniform_(0.5, 1.5)
+    if fold:
+        fold_bn(model)
+    return model.to(memory_format=torch.channels_last) if channels_last else model
+
+
+def median_pair(models: dict[str, nn.Module], x: torch.Tensor, repeats: int) -> dict[str, float]:
+    """Median ms per forward of each model, the models run interleaved, after 2 warm-up runs each."""
+    times: dict[str, list[float]] = {k: [] for k in models}
+    with torch.inference_mode():
+        for _ in range(2):
+            for m in models.values():
+                m(x)
+        for _ in range(repeats):
+            for k, m in models.items():
+                t0 = time.perf_counter()
+                m(x)
+                times[k].append((time.perf_counter() - t0) * 1e3)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--size", type=int, default=224)
+    ap.add_argument("--no-fold", action="store_true", help="keep BatchNorm unfolded in both models")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "pix_cpu.json"))
+    args = ap.parse_args()
+
+    fold = not args.no_fold
+    load_before = os.getloadavg()
+    rows = []
+    for channels_last in (False, True):
+        models = {
+            "resnet50": build(False, fold, channels_last),
+            "pix_resnet50": build(True, fold, channels_last),
+        }
+        fmt = torch.channels_last if channels_last else torch.contiguous_format
+        for b in args.batches:
+            x = torch.randn(b, 3, args.size, args.size).contiguous(memory_format=fmt)
+            ms = median_pair(models, x, args.repeats)
+            row = {
+                "layout": "channels_last" if channels_last else "nchw",
+                "batch": b,
+                "resnet50_ms": round(ms["resnet50"], 2),
+                "pix_resnet50_ms": round(ms["pix_resnet50"], 2),
+                "speedup": round(ms["resnet50"] / ms["pix_resnet50"], 3),
+            }
+            rows.append(row)
+            print(
+                f"{row['layout']:>13} B={b:<2} resnet50 {row['resnet50_ms']:8.2f} ms   "
+                f"pix_resnet50 {row['pix_resnet50_ms']:8.2f} ms   speedup {row['speedup']:.3f}x",
+                flush=True,
+            )
+    result = {
+        "benchmark": "PiX ResNet-50 (zeta 4) vs ResNet-50, CPU inference",
+        "dtype": "float32",
+        "input": [3, args.size, args.size],
+        "bn_folded": fold,
+        "repeats": args.repeats,
+        "statistic": "median ms per forward, models interleaved",
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "loadavg_before": [round(v, 2) for v in load_before],
+        "loadavg_after": [round(v, 2) for v in os.getloadavg()],
+        "rows": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(
+        f"wrote {args.out} (load average before {result['loadavg_before']}, after {result['loadavg_after']})"
+    )
+
+
+if __name__ == "__main__":
+    main()
