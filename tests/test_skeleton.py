@@ -6,6 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torchvision
 
+from compress.models import create_model
 from compress.skeleton import SkeletonConv2d, attach_skeletons, skeleton_stats, swp_update
 
 
@@ -130,7 +131,6 @@ def test_attach_skeletons_mobilenet_skips_depthwise_and_filters():
 
 
 def test_attach_skeletons_cifar_resnet():
-    create_model = pytest.importorskip("compress.models").create_model
     model = create_model("resnet20", num_classes=10)
     names = attach_skeletons(model)
     convs = [n for n, m in create_model("resnet20").named_modules() if isinstance(m, nn.Conv2d)]

@@ -1,0 +1,80 @@
+"""Hydra composition of every config group option, and clear errors for bad settings."""
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from compress.data import DatasetNotFoundError
+from compress.engine import run
+from compress.models import list_models
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+GROUPS = ("model", "data", "prune", "optim")
+
+
+def _compose(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        return compose("train", overrides=list(overrides))
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def test_default_config():
+    cfg = _compose()
+    assert (cfg.model.name, cfg.data.name, cfg.prune.name) == ("resnet56", "digits", "swp")
+    assert cfg.trainer.epochs == cfg.optim.epochs and cfg.pix.zeta is None and cfg.pix.tau == 0.5
+    assert cfg.resume is False and cfg.init is None
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g)])
+def test_every_group_option_composes(group, option):
+    cfg = _compose(f"{group}={option}")
+    node = cfg[group]
+    OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
+    if group == "model":
+        assert node.name == "timm:resnet18" if option == "timm" else node.name == option
+        assert option == "timm" or node.name in list_models()
+    elif group == "data":
+        assert node.name == option and node.batch_size > 0
+    elif group == "prune":
+        assert node.name == ("none" if option == "none" else "swp")
+        if node.name == "swp":
+            assert node.alpha >= 0 and node.threshold >= 0 and node.target_flops is None
+    else:
+        assert node.name == "sgd" and node.schedule in ("multistep", "cosine")
+
+
+def test_every_registered_model_has_a_config():
+    assert set(list_models()) <= set(_options("model"))
+
+
+def test_cifar_configs_keep_the_paper_recipe():
+    cfg = _compose("data=cifar10", "optim=sgd_multistep", "prune=swp")
+    assert cfg.data.batch_size == 64 and cfg.trainer.epochs == 160
+    assert (cfg.optim.lr, cfg.optim.momentum, cfg.optim.weight_decay) == (0.1, 0.9, 1e-4)
+    assert list(cfg.optim.milestones) == [80, 120] and cfg.optim.gamma == 0.1
+    assert (cfg.prune.alpha, cfg.prune.threshold) == (1e-5, 0.01)
+
+
+@pytest.mark.parametrize(
+    "overrides,error,match",
+    [
+        (["model.name=resnet57"], ValueError, "resnet56"),  # the message lists the known names
+        (["data=cifar10", "data.root=/nonexistent/cifar"], DatasetNotFoundError, "/nonexistent/cifar"),
+        (["prune.alpha=-1e-5"], ValueError, "alpha must be >= 0"),
+        (["prune.threshold=-0.1"], ValueError, "threshold must be >= 0"),
+        (["pix.zeta=4"], ValueError, "PiX is not yet supported"),
+        (["init=model.pt"], ValueError, "not yet supported"),
+        (["resume=true"], FileNotFoundError, "no checkpoint at .*last.pt"),
+        (["optim.schedule=linear"], ValueError, "optim.schedule='linear' is not supported"),
+    ],
+)
+def test_bad_settings_give_clear_errors(tmp_path, overrides, error, match):
+    tiny = ["data=fake", "data.input_size=8", "data.train_size=4", "data.test_size=4"]
+    cfg = _compose(*([] if overrides[0].startswith("data=") else tiny), *overrides)
+    with pytest.raises(error, match=match):
+        run(cfg, run_dir=tmp_path)

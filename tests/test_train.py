@@ -1,0 +1,91 @@
+"""The training engine end to end on CPU: resume equals an uninterrupted run, outputs, smoke runs."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from compress.engine import run
+
+ROOT = Path(__file__).resolve().parents[1]
+# 32 fake 8x8 images, batch 8: 4 steps per epoch. Strong SWP so that stripes die during the run.
+TINY = [
+    "model=resnet20",
+    "data=fake",
+    "data.input_size=8",
+    "data.num_classes=3",
+    "data.train_size=32",
+    "data.test_size=16",
+    "data.batch_size=8",
+    "optim=sgd_multistep",
+    "optim.epochs=3",
+    "optim.milestones=[2]",
+    "prune=swp",
+    "prune.alpha=0.02",
+    "prune.threshold=0.95",
+]
+
+
+def _compose(*overrides: str):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        return compose("train", overrides=list(overrides))
+
+
+def _weights(run_dir: Path) -> dict:
+    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
+
+
+def test_resume_gives_the_same_weights_as_an_uninterrupted_run(tmp_path):
+    full = run(_compose(*TINY), run_dir=tmp_path / "full")
+    stopped = run(_compose(*TINY, "trainer.max_steps=4"), run_dir=tmp_path / "parts")
+    assert stopped["epochs"] == 1 and stopped["steps"] == 4
+    resumed = run(_compose(*TINY, "resume=true"), run_dir=tmp_path / "parts")
+    assert resumed["epochs"] == full["epochs"] == 3 and resumed["steps"] == full["steps"] == 12
+
+    a, b = _weights(tmp_path / "full"), _weights(tmp_path / "parts")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert 0 < full["stripes_kept"] < full["stripes_total"]  # the SWP path really pruned
+    assert resumed["stripes_kept"] == full["stripes_kept"] and resumed["test_accuracy"] == full["test_accuracy"]
+    _check_run_outputs(tmp_path / "full", full)
+
+
+def _check_run_outputs(run_dir: Path, summary: dict) -> None:
+    written = json.loads((run_dir / "summary.json").read_text())
+    assert written == pytest.approx(summary)
+    for key in ("test_accuracy", "stripes_total", "stripes_kept", "macs_dense", "macs_pruned_estimate",
+                "params", "epochs", "seconds", "run_dir", "checkpoint"):
+        assert key in summary
+    assert summary["stripes_total"] == 9 * (16 + 6 * 16 + 6 * 32 + 6 * 64)  # resnet20: 19 3x3 convs
+    kept = summary["stripes_kept"] / summary["stripes_total"]
+    assert summary["macs_pruned_estimate"] < summary["macs_dense"] * (kept + 0.1)
+    ckpt = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert ckpt["epoch"] == 3 and ckpt["step"] == 12 and ckpt["config"]["model"]["name"] == "resnet20"
+    assert {"model", "optimizer", "scheduler", "scaler", "rng"} <= ckpt.keys()
+    assert (run_dir / "checkpoints" / "best.pt").is_file()
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+
+
+SMOKE = ["data=fake", "data.input_size=32", "data.num_classes=5", "data.train_size=4", "data.test_size=2",
+         "data.batch_size=2", "trainer.max_steps=2"]
+
+
+@pytest.mark.parametrize("model", ["vgg16", "timm:resnet18"])
+def test_smoke_other_families(tmp_path, model):
+    summary = run(_compose(f"model.name={model}", *SMOKE), run_dir=tmp_path)
+    assert summary["steps"] == 2 and summary["stripes_total"] > 0 and 0 <= summary["test_accuracy"] <= 1
+
+
+def test_train_py_entry_point_resnet50(tmp_path):
+    cmd = [sys.executable, "train.py", "model=resnet50", *SMOKE, f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["model"] == "resnet50" and summary["steps"] == 2
+    assert summary["stripes_total"] == 9 * (64 * 3 + 128 * 4 + 256 * 6 + 512 * 3) + 49 * 64
+    assert (tmp_path / ".hydra" / "config.yaml").is_file() and "test accuracy" in proc.stdout
