@@ -289,16 +289,33 @@ def test_paper_totals(name):
     assert report.macs / 1e9 < paper
 
 
-def test_save_load_roundtrip(tmp_path):
+def test_swp_compaction_save_load_and_onnx_keep_pix(tmp_path):
+    """SWP + PiX: skeletons on the remaining convs; compaction, compress.save/load and ONNX export keep PiX."""
+    from compress.compaction import compact
+    from compress.onnx_export import check_onnx, export_onnx
+
     torch.manual_seed(0)
     model = create_model("resnet29_bottleneck", num_classes=10, input_size=32)
-    apply_pix(model, 8)
+    apply_pix(model, 8)  # thin: widths rebuilt, conv2 of layer2.0 reads 128 / 8 = 16 channels
+    skeletons = compress.attach_skeletons(model)
+    assert len(skeletons) == 10  # stem + the 9 bottlenecks' 3x3 convs
+    with torch.no_grad():  # prune about half of the stripes
+        for n in skeletons:
+            sk = model.get_submodule(n).skeleton
+            sk.mul_((torch.rand_like(sk) > 0.5).float())
     model.eval()
     x = torch.randn(2, 3, 32, 32)
-    compress.save(model, tmp_path / "pix.safetensors")
+    small = compact(model, fold_bn=True)
+    assert sum(isinstance(m, PiXBlock) for m in small.modules()) == 9
+    torch.testing.assert_close(small(x), model(x), rtol=1e-5, atol=1e-5)
+    compress.save(small, tmp_path / "pix.safetensors")
     loaded = compress.load(tmp_path / "pix.safetensors").eval()
-    assert isinstance(loaded.layer2[0].conv1, PiXBlock) and loaded.layer2[0].conv2.in_channels == 16
-    torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+    assert isinstance(loaded.layer2[0].conv1, PiXBlock) and loaded.layer2[0].conv1.zeta == 4
+    torch.testing.assert_close(loaded(x), small(x), rtol=0, atol=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        export_onnx(small, tmp_path / "pix.onnx", (3, 32, 32))
+    assert check_onnx(tmp_path / "pix.onnx", small, x) < 1e-5
 
 
 def test_onnx_export_uses_standard_ops():
