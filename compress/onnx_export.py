@@ -112,13 +112,23 @@ def export_onnx(
     return path
 
 
+def _rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
+
+
 def check_onnx(path: str | os.PathLike, model: nn.Module, x: torch.Tensor) -> float:
-    """Max relative error of onnxruntime's output for `x` against `model(x)` in eval mode (CPU):
-    max |ort - torch| / max |torch|."""
+    """Relative error of onnxruntime's output for `x` (batch >= 2) against `model(x)` in eval mode (CPU).
+
+    The larger of max|ort - torch| / max|torch| and the same for the batch-centred outputs
+    (output minus its batch mean), so that large constant outputs (biases) cannot hide errors in
+    the input-dependent part."""
     import onnxruntime as ort
 
+    if x.shape[0] < 2:
+        raise ValueError(f"check_onnx: needs a batch of >= 2 inputs to compare centred outputs, got {x.shape[0]}")
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     (got,) = session.run(None, {"input": x.detach().cpu().float().numpy()})
+    got = torch.from_numpy(got)
     was_training = model.training
     model.eval()
     try:
@@ -126,4 +136,4 @@ def check_onnx(path: str | os.PathLike, model: nn.Module, x: torch.Tensor) -> fl
             want = model(x).float().cpu()
     finally:
         model.train(was_training)
-    return float((torch.from_numpy(got) - want).abs().max() / want.abs().max().clamp_min(1e-12))
+    return max(_rel_error(got, want), _rel_error(got - got.mean(0), want - want.mean(0)))
