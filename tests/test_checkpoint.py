@@ -12,6 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from compress.checkpoint import build_recipe, load, register_module_type, save
+from compress.compaction import compact
 from compress.models import create_model
 from compress.skeleton import attach_skeletons
 from compress.stripe import StripeConv2d
@@ -76,6 +77,23 @@ def test_stripe_and_shrunk_channels_round_trip(tmp_path):
     loaded = _round_trip(model, tmp_path)
     assert isinstance(loaded.get_submodule(names[2]), StripeConv2d)
     torch.testing.assert_close(loaded.get_submodule(names[2]).out_index, model.get_submodule(names[2]).out_index)
+
+
+@pytest.mark.parametrize("fold_bn", [False, True])
+def test_compact_model_round_trip(tmp_path, fold_bn):
+    """compress.compact output: stripe convs, dead filters removed, an empty residual branch, folded BN."""
+    model = create_model("resnet20")
+    attach_skeletons(model)
+    _randomise(model, keep=0.4)
+    with torch.no_grad():
+        model.layer2[1].conv2.skeleton.zero_()  # branch with no stripe left
+        model.layer1[0].conv1.skeleton[:5] = 0  # dead filters
+    small = compact(model, fold_bn=fold_bn)
+    recipe = build_recipe(small)
+    assert {e["type"] for e in recipe["replacements"]} >= {"StripeConv2d"}
+    loaded = _round_trip(small, tmp_path)
+    assert loaded.layer1[0].conv1.out_channels == small.layer1[0].conv1.out_channels < 16
+    assert loaded.layer2[1].conv2.num_stripes == 0
 
 
 def test_removed_block_round_trip(tmp_path):

@@ -104,3 +104,13 @@ def test_dense_macs_match_fvcore(name):
 def test_bad_input_size_is_clear():
     with pytest.raises(ValueError, match="input_size is"):
         profile(_small_net(), (8, 8), latency=False)
+
+
+@pytest.mark.cuda
+def test_cuda_profile_matches_cpu_counts():
+    model = create_model("resnet20")
+    cpu = profile(model, (3, 32, 32), latency=False)
+    gpu = profile(model, (3, 32, 32), batch_size=8, device="cuda", repeats=3)
+    assert gpu.device.startswith("cuda") and gpu.latency_ms > 0
+    assert (gpu.macs, gpu.params, gpu.weight_bytes) == (cpu.macs, cpu.params, cpu.weight_bytes)
+    assert all(row.latency_ms is not None for row in gpu.layers)
