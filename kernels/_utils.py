@@ -66,8 +66,9 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def use_kernel(t: torch.Tensor) -> bool:
-    """Whether a CUDA tensor goes to the compiled kernel (float64 always takes the PyTorch path)."""
-    return t.dtype in KERNEL_DTYPES
+    """Whether a CUDA tensor goes to the compiled kernel (float64 and tensors of 2^31 or more elements take the
+    PyTorch path: the kernels use 32-bit index math)."""
+    return t.dtype in KERNEL_DTYPES and t.numel() < 2**31 - 1
 
 
 def autocast_inputs(*ts):

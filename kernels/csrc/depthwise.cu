@@ -1,11 +1,13 @@
 // Depthwise 2-D convolution (groups == channels), forward and backward (CUDA), fp32 accumulation.
 //  * forward, NCHW, square kernel 3/5/7, stride 1/2, dilation 1: each thread computes OPT consecutive outputs of
-//    one row from a register row buffer (input reuse through registers and L1), weights in registers;
+//    one row from register row buffers (input reuse through registers and L1), weights in registers;
 //  * forward, any other case (and channels_last): generic kernel, one output per thread, layout-aware order;
 //  * input grad: for stride 1 / dilation 1 it is the forward with the flipped kernel and padding k-1-p (same
 //    kernels); otherwise a generic gather kernel (no atomics);
-//  * weight grad: per-block reduction of TAPS taps in registers over a chunk of positions, then one fp32
-//    atomicAdd per block and tap into a (C, kh*kw) buffer.
+//  * weight grad, NCHW fast case: a block owns one channel and a chunk of its output row segments; each thread
+//    keeps all K*K tap sums in registers (row buffers as in the forward), then a block reduction and one fp32
+//    atomicAdd per tap and block. Other cases: the generic version of the same reduction.
+// Index math is 32-bit (tensors up to 2^31 elements; checked).
 #include "common.cuh"
 
 namespace {
@@ -13,25 +15,28 @@ namespace {
 using ck::from_f;
 using ck::to_f;
 
+constexpr int kThreads = 256;
+constexpr int kOPT = 4;
+
 struct Geo {
   int N, C, H, W, Ho, Wo, KH, KW, sh, sw, ph, pw, dh, dw;
 };
 
-__device__ __forceinline__ int64_t addr(bool cl, int64_t n, int64_t c, int64_t h, int64_t w, int C, int H, int W) {
-  return cl ? ((n * H + h) * W + w) * C + c : ((n * C + c) * H + h) * W + w;
+__device__ __forceinline__ int64_t addr(bool cl, int n, int c, int h, int w, int C, int H, int W) {
+  return cl ? (((int64_t)n * H + h) * W + w) * C + c : (((int64_t)n * C + c) * H + h) * W + w;
 }
 
 // ------------------------------------------------------------------------------- fast NCHW forward
 template <typename T, int K, int S, int OPT>
-__global__ void dw_fwd_nchw_fast(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ bias,
-                                 T* __restrict__ y, Geo g, int wchunks, int64_t total) {
+__global__ void __launch_bounds__(kThreads) dw_fwd_nchw_fast(const T* __restrict__ x, const T* __restrict__ w,
+                                                             const T* __restrict__ bias, T* __restrict__ y, Geo g,
+                                                             int wchunks, int total) {
   constexpr int RW = (OPT - 1) * S + K;
-  for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
-       idx += (int64_t)gridDim.x * blockDim.x) {
+  for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += gridDim.x * blockDim.x) {
     const int wc = idx % wchunks;
-    int64_t t = idx / wchunks;
+    const int t = idx / wchunks;
     const int ho = t % g.Ho;
-    const int64_t nc = t / g.Ho;
+    const int nc = t / g.Ho;
     const int c = nc % g.C;
     const int wo0 = wc * OPT;
     float wr[K * K];
@@ -41,7 +46,7 @@ __global__ void dw_fwd_nchw_fast(const T* __restrict__ x, const T* __restrict__ 
     float acc[OPT];
 #pragma unroll
     for (int o = 0; o < OPT; ++o) acc[o] = b0;
-    const T* xp = x + nc * g.H * g.W;
+    const T* xp = x + (int64_t)nc * g.H * g.W;
     const int hi0 = ho * S - g.ph;
     const int wi0 = wo0 * S - g.pw;
     const bool interior = wi0 >= 0 && wi0 + RW <= g.W;
@@ -49,7 +54,7 @@ __global__ void dw_fwd_nchw_fast(const T* __restrict__ x, const T* __restrict__ 
     for (int kh = 0; kh < K; ++kh) {
       const int hi = hi0 + kh;
       if (hi < 0 || hi >= g.H) continue;
-      const T* row = xp + (int64_t)hi * g.W + wi0;
+      const T* row = xp + hi * g.W + wi0;
       float r[RW];
       if (interior) {
 #pragma unroll
@@ -66,7 +71,7 @@ __global__ void dw_fwd_nchw_fast(const T* __restrict__ x, const T* __restrict__ 
 #pragma unroll
         for (int kw = 0; kw < K; ++kw) acc[o] = fmaf(wr[kh * K + kw], r[o * S + kw], acc[o]);
     }
-    T* yp = y + (nc * g.Ho + ho) * g.Wo + wo0;
+    T* yp = y + ((int64_t)nc * g.Ho + ho) * g.Wo + wo0;
 #pragma unroll
     for (int o = 0; o < OPT; ++o)
       if (wo0 + o < g.Wo) yp[o] = from_f<T>(acc[o]);
@@ -74,28 +79,25 @@ __global__ void dw_fwd_nchw_fast(const T* __restrict__ x, const T* __restrict__ 
 }
 
 // ------------------------------------------------------------------------------- generic forward
+// weight element (c, tap) at w[c * wsC + tap * wsK] (NCHW: (C, KK); channels_last: transposed (KK, C)).
 template <typename T>
 __global__ void dw_fwd_generic(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ bias,
-                               T* __restrict__ y, Geo g, bool cl, int64_t total) {
-  for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
-       idx += (int64_t)gridDim.x * blockDim.x) {
-    int64_t t = idx;
-    int c, ho, wo;
-    int64_t n;
+                               T* __restrict__ y, Geo g, bool cl, int total, int wsC, int wsK) {
+  for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += gridDim.x * blockDim.x) {
+    int t = idx, c, ho, wo, n;
     if (cl) {
       c = t % g.C; t /= g.C; wo = t % g.Wo; t /= g.Wo; ho = t % g.Ho; n = t / g.Ho;
     } else {
       wo = t % g.Wo; t /= g.Wo; ho = t % g.Ho; t /= g.Ho; c = t % g.C; n = t / g.C;
     }
     float acc = bias ? to_f(bias[c]) : 0.f;
-    const T* wp = w + (int64_t)c * g.KH * g.KW;
     for (int kh = 0; kh < g.KH; ++kh) {
       const int hi = ho * g.sh - g.ph + kh * g.dh;
       if (hi < 0 || hi >= g.H) continue;
       for (int kw = 0; kw < g.KW; ++kw) {
         const int wi = wo * g.sw - g.pw + kw * g.dw;
         if (wi < 0 || wi >= g.W) continue;
-        acc = fmaf(to_f(wp[kh * g.KW + kw]), to_f(x[addr(cl, n, c, hi, wi, g.C, g.H, g.W)]), acc);
+        acc = fmaf(to_f(w[c * wsC + (kh * g.KW + kw) * wsK]), to_f(x[addr(cl, n, c, hi, wi, g.C, g.H, g.W)]), acc);
       }
     }
     y[addr(cl, n, c, ho, wo, g.C, g.Ho, g.Wo)] = from_f<T>(acc);
@@ -105,19 +107,15 @@ __global__ void dw_fwd_generic(const T* __restrict__ x, const T* __restrict__ w,
 // ------------------------------------------------------------------------------- generic input grad
 template <typename T>
 __global__ void dw_dgrad_generic(const T* __restrict__ dy, const T* __restrict__ w, T* __restrict__ dx, Geo g,
-                                 bool cl, int64_t total) {
-  for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
-       idx += (int64_t)gridDim.x * blockDim.x) {
-    int64_t t = idx;
-    int c, hi, wi;
-    int64_t n;
+                                 bool cl, int total, int wsC, int wsK) {
+  for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += gridDim.x * blockDim.x) {
+    int t = idx, c, hi, wi, n;
     if (cl) {
       c = t % g.C; t /= g.C; wi = t % g.W; t /= g.W; hi = t % g.H; n = t / g.H;
     } else {
       wi = t % g.W; t /= g.W; hi = t % g.H; t /= g.H; c = t % g.C; n = t / g.C;
     }
     float acc = 0.f;
-    const T* wp = w + (int64_t)c * g.KH * g.KW;
     for (int kh = 0; kh < g.KH; ++kh) {
       const int th = hi + g.ph - kh * g.dh;
       if (th < 0 || th % g.sh) continue;
@@ -128,41 +126,116 @@ __global__ void dw_dgrad_generic(const T* __restrict__ dy, const T* __restrict__
         if (tw < 0 || tw % g.sw) continue;
         const int wo = tw / g.sw;
         if (wo >= g.Wo) continue;
-        acc = fmaf(to_f(wp[kh * g.KW + kw]), to_f(dy[addr(cl, n, c, ho, wo, g.C, g.Ho, g.Wo)]), acc);
+        acc = fmaf(to_f(w[c * wsC + (kh * g.KW + kw) * wsK]), to_f(dy[addr(cl, n, c, ho, wo, g.C, g.Ho, g.Wo)]), acc);
       }
     }
     dx[addr(cl, n, c, hi, wi, g.C, g.H, g.W)] = from_f<T>(acc);
   }
 }
 
-// ------------------------------------------------------------------------------- weight grad
-// block (TX channels) x (TY position rows); grid (position chunks, ceil(C/TX), ceil(KK/TAPS)).
-template <typename T, int TX, int TAPS>
-__global__ void dw_wgrad(const T* __restrict__ dy, const T* __restrict__ x, float* __restrict__ dw32, Geo g,
-                         bool cl, int64_t P, int64_t chunk) {
-  constexpr int TY = 256 / TX;
+// Sum v over the block's warps into red[warp][slot]; caller syncs.
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);
+  return v;
+}
+
+// ------------------------------------------------------------------------------- fast NCHW weight grad
+// grid (chunks, C); items of channel c: (n, ho, wchunk), N*Ho*wchunks of them; block = kThreads threads.
+template <typename T, int K, int S, int OPT>
+__global__ void __launch_bounds__(kThreads) dw_wgrad_nchw_fast(const T* __restrict__ dy, const T* __restrict__ x,
+                                                               float* __restrict__ dw32, Geo g, int wchunks,
+                                                               int items, int chunk) {
+  constexpr int RW = (OPT - 1) * S + K;
+  constexpr int KK = K * K;
+  __shared__ float red[kThreads / 32][KK];
+  const int c = blockIdx.y;
+  const int i0 = blockIdx.x * chunk;
+  const int i1 = min(i0 + chunk, items);
+  float acc[KK];
+#pragma unroll
+  for (int t = 0; t < KK; ++t) acc[t] = 0.f;
+  for (int it = i0 + threadIdx.x; it < i1; it += blockDim.x) {
+    const int wc = it % wchunks;
+    const int t = it / wchunks;
+    const int ho = t % g.Ho;
+    const int n = t / g.Ho;
+    const int wo0 = wc * OPT;
+    const int64_t plane = (int64_t)n * g.C + c;
+    const T* dyp = dy + (plane * g.Ho + ho) * g.Wo + wo0;
+    float gv[OPT];
+#pragma unroll
+    for (int o = 0; o < OPT; ++o) gv[o] = (wo0 + o < g.Wo) ? to_f(dyp[o]) : 0.f;
+    const T* xp = x + plane * g.H * g.W;
+    const int hi0 = ho * S - g.ph;
+    const int wi0 = wo0 * S - g.pw;
+    const bool interior = wi0 >= 0 && wi0 + RW <= g.W;
+#pragma unroll
+    for (int kh = 0; kh < K; ++kh) {
+      const int hi = hi0 + kh;
+      if (hi < 0 || hi >= g.H) continue;
+      const T* row = xp + hi * g.W + wi0;
+      float r[RW];
+      if (interior) {
+#pragma unroll
+        for (int j = 0; j < RW; ++j) r[j] = to_f(row[j]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < RW; ++j) {
+          const int wi = wi0 + j;
+          r[j] = (wi >= 0 && wi < g.W) ? to_f(row[j]) : 0.f;
+        }
+      }
+#pragma unroll
+      for (int kw = 0; kw < K; ++kw)
+#pragma unroll
+        for (int o = 0; o < OPT; ++o) acc[kh * K + kw] = fmaf(gv[o], r[o * S + kw], acc[kh * K + kw]);
+    }
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int t = 0; t < KK; ++t) {
+    const float v = warp_sum(acc[t]);
+    if (lane == 0) red[warp][t] = v;
+  }
+  __syncthreads();
+  for (int t = threadIdx.x; t < KK; t += blockDim.x) {
+    float s = 0.f;
+#pragma unroll
+    for (int r = 0; r < kThreads / 32; ++r) s += red[r][t];
+    atomicAdd(dw32 + (int64_t)c * KK + t, s);
+  }
+}
+
+// ------------------------------------------------------------------------------- generic weight grad
+// block (TX channels) x (TY position rows); grid (position chunks, ceil(C/TX), K > 0 ? 1 : KH*KW).
+// K > 0: square K x K kernel, all taps in registers; K == 0: one tap per blockIdx.z.
+template <typename T, int TX, int K>
+__global__ void dw_wgrad_generic(const T* __restrict__ dy, const T* __restrict__ x, float* __restrict__ dw32, Geo g,
+                                 bool cl, int P, int chunk) {
+  constexpr int TY = kThreads / TX;
+  constexpr int NT = K > 0 ? K * K : 1;
   __shared__ float red[TY][TX + 1];
   const int c = blockIdx.y * TX + threadIdx.x;
-  const int tap0 = blockIdx.z * TAPS;
   const int KK = g.KH * g.KW;
-  const int64_t p0 = (int64_t)blockIdx.x * chunk;
-  const int64_t p1 = min(p0 + chunk, P);
-  float acc[TAPS];
+  const int ztap = blockIdx.z;
+  const int zkh = ztap / g.KW, zkw = ztap % g.KW;
+  const int p0 = blockIdx.x * chunk;
+  const int p1 = min(p0 + chunk, P);
+  float acc[NT];
 #pragma unroll
-  for (int t = 0; t < TAPS; ++t) acc[t] = 0.f;
+  for (int t = 0; t < NT; ++t) acc[t] = 0.f;
   if (c < g.C) {
-    const int tid = TX == 1 ? threadIdx.x + threadIdx.y : threadIdx.y;
-    for (int64_t pos = p0 + tid; pos < p1; pos += TY) {
+    for (int pos = p0 + threadIdx.y; pos < p1; pos += TY) {
       const int wo = pos % g.Wo;
-      int64_t t = pos / g.Wo;
+      const int t = pos / g.Wo;
       const int ho = t % g.Ho;
-      const int64_t n = t / g.Ho;
+      const int n = t / g.Ho;
       const float gv = to_f(dy[addr(cl, n, c, ho, wo, g.C, g.Ho, g.Wo)]);
 #pragma unroll
-      for (int tt = 0; tt < TAPS; ++tt) {
-        const int tap = tap0 + tt;
-        if (tap >= KK) break;
-        const int kh = tap / g.KW, kw = tap % g.KW;
+      for (int tt = 0; tt < NT; ++tt) {
+        const int kh = K > 0 ? tt / (K > 0 ? K : 1) : zkh;
+        const int kw = K > 0 ? tt % (K > 0 ? K : 1) : zkw;
         const int hi = ho * g.sh - g.ph + kh * g.dh;
         const int wi = wo * g.sw - g.pw + kw * g.dw;
         if (hi >= 0 && hi < g.H && wi >= 0 && wi < g.W)
@@ -170,34 +243,29 @@ __global__ void dw_wgrad(const T* __restrict__ dy, const T* __restrict__ x, floa
       }
     }
   }
-  if (TX == 1) {
-    const int lane = threadIdx.y & 31, warp = threadIdx.y >> 5;
 #pragma unroll
-    for (int tt = 0; tt < TAPS; ++tt) {
-      float v = acc[tt];
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);
-      if (lane == 0) red[warp][tt % (TX + 1)] = v;  // TX + 1 == 2 slots: alternate to avoid a second barrier
+  for (int tt = 0; tt < NT; ++tt) {
+    float v = acc[tt];
+    if (TX == 1) {  // a warp spans 32 position rows of one channel
+      v = warp_sum(v);
+      if ((threadIdx.y & 31) == 0) red[threadIdx.y >> 5][0] = v;
       __syncthreads();
-      if (threadIdx.y == 0 && c < g.C && tap0 + tt < KK) {
+      if (threadIdx.y == 0) {
         float s = 0.f;
-        for (int r = 0; r < TY / 32; ++r) s += red[r][tt % (TX + 1)];
-        atomicAdd(dw32 + (int64_t)c * KK + tap0 + tt, s);
+        for (int r = 0; r < TY / 32; ++r) s += red[r][0];
+        atomicAdd(dw32 + (int64_t)c * KK + (K > 0 ? tt : ztap), s);
       }
-    }
-  } else {
-#pragma unroll
-    for (int tt = 0; tt < TAPS; ++tt) {
-      red[threadIdx.y][threadIdx.x] = acc[tt];
+    } else {
+      red[threadIdx.y][threadIdx.x] = v;
       __syncthreads();
-      if (threadIdx.y == 0 && c < g.C && tap0 + tt < KK) {
+      if (threadIdx.y == 0 && c < g.C) {
         float s = 0.f;
 #pragma unroll
         for (int r = 0; r < TY; ++r) s += red[r][threadIdx.x];
-        atomicAdd(dw32 + (int64_t)c * KK + tap0 + tt, s);
+        atomicAdd(dw32 + (int64_t)c * KK + (K > 0 ? tt : ztap), s);
       }
-      __syncthreads();
     }
+    __syncthreads();
   }
 }
 
@@ -207,55 +275,80 @@ Geo make_geo(const at::Tensor& x, int KH, int KW, int Ho, int Wo, const std::vec
              (int)s[0], (int)s[1], (int)p[0], (int)p[1], (int)d[0], (int)d[1]};
 }
 
-template <typename T, int K, int S>
-void launch_fast(const T* x, const T* w, const T* b, T* y, const Geo& g, cudaStream_t stream) {
-  constexpr int OPT = 4;
-  const int wchunks = (int)ck::ceil_div(g.Wo, OPT);
-  const int64_t total = (int64_t)g.N * g.C * g.Ho * wchunks;
-  dw_fwd_nchw_fast<T, K, S, OPT><<<ck::grid_for(total, 256, 16), 256, 0, stream>>>(x, w, b, y, g, wchunks, total);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+bool fast_case(const Geo& g, bool cl) {
+  return !cl && g.KH == g.KW && g.dh == 1 && g.dw == 1 && g.sh == g.sw && (g.sh == 1 || g.sh == 2) &&
+         (g.KH == 3 || g.KH == 5 || g.KH == 7);
 }
 
-// y = depthwise(x, w) (+ bias); w contiguous (C, 1, KH, KW). Output preallocated in the layout of x.
+template <typename F>
+void with_ks(const Geo& g, F&& f) {  // f(K, S) as integral constants, for fast_case geometries
+  const int K = g.KH, S = g.sh;
+  if (K == 3 && S == 1) return f(std::integral_constant<int, 3>{}, std::integral_constant<int, 1>{});
+  if (K == 3 && S == 2) return f(std::integral_constant<int, 3>{}, std::integral_constant<int, 2>{});
+  if (K == 5 && S == 1) return f(std::integral_constant<int, 5>{}, std::integral_constant<int, 1>{});
+  if (K == 5 && S == 2) return f(std::integral_constant<int, 5>{}, std::integral_constant<int, 2>{});
+  if (K == 7 && S == 1) return f(std::integral_constant<int, 7>{}, std::integral_constant<int, 1>{});
+  return f(std::integral_constant<int, 7>{}, std::integral_constant<int, 2>{});
+}
+
+// y = depthwise(x, w) (+ bias). w: contiguous (C, KK) for NCHW, transposed (KK, C) for channels_last.
 template <typename T>
 void forward_into(const T* x, const T* w, const T* b, T* y, const Geo& g, bool cl, cudaStream_t stream) {
-  const bool fast = !cl && g.KH == g.KW && g.dh == 1 && g.dw == 1 && g.sh == g.sw && (g.sh == 1 || g.sh == 2) &&
-                    (g.KH == 3 || g.KH == 5 || g.KH == 7);
-  if (fast) {
-    const int K = g.KH, S = g.sh;
-    if (K == 3 && S == 1) return launch_fast<T, 3, 1>(x, w, b, y, g, stream);
-    if (K == 3 && S == 2) return launch_fast<T, 3, 2>(x, w, b, y, g, stream);
-    if (K == 5 && S == 1) return launch_fast<T, 5, 1>(x, w, b, y, g, stream);
-    if (K == 5 && S == 2) return launch_fast<T, 5, 2>(x, w, b, y, g, stream);
-    if (K == 7 && S == 1) return launch_fast<T, 7, 1>(x, w, b, y, g, stream);
-    if (K == 7 && S == 2) return launch_fast<T, 7, 2>(x, w, b, y, g, stream);
+  if (fast_case(g, cl)) {
+    with_ks(g, [&](auto Kc, auto Sc) {
+      constexpr int K = decltype(Kc)::value, S = decltype(Sc)::value;
+      const int wchunks = (int)ck::ceil_div(g.Wo, kOPT);
+      const int total = g.N * g.C * g.Ho * wchunks;
+      dw_fwd_nchw_fast<T, K, S, kOPT><<<ck::grid_for(total, kThreads, 16), kThreads, 0, stream>>>(x, w, b, y, g,
+                                                                                                 wchunks, total);
+    });
+  } else {
+    const int total = g.N * g.C * g.Ho * g.Wo;
+    const int KK = g.KH * g.KW;
+    dw_fwd_generic<T><<<ck::grid_for(total, kThreads, 16), kThreads, 0, stream>>>(x, w, b, y, g, cl, total,
+                                                                                  cl ? 1 : KK, cl ? g.C : 1);
   }
-  const int64_t total = (int64_t)g.N * g.C * g.Ho * g.Wo;
-  dw_fwd_generic<T><<<ck::grid_for(total, 256, 16), 256, 0, stream>>>(x, w, b, y, g, cl, total);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <typename T, int TX, int TAPS>
-void launch_wgrad(const T* dy, const T* x, float* dw32, const Geo& g, bool cl, cudaStream_t stream) {
-  constexpr int TY = 256 / TX;
-  const int64_t P = (int64_t)g.N * g.Ho * g.Wo;
-  const int64_t gy = ck::ceil_div(g.C, TX), gz = ck::ceil_div(g.KH * g.KW, TAPS);
+template <typename T, int TX, int K>
+void launch_wgrad_generic(const T* dy, const T* x, float* dw32, const Geo& g, bool cl, cudaStream_t stream) {
+  constexpr int TY = kThreads / TX;
+  const int P = g.N * g.Ho * g.Wo;
+  const int64_t gy = ck::ceil_div(g.C, TX), gz = K > 0 ? 1 : g.KH * g.KW;
   const int64_t target = (int64_t)ck::num_sms() * 16;
-  int64_t chunk = std::max<int64_t>(4 * TY, ck::ceil_div(P * gy * gz, target));
+  int64_t chunk = std::max<int64_t>(4 * TY, ck::ceil_div((int64_t)P * gy * gz, target));
   chunk = ck::ceil_div(chunk, TY) * TY;
   dim3 grid((unsigned)ck::ceil_div(P, chunk), (unsigned)gy, (unsigned)gz), block(TX, TY);
-  dw_wgrad<T, TX, TAPS><<<grid, block, 0, stream>>>(dy, x, dw32, g, cl, P, chunk);
+  dw_wgrad_generic<T, TX, K><<<grid, block, 0, stream>>>(dy, x, dw32, g, cl, P, (int)chunk);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <typename T, int TX>
+template <typename T>
 void wgrad(const T* dy, const T* x, float* dw32, const Geo& g, bool cl, cudaStream_t stream) {
-  const int KK = g.KH * g.KW;
-  if (KK == 9) return launch_wgrad<T, TX, 9>(dy, x, dw32, g, cl, stream);
-  if (KK == 25) return launch_wgrad<T, TX, 25>(dy, x, dw32, g, cl, stream);
-  if (KK % 7 == 0) return launch_wgrad<T, TX, 7>(dy, x, dw32, g, cl, stream);
-  if (KK % 4 == 0) return launch_wgrad<T, TX, 4>(dy, x, dw32, g, cl, stream);
-  return launch_wgrad<T, TX, 1>(dy, x, dw32, g, cl, stream);
+  if (fast_case(g, cl)) {
+    with_ks(g, [&](auto Kc, auto Sc) {
+      constexpr int K = decltype(Kc)::value, S = decltype(Sc)::value;
+      const int wchunks = (int)ck::ceil_div(g.Wo, kOPT);
+      const int items = g.N * g.Ho * wchunks;
+      int64_t chunks = ck::ceil_div((int64_t)ck::num_sms() * 8, g.C);
+      chunks = std::max<int64_t>(1, std::min<int64_t>(chunks, items / (2 * kThreads)));
+      const int chunk = (int)ck::ceil_div(items, chunks);
+      dim3 grid((unsigned)ck::ceil_div(items, chunk), (unsigned)g.C);
+      dw_wgrad_nchw_fast<T, K, S, kOPT><<<grid, kThreads, 0, stream>>>(dy, x, dw32, g, wchunks, items, chunk);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+    return;
+  }
+  const bool sq = g.KH == g.KW;
+  if (cl) {
+    if (sq && g.KH == 3) return launch_wgrad_generic<T, 32, 3>(dy, x, dw32, g, cl, stream);
+    if (sq && g.KH == 5) return launch_wgrad_generic<T, 32, 5>(dy, x, dw32, g, cl, stream);
+    return launch_wgrad_generic<T, 32, 0>(dy, x, dw32, g, cl, stream);
+  }
+  if (sq && g.KH == 3) return launch_wgrad_generic<T, 1, 3>(dy, x, dw32, g, cl, stream);
+  if (sq && g.KH == 5) return launch_wgrad_generic<T, 1, 5>(dy, x, dw32, g, cl, stream);
+  return launch_wgrad_generic<T, 1, 0>(dy, x, dw32, g, cl, stream);
 }
 
 void check(const at::Tensor& x, const at::Tensor& w, const char* op, bool cl) {
@@ -265,10 +358,15 @@ void check(const at::Tensor& x, const at::Tensor& w, const char* op, bool cl) {
   TORCH_CHECK(w.scalar_type() == x.scalar_type(), op, ": 'weight' and 'x' must have the same dtype");
   TORCH_CHECK(x.is_contiguous(cl ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous), op,
               ": tensor 'x' must be contiguous in the requested layout");
-  TORCH_CHECK(x.numel() < (int64_t)1 << 62 && x.size(2) * x.size(3) < ((int64_t)1 << 31), op, ": tensor too large");
+  TORCH_CHECK(x.numel() < ((int64_t)1 << 31) - 1, op, ": tensor 'x' has too many elements for the kernel (2^31)");
 }
 
 int out_size(int64_t in, int64_t k, int64_t s, int64_t p, int64_t d) { return (int)((in + 2 * p - d * (k - 1) - 1) / s + 1); }
+
+// weight as the kernels want it: (C, KK) contiguous for NCHW, (KK, C) for channels_last
+at::Tensor weight_for(const at::Tensor& w, bool cl) {
+  return cl ? w.reshape({w.size(0), -1}).t().contiguous() : w.contiguous();
+}
 
 }  // namespace
 
@@ -282,8 +380,9 @@ at::Tensor dw_forward(const at::Tensor& x, const at::Tensor& w, const c10::optio
   const int Wo = out_size(x.size(3), KW, stride[1], padding[1], dilation[1]);
   auto fmt = cl ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
   auto y = at::empty({x.size(0), x.size(1), Ho, Wo}, x.options().memory_format(fmt));
+  TORCH_CHECK(y.numel() < ((int64_t)1 << 31) - 1, "compress::depthwise_conv2d: output too large for the kernel");
   if (y.numel() == 0) return y;
-  at::Tensor wc = w.contiguous();
+  at::Tensor wc = weight_for(w, cl);
   at::Tensor bc = bias.has_value() ? bias->contiguous() : at::Tensor();
   Geo g = make_geo(x, KH, KW, Ho, Wo, stride, padding, dilation);
   auto stream = at::cuda::getCurrentCUDAStream();
@@ -302,6 +401,7 @@ std::vector<at::Tensor> dw_backward(const at::Tensor& dy, const at::Tensor& x, c
   auto fmt = cl ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
   TORCH_CHECK(dy.is_contiguous(fmt) && dy.scalar_type() == x.scalar_type(),
               "compress::depthwise_conv2d_backward: tensor 'grad' must match x's dtype and layout");
+  TORCH_CHECK(dy.numel() < ((int64_t)1 << 31) - 1, "compress::depthwise_conv2d_backward: 'grad' too large");
   const int KH = (int)w.size(2), KW = (int)w.size(3);
   const int Ho = (int)dy.size(2), Wo = (int)dy.size(3);
   auto dx = at::empty_like(x, x.options().memory_format(fmt));
@@ -313,7 +413,7 @@ std::vector<at::Tensor> dw_backward(const at::Tensor& dy, const at::Tensor& x, c
   Geo g = make_geo(x, KH, KW, Ho, Wo, stride, padding, dilation);
   auto stream = at::cuda::getCurrentCUDAStream();
   const bool unit = g.sh == 1 && g.sw == 1 && g.dh == 1 && g.dw == 1;
-  at::Tensor wflip = unit ? w.flip({2, 3}).contiguous() : w.contiguous();
+  at::Tensor wk = weight_for(unit ? w.flip({2, 3}) : w, cl);
   CK_DISPATCH(x.scalar_type(), "dw_backward", [&] {
     const scalar_t* dyp = dy.data_ptr<scalar_t>();
     const scalar_t* xp = x.data_ptr<scalar_t>();
@@ -321,17 +421,15 @@ std::vector<at::Tensor> dw_backward(const at::Tensor& dy, const at::Tensor& x, c
     if (unit) {
       // dx = correlation of dy with the flipped kernel, padding k-1-p: the forward kernels on dy.
       Geo gi{g.N, g.C, Ho, Wo, g.H, g.W, KH, KW, 1, 1, KH - 1 - g.ph, KW - 1 - g.pw, 1, 1};
-      forward_into<scalar_t>(dyp, wflip.data_ptr<scalar_t>(), nullptr, dxp, gi, cl, stream);
+      forward_into<scalar_t>(dyp, wk.data_ptr<scalar_t>(), nullptr, dxp, gi, cl, stream);
     } else {
-      const int64_t total = x.numel();
-      dw_dgrad_generic<scalar_t><<<ck::grid_for(total, 256, 16), 256, 0, stream>>>(
-          dyp, wflip.data_ptr<scalar_t>(), dxp, g, cl, total);
+      const int total = (int)x.numel();
+      const int KK = KH * KW;
+      dw_dgrad_generic<scalar_t><<<ck::grid_for(total, kThreads, 16), kThreads, 0, stream>>>(
+          dyp, wk.data_ptr<scalar_t>(), dxp, g, cl, total, cl ? 1 : KK, cl ? g.C : 1);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    if (cl)
-      wgrad<scalar_t, 32>(dyp, xp, dw32.data_ptr<float>(), g, cl, stream);
-    else
-      wgrad<scalar_t, 1>(dyp, xp, dw32.data_ptr<float>(), g, cl, stream);
+    wgrad<scalar_t>(dyp, xp, dw32.data_ptr<float>(), g, cl, stream);
   });
   return {dx, dw32.to(w.scalar_type()).view(w.sizes())};
 }

@@ -9,14 +9,13 @@ using ck::from_f;
 using ck::to_f;
 
 template <typename T>
-__global__ void im2col_kernel(const T* __restrict__ x, T* __restrict__ cols, int64_t total, int C, int H, int W,
+__global__ void im2col_kernel(const T* __restrict__ x, T* __restrict__ cols, int total, int C, int H, int W,
                               int KH, int KW, int Ho, int Wo, int sh, int sw, int ph, int pw, int dh, int dw,
                               int64_t sN, int64_t sC, int64_t sH, int64_t sW) {
-  const int64_t L = (int64_t)Ho * Wo;
-  for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
-       idx += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t l = idx % L;
-    int64_t t = idx / L;
+  const int L = Ho * Wo;
+  for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += gridDim.x * blockDim.x) {
+    const int l = idx % L;
+    int t = idx / L;
     const int kw = t % KW; t /= KW;
     const int kh = t % KH; t /= KH;
     const int c = t % C;
@@ -28,13 +27,12 @@ __global__ void im2col_kernel(const T* __restrict__ x, T* __restrict__ cols, int
 }
 
 template <typename T>
-__global__ void col2im_kernel(const T* __restrict__ cols, T* __restrict__ x, int64_t total, int C, int H, int W,
+__global__ void col2im_kernel(const T* __restrict__ cols, T* __restrict__ x, int total, int C, int H, int W,
                               int KH, int KW, int Ho, int Wo, int sh, int sw, int ph, int pw, int dh, int dw) {
   const int64_t L = (int64_t)Ho * Wo;
-  for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
-       idx += (int64_t)gridDim.x * blockDim.x) {
+  for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += gridDim.x * blockDim.x) {
     const int wi = idx % W;
-    int64_t t = idx / W;
+    const int t = idx / W;
     const int hi = t % H;
     const int64_t nc = t / H;  // n * C + c
     float acc = 0.f;
@@ -68,7 +66,8 @@ at::Tensor im2col(const at::Tensor& x, std::vector<int64_t> kernel, std::vector<
   const int Ho = out_size(H, KH, stride[0], padding[0], dilation[0]);
   const int Wo = out_size(W, KW, stride[1], padding[1], dilation[1]);
   auto cols = at::empty({N, C * KH * KW, (int64_t)Ho * Wo}, x.options().memory_format(at::MemoryFormat::Contiguous));
-  const int64_t total = cols.numel();
+  TORCH_CHECK(cols.numel() < ((int64_t)1 << 31) - 1, "compress::conv2d: column buffer too large (use a smaller chunk)");
+  const int total = (int)cols.numel();
   if (total == 0) return cols;
   auto stream = at::cuda::getCurrentCUDAStream();
   CK_DISPATCH(x.scalar_type(), "im2col", [&] {
@@ -92,7 +91,9 @@ at::Tensor col2im(const at::Tensor& cols_in, std::vector<int64_t> size, std::vec
   const int Wo = out_size(W, KW, stride[1], padding[1], dilation[1]);
   TORCH_CHECK(cols.size(2) == (int64_t)Ho * Wo, "compress::conv2d_backward: 'cols' has the wrong size");
   auto x = at::empty({N, C, H, W}, cols.options());
-  const int64_t total = x.numel();
+  TORCH_CHECK(x.numel() < ((int64_t)1 << 31) - 1 && cols.numel() < ((int64_t)1 << 31) - 1,
+              "compress::conv2d_backward: chunk too large for the kernel");
+  const int total = (int)x.numel();
   if (total == 0) return x;
   auto stream = at::cuda::getCurrentCUDAStream();
   CK_DISPATCH(cols.scalar_type(), "col2im", [&] {

@@ -3,9 +3,11 @@
 //   max branch: dx = p*dy at the FIRST arg-max channel, 0 elsewhere; mean branch: dx = p*dy/zeta everywhere;
 //   dp[b,g] = sum_hw (max or mean) * dy.
 // One pass: every kernel reads its inputs once and writes its outputs once; fp32 accumulation.
-// NCHW: a group of `tpp` threads owns one (b, g) plane, vector loads along HW; dp is a block reduction
-// written directly (no atomics, no full-size intermediate). channels_last: a group's zeta channels are
-// contiguous, so each thread loads one group as one vector; dp via per-block partials + a tiny finalize.
+// NCHW: a block owns `ppb` whole (b, g) planes (ppb = 256 / items for small planes, else 1 plane looped),
+// with vector loads along HW (the widest of 16/8/4/2 bytes that divides HW); dp is reduced in shared memory
+// (warp shuffles + shared atomics) and written once per plane: no global atomics, no full-size intermediate.
+// channels_last: a group's zeta channels are contiguous, so each thread loads one group as one vector;
+// dp via per-block partial sums (B, chunks, G) and a tiny finalize kernel.
 #include "common.cuh"
 
 namespace {
@@ -14,28 +16,31 @@ using ck::from_f;
 using ck::to_f;
 using ck::Vec;
 
+constexpr int kThreads = 256;
+
 // ------------------------------------------------------------------------------------------------ NCHW
 template <typename T, int VEC, int ZETA>
-__global__ void pix_fwd_nchw(const T* __restrict__ x, const T* __restrict__ p, T* __restrict__ y, int64_t planes,
-                             int zeta_rt, int64_t HW, float tau, int tpp) {
+__global__ void __launch_bounds__(kThreads) pix_fwd_nchw(const T* __restrict__ x, const T* __restrict__ p,
+                                                         T* __restrict__ y, int planes, int zeta_rt, int HW,
+                                                         float tau, int ppb) {
   const int zeta = ZETA > 0 ? ZETA : zeta_rt;
-  const int ppb = blockDim.x / tpp;
-  const int64_t plane = (int64_t)blockIdx.x * ppb + threadIdx.x / tpp;
-  const int lane = threadIdx.x % tpp;
-  if (plane >= planes) return;
-  const float pv = to_f(p[plane]);
-  const bool use_max = pv < tau;
-  const T* xp = x + plane * zeta * HW;
-  T* yp = y + plane * HW;
-  const int64_t nvec = HW / VEC;
-  for (int64_t i = lane; i < nvec; i += tpp) {
+  const int items = HW / VEC;
+  const int plane0 = blockIdx.x * ppb;
+  const int total = min(ppb, planes - plane0) * items;
+  for (int e = threadIdx.x; e < total; e += blockDim.x) {
+    const int lp = e / items;
+    const int i = e - lp * items;
+    const int64_t plane = plane0 + lp;
+    const float pv = to_f(p[plane]);
+    const bool use_max = pv < tau;
+    const T* xp = x + plane * zeta * HW;
     float acc[VEC];
     Vec<T, VEC> v = reinterpret_cast<const Vec<T, VEC>*>(xp)[i];
 #pragma unroll
     for (int j = 0; j < VEC; ++j) acc[j] = to_f(v.v[j]);
 #pragma unroll
     for (int k = 1; k < zeta; ++k) {
-      Vec<T, VEC> u = reinterpret_cast<const Vec<T, VEC>*>(xp + k * HW)[i];
+      Vec<T, VEC> u = reinterpret_cast<const Vec<T, VEC>*>(xp + (int64_t)k * HW)[i];
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         float f = to_f(u.v[j]);
@@ -43,36 +48,39 @@ __global__ void pix_fwd_nchw(const T* __restrict__ x, const T* __restrict__ p, T
       }
     }
     Vec<T, VEC> o;
-    if (use_max) {
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) o.v[j] = from_f<T>(pv * acc[j]);
-    } else {
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) o.v[j] = from_f<T>(pv * (acc[j] / (float)zeta));
-    }
-    reinterpret_cast<Vec<T, VEC>*>(yp)[i] = o;
+    for (int j = 0; j < VEC; ++j) o.v[j] = from_f<T>(use_max ? pv * acc[j] : pv * (acc[j] / (float)zeta));
+    reinterpret_cast<Vec<T, VEC>*>(y + plane * HW)[i] = o;
   }
 }
 
 template <typename T, int VEC, int ZETA>
-__global__ void pix_bwd_nchw(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ p,
-                             T* __restrict__ dx, T* __restrict__ dp, int64_t planes, int zeta_rt, int64_t HW,
-                             float tau, int tpp) {
+__global__ void __launch_bounds__(kThreads) pix_bwd_nchw(const T* __restrict__ dy, const T* __restrict__ x,
+                                                         const T* __restrict__ p, T* __restrict__ dx,
+                                                         T* __restrict__ dp, int planes, int zeta_rt, int HW,
+                                                         float tau, int ppb) {
   const int zeta = ZETA > 0 ? ZETA : zeta_rt;
-  __shared__ float red[32];
-  const int ppb = blockDim.x / tpp;
-  const int64_t plane = (int64_t)blockIdx.x * ppb + threadIdx.x / tpp;
-  const int lane = threadIdx.x % tpp;
-  float part = 0.f;
-  if (plane < planes) {
-    const float pv = to_f(p[plane]);
-    const bool use_max = pv < tau;
-    const T* xp = x + plane * zeta * HW;
-    T* dxp = dx + plane * zeta * HW;
-    const T* dyp = dy + plane * HW;
-    const int64_t nvec = HW / VEC;
-    for (int64_t i = lane; i < nvec; i += tpp) {
-      Vec<T, VEC> g = reinterpret_cast<const Vec<T, VEC>*>(dyp)[i];
+  __shared__ float red[kThreads];
+  const int items = HW / VEC;
+  const int plane0 = blockIdx.x * ppb;
+  const int np = min(ppb, planes - plane0);
+  const int total = np * items;
+  for (int i = threadIdx.x; i < np; i += blockDim.x) red[i] = 0.f;
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  for (int base = 0; base < total; base += blockDim.x) {  // uniform trip count: warps stay converged
+    const int e = base + threadIdx.x;
+    const bool valid = e < total;
+    const int lp = valid ? e / items : -1;
+    float part = 0.f;
+    if (valid) {
+      const int i = e - lp * items;
+      const int64_t plane = plane0 + lp;
+      const float pv = to_f(p[plane]);
+      const bool use_max = pv < tau;
+      const T* xp = x + plane * zeta * HW;
+      T* dxp = dx + plane * zeta * HW;
+      Vec<T, VEC> g = reinterpret_cast<const Vec<T, VEC>*>(dy + plane * HW)[i];
       float gv[VEC], best[VEC], sum[VEC];
       int arg[VEC];
       {
@@ -86,7 +94,7 @@ __global__ void pix_bwd_nchw(const T* __restrict__ dy, const T* __restrict__ x, 
       }
 #pragma unroll
       for (int k = 1; k < zeta; ++k) {
-        Vec<T, VEC> u = reinterpret_cast<const Vec<T, VEC>*>(xp + k * HW)[i];
+        Vec<T, VEC> u = reinterpret_cast<const Vec<T, VEC>*>(xp + (int64_t)k * HW)[i];
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
           float f = to_f(u.v[j]);
@@ -102,7 +110,7 @@ __global__ void pix_bwd_nchw(const T* __restrict__ dy, const T* __restrict__ x, 
           Vec<T, VEC> o;
 #pragma unroll
           for (int j = 0; j < VEC; ++j) o.v[j] = from_f<T>(arg[j] == k ? pv * gv[j] : 0.f);
-          reinterpret_cast<Vec<T, VEC>*>(dxp + k * HW)[i] = o;
+          reinterpret_cast<Vec<T, VEC>*>(dxp + (int64_t)k * HW)[i] = o;
         }
       } else {
         Vec<T, VEC> o;
@@ -111,51 +119,47 @@ __global__ void pix_bwd_nchw(const T* __restrict__ dy, const T* __restrict__ x, 
           part += (sum[j] / (float)zeta) * gv[j];
           o.v[j] = from_f<T>((pv * gv[j]) / (float)zeta);
         }
-        for (int k = 0; k < zeta; ++k) reinterpret_cast<Vec<T, VEC>*>(dxp + k * HW)[i] = o;
+#pragma unroll
+        for (int k = 0; k < zeta; ++k) reinterpret_cast<Vec<T, VEC>*>(dxp + (int64_t)k * HW)[i] = o;
       }
     }
-  }
-  // Reduce `part` over the tpp threads of this plane (tpp is a multiple of 32).
+    // warp-aggregated shared-memory reduction of `part` into red[lp]
+    const int lp0 = __shfl_sync(0xffffffffu, lp, 0);
+    if (__all_sync(0xffffffffu, lp == lp0)) {
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) part += __shfl_down_sync(0xffffffffu, part, off);
-  const int warp = threadIdx.x / 32;
-  if (tpp == 32) {
-    if ((threadIdx.x & 31) == 0 && plane < planes) dp[plane] = from_f<T>(part);
-    return;
+      for (int off = 16; off > 0; off >>= 1) part += __shfl_down_sync(0xffffffffu, part, off);
+      if (lane == 0 && lp0 >= 0) atomicAdd(&red[lp0], part);
+    } else if (valid) {
+      atomicAdd(&red[lp], part);
+    }
   }
-  if ((threadIdx.x & 31) == 0) red[warp] = part;
   __syncthreads();
-  if (lane == 0 && plane < planes) {
-    float s = 0.f;
-    const int w0 = warp, nw = tpp / 32;
-    for (int w = 0; w < nw; ++w) s += red[w0 + w];
-    dp[plane] = from_f<T>(s);
-  }
+  for (int i = threadIdx.x; i < np; i += blockDim.x) dp[plane0 + i] = from_f<T>(red[i]);
 }
 
 // ---------------------------------------------------------------------------------------- channels_last
 // Thread per (b, hw, g): the group's zeta channels are x[idx*zeta ... idx*zeta+zeta), output y[idx].
 template <typename T, int ZETA>
-__global__ void pix_fwd_cl(const T* __restrict__ x, const T* __restrict__ p, T* __restrict__ y, int64_t total,
-                           int G, int zeta_rt, int64_t HW, float tau) {
+__global__ void pix_fwd_cl(const T* __restrict__ x, const T* __restrict__ p, T* __restrict__ y, int total, int G,
+                           int zeta_rt, int HWG, float tau) {
+  constexpr int ZN = ZETA > 0 ? ZETA : 1;
   const int zeta = ZETA > 0 ? ZETA : zeta_rt;
-  for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
-       idx += (int64_t)gridDim.x * blockDim.x) {
+  for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += gridDim.x * blockDim.x) {
     const int g = idx % G;
-    const int64_t b = idx / ((int64_t)HW * G);
+    const int b = idx / HWG;
     const float pv = to_f(p[b * G + g]);
     float mx, s;
     if (ZETA > 0) {
-      Vec<T, (ZETA > 0 ? ZETA : 1)> v = reinterpret_cast<const Vec<T, (ZETA > 0 ? ZETA : 1)>*>(x)[idx];
+      Vec<T, ZN> v = reinterpret_cast<const Vec<T, ZN>*>(x)[idx];
       mx = s = to_f(v.v[0]);
 #pragma unroll
-      for (int k = 1; k < (ZETA > 0 ? ZETA : 1); ++k) {
+      for (int k = 1; k < ZN; ++k) {
         float f = to_f(v.v[k]);
         mx = f > mx ? f : mx;
         s += f;
       }
     } else {
-      const T* xp = x + idx * zeta;
+      const T* xp = x + (int64_t)idx * zeta;
       mx = s = to_f(xp[0]);
       for (int k = 1; k < zeta; ++k) {
         float f = to_f(xp[k]);
@@ -170,26 +174,27 @@ __global__ void pix_fwd_cl(const T* __restrict__ x, const T* __restrict__ p, T* 
 // Block (32 groups) x (8 rows of positions); grid (G tiles, position chunks, B). Partials (B, chunks, G).
 template <typename T, int ZETA>
 __global__ void pix_bwd_cl(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ p,
-                           T* __restrict__ dx, float* __restrict__ partial, int G, int zeta_rt, int64_t HW,
-                           int64_t chunk, float tau) {
+                           T* __restrict__ dx, float* __restrict__ partial, int G, int zeta_rt, int HW, int chunk,
+                           float tau) {
   constexpr int ZN = ZETA > 0 ? ZETA : 1;
   const int zeta = ZETA > 0 ? ZETA : zeta_rt;
   __shared__ float red[8][33];
   const int g = blockIdx.x * 32 + threadIdx.x;
-  const int64_t b = blockIdx.z;
-  const int64_t h0 = (int64_t)blockIdx.y * chunk;
-  const int64_t h1 = min(h0 + chunk, HW);
+  const int b = blockIdx.z;
+  const int h0 = blockIdx.y * chunk;
+  const int h1 = min(h0 + chunk, HW);
   float part = 0.f;
   if (g < G) {
     const float pv = to_f(p[b * G + g]);
     const bool use_max = pv < tau;
-    for (int64_t hw = h0 + threadIdx.y; hw < h1; hw += 8) {
-      const int64_t idx = (b * HW + hw) * G + g;
+    for (int hw = h0 + threadIdx.y; hw < h1; hw += 8) {
+      const int64_t idx = ((int64_t)b * HW + hw) * G + g;
       const float gv = to_f(dy[idx]);
+      float best, s;
+      int arg = 0;
       if (ZETA > 0) {
         Vec<T, ZN> v = reinterpret_cast<const Vec<T, ZN>*>(x)[idx];
-        float best = to_f(v.v[0]), s = best;
-        int arg = 0;
+        best = s = to_f(v.v[0]);
 #pragma unroll
         for (int k = 1; k < ZN; ++k) {
           float f = to_f(v.v[k]);
@@ -198,11 +203,9 @@ __global__ void pix_bwd_cl(const T* __restrict__ dy, const T* __restrict__ x, co
         }
         Vec<T, ZN> o;
         if (use_max) {
-          part += best * gv;
 #pragma unroll
           for (int k = 0; k < ZN; ++k) o.v[k] = from_f<T>(k == arg ? pv * gv : 0.f);
         } else {
-          part += (s / (float)ZN) * gv;
           const T d = from_f<T>((pv * gv) / (float)ZN);
 #pragma unroll
           for (int k = 0; k < ZN; ++k) o.v[k] = d;
@@ -211,22 +214,16 @@ __global__ void pix_bwd_cl(const T* __restrict__ dy, const T* __restrict__ x, co
       } else {
         const T* xp = x + idx * zeta;
         T* dxp = dx + idx * zeta;
-        float best = to_f(xp[0]), s = best;
-        int arg = 0;
+        best = s = to_f(xp[0]);
         for (int k = 1; k < zeta; ++k) {
           float f = to_f(xp[k]);
           if (f > best) { best = f; arg = k; }
           s += f;
         }
-        if (use_max) {
-          part += best * gv;
-          for (int k = 0; k < zeta; ++k) dxp[k] = from_f<T>(k == arg ? pv * gv : 0.f);
-        } else {
-          part += (s / (float)zeta) * gv;
-          const T d = from_f<T>((pv * gv) / (float)zeta);
-          for (int k = 0; k < zeta; ++k) dxp[k] = d;
-        }
+        const T d = from_f<T>((pv * gv) / (float)zeta);
+        for (int k = 0; k < zeta; ++k) dxp[k] = use_max ? from_f<T>(k == arg ? pv * gv : 0.f) : d;
       }
+      part += use_max ? best * gv : (s / (float)zeta) * gv;
     }
   }
   red[threadIdx.y][threadIdx.x] = part;
@@ -235,26 +232,19 @@ __global__ void pix_bwd_cl(const T* __restrict__ dy, const T* __restrict__ x, co
     float s = 0.f;
 #pragma unroll
     for (int r = 0; r < 8; ++r) s += red[r][threadIdx.x];
-    partial[(b * gridDim.y + blockIdx.y) * G + g] = s;
+    partial[((int64_t)b * gridDim.y + blockIdx.y) * G + g] = s;
   }
 }
 
 template <typename T>
-__global__ void pix_dp_finalize(const float* __restrict__ partial, T* __restrict__ dp, int64_t BG, int G,
-                                int chunks) {
-  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < BG; i += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t b = i / G;
+__global__ void pix_dp_finalize(const float* __restrict__ partial, T* __restrict__ dp, int BG, int G, int chunks) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < BG; i += gridDim.x * blockDim.x) {
+    const int b = i / G;
     const int g = i % G;
     float s = 0.f;
-    for (int c = 0; c < chunks; ++c) s += partial[(b * chunks + c) * G + g];
+    for (int c = 0; c < chunks; ++c) s += partial[((int64_t)b * chunks + c) * G + g];
     dp[i] = from_f<T>(s);
   }
-}
-
-int threads_per_plane(int64_t nvec) {
-  int t = 32;
-  while (t < 256 && t < nvec) t *= 2;
-  return t;
 }
 
 void check_inputs(const at::Tensor& x, const at::Tensor& p, int64_t zeta, const char* op) {
@@ -263,18 +253,37 @@ void check_inputs(const at::Tensor& x, const at::Tensor& p, int64_t zeta, const 
   TORCH_CHECK(zeta >= 1 && x.size(1) % zeta == 0, op, ": the channels of tensor 'x' are not divisible by zeta");
   TORCH_CHECK(p.numel() == x.size(0) * (x.size(1) / zeta), op, ": tensor 'p' must have B*C/zeta elements");
   TORCH_CHECK(p.scalar_type() == x.scalar_type(), op, ": 'p' and 'x' must have the same dtype");
+  TORCH_CHECK(x.numel() < ((int64_t)1 << 31) - 1, op, ": tensor 'x' has too many elements for the kernel (2^31)");
 }
 
 template <typename F>
-void with_zeta(int64_t zeta, F&& f) {
-  // f(std::integral_constant<int, Z>) with Z in {2, 4, 8} or 0 (runtime zeta)
+void with_zeta(int64_t zeta, F&& f) {  // f(std::integral_constant<int, Z>), Z in {2, 4} or 0 (runtime zeta)
   switch (zeta) {
     case 2: f(std::integral_constant<int, 2>{}); break;
     case 4: f(std::integral_constant<int, 4>{}); break;
-    case 8: f(std::integral_constant<int, 8>{}); break;
     default: f(std::integral_constant<int, 0>{}); break;
   }
 }
+
+// Widest vector (elements) that divides HW and keeps every plane aligned: 16 bytes at most.
+template <typename T, typename F>
+void with_vec(int64_t HW, std::initializer_list<const void*> ptrs, F&& f) {
+  int v = 16 / (int)sizeof(T);
+  while (v > 1) {
+    bool ok = HW % v == 0;
+    for (const void* q : ptrs) ok = ok && ck::aligned(q, v * (int)sizeof(T));
+    if (ok) break;
+    v /= 2;
+  }
+  switch (v) {
+    case 8: if constexpr (sizeof(T) <= 2) { f(std::integral_constant<int, 8>{}); break; } [[fallthrough]];
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 1>{}); break;
+  }
+}
+
+int planes_per_block(int64_t items) { return items >= kThreads ? 1 : (int)(kThreads / items); }
 
 }  // namespace
 
@@ -295,31 +304,26 @@ at::Tensor pix_forward(const at::Tensor& x, const at::Tensor& p, int64_t zeta, d
     if (cl) {
       with_zeta(zeta, [&](auto Z) {
         constexpr int ZV = decltype(Z)::value;
-        const int64_t total = B * HW * G;
+        const int total = (int)(B * HW * G);
         const bool vec_ok = ZV > 0 && ck::aligned(xp, sizeof(scalar_t) * (ZV > 0 ? ZV : 1));
-        const unsigned grid = ck::grid_for(total, 256, 32);
+        const unsigned grid = ck::grid_for(total, kThreads, 32);
         if (vec_ok)
-          pix_fwd_cl<scalar_t, ZV><<<grid, 256, 0, stream>>>(xp, pp, yp, total, G, zeta, HW, ftau);
+          pix_fwd_cl<scalar_t, ZV><<<grid, kThreads, 0, stream>>>(xp, pp, yp, total, (int)G, (int)zeta, (int)(HW * G), ftau);
         else
-          pix_fwd_cl<scalar_t, 0><<<grid, 256, 0, stream>>>(xp, pp, yp, total, G, zeta, HW, ftau);
+          pix_fwd_cl<scalar_t, 0><<<grid, kThreads, 0, stream>>>(xp, pp, yp, total, (int)G, (int)zeta, (int)(HW * G), ftau);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     } else {
-      constexpr int V = 16 / sizeof(scalar_t) > 8 ? 8 : 16 / sizeof(scalar_t);
-      const bool vec = HW % V == 0 && ck::aligned(xp, 16) && ck::aligned(yp, 16);
-      with_zeta(zeta, [&](auto Z) {
-        constexpr int ZV = decltype(Z)::value;
-        const int64_t planes = B * G;
-        if (vec) {
-          const int tpp = threads_per_plane(HW / V);
-          const unsigned grid = (unsigned)ck::ceil_div(planes, 256 / tpp);
-          pix_fwd_nchw<scalar_t, V, ZV><<<grid, 256, 0, stream>>>(xp, pp, yp, planes, zeta, HW, ftau, tpp);
-        } else {
-          const int tpp = threads_per_plane(HW);
-          const unsigned grid = (unsigned)ck::ceil_div(planes, 256 / tpp);
-          pix_fwd_nchw<scalar_t, 1, ZV><<<grid, 256, 0, stream>>>(xp, pp, yp, planes, zeta, HW, ftau, tpp);
-        }
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      with_vec<scalar_t>(HW, {xp, yp}, [&](auto V) {
+        constexpr int VV = decltype(V)::value;
+        with_zeta(zeta, [&](auto Z) {
+          constexpr int ZV = decltype(Z)::value;
+          const int planes = (int)(B * G);
+          const int ppb = planes_per_block(HW / VV);
+          const unsigned grid = (unsigned)ck::ceil_div(planes, ppb);
+          pix_fwd_nchw<scalar_t, VV, ZV><<<grid, kThreads, 0, stream>>>(xp, pp, yp, planes, (int)zeta, (int)HW, ftau, ppb);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
       });
     }
   });
@@ -351,8 +355,7 @@ std::vector<at::Tensor> pix_backward(const at::Tensor& dy, const at::Tensor& x, 
     scalar_t* dpp = dp.data_ptr<scalar_t>();
     if (cl) {
       const int gt = (int)ck::ceil_div(G, 32);
-      // enough blocks to fill the GPU: ~8 per SM
-      int64_t chunks = ck::ceil_div((int64_t)ck::num_sms() * 8, (int64_t)gt * B);
+      int64_t chunks = ck::ceil_div((int64_t)ck::num_sms() * 8, (int64_t)gt * B);  // ~8 blocks per SM
       chunks = std::max<int64_t>(1, std::min<int64_t>(chunks, ck::ceil_div(HW, 32)));
       const int64_t chunk = ck::ceil_div(HW, chunks);
       chunks = ck::ceil_div(HW, chunk);
@@ -363,32 +366,28 @@ std::vector<at::Tensor> pix_backward(const at::Tensor& dy, const at::Tensor& x, 
         const bool vec_ok = ZV > 0 && ck::aligned(xp, sizeof(scalar_t) * (ZV > 0 ? ZV : 1)) &&
                             ck::aligned(dxp, sizeof(scalar_t) * (ZV > 0 ? ZV : 1));
         if (vec_ok)
-          pix_bwd_cl<scalar_t, ZV><<<grid, block, 0, stream>>>(gp, xp, pp, dxp, partial.data_ptr<float>(), G, zeta,
-                                                               HW, chunk, ftau);
+          pix_bwd_cl<scalar_t, ZV><<<grid, block, 0, stream>>>(gp, xp, pp, dxp, partial.data_ptr<float>(), (int)G,
+                                                               (int)zeta, (int)HW, (int)chunk, ftau);
         else
-          pix_bwd_cl<scalar_t, 0><<<grid, block, 0, stream>>>(gp, xp, pp, dxp, partial.data_ptr<float>(), G, zeta,
-                                                              HW, chunk, ftau);
+          pix_bwd_cl<scalar_t, 0><<<grid, block, 0, stream>>>(gp, xp, pp, dxp, partial.data_ptr<float>(), (int)G,
+                                                              (int)zeta, (int)HW, (int)chunk, ftau);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
-      pix_dp_finalize<scalar_t><<<ck::grid_for(B * G, 256), 256, 0, stream>>>(partial.data_ptr<float>(), dpp,
-                                                                              B * G, G, (int)chunks);
+      pix_dp_finalize<scalar_t><<<ck::grid_for(B * G, kThreads), kThreads, 0, stream>>>(
+          partial.data_ptr<float>(), dpp, (int)(B * G), (int)G, (int)chunks);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     } else {
-      constexpr int V = 16 / sizeof(scalar_t) > 8 ? 8 : 16 / sizeof(scalar_t);
-      const bool vec = HW % V == 0 && ck::aligned(xp, 16) && ck::aligned(dxp, 16) && ck::aligned(gp, 16);
-      with_zeta(zeta, [&](auto Z) {
-        constexpr int ZV = decltype(Z)::value;
-        const int64_t planes = B * G;
-        if (vec) {
-          const int tpp = threads_per_plane(HW / V);
-          const unsigned grid = (unsigned)ck::ceil_div(planes, 256 / tpp);
-          pix_bwd_nchw<scalar_t, V, ZV><<<grid, 256, 0, stream>>>(gp, xp, pp, dxp, dpp, planes, zeta, HW, ftau, tpp);
-        } else {
-          const int tpp = threads_per_plane(HW);
-          const unsigned grid = (unsigned)ck::ceil_div(planes, 256 / tpp);
-          pix_bwd_nchw<scalar_t, 1, ZV><<<grid, 256, 0, stream>>>(gp, xp, pp, dxp, dpp, planes, zeta, HW, ftau, tpp);
-        }
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      with_vec<scalar_t>(HW, {xp, dxp, gp}, [&](auto V) {
+        constexpr int VV = decltype(V)::value;
+        with_zeta(zeta, [&](auto Z) {
+          constexpr int ZV = decltype(Z)::value;
+          const int planes = (int)(B * G);
+          const int ppb = planes_per_block(HW / VV);
+          const unsigned grid = (unsigned)ck::ceil_div(planes, ppb);
+          pix_bwd_nchw<scalar_t, VV, ZV><<<grid, kThreads, 0, stream>>>(gp, xp, pp, dxp, dpp, planes, (int)zeta,
+                                                                        (int)HW, ftau, ppb);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
       });
     }
   });

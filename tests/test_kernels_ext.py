@@ -1,0 +1,53 @@
+"""The lazy CUDA-extension loader: one warning and a None module where the extension cannot be built."""
+
+import os
+import stat
+import warnings
+
+import pytest
+import torch
+
+import kernels
+from kernels import _ext
+
+
+@pytest.fixture
+def fresh_loader():
+    _ext.reset_for_tests()
+    yield
+    _ext.reset_for_tests()
+
+
+def test_fallback_warns_once(monkeypatch, fresh_loader):
+    monkeypatch.setenv("COMPRESS_KERNELS_NO_CUDA", "1")
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        assert _ext.load() is None
+        assert _ext.load() is None
+        x = torch.randn(2, 8, 3, 3)
+        kernels.pix(x, torch.rand(2, 2, 1, 1), 4)  # the PyTorch path still runs
+    msgs = [str(w.message) for w in rec if issubclass(w.category, RuntimeWarning)]
+    assert len(msgs) == 1
+    assert "CUDA extension 'compress_kernels_ext' is unavailable (COMPRESS_KERNELS_NO_CUDA is set)" in msgs[0]
+
+
+def test_cuda_home_prefers_env(monkeypatch, tmp_path):
+    nvcc = tmp_path / "bin" / "nvcc"
+    nvcc.parent.mkdir()
+    nvcc.write_text("#!/bin/sh\n")
+    nvcc.chmod(nvcc.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    assert _ext.cuda_home() == str(tmp_path)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "missing"))
+    assert _ext.cuda_home() != str(tmp_path / "missing")
+
+
+def test_build_dir_is_versioned(monkeypatch, tmp_path):
+    monkeypatch.setenv("COMPRESS_KERNELS_CACHE", str(tmp_path))
+    d = _ext.build_dir("x")
+    assert d.startswith(str(tmp_path)) and os.path.isdir(d) and torch.__version__.replace("+", "_") in d
+
+
+def test_sources_exist():
+    for s in _ext.SOURCES:
+        assert os.path.exists(os.path.join(_ext.CSRC, s)), s
