@@ -51,9 +51,12 @@ def _assert_same_function(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got - got.mean(0), centred, rtol=0, atol=1e-4 * float(centred.abs().max()))
 
 
-@pytest.mark.parametrize("name, keep", [("resnet56", 0.3), ("vgg16", 0.7)])
+@pytest.mark.parametrize(
+    "name, keep",
+    [("resnet56", 0.3), ("vgg16", 0.7), pytest.param("resnet50", 0.5, marks=pytest.mark.slow)],
+)
 def test_onnx_of_compact_model_matches_pytorch(name, keep, tmp_path):
-    skeleton = _skeleton_model(name, keep)
+    skeleton = _skeleton_model(name, keep, input_size=32)  # torchvision ResNet-50 at 32x32 for speed
     small = compact(skeleton)
     assert any(isinstance(m, StripeConv2d) for m in small.modules())
     x = torch.randn(3, 3, 32, 32)
