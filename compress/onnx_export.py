@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -97,7 +98,9 @@ def export_onnx(
     x = torch.randn(1, *input_size, device=param.device, dtype=param.dtype)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        # strided slices (e.g. option-A shortcuts) are exported fine, only not constant-folded
+        warnings.filterwarnings("ignore", message="Constant folding - Only steps=1")
         torch.onnx.export(
             ready,
             (x,),
