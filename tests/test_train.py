@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 from compress.engine import run
 
 ROOT = Path(__file__).resolve().parents[1]
-# 32 fake 8x8 images, batch 8: 4 steps per epoch. Strong SWP so that stripes die during the run.
+# 32 fake 8x8 images, batch 8: 4 steps per epoch, lr x0.1 after epoch 1. Strong SWP so that stripes die during the run.
 TINY = [
     "model=resnet20",
     "data=fake",
@@ -22,10 +22,10 @@ TINY = [
     "data.test_size=16",
     "data.batch_size=8",
     "optim=sgd_multistep",
-    "optim.epochs=3",
-    "optim.milestones=[2]",
+    "optim.epochs=2",
+    "optim.milestones=[1]",
     "prune=swp",
-    "prune.alpha=0.02",
+    "prune.alpha=0.04",
     "prune.threshold=0.95",
 ]
 
@@ -44,7 +44,7 @@ def test_resume_gives_the_same_weights_as_an_uninterrupted_run(tmp_path):
     stopped = run(_compose(*TINY, "trainer.max_steps=4"), run_dir=tmp_path / "parts")
     assert stopped["epochs"] == 1 and stopped["steps"] == 4
     resumed = run(_compose(*TINY, "resume=true"), run_dir=tmp_path / "parts")
-    assert resumed["epochs"] == full["epochs"] == 3 and resumed["steps"] == full["steps"] == 12
+    assert resumed["epochs"] == full["epochs"] == 2 and resumed["steps"] == full["steps"] == 8
 
     a, b = _weights(tmp_path / "full"), _weights(tmp_path / "parts")
     assert a.keys() == b.keys()
@@ -65,7 +65,7 @@ def _check_run_outputs(run_dir: Path, summary: dict) -> None:
     kept = summary["stripes_kept"] / summary["stripes_total"]
     assert summary["macs_pruned_estimate"] < summary["macs_dense"] * (kept + 0.1)
     ckpt = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
-    assert ckpt["epoch"] == 3 and ckpt["step"] == 12 and ckpt["config"]["model"]["name"] == "resnet20"
+    assert ckpt["epoch"] == 2 and ckpt["step"] == 8 and ckpt["config"]["model"]["name"] == "resnet20"
     assert {"model", "optimizer", "scheduler", "scaler", "rng"} <= ckpt.keys()
     assert (run_dir / "checkpoints" / "best.pt").is_file()
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
