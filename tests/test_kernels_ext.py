@@ -51,3 +51,22 @@ def test_build_dir_is_versioned(monkeypatch, tmp_path):
 def test_sources_exist():
     for s in _ext.SOURCES:
         assert os.path.exists(os.path.join(_ext.CSRC, s)), s
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.dw = kernels.DepthwiseConv2d(8, 3, padding=1)
+        self.conv = kernels.Im2colConv2d(8, 8, 3, padding=1, groups=2)
+
+    def forward(self, x, p):
+        return kernels.pix(self.conv(self.dw(x)), p, 4)
+
+
+def test_torch_export_keeps_the_ops():
+    m = _Net().eval()
+    x, p = torch.randn(2, 8, 6, 6), torch.rand(2, 2, 1, 1)
+    ep = torch.export.export(m, (x, p))
+    names = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert {"compress.depthwise_conv2d.default", "compress.conv2d.default", "compress.pix.default"} <= names
+    torch.testing.assert_close(ep.module()(x, p), m(x, p))
