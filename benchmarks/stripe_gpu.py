@@ -150,7 +150,7 @@ def main():
                 cands = candidates(C, N, dt)
                 xs8 = x64[:8].to(dt).contiguous(memory_format=fmt)
                 errs = []
-                for cfg in cands[:1] + cands[-1:]:
+                for cfg in cands[:1] + cands[-3:-2]:  # one route-b and one route-a config
                     y = run_stripe(xs8, w, oi, off, b, plan, N, cfg)
                     errs.append(((y.double() - ref).norm() / ref.norm()).item())
                 err = max(errs)
@@ -168,9 +168,18 @@ def main():
                                                           if r["C"] == C and r["H"] == H and r["keep"] == keep
                                                           and r["dtype"] == dname and r["layout"] == "cl")]
                 for cfg in tune:
+                    try:
+                        run_stripe(xs[0], w, oi, off, b, plan, N, cfg)
+                    except Exception as e:  # e.g. a tile config over the shared-memory limit
+                        print(f"   skip {cfg}: {type(e).__name__}", flush=True)
+                        continue
                     ms = time_rotated(functools.partial(_stripe_call, w=w, oi=oi, off=off, b=b, plan=plan, N=N, cfg=cfg), xs)
                     if best is None or ms < best[0]:
                         best = (ms, cfg)
+                yb = run_stripe(xs8, w, oi, off, b, plan, N, best[1])  # the timed config is checked too
+                err = max(err, ((yb.double() - ref).norm() / ref.norm()).item())
+                if not err < tol:
+                    fails.append((net, C, H, keep, dname, layout, err, best[1]))
                 def_ms = time_rotated(functools.partial(_stripe_call, w=w, oi=oi, off=off, b=b, plan=plan, N=N, cfg=None),
                                       xs)
                 macs = B * H * H * S * C
@@ -188,7 +197,7 @@ def main():
                     g = torch.randn(B, N, H, H, device="cuda", dtype=dt).contiguous(memory_format=fmt)
                     db_ms = time_rotated(functools.partial(_dense_bwd, g=g, wd=wd), xs, reps=10)
                     sb_ms = time_rotated(functools.partial(_stripe_bwd, g=g, w=w, oi=oi, off=off, plan=plan, N=N),
-                                         xs, reps=10)
+                                         xs, reps=10)  # experimental Triton backward (not used by the op)
                     cb_ms = time_rotated(functools.partial(_cudnn_bwd, g=g, w=w, oi=oi, off=off, N=N), xs, reps=10)
                     row.update(dense_bwd_ms=round(db_ms, 4), stripe_bwd_triton_ms=round(sb_ms, 4),
                                stripe_bwd_cudnn_ms=round(cb_ms, 4),

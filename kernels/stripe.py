@@ -15,7 +15,8 @@ for output channels ``[n0, n1)`` are ``[plan[k, n0], plan[k, n1])``. Build it on
 it as a non-persistent buffer) and pass it in; without it the op builds it on every call.
 
 CUDA path: the Triton kernel in ``kernels/stripe_triton.py`` (forward); backward by cuDNN's dense backward with the
-zero-filled weight (default, faster on an H200) or the Triton backward kernels (``COMPRESS_STRIPE_BACKWARD=triton``).
+zero-filled weight, then the kept stripes of its weight gradient (exact, and faster on an H200 than the
+experimental Triton backward in ``stripe_triton.backward``).
 
 CPU path (also the CUDA fallback and the float64 path): one GEMM of all stripes over the input (a 1x1 conv,
 ``(S, C) @ (C, B*H*W)``) followed by one strided ``index_add_`` per offset into the output channels (a loop over
@@ -25,7 +26,6 @@ each stripe's output gradient placed at its shifted input positions; ``grad_weig
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch
@@ -271,16 +271,9 @@ def _stripe_backward_op(grad: Tensor, x: Tensor, weight: Tensor, out_index: Tens
 def _stripe_backward_cuda(grad, x, weight, out_index, offset, plan, out_channels, kernel_size, stride, padding,
                           dilation, need_x, need_w):
     _check_grad(grad, x, weight, out_index, offset, plan, out_channels, kernel_size, stride, padding, dilation)
-    from kernels import stripe_triton
-
-    if x.dtype != torch.float64 and os.environ.get("COMPRESS_STRIPE_BACKWARD", "cudnn") == "cudnn":
+    if x.dtype != torch.float64:
         dx, dw = _backward_dense(grad, x, weight, out_index, offset, out_channels, kernel_size, stride, padding,
                                  dilation, need_x, need_w)
-    elif stripe_triton.available(x):
-        if plan is None:
-            plan = _plan_torch(out_index, offset, out_channels, kernel_size)
-        dx, dw = stripe_triton.backward(grad, x, weight, out_index, offset, plan, out_channels, kernel_size,
-                                        stride, padding, dilation, need_x, need_w)
     else:
         dx, dw = _backward_torch(grad, x, weight, out_index, offset, plan, out_channels, kernel_size, stride,
                                  padding, dilation, need_x, need_w)

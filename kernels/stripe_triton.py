@@ -52,7 +52,7 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
         ONE_K: tl.constexpr, DENSE: tl.constexpr,
     ):
-        # w_ptr: route (b) W^T (C, S); DENSE route (a): zero-filled dense weight (KH*KW, C, N)
+        # w_ptr: route (b) stripe weight (S, C); DENSE route (a): zero-filled dense weight (KH*KW, C, N)
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         n0 = pid_n * BLOCK_N
@@ -108,7 +108,7 @@ if triton is not None:
                                             mask=a_ok[:, None] & c_ok[None, :], other=0.0)
                                 if IS_FP32:
                                     a = _round_tf32(a)
-                            wt = tl.load(w_ptr + (c0 + ck)[:, None].to(tl.int64) * S + st[None, :],
+                            wt = tl.load(w_ptr + st[None, :].to(tl.int64) * C + (c0 + ck)[:, None],
                                          mask=s_ok[None, :] & c_ok[:, None], other=0.0)
                             if IS_FP32:
                                 wt = _round_tf32(wt)
@@ -144,7 +144,8 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype) -> dict:
     block_k = _pow2(C, 16, 64 if dtype == torch.float32 else 128)
     block_n = _pow2(N, 16, 64 if C <= 64 else 128)
     return dict(BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=block_k, CHUNK=16 if S <= 0.2 * K * N else 32,
-                num_warps=4 if block_n <= 64 else 8, num_stages=2, DENSE=C <= 16)
+                num_warps=4 if block_n <= 64 else 8, num_stages=2,
+                DENSE=C <= 16 or (dtype == torch.float32 and S > 0.2 * K * N))
 
 
 def forward(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding, dilation,
@@ -171,7 +172,7 @@ def forward(x, weight, out_index, offset, bias, plan, out_channels, kernel_size,
         wk[offset[:, 0] * KW + offset[:, 1], out_index] = weight
         wop = wk.transpose(1, 2).contiguous()
     else:
-        wop = weight.t().contiguous()
+        wop = weight.contiguous()
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
     _stripe_fwd_kernel[grid](
         xc, wop, out_index, plan, bias if bias is not None else y, y,
@@ -277,7 +278,12 @@ if triton is not None:
 
 def backward(grad, x, weight, out_index, offset, plan, out_channels, kernel_size, stride, padding, dilation,
              need_x, need_w):
-    """grad_x (transposed stripe conv, gathered GEMM) and grad_weight (split-M GEMM, fp32 atomics)."""
+    """grad_x (transposed stripe conv, gathered GEMM) and grad_weight (split-M GEMM, fp32 atomics).
+
+    EXPERIMENTAL, not used by the op: right under TRITON_INTERPRET=1 (tests) but off by 1.7-4.9% relative on an
+    H200 at (B, C, N, H, W) = (4, 64, 64, 8, 8) (benchmarks/results/stripe_gpu_h200_v2_pytest_cuda.txt), and 2-6x
+    slower than cuDNN's dense backward; the op's CUDA backward uses cuDNN (``kernels.stripe._backward_dense``).
+    """
     B, C, H, W = x.shape
     N = out_channels
     KH, KW = kernel_size

@@ -231,9 +231,7 @@ def test_triton_kernel_interpreted_on_cpu():
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-3), (torch.float16, 1e-2), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])
-@pytest.mark.parametrize("bwd", ["cudnn", "triton"])
-def test_cuda_matches_dense(dtype, tol, layout, bwd, monkeypatch):
-    monkeypatch.setenv("COMPRESS_STRIPE_BACKWARD", bwd)
+def test_cuda_matches_dense(dtype, tol, layout):
     gen = torch.Generator().manual_seed(9)
     for case in CASES + [(4, 64, 64, 8, 8, (3, 3), (1, 1), (1, 1), (1, 1)),
                          (2, 128, 96, 9, 9, (3, 3), (2, 2), (1, 1), (1, 1))]:
