@@ -280,9 +280,9 @@ def backward(grad, x, weight, out_index, offset, plan, out_channels, kernel_size
              need_x, need_w):
     """grad_x (transposed stripe conv, gathered GEMM) and grad_weight (split-M GEMM, fp32 atomics).
 
-    EXPERIMENTAL, not used by the op: right under TRITON_INTERPRET=1 (tests) but off by 1.7-4.9% relative on an
-    H200 at (B, C, N, H, W) = (4, 64, 64, 8, 8) (benchmarks/results/stripe_gpu_h200_v2_pytest_cuda.txt), and 2-6x
-    slower than cuDNN's dense backward; the op's CUDA backward uses cuDNN (``kernels.stripe._backward_dense``).
+    Not used by the op: correct on an H200 (``pytest -m cuda``, benchmarks/results/stripe_gpu_h200_pytest_cuda.txt)
+    but 2-6x slower there than cuDNN's dense backward with the zero-filled weight, which the op uses
+    (``kernels.stripe._backward_dense``; timings in benchmarks/results/stripe_gpu_h200.log).
     """
     B, C, H, W = x.shape
     N = out_channels
