@@ -145,7 +145,7 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype) -> dict:
     block_n = _pow2(N, 16, 64 if C <= 64 else 128)
     return dict(BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=block_k, CHUNK=16 if S <= 0.2 * K * N else 32,
                 num_warps=4 if block_n <= 64 else 8, num_stages=2,
-                DENSE=C <= 16 or (dtype == torch.float32 and S > 0.2 * K * N))
+                DENSE=C <= 16 or S > 0.4 * K * N or (dtype == torch.float32 and S > 0.2 * K * N))
 
 
 def forward(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding, dilation,
