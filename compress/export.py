@@ -20,7 +20,7 @@ from compress.checkpoint import save as save_compact
 from compress.compaction import choose_modes, compact
 from compress.models import create_model
 from compress.onnx_export import check_onnx, export_onnx
-from compress.profile import profile
+from compress.profile import measure_latencies, profile
 from compress.report import plot_stripes, render_markdown, report_dict, stripes_per_layer
 from compress.skeleton import SkeletonConv2d
 from compress.surgery import replace_module
@@ -144,9 +144,14 @@ def export_checkpoint(
         err = check_onnx(out / FILES[1], small, torch.randn(2, *size))
         onnx_info = {"file": FILES[1], "stripe_mode": stripe_mode, "opset": opset, "max_rel_error": err}
     common = {"batch_size": batch_size, "device": device, "latency": latency, "repeats": repeats}
+    dense_prof, small_prof = profile(dense, size, **common), profile(small, size, **common)
+    if latency:  # the totals again, timed side by side so that machine load hits both alike
+        with torch.inference_mode():
+            xb = torch.randn(batch_size, *size, device=device)
+            dense_prof.latency_ms, small_prof.latency_ms = measure_latencies([dense, small], xb, repeats=repeats)
     report = report_dict(
-        profile(dense, size, **common),
-        profile(small, size, **common),
+        dense_prof,
+        small_prof,
         threshold=used,
         stripes=stripes_per_layer(model if cfg else small, used),
     )

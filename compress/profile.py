@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn as nn
 
-__all__ = ["LayerProfile", "ProfileReport", "profile", "compare", "register_macs_handler"]
+__all__ = ["LayerProfile", "ProfileReport", "profile", "compare", "measure_latencies", "register_macs_handler"]
 
 MacsHandler = Callable[[nn.Module, torch.Tensor, torch.Tensor], int]
 
@@ -189,20 +189,25 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_latency(model: nn.Module, x: torch.Tensor, warmup: int = 3, repeats: int = 10) -> float:
-    """Median wall time of `model(x)` in milliseconds, after `warmup` runs (CUDA synchronised)."""
+def measure_latencies(models: Sequence[nn.Module], x: torch.Tensor, warmup: int = 3, repeats: int = 10) -> list[float]:
+    """Median wall time (ms) of `model(x)` for each model, after `warmup` runs each (CUDA synchronised).
+
+    The models are timed in turn within each repeat, so load changes on a shared machine hit them alike
+    (side-by-side comparisons should use one call for all models)."""
     if repeats < 1:
-        raise ValueError(f"measure_latency: repeats must be >= 1, got {repeats}")
-    for _ in range(warmup):
-        model(x)
+        raise ValueError(f"measure_latencies: repeats must be >= 1, got {repeats}")
+    for model in models:
+        for _ in range(warmup):
+            model(x)
     _sync(x.device)
-    times = []
+    times: list[list[float]] = [[] for _ in models]
     for _ in range(repeats):
-        start = time.perf_counter()
-        model(x)
-        _sync(x.device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+        for model, t in zip(models, times):
+            start = time.perf_counter()
+            model(x)
+            _sync(x.device)
+            t.append((time.perf_counter() - start) * 1e3)
+    return [statistics.median(t) for t in times]
 
 
 def _layer_latency(model: nn.Module, x: torch.Tensor, repeats: int) -> dict[str, float]:
@@ -276,7 +281,7 @@ def profile(
         ms = None
         if latency:
             xb = torch.randn(batch_size, *input_size, device=device, dtype=dtype)
-            ms = measure_latency(model, xb, warmup=warmup, repeats=repeats)
+            (ms,) = measure_latencies([model], xb, warmup=warmup, repeats=repeats)
             per_layer = _layer_latency(model, xb, repeats)
             for row in layers:
                 row.latency_ms = per_layer.get(row.name)
