@@ -18,6 +18,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import statistics
 import sys
 
@@ -84,6 +85,25 @@ def bench(fns, min_calls=20, reps=30, graph=True) -> float:
         ts.append(e0.elapsed_time(e1) / n)
     del g
     return statistics.median(ts)
+
+
+class env:
+    """Set environment variables for a block (the kernels' A/B switches are read at each call)."""
+
+    def __init__(self, **kv):
+        self.kv, self.old = kv, {}
+
+    def __enter__(self):
+        for k, v in self.kv.items():
+            self.old[k] = os.environ.get(k)
+            os.environ[k] = v
+
+    def __exit__(self, *a):
+        for k, v in self.old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def nsets(bytes_per_set: int) -> int:
@@ -256,7 +276,7 @@ def bench_depthwise(bw):
     shapes = [(16, 32, 112, 3), (16, 144, 56, 3), (16, 240, 28, 5), (16, 480, 14, 3), (16, 480, 14, 5),
               (16, 672, 14, 5), (16, 1152, 7, 5), (16, 1152, 7, 3)]
     variants = [(torch.float32, "nchw", 1), (torch.float32, "nchw", 2), (torch.bfloat16, "nchw", 1),
-                (torch.float32, "cl", 1), (torch.bfloat16, "cl", 1)]
+                (torch.bfloat16, "nchw", 2), (torch.float32, "cl", 1), (torch.bfloat16, "cl", 1)]
     for dtype, layout, s in variants:
         fmt = torch.channels_last if layout == "cl" else torch.contiguous_format
         for N, C, H, k in shapes:
@@ -275,14 +295,29 @@ def bench_depthwise(bw):
                                                              (xr[i], wr), dys[i]) for i in range(n)])
             ref_fb, ref_fb_both = cudnn_best([lambda i=i: torch.autograd.grad(F.conv2d(xr[i], wr, None, s, k // 2, 1, C),
                                                                               (xr[i], wr), dys[i]) for i in range(n)])
+            extra = {}
+            if layout == "cl":  # channels_last dispatches to cuDNN; our channels_last kernels, forced, for the record
+                with env(COMPRESS_DW_CL_KERNEL="1"):
+                    extra["kernel_fwd_ms"] = bench([lambda i=i: kernels.depthwise_conv2d(xs[i], w, None, s, k // 2)
+                                                    for i in range(n)])
+                    extra["kernel_fwd_bwd_ms"] = bench([lambda i=i: torch.autograd.grad(
+                        kernels.depthwise_conv2d(xr[i], wr, None, s, k // 2), (xr[i], wr), dys[i]) for i in range(n)])
+                extra["kernel_fwd_speedup"] = ref / extra["kernel_fwd_ms"]
+                extra["kernel_fwd_bwd_speedup"] = ref_fb / extra["kernel_fwd_bwd_ms"]
+            if s == 2:  # A/B: the forward without the stride-2 vector loads (COMPRESS_DW_VEC=0)
+                with env(COMPRESS_DW_VEC="0"):
+                    extra["fwd_ms_vec_off"] = bench([lambda i=i: kernels.depthwise_conv2d(xs[i], w, None, s, k // 2)
+                                                     for i in range(n)])
             row = {"N": N, "C": C, "H": H, "W": H, "k": k, "stride": s, "dtype": str(dtype).replace("torch.", ""),
                    "layout": layout, "fwd_ms": ours, "cudnn_fwd_ms": ref, "cudnn_fwd_ms_bench_off_on": ref_both,
                    "fwd_bwd_ms": ours_fb, "cudnn_fwd_bwd_ms": ref_fb, "cudnn_fwd_bwd_ms_bench_off_on": ref_fb_both,
                    "fwd_speedup": ref / ours, "fwd_bwd_speedup": ref_fb / ours_fb,
-                   "fwd_floor_ms": by / bw * 1e3}
+                   "fwd_floor_ms": by / bw * 1e3, **extra}
             RESULTS["depthwise"].append(row)
             print(f"  {N}x{C}x{H}x{H:<8d} {k:2d} {s:2d} {row['dtype']:9s} {layout:6s} {ours:7.4f} {ref:7.4f} "
-                  f"{ref / ours:5.2f} | {ours_fb:7.4f} {ref_fb:7.4f} {ref_fb / ours_fb:5.2f}", flush=True)
+                  f"{ref / ours:5.2f} | {ours_fb:7.4f} {ref_fb:7.4f} {ref_fb / ours_fb:5.2f}"
+                  + (f" | kernel {extra['kernel_fwd_ms']:.4f} {extra['kernel_fwd_bwd_ms']:.4f}" if extra.get("kernel_fwd_ms") else "")
+                  + (f" | vec off {extra['fwd_ms_vec_off']:.4f}" if "fwd_ms_vec_off" in extra else ""), flush=True)
 
 
 def bench_conv2d():
@@ -323,7 +358,10 @@ def main():
                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        "timing": "median of 30 CUDA-event timings of CUDA-graph replays (>=20 calls each, inputs rotated "
                                  "over sets totalling >= 4x L2), per call; conv2d and fwd_eager_ms: eager launches",
-                       "floor": "bytes / max(eager memcpy, in-graph copy kernel) bandwidth of a 1 GiB copy"}
+                       "floor": "bytes / max(eager memcpy, in-graph copy kernel) bandwidth of a 1 GiB copy",
+                       "ab": "depthwise fwd_ms_vec_off: COMPRESS_DW_VEC=0 (no stride-2 vector loads); depthwise cl rows: fwd_ms "
+                             "is the default dispatch (cuDNN), kernel_*: our channels_last kernels forced "
+                             "(COMPRESS_DW_CL_KERNEL=1)"}
     print(RESULTS["meta"])
     if "correctness" not in skip:
         correctness()

@@ -2,11 +2,18 @@
 
 Same results as ``F.conv2d(x, weight, bias, stride, padding, dilation, groups=C)``, forward and backward, any
 stride/padding/dilation, float32/float16/bfloat16 (float32 accumulation), NCHW and channels_last. CPU and
-float64 use PyTorch's convolution; CUDA uses the kernels in ``csrc/depthwise.cu``. Under autocast the op
+float64 use PyTorch's convolution; CUDA NCHW uses the kernels in ``csrc/depthwise.cu``. Under autocast the op
 casts its inputs to the autocast dtype, like ``F.conv2d``.
+
+channels_last on CUDA is dispatched to cuDNN (``F.conv2d(groups=C)`` forward, ``aten.convolution_backward``
+backward): our channels_last kernels (a generic one-output-per-thread kernel) measured 0.1-0.3x of cuDNN on an
+H200 (benchmarks/results/kernels_h200.json, rows ``layout: cl``), so the op never runs them silently.
+``COMPRESS_DW_CL_KERNEL=1`` forces them (tests and A/B measurements).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +59,11 @@ def _check(x: Tensor, weight: Tensor, bias: Tensor | None, stride, padding, dila
     return ho, wo
 
 
+def _to_cudnn(x: Tensor) -> bool:
+    """channels_last goes to cuDNN (faster than our channels_last kernels) unless COMPRESS_DW_CL_KERNEL=1."""
+    return memory_format(x) == torch.channels_last and os.environ.get("COMPRESS_DW_CL_KERNEL", "0") != "1"
+
+
 @torch.library.custom_op(OP, mutates_args=())
 def _dw_op(x: Tensor, weight: Tensor, bias: Tensor | None, stride: list[int], padding: list[int],
            dilation: list[int]) -> Tensor:
@@ -63,7 +75,7 @@ def _dw_op(x: Tensor, weight: Tensor, bias: Tensor | None, stride: list[int], pa
 @_dw_op.register_kernel("cuda")
 def _dw_cuda(x, weight, bias, stride, padding, dilation):
     _check(x, weight, bias, stride, padding, dilation)
-    ext = _ext.load() if use_kernel(x) else None
+    ext = _ext.load() if use_kernel(x) and not _to_cudnn(x) else None
     if ext is None or x.numel() == 0:
         y = F.conv2d(x, weight, bias, stride, padding, dilation, groups=x.shape[1])
         return y.contiguous(memory_format=memory_format(x))
@@ -97,7 +109,7 @@ def _dw_backward_cuda(grad, x, weight, stride, padding, dilation):
     if tuple(grad.shape) != (x.shape[0], x.shape[1], ho, wo):
         raise ValueError(f"{BOP}: tensor 'grad' must have shape {(x.shape[0], x.shape[1], ho, wo)}, "
                          f"got {tuple(grad.shape)}")
-    ext = _ext.load() if use_kernel(x) else None
+    ext = _ext.load() if use_kernel(x) and not _to_cudnn(x) else None
     if ext is None or x.numel() == 0:
         return _dw_backward_torch(grad, x, weight, stride, padding, dilation)
     fmt = memory_format(x)

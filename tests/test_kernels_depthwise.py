@@ -123,6 +123,27 @@ def test_matches_reference_cuda(cfg, dtype, layout):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("cfg", CONFIGS + [(8, 16, 16, (5, 5), 2, 2, 1), (8, 20, 33, (3, 3), 1, 1, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_channels_last_kernel_forced_cuda(cfg, dtype, monkeypatch):
+    """channels_last runs cuDNN by default; COMPRESS_DW_CL_KERNEL=1 keeps our channels_last kernels correct."""
+    monkeypatch.setenv("COMPRESS_DW_CL_KERNEL", "1")
+    assert _ext.load() is not None, "CUDA extension failed to build"
+    check("cuda", dtype, "channels_last", cfg)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cfg", [(8, 16, 16, 3, 1), (8, 17, 15, 3, 1), (4, 28, 28, 5, 2), (4, 14, 13, 5, 2),
+                                 (4, 13, 14, 7, 3), (4, 12, 12, 3, 0), (4, 11, 11, 5, 1), (2, 7, 7, 3, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stride2_fast_paths_cuda(cfg, dtype):
+    """NCHW stride 2, square k 3/5/7: the vectorised forward (even/odd padding, W % 4 and W % 8) and the
+    phase-decomposed input gradient, interior and border columns."""
+    C, H, W, k, p = cfg
+    check("cuda", dtype, "contiguous", (C, H, W, (k, k), 2, p, 1), B=3)
+
+
+@pytest.mark.cuda
 def test_cuda_empty_and_opcheck():
     check("cuda", torch.float32, "contiguous", CONFIGS[0], B=0)
     x, w, b = make(3, 6, 5, (3, 3), device="cuda")

@@ -1,14 +1,18 @@
 // Depthwise 2-D convolution (groups == channels), forward and backward (CUDA), fp32 accumulation.
 //  * forward, NCHW, square kernel 3/5/7, stride 1/2, dilation 1: each thread computes OPT consecutive outputs of
 //    one row from register row buffers (input reuse through registers and L1), weights in registers;
-//  * forward, any other case (and channels_last): generic kernel, one output per thread, layout-aware order;
+//  * forward, channels_last, same geometries, C % 4 == 0: 4-channel vectors, OPT outputs of a row per thread;
+//  * forward, any other case: generic kernel, one output per thread, layout-aware order;
 //  * input grad: for stride 1 / dilation 1 it is the forward with the flipped kernel and padding k-1-p (same
-//    kernels); otherwise a generic gather kernel (no atomics);
+//    kernels); NCHW stride 2 (square K 3/5/7, dilation 1): a phase-decomposed gather that visits only the taps
+//    that hit (no modulo); otherwise a generic gather kernel (no atomics);
 //  * weight grad, NCHW fast case: a block owns one channel and a chunk of its output row segments; each thread
 //    keeps all K*K tap sums in registers (row buffers as in the forward), then a block reduction and one fp32
 //    atomicAdd per tap and block. Other cases: the generic version of the same reduction.
 // Index math is 32-bit (tensors up to 2^31 elements; checked).
 #include "common.cuh"
+
+#include <cstdlib>
 
 namespace {
 
@@ -27,11 +31,15 @@ __device__ __forceinline__ int64_t addr(bool cl, int n, int c, int h, int w, int
 }
 
 // ------------------------------------------------------------------------------- fast NCHW forward
-template <typename T, int K, int S, int OPT>
+// V > 1 (stride 2): the row segment is read as aligned V-element vectors starting OFF elements before it
+// (OFF = (-pw) mod V, so every thread's segment start wi0 - OFF is V-aligned when OPT*S % V == 0 and W % V == 0):
+// 3-4 wide loads instead of RW scalar ones, whose 32-byte-strided lanes cost L1 wavefronts.
+template <typename T, int K, int S, int OPT, int V = 1, int OFF = 0>
 __global__ void __launch_bounds__(kThreads) dw_fwd_nchw_fast(const T* __restrict__ x, const T* __restrict__ w,
                                                              const T* __restrict__ bias, T* __restrict__ y, Geo g,
                                                              int wchunks, int total) {
   constexpr int RW = (OPT - 1) * S + K;
+  constexpr int NV = (OFF + RW + V - 1) / V;
   for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += gridDim.x * blockDim.x) {
     const int wc = idx % wchunks;
     const int t = idx / wchunks;
@@ -49,14 +57,25 @@ __global__ void __launch_bounds__(kThreads) dw_fwd_nchw_fast(const T* __restrict
     const T* xp = x + (int64_t)nc * g.H * g.W;
     const int hi0 = ho * S - g.ph;
     const int wi0 = wo0 * S - g.pw;
-    const bool interior = wi0 >= 0 && wi0 + RW <= g.W;
+    const bool interior = V > 1 ? (wi0 - OFF >= 0 && wi0 - OFF + NV * V <= g.W) : (wi0 >= 0 && wi0 + RW <= g.W);
 #pragma unroll
     for (int kh = 0; kh < K; ++kh) {
       const int hi = hi0 + kh;
       if (hi < 0 || hi >= g.H) continue;
       const T* row = xp + hi * g.W + wi0;
       float r[RW];
-      if (interior) {
+      if (interior && V > 1) {
+        const ck::Vec<T, V>* rv = reinterpret_cast<const ck::Vec<T, V>*>(row - OFF);
+        float buf[NV * V];
+#pragma unroll
+        for (int q = 0; q < NV; ++q) {
+          const ck::Vec<T, V> u = rv[q];
+#pragma unroll
+          for (int e = 0; e < V; ++e) buf[q * V + e] = to_f(u.v[e]);
+        }
+#pragma unroll
+        for (int j = 0; j < RW; ++j) r[j] = buf[OFF + j];
+      } else if (interior) {
 #pragma unroll
         for (int j = 0; j < RW; ++j) r[j] = to_f(row[j]);
       } else {
@@ -75,6 +94,87 @@ __global__ void __launch_bounds__(kThreads) dw_fwd_nchw_fast(const T* __restrict
 #pragma unroll
     for (int o = 0; o < OPT; ++o)
       if (wo0 + o < g.Wo) yp[o] = from_f<T>(acc[o]);
+  }
+}
+
+// ------------------------------------------------------------------------------- channels_last forward
+// NHWC, square K 3/5/7, stride 1/2, dilation 1, C % V == 0: each thread computes OPT consecutive output pixels
+// of one row for V consecutive channels; every load is a V-channel vector (coalesced along C across the warp),
+// the input row segment sits in registers (reused by the OPT outputs), weights are (KK, C) (transposed), read
+// as V-channel vectors per tap.
+template <typename T, int K, int S, int OPT, int V>
+__global__ void __launch_bounds__(kThreads) dw_fwd_nhwc(const T* __restrict__ x, const T* __restrict__ w,
+                                                        const T* __restrict__ bias, T* __restrict__ y, Geo g,
+                                                        int CV, int wchunks, int total) {
+  constexpr int RW = (OPT - 1) * S + K;
+  using VT = ck::Vec<T, V>;
+  for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += gridDim.x * blockDim.x) {
+    const int cv = idx % CV;
+    int t = idx / CV;
+    const int wc = t % wchunks;
+    t /= wchunks;
+    const int ho = t % g.Ho;
+    const int n = t / g.Ho;
+    const int c0 = cv * V;
+    const int wo0 = wc * OPT;
+    float acc[OPT][V];
+    {
+      float b0[V];
+      if (bias) {
+        const VT bv = *reinterpret_cast<const VT*>(bias + c0);
+#pragma unroll
+        for (int e = 0; e < V; ++e) b0[e] = to_f(bv.v[e]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < V; ++e) b0[e] = 0.f;
+      }
+#pragma unroll
+      for (int o = 0; o < OPT; ++o)
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[o][e] = b0[e];
+    }
+    const int hi0 = ho * S - g.ph;
+    const int wi0 = wo0 * S - g.pw;
+#pragma unroll
+    for (int kh = 0; kh < K; ++kh) {
+      const int hi = hi0 + kh;
+      if (hi < 0 || hi >= g.H) continue;
+      const T* rowp = x + ((int64_t)n * g.H + hi) * g.W * g.C + c0;
+      float r[RW][V];
+#pragma unroll
+      for (int j = 0; j < RW; ++j) {
+        const int wi = wi0 + j;
+        if (wi >= 0 && wi < g.W) {
+          const VT u = *reinterpret_cast<const VT*>(rowp + wi * g.C);
+#pragma unroll
+          for (int e = 0; e < V; ++e) r[j][e] = to_f(u.v[e]);
+        } else {
+#pragma unroll
+          for (int e = 0; e < V; ++e) r[j][e] = 0.f;
+        }
+      }
+#pragma unroll
+      for (int kw = 0; kw < K; ++kw) {
+        const VT wv = *reinterpret_cast<const VT*>(w + (kh * K + kw) * g.C + c0);
+        float wf[V];
+#pragma unroll
+        for (int e = 0; e < V; ++e) wf[e] = to_f(wv.v[e]);
+#pragma unroll
+        for (int o = 0; o < OPT; ++o)
+#pragma unroll
+          for (int e = 0; e < V; ++e) acc[o][e] = fmaf(wf[e], r[o * S + kw][e], acc[o][e]);
+      }
+    }
+    T* yp = y + (((int64_t)n * g.Ho + ho) * g.Wo + wo0) * g.C + c0;
+#pragma unroll
+    for (int o = 0; o < OPT; ++o) {
+      if (wo0 + o < g.Wo) {
+        VT out;
+#pragma unroll
+        for (int e = 0; e < V; ++e) out.v[e] = from_f<T>(acc[o][e]);
+        *reinterpret_cast<VT*>(yp + (int64_t)o * g.C) = out;
+      }
+    }
   }
 }
 
@@ -101,6 +201,69 @@ __global__ void dw_fwd_generic(const T* __restrict__ x, const T* __restrict__ w,
       }
     }
     y[addr(cl, n, c, ho, wo, g.C, g.Ho, g.Wo)] = from_f<T>(acc);
+  }
+}
+
+// ------------------------------------------------------------------------------- fast NCHW input grad, stride 2
+// dx[hi, wi] = sum of w[kh, kw] * dy[(hi + ph - kh) / 2, (wi + pw - kw) / 2] over the taps where both numerators
+// are even and in range. Phase decomposition, no division or modulo: each thread computes OPT (even) consecutive
+// dx of one row starting at an even column wi0, so the parity of wi0 + o + pw - kw is the compile-time parity of
+// P + o - kw (P = pw & 1, a template argument) and only the taps that hit are visited; the rows' parity test is
+// one bit. The dy row segment the thread needs (columns Q + DMIN .. Q + DMAX, Q = (wi0 + pw - P) / 2) sits in
+// registers.
+template <typename T, int K, int OPT, int P>
+__global__ void __launch_bounds__(kThreads) dw_dgrad_s2_nchw(const T* __restrict__ dy, const T* __restrict__ w,
+                                                             T* __restrict__ dx, Geo g, int wchunks, int total) {
+  static_assert(OPT % 2 == 0, "OPT must be even");
+  constexpr int M0 = P - (K - 1);
+  constexpr int DMIN = (M0 % 2 == 0) ? M0 / 2 : (M0 + 1) / 2;
+  constexpr int M1 = P + OPT - 1;
+  constexpr int DMAX = (M1 % 2 == 0) ? M1 / 2 : (M1 - 1) / 2;
+  constexpr int NB = DMAX - DMIN + 1;
+  for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += gridDim.x * blockDim.x) {
+    const int wc = idx % wchunks;
+    const int t = idx / wchunks;
+    const int hi = t % g.H;
+    const int nc = t / g.H;
+    const int c = nc % g.C;
+    const int wi0 = wc * OPT;
+    float wr[K * K];
+#pragma unroll
+    for (int i = 0; i < K * K; ++i) wr[i] = to_f(w[c * K * K + i]);
+    float acc[OPT];
+#pragma unroll
+    for (int o = 0; o < OPT; ++o) acc[o] = 0.f;
+    const int Q = (wi0 + g.pw - P) >> 1;
+    const bool interior = Q + DMIN >= 0 && Q + DMAX < g.Wo;
+    const T* dyp = dy + (int64_t)nc * g.Ho * g.Wo;
+#pragma unroll
+    for (int kh = 0; kh < K; ++kh) {
+      const int th = hi + g.ph - kh;
+      if (th < 0 || (th & 1)) continue;
+      const int ho = th >> 1;
+      if (ho >= g.Ho) continue;
+      const T* row = dyp + ho * g.Wo + Q;
+      float r[NB];
+      if (interior) {
+#pragma unroll
+        for (int j = 0; j < NB; ++j) r[j] = to_f(row[DMIN + j]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < NB; ++j) {
+          const int wo = Q + DMIN + j;
+          r[j] = (wo >= 0 && wo < g.Wo) ? to_f(row[DMIN + j]) : 0.f;
+        }
+      }
+#pragma unroll
+      for (int o = 0; o < OPT; ++o)
+#pragma unroll
+        for (int kw = 0; kw < K; ++kw)
+          if (((P + o - kw) & 1) == 0) acc[o] = fmaf(wr[kh * K + kw], r[(P + o - kw) / 2 - DMIN], acc[o]);
+    }
+    T* dxp = dx + ((int64_t)nc * g.H + hi) * g.W + wi0;
+#pragma unroll
+    for (int o = 0; o < OPT; ++o)
+      if (wi0 + o < g.W) dxp[o] = from_f<T>(acc[o]);
   }
 }
 
@@ -280,6 +443,12 @@ bool fast_case(const Geo& g, bool cl) {
          (g.KH == 3 || g.KH == 5 || g.KH == 7);
 }
 
+// channels_last fast forward: same geometries as fast_case, channels a multiple of the 4-channel vector.
+bool nhwc_case(const Geo& g, bool cl) {
+  return cl && g.C % 4 == 0 && g.KH == g.KW && g.dh == 1 && g.dw == 1 && g.sh == g.sw && (g.sh == 1 || g.sh == 2) &&
+         (g.KH == 3 || g.KH == 5 || g.KH == 7);
+}
+
 template <typename F>
 void with_ks(const Geo& g, F&& f) {  // f(K, S) as integral constants, for fast_case geometries
   const int K = g.KH, S = g.sh;
@@ -299,8 +468,34 @@ void forward_into(const T* x, const T* w, const T* b, T* y, const Geo& g, bool c
       constexpr int K = decltype(Kc)::value, S = decltype(Sc)::value;
       const int wchunks = (int)ck::ceil_div(g.Wo, kOPT);
       const int total = g.N * g.C * g.Ho * wchunks;
-      dw_fwd_nchw_fast<T, K, S, kOPT><<<ck::grid_for(total, kThreads, 16), kThreads, 0, stream>>>(x, w, b, y, g,
-                                                                                                 wchunks, total);
+      const unsigned grid = ck::grid_for(total, kThreads, 16);
+      // stride 2 with "same" padding (pw = K/2): vector loads (V = 16 bytes, or 8 when W is not a multiple of 16
+      // bytes); COMPRESS_DW_VEC=0 turns them off (A/B measurements).
+      constexpr int VF = 16 / (int)sizeof(T) > kOPT * S ? kOPT * S : 16 / (int)sizeof(T);  // full vector
+      constexpr int VH = VF / 2 > 1 ? VF / 2 : 2;                                           // half vector
+      const char* env = std::getenv("COMPRESS_DW_VEC");
+      const bool vec_ok = S == 2 && g.pw == K / 2 && ck::aligned(x, 16) && !(env && env[0] == '0');
+      if (vec_ok && g.W % VF == 0) {
+        dw_fwd_nchw_fast<T, K, S, kOPT, VF, (VF - (K / 2) % VF) % VF><<<grid, kThreads, 0, stream>>>(x, w, b, y, g,
+                                                                                                     wchunks, total);
+      } else if (vec_ok && VH < VF && g.W % VH == 0) {
+        dw_fwd_nchw_fast<T, K, S, kOPT, VH, (VH - (K / 2) % VH) % VH><<<grid, kThreads, 0, stream>>>(x, w, b, y, g,
+                                                                                                     wchunks, total);
+      } else {
+        dw_fwd_nchw_fast<T, K, S, kOPT><<<grid, kThreads, 0, stream>>>(x, w, b, y, g, wchunks, total);
+      }
+    });
+  } else if (nhwc_case(g, cl) && ck::aligned(x, 4 * sizeof(T)) && ck::aligned(w, 4 * sizeof(T)) &&
+             ck::aligned(y, 4 * sizeof(T)) && (b == nullptr || ck::aligned(b, 4 * sizeof(T)))) {
+    constexpr int V = 4;
+    with_ks(g, [&](auto Kc, auto Sc) {
+      constexpr int K = decltype(Kc)::value, S = decltype(Sc)::value;
+      constexpr int OPT = S == 1 ? 4 : 2;
+      const int wchunks = (int)ck::ceil_div(g.Wo, OPT);
+      const int CV = g.C / V;
+      const int total = g.N * g.Ho * wchunks * CV;
+      dw_fwd_nhwc<T, K, S, OPT, V><<<ck::grid_for(total, kThreads, 16), kThreads, 0, stream>>>(x, w, b, y, g, CV,
+                                                                                              wchunks, total);
     });
   } else {
     const int total = g.N * g.C * g.Ho * g.Wo;
@@ -308,6 +503,25 @@ void forward_into(const T* x, const T* w, const T* b, T* y, const Geo& g, bool c
     dw_fwd_generic<T><<<ck::grid_for(total, kThreads, 16), kThreads, 0, stream>>>(x, w, b, y, g, cl, total,
                                                                                   cl ? 1 : KK, cl ? g.C : 1);
   }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// dx for the stride-2 fast case (NCHW, square K in {3, 5, 7}, dilation 1): phase-decomposed kernel.
+template <typename T>
+void dgrad_s2(const T* dy, const T* w, T* dx, const Geo& g, cudaStream_t stream) {
+  const int wchunks = (int)ck::ceil_div(g.W, kOPT);
+  const int total = g.N * g.C * g.H * wchunks;
+  const unsigned grid = ck::grid_for(total, kThreads, 16);
+  auto go = [&](auto Kc, auto Pc) {
+    constexpr int K = decltype(Kc)::value, P = decltype(Pc)::value;
+    dw_dgrad_s2_nchw<T, K, kOPT, P><<<grid, kThreads, 0, stream>>>(dy, w, dx, g, wchunks, total);
+  };
+  const bool odd = g.pw & 1;
+  using I0 = std::integral_constant<int, 0>;
+  using I1 = std::integral_constant<int, 1>;
+  if (g.KH == 3) odd ? go(std::integral_constant<int, 3>{}, I1{}) : go(std::integral_constant<int, 3>{}, I0{});
+  else if (g.KH == 5) odd ? go(std::integral_constant<int, 5>{}, I1{}) : go(std::integral_constant<int, 5>{}, I0{});
+  else odd ? go(std::integral_constant<int, 7>{}, I1{}) : go(std::integral_constant<int, 7>{}, I0{});
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -422,6 +636,8 @@ std::vector<at::Tensor> dw_backward(const at::Tensor& dy, const at::Tensor& x, c
       // dx = correlation of dy with the flipped kernel, padding k-1-p: the forward kernels on dy.
       Geo gi{g.N, g.C, Ho, Wo, g.H, g.W, KH, KW, 1, 1, KH - 1 - g.ph, KW - 1 - g.pw, 1, 1};
       forward_into<scalar_t>(dyp, wk.data_ptr<scalar_t>(), nullptr, dxp, gi, cl, stream);
+    } else if (fast_case(g, cl) && g.sh == 2) {
+      dgrad_s2<scalar_t>(dyp, wk.data_ptr<scalar_t>(), dxp, g, stream);
     } else {
       const int total = (int)x.numel();
       const int KK = KH * KW;

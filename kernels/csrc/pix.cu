@@ -5,9 +5,13 @@
 // One pass: every kernel reads its inputs once and writes its outputs once; fp32 accumulation.
 // NCHW: a block owns `ppb` whole (b, g) planes (ppb = 256 / items for small planes, else 1 plane looped),
 // with vector loads along HW (the widest of 16/8/4/2 bytes that divides HW); dp is reduced in shared memory
-// (warp shuffles + shared atomics) and written once per plane: no global atomics, no full-size intermediate.
+// (segmented warp scans keyed by plane + one shared atomic per warp and plane) and written once per plane: no
+// global atomics, no full-size intermediate.
 // channels_last: a group's zeta channels are contiguous, so each thread loads one group as one vector;
 // dp via per-block partial sums (B, chunks, G) and a tiny finalize kernel.
+// Tried and dropped (H200, 2026-11-21): staging a block's planes in shared memory with 16-byte loads for small
+// planes (7x7, 14x14 bf16) ran slower than this mapping (bf16 64x1024x14x14 fwd 0.0150 vs 0.0094 ms, bwd 0.0289
+// vs 0.0164 ms; benchmarks/results/kernels_h200.json, meta.ab).
 #include "common.cuh"
 
 namespace {
@@ -19,6 +23,30 @@ using ck::Vec;
 constexpr int kThreads = 256;
 
 // ------------------------------------------------------------------------------------------------ NCHW
+// Add `part` into red[lp] for every lane. lp is non-decreasing across the valid lanes of the warp (invalid lanes,
+// lp = -1, come last): one shared atomic per warp when the warp lies in one plane, else a segmented inclusive
+// warp scan keyed by lp and one atomic per (warp, plane) segment, from the segment's last lane. Never 32 lanes
+// adding to the same slot (that serialises the shared atomics at plane boundaries).
+__device__ __forceinline__ void seg_add(float* red, int lp, float part, bool valid) {
+  constexpr unsigned kFull = 0xffffffffu;
+  const int lane = threadIdx.x & 31;
+  const int lp0 = __shfl_sync(kFull, lp, 0);
+  if (__all_sync(kFull, lp == lp0)) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) part += __shfl_down_sync(kFull, part, off);
+    if (lane == 0 && lp0 >= 0) atomicAdd(&red[lp0], part);
+    return;
+  }
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const float v = __shfl_up_sync(kFull, part, off);
+    const int l = __shfl_up_sync(kFull, lp, off);
+    if (lane >= off && l == lp) part += v;
+  }
+  const int lnext = __shfl_down_sync(kFull, lp, 1);
+  if (valid && (lane == 31 || lnext != lp)) atomicAdd(&red[lp], part);
+}
+
 template <typename T, int VEC, int ZETA>
 __global__ void __launch_bounds__(kThreads) pix_fwd_nchw(const T* __restrict__ x, const T* __restrict__ p,
                                                          T* __restrict__ y, int planes, int zeta_rt, int HW,
@@ -67,7 +95,6 @@ __global__ void __launch_bounds__(kThreads) pix_bwd_nchw(const T* __restrict__ d
   const int total = np * items;
   for (int i = threadIdx.x; i < np; i += blockDim.x) red[i] = 0.f;
   __syncthreads();
-  const int lane = threadIdx.x & 31;
   for (int base = 0; base < total; base += blockDim.x) {  // uniform trip count: warps stay converged
     const int e = base + threadIdx.x;
     const bool valid = e < total;
@@ -123,15 +150,7 @@ __global__ void __launch_bounds__(kThreads) pix_bwd_nchw(const T* __restrict__ d
         for (int k = 0; k < zeta; ++k) reinterpret_cast<Vec<T, VEC>*>(dxp + (int64_t)k * HW)[i] = o;
       }
     }
-    // warp-aggregated shared-memory reduction of `part` into red[lp]
-    const int lp0 = __shfl_sync(0xffffffffu, lp, 0);
-    if (__all_sync(0xffffffffu, lp == lp0)) {
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) part += __shfl_down_sync(0xffffffffu, part, off);
-      if (lane == 0 && lp0 >= 0) atomicAdd(&red[lp0], part);
-    } else if (valid) {
-      atomicAdd(&red[lp], part);
-    }
+    seg_add(red, lp, part, valid);
   }
   __syncthreads();
   for (int i = threadIdx.x; i < np; i += blockDim.x) dp[plane0 + i] = from_f<T>(red[i]);
