@@ -1,9 +1,18 @@
 """The training engine: config -> data + model (+ Filter Skeletons) -> SGD training with SWP -> summary.
 
 `run(cfg, run_dir)` is what train.py calls. One process by default; under torchrun the environment
-variables select DDP (gloo on CPU, NCCL on CUDA), and only rank 0 logs and writes checkpoints.
+variables select DDP (gloo on CPU, NCCL on CUDA), and only rank 0 logs and writes checkpoints,
+TensorBoard and summary.json (the other ranks wait at a barrier after each checkpoint).
 Checkpoints (`<run_dir>/checkpoints/last.pt`, `best.pt`) are written atomically at every epoch end;
 `resume=true` continues from `<run_dir>/checkpoints/last.pt`, `resume=<path>` from that file.
+
+DDP details: rank r seeds its RNGs with trainer.seed + r (rank 0 = a single-process run) and DDP
+copies rank 0's initial weights to all ranks. Gradients are all-reduced inside backward(), so the
+SWP update (`swp_update`) runs on identical averaged gradients and identical Filter Skeletons and
+zeroes the same stripes on every rank. Evaluation runs the plain model on each rank's shard of the
+test set, after all ranks took rank 0's BN buffers, and counts every test sample exactly once.
+A checkpoint holds every rank's RNG streams; resuming with a different world size restores them
+where the rank exists and reseeds new ranks from (trainer.seed, rank, step).
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import torch.distributed as torch_dist
 import torch.nn as nn
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import DistributedSampler
 
 from compress._logging import RunLogger, format_summary, progress
 from compress._macs import estimate_macs
@@ -29,7 +39,10 @@ from compress.data import build_data
 from compress.models import create_model
 from compress.skeleton import attach_skeletons, check_nonnegative, skeleton_stats, swp_update
 
-__all__ = ["DistInfo", "setup_distributed", "build_optimizer", "build_scheduler", "train_one_epoch", "evaluate", "run"]
+__all__ = [
+    "DistInfo", "setup_distributed", "build_optimizer", "build_scheduler",
+    "train_step", "train_one_epoch", "evaluate", "run",
+]  # fmt: skip
 
 PRUNE_METHODS = ("none", "swp")
 
@@ -68,6 +81,22 @@ def setup_distributed(device: str = "auto") -> DistInfo:
     if not torch_dist.is_initialized():
         torch_dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
     return DistInfo(torch_dist.get_rank(), world_size, dev)
+
+
+def _shared_run_dir(run_dir: Path, dist: DistInfo) -> Path:
+    """Rank 0's run directory on every rank (Hydra's time-stamped default may differ between ranks)."""
+    if dist.world_size == 1:
+        return run_dir
+    shared = [str(run_dir)]
+    torch_dist.broadcast_object_list(shared, src=0)
+    return Path(shared[0])
+
+
+def _finish_distributed(dist: DistInfo) -> None:
+    """Wait for all ranks, then leave the process group (no-op for a single process)."""
+    if dist.world_size > 1:
+        torch_dist.barrier()
+        torch_dist.destroy_process_group()
 
 
 def _seed_everything(seed: int) -> None:
@@ -113,58 +142,130 @@ def _to_device(x: torch.Tensor, y: torch.Tensor, s: _Step) -> tuple[torch.Tensor
     return x.to(s.device, non_blocking=True, memory_format=fmt), y.to(s.device, non_blocking=True)
 
 
-def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
-    if not torch_dist.is_initialized():
-        return values
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    torch_dist.all_reduce(t)
-    return t.tolist()
+def _all_reduce_sum(sums: torch.Tensor) -> list[float]:
+    """The element-wise sum of `sums` over all ranks, as floats (one host sync)."""
+    if torch_dist.is_initialized():
+        torch_dist.all_reduce(sums)
+    return sums.tolist()
+
+
+def train_step(s: _Step, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step on a batch already on the device; returns (loss, logits), detached, unsynced.
+
+    Under DDP, backward() returns after the gradient all-reduce, so swp_update sees the averaged
+    gradients (identical on every rank) and keeps the skeletons identical across ranks.
+    """
+    with torch.autocast(s.device.type, dtype=s.amp_dtype, enabled=s.amp_dtype is not None):
+        out = s.model(x)
+        loss = F.cross_entropy(out, y)
+    s.optimizer.zero_grad(set_to_none=True)
+    s.scaler.scale(loss).backward()
+    if s.swp is not None:
+        s.scaler.unscale_(s.optimizer)
+        swp_update(s.raw, *s.swp)
+    s.scaler.step(s.optimizer)
+    s.scaler.update()
+    return loss.detach(), out.detach()
 
 
 def train_one_epoch(s: _Step, loader, step: int, max_steps: int | None, log, show: bool) -> tuple[dict, int]:
-    """One pass over `loader` (or until `max_steps` optimizer steps); returns ({loss, accuracy}, new step)."""
+    """One pass over `loader` (or until `max_steps` optimizer steps).
+
+    Returns ({loss, accuracy, images_per_s} over all ranks, new step). Metrics stay on the device
+    (no host sync per step); `log(step, loss, batch_images)` runs after every step and returns the
+    loss as a float on the steps it logs, else None.
+    """
     s.model.train()
-    loss_sum, correct, seen = 0.0, 0.0, 0.0
+    sums = torch.zeros(3, dtype=torch.float64, device=s.device)  # loss * n, correct, n
+    start = time.perf_counter()
     bar = progress(loader, show, leave=False, desc="train")
     for x, y in bar:
         if max_steps is not None and step >= max_steps:
             break
         x, y = _to_device(x, y, s)
-        with torch.autocast(s.device.type, dtype=s.amp_dtype, enabled=s.amp_dtype is not None):
-            out = s.model(x)
-            loss = F.cross_entropy(out, y)
-        s.optimizer.zero_grad(set_to_none=True)
-        s.scaler.scale(loss).backward()
-        if s.swp is not None:
-            s.scaler.unscale_(s.optimizer)
-            swp_update(s.raw, *s.swp)
-        s.scaler.step(s.optimizer)
-        s.scaler.update()
+        loss, out = train_step(s, x, y)
         step += 1
-        batch_loss = float(loss.detach())
-        loss_sum += batch_loss * y.numel()
-        correct += float((out.argmax(1) == y).sum())
-        seen += y.numel()
-        log(step, batch_loss)
-        bar.set_postfix(loss=f"{batch_loss:.3f}")
-    loss_sum, correct, seen = _all_reduce_sum([loss_sum, correct, seen], s.device)
-    return {"loss": loss_sum / max(seen, 1), "accuracy": correct / max(seen, 1)}, step
+        sums[0] += loss.double() * y.numel()
+        sums[1] += (out.argmax(1) == y).sum()
+        sums[2] += y.numel()
+        logged = log(step, loss, y.numel())
+        if logged is not None:
+            bar.set_postfix(loss=f"{logged:.3f}")
+    loss_sum, correct, seen = _all_reduce_sum(sums)
+    rate = seen / (time.perf_counter() - start)
+    return {"loss": loss_sum / max(seen, 1), "accuracy": correct / max(seen, 1), "images_per_s": rate}, step
+
+
+def _real_samples(loader) -> int:
+    """How many of this rank's test samples are real: the padded DistributedSampler (unshuffled) puts
+    its repeated samples at the end of the shards, after the first len(range(rank, n, world)) ones."""
+    sampler = loader.sampler
+    if not isinstance(sampler, DistributedSampler):
+        return len(loader.dataset)
+    if sampler.shuffle or sampler.drop_last:
+        raise ValueError("evaluate: the test loader needs an unshuffled, padded DistributedSampler")
+    return len(range(sampler.rank, len(sampler.dataset), sampler.num_replicas))
+
+
+def _broadcast_buffers(model: nn.Module) -> None:
+    """Give every rank rank 0's buffers (BN running statistics), as DDP does before each training forward."""
+    if torch_dist.is_initialized():
+        for buffer in model.buffers():
+            torch_dist.broadcast(buffer, src=0)
 
 
 @torch.no_grad()
 def evaluate(s: _Step, loader, show: bool) -> dict:
-    """Mean cross-entropy and top-1 accuracy over `loader` (summed over ranks under DDP)."""
-    s.model.eval()
-    loss_sum, correct, seen = 0.0, 0.0, 0.0
+    """Mean cross-entropy and top-1 accuracy over the test set, each sample counted once over all ranks.
+
+    Runs the plain model (no DDP collectives, no recompilation) with rank 0's BN buffers on every rank.
+    """
+    _broadcast_buffers(s.raw)
+    s.raw.eval()
+    sums = torch.zeros(3, dtype=torch.float64, device=s.device)  # loss sum, correct, n
+    left = _real_samples(loader)
     for x, y in progress(loader, show, leave=False, desc="test"):
-        x, y = _to_device(x, y, s)
+        if left <= 0:
+            break
+        x, y = _to_device(x[:left], y[:left], s)
+        left -= y.numel()
         with torch.autocast(s.device.type, dtype=s.amp_dtype, enabled=s.amp_dtype is not None):
-            out = s.model(x)
-        loss_sum += float(F.cross_entropy(out.float(), y, reduction="sum"))
-        correct += float((out.argmax(1) == y).sum())
-        seen += y.numel()
-    loss_sum, correct, seen = _all_reduce_sum([loss_sum, correct, seen], s.device)
+            out = s.raw(x)
+        sums[0] += F.cross_entropy(out.float(), y, reduction="sum").double()
+        sums[1] += (out.argmax(1) == y).sum()
+        sums[2] += y.numel()
+    loss_sum, correct, seen = _all_reduce_sum(sums)
     return {"loss": loss_sum / max(seen, 1), "accuracy": correct / max(seen, 1)}
+
+
+class _StepLog:
+    """Every `every` steps: train/loss_step, lr and train/images_per_s (images of all ranks since the last log)."""
+
+    def __init__(self, logger: RunLogger, optimizer: torch.optim.Optimizer, every: int, world_size: int):
+        self.logger, self.optimizer = logger, optimizer
+        self.every, self.world_size = max(every, 1), world_size
+        self.images, self.since = 0, time.perf_counter()
+
+    def __call__(self, step: int, loss: torch.Tensor, batch_images: int) -> float | None:
+        self.images += batch_images * self.world_size
+        if step % self.every:
+            return None
+        value = float(loss)  # waits for the queued steps, so the clock below is honest
+        now = time.perf_counter()
+        rate = self.images / max(now - self.since, 1e-9)
+        self.images, self.since = 0, now
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.logger.scalars({"train/loss_step": value, "lr": lr, "train/images_per_s": rate}, step)
+        return value
+
+
+def _peak_gpu_memory(device: torch.device) -> dict[str, float]:
+    """{'epoch/peak_gpu_memory_gib': peak allocated since the last call} on CUDA (then resets it), else {}."""
+    if device.type != "cuda":
+        return {}
+    peak = torch.cuda.max_memory_allocated(device) / 2**30
+    torch.cuda.reset_peak_memory_stats(device)
+    return {"epoch/peak_gpu_memory_gib": peak}
 
 
 def _check_config(cfg: DictConfig) -> None:
@@ -179,6 +280,8 @@ def _check_config(cfg: DictConfig) -> None:
         check_nonnegative(alpha=cfg.prune.alpha, threshold=cfg.prune.threshold)
     if cfg.trainer.epochs < 1:
         raise ValueError(f"trainer.epochs={cfg.trainer.epochs} must be >= 1")
+    if cfg.trainer.compile and not cfg.trainer.compile_backend:
+        raise ValueError("trainer.compile=true needs trainer.compile_backend (inductor, or aot_eager on CPU)")
 
 
 def _resume_config(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, dict | None]:
@@ -216,17 +319,39 @@ def _amp_dtype(cfg: DictConfig, device: torch.device) -> torch.dtype | None:
     return getattr(torch, cfg.trainer.amp_dtype)
 
 
+def _sync_bn(raw: nn.Module, cfg: DictConfig, dist: DistInfo) -> nn.Module:
+    """`raw` with SyncBatchNorm layers when trainer.sync_bn and world_size > 1 (CUDA only)."""
+    if not cfg.trainer.sync_bn or dist.world_size == 1:
+        return raw
+    if dist.device.type != "cuda":
+        raise ValueError(
+            "trainer.sync_bn=true needs CUDA: PyTorch's SyncBatchNorm has no CPU (gloo) path; set trainer.sync_bn=false"
+        )
+    return nn.SyncBatchNorm.convert_sync_batchnorm(raw)
+
+
+def _training_model(raw: nn.Module, cfg: DictConfig, dist: DistInfo) -> nn.Module:
+    """What the training step calls: `raw`, in DDP when world_size > 1, through torch.compile when trainer.compile."""
+    model = raw
+    if dist.world_size > 1:
+        device_ids = [dist.device] if dist.device.type == "cuda" else None
+        model = nn.parallel.DistributedDataParallel(raw, device_ids=device_ids, gradient_as_bucket_view=True)
+    if cfg.trainer.compile:
+        model = torch.compile(model, backend=cfg.trainer.compile_backend)
+    return model
+
+
 def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     """Train as `cfg` says, writing checkpoints/, tensorboard/ and summary.json under `run_dir`.
 
     `run_dir` defaults to Hydra's output directory. Returns the summary dict (see README).
     """
     start = time.perf_counter()
-    run_dir = Path(run_dir) if run_dir is not None else _hydra_run_dir()
+    dist = setup_distributed(cfg.trainer.device)
+    run_dir = _shared_run_dir(Path(run_dir) if run_dir is not None else _hydra_run_dir(), dist)
     cfg, ckpt = _resume_config(cfg, run_dir)
     _check_config(cfg)
-    dist = setup_distributed(cfg.trainer.device)
-    _seed_everything(cfg.trainer.seed)
+    _seed_everything(cfg.trainer.seed + dist.rank)
 
     data = build_data(cfg.data, rank=dist.rank, world_size=dist.world_size)
     raw = create_model(
@@ -240,14 +365,11 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     if cfg.prune.name == "swp":
         attach_skeletons(raw, cfg.prune.min_kernel_size, cfg.prune.include, cfg.prune.exclude)
         swp = (float(cfg.prune.alpha), float(cfg.prune.threshold))
+    raw = _sync_bn(raw, cfg, dist)
     threshold = swp[1] if swp else 0.0
     channels_last = bool(cfg.trainer.channels_last) and dist.device.type == "cuda"
     raw.to(dist.device, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
-    model = raw
-    if dist.world_size > 1:
-        model = nn.parallel.DistributedDataParallel(raw, device_ids=[dist.device] if dist.device.type == "cuda" else None)
-    if cfg.trainer.compile:
-        model = torch.compile(model)
+    model = _training_model(raw, cfg, dist)
 
     epochs = int(cfg.trainer.epochs)
     amp_dtype = _amp_dtype(cfg, dist.device)
@@ -263,18 +385,14 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
         scaler.load_state_dict(ckpt["scaler"])
-        set_rng_state(ckpt["rng"][dist.rank] if dist.rank < len(ckpt["rng"]) else ckpt["rng"][0], generator)
+        _restore_rng(ckpt["rng"], generator, dist, int(cfg.trainer.seed), int(ckpt["step"]))
         first_epoch, step, best, test = ckpt["epoch"], ckpt["step"], ckpt["best_accuracy"], ckpt["test"]
 
     ckpt_dir = run_dir / "checkpoints"
     logger = RunLogger(run_dir / "tensorboard", dist.is_main)
     input_shape = (data.in_chans, data.input_size, data.input_size)
     max_steps = cfg.trainer.max_steps
-    log_every = max(int(cfg.trainer.log_every), 1)
-
-    def log_step(step: int, loss: float) -> None:
-        if step % log_every == 0:
-            logger.scalars({"train/loss_step": loss, "lr": optimizer.param_groups[0]["lr"]}, step)
+    log_step = _StepLog(logger, optimizer, int(cfg.trainer.log_every), dist.world_size)
 
     epoch = first_epoch
     epoch_bar = progress(range(first_epoch, epochs), dist.is_main, desc="epochs")
@@ -292,6 +410,8 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
         macs_dense, macs_pruned = estimate_macs(raw, input_shape, threshold)
         logger.scalars(
             {"train/loss": train["loss"], "train/accuracy": train["accuracy"], "epoch/lr": lr, "macs/pruned_estimate": macs_pruned}
+            | {"epoch/images_per_s": train["images_per_s"]}
+            | _peak_gpu_memory(dist.device)
             | ({"test/loss": test["loss"], "test/accuracy": test["accuracy"]} if evaluated else {}),
             step,
         )
@@ -320,9 +440,13 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
             atomic_save(state, ckpt_dir / "last.pt")
             if is_best:
                 atomic_save(state, ckpt_dir / "best.pt")
+        if dist.world_size > 1:
+            torch_dist.barrier()  # the checkpoint is on disk before any rank goes on
         if stopping:
             break
     logger.close()
+    if cfg.trainer.dump_rank_state:  # debug/tests: every rank's final weights, skeletons and buffers
+        atomic_save({"model": raw.state_dict(), "step": step}, run_dir / f"rank{dist.rank}_state.pt")
 
     stats = skeleton_stats(raw, threshold)
     macs_dense, macs_pruned = estimate_macs(raw, input_shape, threshold)
@@ -340,6 +464,8 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
         "epochs": epoch + 1 if epochs > first_epoch else first_epoch,
         "steps": step,
         "seconds": time.perf_counter() - start,
+        "images_per_s": train["images_per_s"] if epochs > first_epoch else float("nan"),
+        "world_size": dist.world_size,
         "model": cfg.model.name,
         "data": cfg.data.name,
         "device": str(dist.device),
@@ -349,7 +475,20 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     if dist.is_main:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         print(format_summary(summary))
+    _finish_distributed(dist)
     return summary
+
+
+def _restore_rng(states: list[dict], generator: torch.Generator | None, dist: DistInfo, seed: int, step: int):
+    """Each rank takes its own saved RNG streams; a rank the checkpoint has none for (it was written by
+    fewer ranks) is reseeded from (seed, rank, step): deterministic and unlike every other rank's streams."""
+    if dist.rank < len(states):
+        set_rng_state(states[dist.rank], generator)
+        return
+    derived = int(np.random.SeedSequence([seed, dist.rank, step]).generate_state(1)[0])
+    _seed_everything(derived)
+    if generator is not None:
+        generator.manual_seed(derived)
 
 
 def _gather_rng(generator: torch.Generator | None, dist: DistInfo) -> list[dict]:

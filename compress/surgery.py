@@ -48,7 +48,7 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
 
 
 def conv_bn_pairs(model: nn.Module) -> dict[str, str]:
-    """Map each Conv2d to the BatchNorm2d that normalises its output.
+    """Map each Conv2d to the BatchNorm2d (or SyncBatchNorm) that normalises its output.
 
     A BatchNorm2d is paired with the Conv2d registered directly before it when its `num_features`
     equals the conv's `out_channels`. This holds for our CIFAR models and for torchvision's and
@@ -59,7 +59,7 @@ def conv_bn_pairs(model: nn.Module) -> dict[str, str]:
     for name, module in model.named_modules():
         if isinstance(module, nn.Conv2d):
             prev_conv = (name, module)
-        elif isinstance(module, nn.BatchNorm2d):
+        elif isinstance(module, (nn.BatchNorm2d, nn.SyncBatchNorm)):
             if prev_conv is not None and prev_conv[1].out_channels == module.num_features:
                 pairs[prev_conv[0]] = name
             prev_conv = None

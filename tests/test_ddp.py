@@ -1,0 +1,122 @@
+"""DDP on CPU through the real torchrun entry point (gloo, 2 processes): every rank ends with the same
+skeletons and weights, equal (within float tolerance) to one process with the same global batch, and
+checkpoints resume across world sizes.
+
+Model: timm's tiny `test_resnet` with GroupNorm (1 group) instead of BatchNorm. GroupNorm normalises
+each sample on its own, so 2 ranks x batch 4 compute exactly what 1 process x batch 8 computes (BN
+without SyncBN would use per-rank batch statistics, and PyTorch's SyncBatchNorm has no CPU path).
+The 8 fake training images are one global batch, so every epoch is one step on the same images.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from compress.engine import run
+
+ROOT = Path(__file__).resolve().parents[1]
+THRESHOLD = 0.999
+# SWP strong enough to zero most stripes within 2 steps (most FS gradients are exactly 0 at 16x16
+# input, so those stripes only follow the L1 term and fall under the threshold together).
+BASE = [
+    "model=timm",
+    "model.name=timm:test_resnet",
+    "+model.kwargs.norm_layer=groupnorm1",
+    "data=fake",
+    "data.input_size=16",
+    "data.num_classes=3",
+    "data.train_size=8",
+    "data.test_size=7",  # odd: one rank's test shard is padded; evaluation must count 7 samples
+    "optim=sgd_multistep",
+    "optim.epochs=3",
+    "optim.milestones=[2]",
+    "prune=swp",
+    "prune.alpha=0.01",
+    f"prune.threshold={THRESHOLD}",
+    "trainer.dump_rank_state=true",
+]
+PER_RANK = "data.batch_size=4"  # x 2 ranks = the single-process batch of 8
+SINGLE = "data.batch_size=8"
+
+
+def _torchrun(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "train.py", *overrides, f"hydra.run.dir={run_dir}"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
+def _run_here(run_dir: Path, *overrides: str) -> dict:
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        return run(compose("train", overrides=[*BASE, *overrides]), run_dir=run_dir)
+
+
+def _state(run_dir: Path, rank: int = 0) -> dict:
+    return torch.load(run_dir / f"rank{rank}_state.pt", weights_only=True)["model"]
+
+
+def _assert_same(a: dict, b: dict, exact: bool) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        if exact:
+            assert torch.equal(a[key], b[key]), key
+        else:
+            torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+def _masks(state: dict) -> dict:
+    return {k: v.abs() > THRESHOLD for k, v in state.items() if k.endswith("skeleton")}
+
+
+@pytest.fixture
+def one_thread():
+    """In-process runs on one thread: the 2-core CI box is shared with the torchrun processes."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_match_each_other_and_one_process(tmp_path, one_thread):
+    # 2 ranks stop after 2 of 3 epochs; one process with the same global batch does the same.
+    ddp, single = tmp_path / "ddp", tmp_path / "single"
+    _torchrun(ddp, *BASE, PER_RANK, "trainer.max_steps=2")
+    ref = _run_here(single, SINGLE, "trainer.max_steps=2")
+
+    rank0, rank1 = _state(ddp, 0), _state(ddp, 1)
+    _assert_same(rank0, rank1, exact=True)  # weights, skeletons and buffers bit-identical on both ranks
+    _assert_same(_masks(rank0), _masks(rank1), exact=True)
+    _assert_same(rank0, _state(single), exact=False)
+    _assert_same(_masks(rank0), _masks(_state(single)), exact=True)
+
+    summary = json.loads((ddp / "summary.json").read_text())  # written by rank 0 only
+    assert summary["world_size"] == 2 and summary["steps"] == ref["steps"] == 2
+    assert 0 < summary["stripes_kept"] == ref["stripes_kept"] < summary["stripes_total"]  # SWP really pruned
+    # Exact evaluation: 7 test samples over 2 ranks (one padded shard) count as 7.
+    assert round(summary["test_accuracy"] * 7, 6).is_integer()
+    assert summary["test_accuracy"] == ref["test_accuracy"]
+    assert summary["test_loss"] == pytest.approx(ref["test_loss"], rel=1e-4)
+    assert sorted(p.name for p in (ddp / "checkpoints").iterdir()) == ["best.pt", "last.pt"]
+
+    # Resume across world sizes. 1 -> 2: the single-process checkpoint continues on 2 ranks (its
+    # batch_size 8 per rank covers the 4 images of each shard: the same global batch) and gives the
+    # weights of an uninterrupted single-process run.
+    resumed = tmp_path / "resumed"
+    _torchrun(resumed, *BASE, SINGLE, f"resume={single / 'checkpoints' / 'last.pt'}")
+    full = _run_here(tmp_path / "full", SINGLE)
+    _assert_same(_state(resumed, 0), _state(resumed, 1), exact=True)
+    _assert_same(_state(resumed, 0), _state(tmp_path / "full"), exact=False)
+    assert json.loads((resumed / "summary.json").read_text())["steps"] == full["steps"] == 3
+
+    # 2 -> 1: the 2-rank checkpoint continues in one process (rank 1's RNG streams are dropped).
+    back = _run_here(tmp_path / "back", f"resume={ddp / 'checkpoints' / 'last.pt'}")
+    assert back["world_size"] == 1 and back["epochs"] == 3 and back["steps"] == 2 + 2  # batch 4: 2 steps/epoch
