@@ -120,3 +120,13 @@ def test_torchrun_two_ranks_match_each_other_and_one_process(tmp_path, one_threa
     # 2 -> 1: the 2-rank checkpoint continues in one process (rank 1's RNG streams are dropped).
     back = _run_here(tmp_path / "back", f"resume={ddp / 'checkpoints' / 'last.pt'}")
     assert back["world_size"] == 1 and back["epochs"] == 3 and back["steps"] == 2 + 2  # batch 4: 2 steps/epoch
+
+
+def test_compile_runs_skeleton_convs_and_matches_eager(tmp_path, one_thread):
+    # aot_eager traces forward and backward (skeleton products included) in seconds on a CPU;
+    # the default backend, inductor, is the one meant for GPUs.
+    steps = [SINGLE, "trainer.max_steps=2", "optim.epochs=2"]
+    eager = _run_here(tmp_path / "eager", *steps)
+    compiled = _run_here(tmp_path / "compiled", *steps, "trainer.compile=true", "trainer.compile_backend=aot_eager")
+    _assert_same(_state(tmp_path / "eager"), _state(tmp_path / "compiled"), exact=False)
+    assert compiled["stripes_kept"] == eager["stripes_kept"] < compiled["stripes_total"]
