@@ -5,7 +5,9 @@ and channels_last (each layout applied to both). The two models run interleaved 
 load changes hit both alike; the median (and, robust to CPU steal, the min) of the repeats is reported,
 with the load average before and after.
 
-    python benchmarks/pix_cpu.py [--repeats 15] [--batches 1 8] [--size 224] [--no-fold] [--out PATH]
+    python benchmarks/pix_cpu.py [--repeats 15] [--batches 1 8] [--size 224] [--threads N] [--no-fold] [--out PATH]
+
+With other jobs on the machine, --threads 1 gives steadier ratios (2 OpenMP threads spin on a busy core).
 """
 
 from __future__ import annotations
@@ -75,11 +77,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--size", type=int, default=224)
+    ap.add_argument(
+        "--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)"
+    )
     ap.add_argument("--no-fold", action="store_true", help="keep BatchNorm unfolded in both models")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "pix_cpu.json"))
     args = ap.parse_args()
 
     fold = not args.no_fold
+    if args.threads:
+        torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     rows = []
     for channels_last in (False, True):
