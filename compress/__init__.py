@@ -1,34 +1,43 @@
 """compress: stripe-wise pruning (Filter Skeletons), PiX and compact-model export for ConvNets.
 
-The public surface is re-exported here; submodules are imported on first use so that
-`import compress` stays cheap.
+The public surface, imported explicitly (submodules stay importable under their own names):
+
+    create_model, list_models          compress.models
+    build_data                         compress.data
+    SkeletonConv2d, attach_skeletons, swp_update, skeleton_stats     compress.skeleton
+    StripeConv2d                       compress.stripe
+    compact, choose_modes              compress.compaction
+    PiXBlock, apply_pix, insert_pix, downscale_pix                   compress.pix
+    profile, compare                   compress.profile
+    save, load                         compress.checkpoint
 """
 
-from __future__ import annotations
+from compress.checkpoint import load, save
+from compress.compaction import choose_modes, compact
+from compress.data import build_data
+from compress.models import create_model, list_models
+from compress.pix import PiXBlock, apply_pix, downscale_pix, insert_pix
+from compress.profile import compare, profile
+from compress.skeleton import SkeletonConv2d, attach_skeletons, skeleton_stats, swp_update
+from compress.stripe import StripeConv2d
 
-import importlib
-
-_EXPORTS = {
-    "create_model": "compress.models",
-    "list_models": "compress.models",
-    "build_data": "compress.data",
-    "SkeletonConv2d": "compress.skeleton",
-    "attach_skeletons": "compress.skeleton",
-    "swp_update": "compress.skeleton",
-    "skeleton_stats": "compress.skeleton",
-    "StripeConv2d": "compress.stripe",
-    "compact": "compress.compaction",
-    "choose_modes": "compress.compaction",
-    "profile": "compress.profile",
-    "compare": "compress.profile",
-    "save": "compress.checkpoint",
-    "load": "compress.checkpoint",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'compress' has no attribute {name!r}")
+__all__ = [
+    "PiXBlock",
+    "SkeletonConv2d",
+    "StripeConv2d",
+    "apply_pix",
+    "attach_skeletons",
+    "build_data",
+    "choose_modes",
+    "compact",
+    "compare",
+    "create_model",
+    "downscale_pix",
+    "insert_pix",
+    "list_models",
+    "load",
+    "profile",
+    "save",
+    "skeleton_stats",
+    "swp_update",
+]

@@ -22,7 +22,6 @@ import torch.nn as nn
 import torchvision.models as tvm
 
 import kernels
-from compress.checkpoint import register_module_type
 from compress.models._weight_init import init_weights
 from compress.models.cifar_resnet import BasicBlock as CifarBasicBlock
 from compress.models.cifar_resnet import Bottleneck as CifarBottleneck
@@ -232,4 +231,3 @@ def apply_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
     raise ValueError(f"apply_pix: unsupported model {type(model).__name__}; {_SUPPORTED}")
 
 
-register_module_type("PiXBlock", PiXBlock)

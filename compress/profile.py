@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import math
 import statistics
-import sys
 import time
-import types
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -276,7 +274,8 @@ def profile(
     was_training = model.training
     model.eval()
     try:
-        x = torch.randn(1, *input_size, device=device, dtype=dtype)
+        gen = torch.Generator().manual_seed(0)  # a private generator: profiling never moves the global RNG
+        x = torch.randn(1, *input_size, dtype=dtype, generator=gen).to(device)
         layers = _count(model, x)
         ms = None
         if latency:
@@ -321,13 +320,3 @@ def compare(dense: ProfileReport, compact: ProfileReport) -> list[dict]:
         rows.append({"metric": metric, "dense": d, "compact": c, "ratio": ratio})
     return rows
 
-
-class _CallableModule(types.ModuleType):
-    """Makes `compress.profile(...)` call `profile` even after `import compress.profile` has bound the
-    package attribute `compress.profile` to this module (a submodule and a function share the name)."""
-
-    def __call__(self, *args, **kwargs) -> ProfileReport:
-        return profile(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
