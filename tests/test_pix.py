@@ -237,33 +237,6 @@ def test_errors_name_the_layer():
         apply_pix(create_model("resnet20"), 0)
 
 
-def _paper_macs(model: nn.Module, size: int) -> int:
-    """MACs as the paper (and ptflops) count them: conv and Linear (with bias), 2 per BN element, 1 per
-    ReLU output and per pooling input element, and PiX blocks by their macs()."""
-    total = [0]
-
-    def hook(m, inp, out):
-        if isinstance(m, PiXBlock):
-            total[0] += m.macs(inp[0], out)
-        elif isinstance(m, nn.Conv2d):
-            total[0] += out.numel() * m.in_channels // m.groups * m.kernel_size[0] * m.kernel_size[1]
-        elif isinstance(m, nn.Linear):
-            total[0] += out.numel() * m.in_features + m.out_features
-        elif isinstance(m, nn.BatchNorm2d):
-            total[0] += 2 * out.numel()
-        elif isinstance(m, nn.ReLU):
-            total[0] += out.numel()
-        elif isinstance(m, (nn.MaxPool2d, nn.AdaptiveAvgPool2d)):
-            total[0] += inp[0].numel()
-
-    handles = [m.register_forward_hook(hook) for m in model.modules()]
-    with torch.no_grad():
-        model.eval()(torch.randn(1, 3, size, size, device="meta"))
-    for h in handles:
-        h.remove()
-    return total[0]
-
-
 # Paper Table 1 (PiX, CVPR 2024) and the supplement: GMACs at 224x224 and M params.
 PAPER = {
     "resnet50": (4, 3.18, 25.5),
@@ -281,12 +254,23 @@ def test_paper_totals(name):
         insert_pix(model, zeta)
     report = profile(model, (3, 224, 224), latency=False)
     assert report.params / 1e6 == pytest.approx(mparams, rel=0.01)
-    paper = _paper_macs(model, 224) / 1e9
-    assert paper == pytest.approx(gmacs, rel=0.01)
-    # compress.profile counts convs, Linear and PiX only (BN, ReLU, pooling are 0): within 0.6% for
+    paper = profile(model, (3, 224, 224), latency=False, convention="paper")
+    assert paper.convention == "paper" and report.convention == "layers"
+    assert paper.macs / 1e9 == pytest.approx(gmacs, rel=0.01)
+    # The default convention counts convs, Linear and PiX only (BN, ReLU, pooling are 0): within 0.6% for
     # zeta 4, 1.7% under for the thin net, whose BN/ReLU share of the total is larger.
     assert report.macs / 1e9 == pytest.approx(gmacs, rel=0.006 if zeta == 4 else 0.02)
-    assert report.macs / 1e9 < paper
+    assert report.macs < paper.macs
+
+
+def test_paper_convention_plain_resnet50():
+    """ptflops-style count of torchvision ResNet-50: 4.12 GMACs (paper Table 1, E0); convs only 4.09."""
+    with torch.device("meta"):
+        model = torchvision.models.resnet50()
+    assert profile(model, (3, 224, 224), latency=False, convention="paper").macs / 1e9 == pytest.approx(
+        4.12, rel=0.01
+    )
+    assert profile(model, (3, 224, 224), latency=False).macs / 1e9 == pytest.approx(4.09, rel=0.002)
 
 
 def test_swp_compaction_save_load_and_onnx_keep_pix(tmp_path):

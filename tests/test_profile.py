@@ -54,6 +54,18 @@ def test_small_net_by_hand():
     assert rep.latency_ms is None and rep.device == "cpu"
 
 
+def test_small_net_paper_convention():
+    """convention="paper" adds conv/Linear bias (1 per output), BN (2 per element), ReLU (1 per element),
+    pooling (1 per input element); custom macs() modules and the rest are unchanged."""
+    model = nn.Sequential(*_small_net()[:5], nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 5))
+    rep = profile(model, (3, 8, 8), latency=False, convention="paper")
+    assert rep.convention == "paper"
+    assert [row.macs for row in rep.layers] == [1728 + 64, 128, 64, 1152, 192, 96, 0, 30 + 5]
+    assert profile(model, (3, 8, 8), latency=False).macs == 1728 + 1152 + 192 + 30
+    with pytest.raises(ValueError, match="convention must be one of"):
+        profile(model, (3, 8, 8), latency=False, convention="ptflops")
+
+
 def test_latency_and_mode_restored():
     model = _small_net().train()
     rep = profile(model, (3, 8, 8), batch_size=4, repeats=3)
