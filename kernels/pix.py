@@ -41,7 +41,8 @@ def _forward_fast(x: Tensor, p: Tensor, zeta: int, tau: float) -> Tensor | None:
     """Inference-speed forward for float32/float64 x (p of x's dtype) that is contiguous NCHW or channels_last
     (None otherwise). No copies of x: NCHW views x as (B, G, zeta, HW) and takes one max and one sum reduction
     over the zeta dim; channels_last views x as (B, HW, G, zeta) and folds the zeta strided slices elementwise
-    (a reduction of size zeta over the innermost dim is slow). The 1/zeta of the mean is folded into p:
+    (a reduction of size zeta over the innermost dim is slow), all into one fresh output (a view would break
+    autograd's in-place checks downstream). The 1/zeta of the mean is folded into p:
     y = where(p < tau, p * max, (p / zeta) * sum), selected in place into the sum buffer."""
     B, C, H, W = x.shape
     G = C // zeta
@@ -52,20 +53,25 @@ def _forward_fast(x: Tensor, p: Tensor, zeta: int, tau: float) -> Tensor | None:
     if memory_format(x) == torch.channels_last:
         if not x.permute(0, 2, 3, 1).is_contiguous():
             return None
-        xg = x.permute(0, 2, 3, 1).view(B, H * W, G, zeta)
+        y = torch.empty((B, G, H, W), dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
+        xg, sm = x.permute(0, 2, 3, 1).view(B, H * W, G, zeta), y.permute(0, 2, 3, 1).view(B, H * W, G)
         mx = torch.maximum(xg[..., 0], xg[..., 1])
-        sm = torch.add(xg[..., 0], xg[..., 1])
+        torch.add(xg[..., 0], xg[..., 1], out=sm)
         for i in range(2, zeta):
             torch.maximum(mx, xg[..., i], out=mx)
             sm.add_(xg[..., i])
         torch.where(pick.view(B, 1, G), mx, sm, out=sm)
-        return sm.mul_(scale.view(B, 1, G)).view(B, H, W, G).permute(0, 3, 1, 2)
+        sm.mul_(scale.view(B, 1, G))
+        return y
     if not x.is_contiguous():
         return None
-    xg = x.view(B, G, zeta, H * W)
-    mx, sm = xg.amax(2), xg.sum(2)
+    y = x.new_empty((B, G, H, W))
+    xg, sm = x.view(B, G, zeta, H * W), y.view(B, G, H * W)
+    mx = xg.amax(2)
+    torch.sum(xg, 2, out=sm)
     torch.where(pick.view(B, G, 1), mx, sm, out=sm)
-    return sm.mul_(scale.view(B, G, 1)).view(B, G, H, W)
+    sm.mul_(scale.view(B, G, 1))
+    return y
 
 
 def _forward_torch(x: Tensor, p: Tensor, zeta: int, tau: float) -> Tensor:
