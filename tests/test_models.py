@@ -131,6 +131,22 @@ def test_bottleneck_structure():
         assert all(b.downsample is None for b in stage[1:])
 
 
+def test_bottleneck_zero_init_last():
+    """CIFAR bottlenecks start each residual branch at zero (bn3 weight 0); basic blocks keep 1; opt-out works."""
+    model = create_model("resnet29_bottleneck")
+    blocks = [b for s in (model.layer1, model.layer2, model.layer3) for b in s]
+    assert all(
+        not b.bn3.weight.any() and torch.equal(b.bn2.weight, torch.ones_like(b.bn2.weight)) for b in blocks
+    )
+    assert all(
+        torch.equal(b.downsample[1].weight, torch.ones_like(b.downsample[1].weight)) for b in blocks[::3]
+    )
+    off = create_model("resnet29_bottleneck", zero_init_last=False)
+    assert all(b.bn3.weight.eq(1).all() for s in (off.layer1, off.layer2, off.layer3) for b in s)
+    assert create_model("resnet20").layer1[0].bn2.weight.eq(1).all()
+    assert not create_model("resnet20", zero_init_last=True).layer1[0].bn2.weight.any()
+
+
 def test_block_layer_types_are_used():
     class MyConv(nn.Conv2d):
         pass

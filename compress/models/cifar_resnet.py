@@ -8,7 +8,10 @@ new channels, so ResNet-56 has 0.85 M params and 125 M MACs at 32x32.
 Bottleneck nets resnet29_bottleneck/resnet164_bottleneck (depth 9n+2): stages of n bottlenecks
 with widths 16/32/64 and expansion 4 (outputs 64/128/256); a projection shortcut (1x1 conv + BN,
 named `downsample`) wherever the shape changes. The first 1x1 conv of each bottleneck (`conv1`,
-`bn1`, `act1`) is a channel squeeze that PiX can replace.
+`bn1`, `act1`) is a channel squeeze that PiX can replace. The last BN of each bottleneck (`bn3`)
+starts at weight 0 by default (`zero_init_last`, as timm and Goyal et al. 2017), so every residual
+branch starts as the identity: without it the bottleneck nets diverged on the digits default (epoch-1
+loss 3.4 at lr 0.1) and PiX + SWP reached only ~0.31 test accuracy.
 
 Attribute names follow torchvision (`conv1, bn1, conv2, bn2[, conv3, bn3], downsample`), with
 separate activations `act1, act2[, act3]` as in timm so each one can be replaced by name.
@@ -122,6 +125,9 @@ class CifarResNet(nn.Module):
         shortcut: "pad" (option A, parameter-free) or "conv" (1x1 conv + BN projection) where the
             shape changes.
         conv_layer, norm_layer, act_layer: layer types used throughout (e.g. a skeleton conv).
+        zero_init_last: start the last norm layer of every residual branch (`bn3` of a Bottleneck,
+            `bn2` of a BasicBlock) at weight 0. Default (None): True for Bottleneck, False for
+            BasicBlock (the published CIFAR ResNet-20..110 recipe initialises it to 1).
     """
 
     def __init__(
@@ -135,6 +141,7 @@ class CifarResNet(nn.Module):
         conv_layer: type[nn.Conv2d] = nn.Conv2d,
         norm_layer: type[nn.Module] = nn.BatchNorm2d,
         act_layer: type[nn.Module] = nn.ReLU,
+        zero_init_last: bool | None = None,
     ):
         super().__init__()
         if shortcut not in ("pad", "conv"):
@@ -168,6 +175,13 @@ class CifarResNet(nn.Module):
         self.global_pool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(inplanes, num_classes)
         init_weights(self)
+        if zero_init_last is None:
+            zero_init_last = block is Bottleneck
+        if zero_init_last:
+            last = "bn3" if issubclass(block, Bottleneck) else "bn2"
+            for m in self.modules():
+                if isinstance(m, block) and getattr(getattr(m, last), "weight", None) is not None:
+                    nn.init.zeros_(getattr(m, last).weight)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """(B, in_chans, H, W) -> (B, num_features, H/4, W/4) for three stages."""
