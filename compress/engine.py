@@ -106,21 +106,60 @@ def _seed_everything(seed: int) -> None:
 
 
 def build_optimizer(model: nn.Module, cfg: DictConfig) -> torch.optim.Optimizer:
-    """SGD over all parameters (skeletons included, as in the SWP paper) from cfg: lr, momentum, nesterov, weight_decay."""
+    """SGD over all parameters (skeletons included, as in the SWP paper) from cfg: lr, momentum, nesterov, weight_decay.
+
+    Optional `cfg.skeleton_weight_decay` (default null: the same as weight_decay, the paper's setting)
+    gives the Filter Skeletons their own weight decay, e.g. 0 so that only the SWP L1 term acts on them.
+    """
     if cfg.name != "sgd":
         raise ValueError(f"optim.name={cfg.name!r} is not supported; use optim=sgd_multistep or optim=sgd_cosine")
+    params = model.parameters()
+    skeleton_wd = cfg.get("skeleton_weight_decay", None)
+    if skeleton_wd is not None:
+        if skeleton_wd < 0:
+            raise ValueError(f"optim.skeleton_weight_decay={skeleton_wd} must be >= 0 (or null: same as weight_decay)")
+        named = list(model.named_parameters())
+        skeletons = [p for n, p in named if n == "skeleton" or n.endswith(".skeleton")]
+        others = [p for n, p in named if not (n == "skeleton" or n.endswith(".skeleton"))]
+        params = [{"params": others}, {"params": skeletons, "weight_decay": float(skeleton_wd)}]
     return torch.optim.SGD(
-        model.parameters(), lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay
+        params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay
     )
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: DictConfig, epochs: int):
-    """Per-epoch LR schedule: cfg.schedule 'multistep' (milestones in epochs, gamma) or 'cosine' (to 0 at `epochs`)."""
-    if cfg.schedule == "multistep":
-        return torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=list(cfg.milestones), gamma=cfg.gamma)
-    if cfg.schedule == "cosine":
+    """Per-epoch LR schedule: cfg.schedule 'multistep' (milestones in epochs, gamma) or 'cosine' (to 0 at `epochs`).
+
+    Optional `cfg.warmup_epochs` (default 0): the first W epochs run at lr * (e + 1) / (W + 1) (linear
+    warmup, epoch e = 0..W-1), then the schedule runs as usual; with cosine it spans the remaining
+    epochs - W. With W = 0 the schedules are exactly the plain ones.
+    """
+    if cfg.schedule not in ("multistep", "cosine"):
+        raise ValueError(f"optim.schedule={cfg.schedule!r} is not supported; use 'multistep' or 'cosine'")
+    warmup = int(cfg.get("warmup_epochs", 0) or 0)
+    if warmup < 0 or (warmup and warmup >= epochs):
+        raise ValueError(
+            f"optim.warmup_epochs={warmup} must be >= 0 and smaller than the {epochs} epochs; "
+            "set optim.warmup_epochs=0 for runs this short"
+        )
+    if warmup == 0:
+        if cfg.schedule == "multistep":
+            return torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=list(cfg.milestones), gamma=cfg.gamma)
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs)
-    raise ValueError(f"optim.schedule={cfg.schedule!r} is not supported; use 'multistep' or 'cosine'")
+    if cfg.schedule == "multistep":
+        milestones, gamma = sorted(int(m) for m in cfg.milestones), float(cfg.gamma)
+
+        def after(e: int) -> float:
+            return gamma ** sum(e >= m for m in milestones)
+    else:
+
+        def after(e: int) -> float:
+            return 0.5 * (1.0 + float(np.cos(np.pi * (e - warmup) / (epochs - warmup))))
+
+    def factor(e: int) -> float:
+        return (e + 1) / (warmup + 1) if e < warmup else after(e)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 @dataclass

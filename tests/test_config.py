@@ -78,3 +78,52 @@ def test_bad_settings_give_clear_errors(tmp_path, overrides, error, match):
     cfg = _compose(*([] if overrides[0].startswith("data=") else tiny), *overrides)
     with pytest.raises(error, match=match):
         run(cfg, run_dir=tmp_path)
+
+
+def _lrs(optim_cfg, epochs: int) -> list[float]:
+    import torch
+
+    from compress.engine import build_scheduler
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=optim_cfg.lr)
+    sched = build_scheduler(opt, optim_cfg, epochs)
+    lrs = []
+    for _ in range(epochs):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return lrs
+
+
+def test_optim_warmup_epochs():
+    import math
+
+    cfg = _compose("optim=sgd_cosine", "optim.lr=0.1", "++optim.warmup_epochs=2", "optim.epochs=6").optim
+    lrs = _lrs(cfg, 6)
+    expected = [0.1 / 3, 0.2 / 3] + [0.05 * (1 + math.cos(math.pi * k / 4)) for k in range(4)]
+    assert lrs == pytest.approx(expected)
+    plain = _compose("optim=sgd_cosine", "optim.lr=0.1", "optim.epochs=6").optim
+    assert _lrs(plain, 6) == pytest.approx([0.05 * (1 + math.cos(math.pi * k / 6)) for k in range(6)])
+    step = _compose("optim=sgd_multistep", "++optim.warmup_epochs=1", "optim.milestones=[2,3]", "optim.epochs=5").optim
+    assert _lrs(step, 5) == pytest.approx([0.05, 0.1, 0.01, 0.001, 0.001])
+    with pytest.raises(ValueError, match="warmup_epochs"):
+        _lrs(_compose("++optim.warmup_epochs=6", "optim.epochs=6").optim, 6)
+
+
+def test_optim_skeleton_weight_decay():
+    from compress.engine import build_optimizer
+    from compress.models import create_model
+    from compress.skeleton import attach_skeletons
+
+    model = create_model("resnet20", num_classes=10, input_size=32, in_chans=3)
+    attach_skeletons(model)
+    n_skel = sum(1 for n, _ in model.named_parameters() if n.endswith("skeleton"))
+    default = build_optimizer(model, _compose().optim)  # null: one group, the paper's setting
+    assert len(default.param_groups) == 1
+    opt = build_optimizer(model, _compose("++optim.skeleton_weight_decay=0").optim)
+    others, skel = opt.param_groups
+    assert len(skel["params"]) == n_skel > 0 and skel["weight_decay"] == 0
+    assert others["weight_decay"] == _compose().optim.weight_decay
+    assert len(others["params"]) + n_skel == len(list(model.parameters()))
+    with pytest.raises(ValueError, match="skeleton_weight_decay"):
+        build_optimizer(model, _compose("++optim.skeleton_weight_decay=-1").optim)
