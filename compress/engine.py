@@ -35,8 +35,10 @@ from torch.utils.data import DistributedSampler
 from compress._logging import RunLogger, format_summary, progress
 from compress._macs import estimate_macs
 from compress._trainstate import atomic_save, load_checkpoint, rng_state, set_rng_state
+from compress.checkpoint import load as load_compact
 from compress.data import build_data
 from compress.models import create_model
+from compress.pix import apply_pix
 from compress.skeleton import attach_skeletons, check_nonnegative, skeleton_stats, swp_update
 
 __all__ = [
@@ -309,10 +311,10 @@ def _peak_gpu_memory(device: torch.device) -> dict[str, float]:
 
 def _check_config(cfg: DictConfig) -> None:
     """Reject settings this version cannot honour, with the fix in the message."""
-    if cfg.pix.zeta is not None:
-        raise ValueError(f"pix.zeta={cfg.pix.zeta}: PiX is not yet supported by train.py; leave pix.zeta=null")
-    if cfg.init is not None:
-        raise ValueError(f"init={cfg.init}: starting from a compact model is not yet supported; leave init=null")
+    if cfg.init is not None and not Path(str(cfg.init)).is_file():
+        raise ValueError(f"init={cfg.init}: no such file; give a compact model file written by export.py or compress.save")
+    if cfg.init is not None and cfg.pix.zeta is not None:
+        raise ValueError("init and pix.zeta are both set: a compact model already has its PiX blocks; leave pix.zeta=null")
     if cfg.prune.name not in PRUNE_METHODS:
         raise ValueError(f"prune.name={cfg.prune.name!r} is unknown; choose one of {PRUNE_METHODS} (prune=none|swp)")
     if cfg.prune.name == "swp":
@@ -380,6 +382,23 @@ def _training_model(raw: nn.Module, cfg: DictConfig, dist: DistInfo) -> nn.Modul
     return model
 
 
+def _build_model(cfg: DictConfig, data) -> nn.Module:
+    """The model to train: a compact model file (`init=`, fine-tuned as it is: its stripe convs train
+    their kept weights), or a fresh registry model, with PiX applied when `pix.zeta` is set."""
+    if cfg.init is not None:
+        return load_compact(str(cfg.init))
+    raw = create_model(
+        cfg.model.name,
+        num_classes=data.num_classes,
+        input_size=data.input_size,
+        in_chans=data.in_chans,
+        **cfg.model.get("kwargs", {}),
+    )
+    if cfg.pix.zeta is not None:
+        apply_pix(raw, int(cfg.pix.zeta), float(cfg.pix.tau))
+    return raw
+
+
 def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     """Train as `cfg` says, writing checkpoints/, tensorboard/ and summary.json under `run_dir`.
 
@@ -393,15 +412,9 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     _seed_everything(cfg.trainer.seed + dist.rank)
 
     data = build_data(cfg.data, rank=dist.rank, world_size=dist.world_size)
-    raw = create_model(
-        cfg.model.name,
-        num_classes=data.num_classes,
-        input_size=data.input_size,
-        in_chans=data.in_chans,
-        **cfg.model.get("kwargs", {}),
-    )
+    raw = _build_model(cfg, data)
     swp = None
-    if cfg.prune.name == "swp":
+    if cfg.prune.name == "swp" and cfg.init is None:
         attach_skeletons(raw, cfg.prune.min_kernel_size, cfg.prune.include, cfg.prune.exclude)
         swp = (float(cfg.prune.alpha), float(cfg.prune.threshold))
     raw = _sync_bn(raw, cfg, dist)

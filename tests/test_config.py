@@ -67,8 +67,8 @@ def test_cifar_configs_keep_the_paper_recipe():
         (["data=cifar10", "data.root=/nonexistent/cifar"], DatasetNotFoundError, "/nonexistent/cifar"),
         (["prune.alpha=-1e-5"], ValueError, "alpha must be >= 0"),
         (["prune.threshold=-0.1"], ValueError, "threshold must be >= 0"),
-        (["pix.zeta=4"], ValueError, "PiX is not yet supported"),
-        (["init=model.pt"], ValueError, "not yet supported"),
+        (["pix.zeta=3"], ValueError, "not divisible by zeta=3"),  # resnet56's 16-channel convs
+        (["init=/nonexistent/model.safetensors"], ValueError, "no such file"),
         (["resume=true"], FileNotFoundError, "no checkpoint at .*last.pt"),
         (["optim.schedule=linear"], ValueError, "optim.schedule='linear' is not supported"),
     ],

@@ -89,3 +89,40 @@ def test_train_py_entry_point_resnet50(tmp_path):
     assert summary["model"] == "resnet50" and summary["steps"] == 2
     assert summary["stripes_total"] == 9 * (64 * 3 + 128 * 4 + 256 * 6 + 512 * 3) + 49 * 64
     assert (tmp_path / ".hydra" / "config.yaml").is_file() and "test accuracy" in proc.stdout
+
+
+def test_pix_zeta_trains_a_bottleneck_resnet_with_pix_blocks(tmp_path):
+    from compress.pix import PiXBlock
+
+    cfg = _compose(*TINY, "model=resnet29_bottleneck", "pix.zeta=4", "trainer.max_steps=2")
+    summary = run(cfg, run_dir=tmp_path)
+    state = _weights(tmp_path)
+    assert summary["steps"] == 2
+    # every bottleneck's squeeze conv is a PiX predictor now (9 blocks), and the model still trained
+    import compress
+
+    model = compress.create_model("resnet29_bottleneck", num_classes=3)
+    compress.apply_pix(model, 4)
+    pix_names = [n for n, m in model.named_modules() if isinstance(m, PiXBlock)]
+    assert len(pix_names) == 9 and all(f"{n}.weight" in state for n in pix_names)
+
+
+def test_init_fine_tunes_a_compact_model(tmp_path):
+    import compress
+    from compress.stripe import StripeConv2d
+
+    trained = run(_compose(*TINY), run_dir=tmp_path / "train")
+    assert trained["stripes_kept"] < trained["stripes_total"]
+    skeleton = compress.create_model("resnet20", num_classes=3, input_size=8)
+    compress.attach_skeletons(skeleton)
+    skeleton.load_state_dict(_weights(tmp_path / "train"))
+    small = compress.compact(skeleton.eval(), threshold=0.95)
+    compress.save(small, tmp_path / "small.safetensors")
+    before = {n: m.weight.detach().clone() for n, m in small.named_modules() if isinstance(m, StripeConv2d)}
+    assert before
+
+    run(_compose(*TINY, f"init={tmp_path / 'small.safetensors'}", "trainer.max_steps=2"), run_dir=tmp_path / "ft")
+    tuned = _weights(tmp_path / "ft")
+    changed = [n for n in before if not torch.equal(tuned[f"{n}.weight"], before[n])]
+    assert changed, "fine-tuning did not update any stripe conv's kept weights"
+    assert all(tuned[f"{n}.weight"].shape == before[n].shape for n in before)
