@@ -189,9 +189,10 @@ def test_torchvision_resnet50_insertion(zeta):
 
 
 def test_cifar_bottleneck_and_timm_insertion_keep_shapes():
-    for name in ("timm:resnet26", "resnet29_bottleneck"):  # timm zero-inits bn3: no grad to PiX
+    for name in ("timm:resnet26", "resnet29_bottleneck"):
         torch.manual_seed(0)
-        model = create_model(name, num_classes=10, input_size=32)
+        # zero_init_last=False: with bn3 zero-initialised (both families' default) no gradient reaches PiX
+        model = create_model(name, num_classes=10, input_size=32, zero_init_last=False)
         blocks = [n for n, m in model.named_modules() if type(m).__name__ == "Bottleneck"]
         x = torch.randn(2, 3, 32, 32)
         before = _block_outputs(model, blocks, x)
