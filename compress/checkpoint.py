@@ -28,27 +28,13 @@ import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from compress.surgery import get_module
+from compress.surgery import conv_config, get_module
 
 __all__ = ["save", "load", "register_module_type", "build_recipe", "FORMAT", "VERSION"]
 
 FORMAT = "compress.compact"
 VERSION = 1
 _META_KEY = "compress.recipe"
-
-
-def _conv_config(m: nn.Conv2d) -> dict:
-    return {
-        "in_channels": m.in_channels,
-        "out_channels": m.out_channels,
-        "kernel_size": list(m.kernel_size),
-        "stride": list(m.stride),
-        "padding": m.padding if isinstance(m.padding, str) else list(m.padding),
-        "dilation": list(m.dilation),
-        "groups": m.groups,
-        "bias": m.bias is not None,
-        "padding_mode": m.padding_mode,
-    }
 
 
 def _bn_config(m: nn.BatchNorm2d) -> dict:
@@ -76,13 +62,13 @@ def _own_config(m: nn.Module) -> dict:
 # The allowlist: type key -> ("module:attribute" or class, config function). Strings are imported on
 # first use so that compress modules still being written never break `import compress.checkpoint`.
 _TYPES: dict[str, tuple[str | type, Callable[[nn.Module], dict]]] = {
-    "Conv2d": (nn.Conv2d, _conv_config),
+    "Conv2d": (nn.Conv2d, conv_config),
     "BatchNorm2d": (nn.BatchNorm2d, _bn_config),
     "Linear": (nn.Linear, _linear_config),
     "Identity": (nn.Identity, _no_config),
     "ReLU": (nn.ReLU, lambda m: {"inplace": m.inplace}),
     "Sequential": (nn.Sequential, _no_config),
-    "SkeletonConv2d": ("compress.skeleton:SkeletonConv2d", _conv_config),
+    "SkeletonConv2d": ("compress.skeleton:SkeletonConv2d", conv_config),
     "StripeConv2d": ("compress.stripe:StripeConv2d", _own_config),
     "PiXBlock": ("compress.pix:PiXBlock", _own_config),
 }

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
-from compress.surgery import conv_bn_pairs, replace_module
+from compress.surgery import conv_bn_pairs, conv_config, replace_module
 
 __all__ = ["SkeletonConv2d", "attach_skeletons", "swp_update", "skeleton_stats"]
 
@@ -37,19 +37,7 @@ class SkeletonConv2d(nn.Conv2d):
     @classmethod
     def from_conv(cls, conv: nn.Conv2d) -> SkeletonConv2d:
         """A SkeletonConv2d with `conv`'s arguments, weight, bias, device and dtype; skeleton = 1."""
-        new = cls(
-            conv.in_channels,
-            conv.out_channels,
-            conv.kernel_size,
-            stride=conv.stride,
-            padding=conv.padding,
-            dilation=conv.dilation,
-            groups=conv.groups,
-            bias=conv.bias is not None,
-            padding_mode=conv.padding_mode,
-            device=conv.weight.device,
-            dtype=conv.weight.dtype,
-        )
+        new = cls(**conv_config(conv), device=conv.weight.device, dtype=conv.weight.dtype)
         with torch.no_grad():
             new.weight.copy_(conv.weight)
             if conv.bias is not None:

@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kernels
+from compress.surgery import conv_config
 
 __all__ = ["StripeConv2d", "conv_padding", "masked_conv"]
 
@@ -47,19 +48,7 @@ def conv_padding(conv: nn.Conv2d) -> tuple[int, int]:
 def masked_conv(conv: nn.Conv2d, threshold: float) -> nn.Conv2d:
     """The plain nn.Conv2d equal to SkeletonConv2d `conv` with the stripes |skeleton| <= threshold dropped:
     weight W * skeleton * mask (zeros where dropped); same arguments, bias, device, dtype, mode."""
-    dense = nn.Conv2d(
-        conv.in_channels,
-        conv.out_channels,
-        conv.kernel_size,
-        stride=conv.stride,
-        padding=conv.padding,
-        dilation=conv.dilation,
-        groups=conv.groups,
-        bias=conv.bias is not None,
-        padding_mode=conv.padding_mode,
-        device=conv.weight.device,
-        dtype=conv.weight.dtype,
-    )
+    dense = nn.Conv2d(**conv_config(conv), device=conv.weight.device, dtype=conv.weight.dtype)
     dense.weight.copy_(conv.weight * (conv.skeleton * conv.stripe_mask(threshold))[:, None])
     dense.weight.requires_grad_(conv.weight.requires_grad)
     if conv.bias is not None:

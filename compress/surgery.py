@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 __all__ = [
+    "conv_config",
     "get_module",
     "replace_module",
     "conv_bn_pairs",
@@ -29,6 +30,22 @@ __all__ = [
     "remove_channels",
     "fold_bn",
 ]
+
+
+def conv_config(conv: nn.Conv2d) -> dict:
+    """The JSON-serialisable constructor kwargs of `conv`: `nn.Conv2d(**conv_config(conv))` (or a subclass)
+    builds an empty conv of the same shape and arguments."""
+    return {
+        "in_channels": conv.in_channels,
+        "out_channels": conv.out_channels,
+        "kernel_size": list(conv.kernel_size),
+        "stride": list(conv.stride),
+        "padding": conv.padding if isinstance(conv.padding, str) else list(conv.padding),
+        "dilation": list(conv.dilation),
+        "groups": conv.groups,
+        "bias": conv.bias is not None,
+        "padding_mode": conv.padding_mode,
+    }
 
 
 def get_module(model: nn.Module, name: str) -> nn.Module:
