@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from compress import compact
+from compress import compact, load, save
 from compress.models import create_model
 from compress.profile import profile
 from compress.skeleton import SkeletonConv2d, attach_skeletons, swp_update
@@ -77,7 +77,7 @@ FOLD_BN_CASES = ("resnet56", "resnet18")
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_compact_equals_skeleton_model(name):
+def test_compact_equals_skeleton_model(name, tmp_path):
     size, chains, residual = CASES[name]
     model = skeleton_model(name, size)
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -85,6 +85,8 @@ def test_compact_equals_skeleton_model(name):
     for fold in (False, True) if name in FOLD_BN_CASES else (False,):
         out = compact(model, fold_bn=fold)
         assert_same_output(model, out, x)
+        save(out, tmp_path / f"{name}-{fold}.safetensors")  # and after a save/load round trip
+        assert_same_output(model, load(tmp_path / f"{name}-{fold}.safetensors"), x)
         assert out.compress_arch == model.compress_arch and out.compress_compaction["threshold"] == 0.0
         assert any(isinstance(m, StripeConv2d) for m in out.modules())
         assert not any(isinstance(m, SkeletonConv2d) for m in out.modules())
