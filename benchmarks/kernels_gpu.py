@@ -161,6 +161,23 @@ def record(op, dtype, layout, what, err, tol):
     print(f"  {op:18s} {str(dtype):15s} {layout:14s} {what:10s} rel_err={err:.2e} (< {tol:g}) {'ok' if ok else 'FAIL'}")
 
 
+def check_conv(op, fn, conv_args, tensors64, dtype, layout, fmt, tol, label, g):
+    """Record fwd, dx, dw, db errors of `fn(x, w, b)` on DEV in `dtype`/`fmt` against F.conv2d(*tensors64,
+    *conv_args) (stride, padding, dilation, groups) in float64 on the CPU."""
+    ts = [t.to(DEV, dtype) for t in tensors64]
+    ts[0] = ts[0].contiguous(memory_format=fmt)
+    ts = [t.requires_grad_(True) for t in ts]
+    y = fn(*ts)
+    r = [t.detach().cpu().double().requires_grad_(True) for t in ts]
+    yr = F.conv2d(*r, *conv_args)
+    record(op, dtype, layout, f"fwd {label}", rel(y.cpu(), yr), tol)
+    dy = torch.randn(y.shape, generator=g, dtype=torch.float64)
+    gs = torch.autograd.grad(y, ts, dy.to(DEV, dtype))
+    grs = torch.autograd.grad(yr, r, dy)
+    for nm, a, bb in zip(("dx", "dw", "db"), gs, grs):
+        record(op, dtype, layout, f"{nm} {label}", rel(a.cpu(), bb), tol)
+
+
 def correctness():
     print("== correctness against float64 references")
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -187,36 +204,16 @@ def correctness():
                 x = torch.randn(4, C, H, H, generator=g, dtype=torch.float64)
                 w = torch.randn(C, 1, k, k, generator=g, dtype=torch.float64)
                 b = torch.randn(C, generator=g, dtype=torch.float64)
-                ts = [t.to(DEV, dtype) for t in (x, w, b)]
-                ts[0] = ts[0].contiguous(memory_format=fmt)
-                ts = [t.requires_grad_(True) for t in ts]
-                y = kernels.depthwise_conv2d(*ts, s, pad, d)
-                r = [t.detach().cpu().double().requires_grad_(True) for t in ts]
-                yr = F.conv2d(*r, s, pad, d, C)
-                record("depthwise_conv2d", dtype, layout, f"fwd k{k}s{s}", rel(y.cpu(), yr), tol)
-                dy = torch.randn(y.shape, generator=g, dtype=torch.float64)
-                gs = torch.autograd.grad(y, ts, dy.to(DEV, dtype))
-                grs = torch.autograd.grad(yr, r, dy)
-                for nm, a, bb in zip(("dx", "dw", "db"), gs, grs):
-                    record("depthwise_conv2d", dtype, layout, f"{nm} k{k}s{s}", rel(a.cpu(), bb), tol)
+                check_conv("depthwise_conv2d", lambda *t, s=s, pad=pad, d=d: kernels.depthwise_conv2d(*t, s, pad, d),
+                           (s, pad, d, C), (x, w, b), dtype, layout, fmt, tol, f"k{k}s{s}", g)
             if dtype == torch.float16:
                 continue
             for C, Co, H, k, s, pad, d, grp in ((16, 32, 14, 3, 1, 1, 1, 1), (16, 24, 11, 3, 2, 1, 2, 4)):
                 x = torch.randn(4, C, H, H, generator=g, dtype=torch.float64)
                 w = torch.randn(Co, C // grp, k, k, generator=g, dtype=torch.float64)
                 b = torch.randn(Co, generator=g, dtype=torch.float64)
-                ts = [t.to(DEV, dtype) for t in (x, w, b)]
-                ts[0] = ts[0].contiguous(memory_format=fmt)
-                ts = [t.requires_grad_(True) for t in ts]
-                y = kernels.conv2d(*ts, s, pad, d, grp)
-                r = [t.detach().cpu().double().requires_grad_(True) for t in ts]
-                yr = F.conv2d(*r, s, pad, d, grp)
-                record("conv2d", dtype, layout, f"fwd g{grp}", rel(y.cpu(), yr), tol)
-                dy = torch.randn(y.shape, generator=g, dtype=torch.float64)
-                gs = torch.autograd.grad(y, ts, dy.to(DEV, dtype))
-                grs = torch.autograd.grad(yr, r, dy)
-                for nm, a, bb in zip(("dx", "dw", "db"), gs, grs):
-                    record("conv2d", dtype, layout, f"{nm} g{grp}", rel(a.cpu(), bb), tol)
+                check_conv("conv2d", lambda *t, s=s, pad=pad, d=d, grp=grp: kernels.conv2d(*t, s, pad, d, grp),
+                           (s, pad, d, grp), (x, w, b), dtype, layout, fmt, tol, f"g{grp}", g)
 
 
 # ------------------------------------------------------------------------------------------------- PiX
