@@ -1,7 +1,8 @@
 """PiX (Pick-or-Mix, CVPR 2024): the PiX block and its insertion into ResNets and VGGs.
 
 PiXBlock squeezes C channels to C/zeta: p = sigmoid(W @ avgpool(x)) (B, C/zeta, 1, 1), then the fusion
-`kernels.pix(x, p, zeta, tau)` picks the max (p < tau) or the mean (p >= tau) of each contiguous group of
+`kernels.pix(x, p, zeta, tau)` (both in one op, `kernels.pix_squeeze`, whose backward adds the pooling gradient
+inside the dx kernel) picks the max (p < tau) or the mean (p >= tau) of each contiguous group of
 zeta channels, scaled by p (../shared/DESIGN.md "PiX"). With zeta = 1 it is a pure gate, y = p * x.
 
 Two insertion modes (paper supplement, Fig. 1), both in place and by module replacement only (blocks keep
@@ -67,12 +68,11 @@ class PiXBlock(nn.Module):
                 f"PiXBlock: expected input (B, {self.in_channels}, H, W), got {tuple(x.shape)}; "
                 "build the block with the channel count of the tensor it receives"
             )
-        # the bias-free 1x1 predictor, as a GEMM on the pooled (B, C)
-        p = torch.sigmoid(x.mean((2, 3)) @ self.weight.flatten(1).t())[:, :, None, None]
-        if torch.onnx.is_in_onnx_export():
+        if torch.onnx.is_in_onnx_export():  # standard ops; the bias-free 1x1 predictor as a GEMM on the pool
+            p = torch.sigmoid(x.mean((2, 3)) @ self.weight.flatten(1).t())[:, :, None, None]
             groups = x.unflatten(1, (self.out_channels, self.zeta))
             return p * torch.where(p < self.tau, groups.amax(2), groups.mean(2))
-        return kernels.pix(x, p, self.zeta, self.tau)
+        return kernels.pix_squeeze(x, self.weight, self.zeta, self.tau)
 
     def macs(self, inp: torch.Tensor, out: torch.Tensor) -> int:
         """Real work, 1 add/compare/multiply = 1 MAC: global pool B*C*H*W adds (the 1/HW scale is

@@ -198,3 +198,92 @@ def test_opcheck_cuda():
     for xx in (x, x.contiguous(memory_format=torch.channels_last)):
         torch.library.opcheck(_pix_op, (xx.requires_grad_(True), p.clone().requires_grad_(True), 4, 0.5))
         torch.library.opcheck(_pix_backward_op, (torch.randn(2, 2, 5, 6, device="cuda"), xx.detach(), p, 4, 0.5))
+
+
+# ------------------------------------------------------------------------------------------- pix_squeeze
+def ref_squeeze(x, weight, zeta, tau, dtype):
+    """The PiX block in float64 autograd ops, from the definition: p = sigmoid(mean_hw(x) @ W^T), then the fusion.
+    p is rounded to `dtype` (as the op hands it to the fusion) with a straight-through gradient."""
+    p = torch.sigmoid(x.mean((2, 3)) @ weight.flatten(1).t())[:, :, None, None]
+    p = p + (p.to(dtype).double() - p).detach()
+    xg = x.unflatten(1, (x.shape[1] // zeta, zeta))
+    return p * torch.where(p < tau, xg.amax(2), xg.mean(2))
+
+
+def make_squeeze(B, C, H, W, zeta, dtype, device, layout, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, C, H, W, generator=g, dtype=torch.float64) + 0.5  # mean far from 0: the predictor matters
+    w = torch.randn(C // zeta, C, 1, 1, generator=g, dtype=torch.float64) * (2.0 / C**0.5)
+    x = x.to(device, dtype)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    return x.requires_grad_(True), w.to(device).float().requires_grad_(True)
+
+
+def check_squeeze(B, C, H, W, zeta, dtype, device, layout, tol):
+    x, w = make_squeeze(B, C, H, W, zeta, dtype, device, layout)
+    y = kernels.pix_squeeze(x, w, zeta)
+    assert y.dtype == dtype and y.shape == (B, C // zeta, H, W)
+    assert y.is_contiguous(memory_format=torch.channels_last if layout == "channels_last" else torch.contiguous_format)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    dx, dw = torch.autograd.grad(y, (x, w), dy.to(device, dtype))
+    xr = x.detach().cpu().double().requires_grad_(True)
+    wr = w.detach().cpu().double().requires_grad_(True)
+    yr = ref_squeeze(xr, wr, zeta, 0.5, dtype)
+    dxr, dwr = torch.autograd.grad(yr, (xr, wr), dy)
+    p = torch.sigmoid(xr.mean((2, 3)) @ wr.flatten(1).t())
+    assert (p < 0.5).any() and (p >= 0.5).any(), "both branches must appear"
+    assert rel_err(y.cpu(), yr) < tol
+    assert rel_err(dx.cpu(), dxr) < tol
+    assert rel_err(dw.cpu(), dwr) < tol
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    assert dx.is_contiguous(memory_format=fmt) and dw.dtype == w.dtype
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("zeta", [2, 4])
+def test_pix_squeeze_matches_reference_cpu(layout, zeta):
+    check_squeeze(3, 16, 5, 7, zeta, torch.float32, "cpu", layout, 1e-5)
+
+
+def test_pix_squeeze_gradcheck_and_opcheck_cpu():
+    x, w = make_squeeze(2, 8, 3, 4, 4, torch.float64, "cpu", "contiguous", seed=3)
+    assert torch.autograd.gradcheck(lambda a, b: kernels.pix_squeeze(a, b, 4), (x, w.double()))
+    from kernels.pix import _pix_squeeze_backward_op, _pix_squeeze_op
+
+    x, w = make_squeeze(2, 8, 3, 4, 4, torch.float32, "cpu", "channels_last")
+    torch.library.opcheck(_pix_squeeze_op, (x, w, 4, 0.5))
+    pooled = x.detach().mean((2, 3))
+    torch.library.opcheck(_pix_squeeze_backward_op, (torch.randn(2, 2, 3, 4), x.detach(), w.detach(), pooled, 4, 0.5))
+
+
+def test_pix_squeeze_errors():
+    x, w = make_squeeze(2, 8, 3, 4, 4, torch.float32, "cpu", "contiguous")
+    with pytest.raises(ValueError, match=r"compress::pix_squeeze: tensor 'weight' must have shape \(2, 8, 1, 1\)"):
+        kernels.pix_squeeze(x, w[:1], 4)
+    with pytest.raises(ValueError, match=r"compress::pix_squeeze: the channels of tensor 'x' \(8\) are not divisible"):
+        kernels.pix_squeeze(x, w, 3)
+    with pytest.raises(ValueError, match=r"compress::pix_squeeze: tensor 'weight' is on meta but 'x' is on cpu"):
+        kernels.pix_squeeze(x, w.to("meta"), 4)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("shape", [(3, 16, 7, 7, 4), (2, 64, 8, 8, 4), (2, 64, 14, 14, 2), (2, 24, 1, 37, 3)])
+def test_pix_squeeze_cuda(dtype, layout, shape):
+    assert _ext.load() is not None, "CUDA extension failed to build"
+    B, C, H, W, zeta = shape
+    check_squeeze(B, C, H, W, zeta, dtype, "cuda", layout, TOL[dtype])
+
+
+@pytest.mark.cuda
+def test_pix_squeeze_opcheck_cuda():
+    from kernels.pix import _pix_squeeze_backward_op, _pix_squeeze_op
+
+    for layout in ("contiguous", "channels_last"):
+        x, w = make_squeeze(2, 32, 5, 6, 4, torch.float32, "cuda", layout)
+        torch.library.opcheck(_pix_squeeze_op, (x, w, 4, 0.5))
+        pooled = x.detach().mean((2, 3))
+        dy = torch.randn(2, 8, 5, 6, device="cuda")
+        torch.library.opcheck(_pix_squeeze_backward_op, (dy, x.detach(), w.detach(), pooled, 4, 0.5))

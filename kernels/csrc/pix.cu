@@ -82,11 +82,15 @@ __global__ void __launch_bounds__(kThreads) pix_fwd_nchw(const T* __restrict__ x
   }
 }
 
-template <typename T, int VEC, int ZETA>
+// MODE (BwdMode): kBoth writes dx and dp; kDp only dp; kDx only dx, plus add[b*C + c] (float32) on every
+// position of channel c (the PiX block's pooling gradient, so no separate full-size pass adds it).
+enum BwdMode { kBoth = 0, kDp = 1, kDx = 2 };
+
+template <typename T, int VEC, int ZETA, int MODE>
 __global__ void __launch_bounds__(kThreads) pix_bwd_nchw(const T* __restrict__ dy, const T* __restrict__ x,
-                                                         const T* __restrict__ p, T* __restrict__ dx,
-                                                         T* __restrict__ dp, int planes, int zeta_rt, int HW,
-                                                         float tau, int ppb) {
+                                                         const T* __restrict__ p, const float* __restrict__ add,
+                                                         T* __restrict__ dx, T* __restrict__ dp, int planes,
+                                                         int zeta_rt, int HW, float tau, int ppb) {
   const int zeta = ZETA > 0 ? ZETA : zeta_rt;
   __shared__ float red[kThreads];
   const int items = HW / VEC;
@@ -129,72 +133,77 @@ __global__ void __launch_bounds__(kThreads) pix_bwd_nchw(const T* __restrict__ d
           sum[j] += f;
         }
       }
-      if (use_max) {
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) part += best[j] * gv[j];
+      for (int j = 0; j < VEC; ++j) part += (use_max ? best[j] : sum[j] / (float)zeta) * gv[j];
+      if (MODE != kDp) {
 #pragma unroll
         for (int k = 0; k < zeta; ++k) {
+          const float a = MODE == kDx ? add[plane * zeta + k] : 0.f;
           Vec<T, VEC> o;
 #pragma unroll
-          for (int j = 0; j < VEC; ++j) o.v[j] = from_f<T>(arg[j] == k ? pv * gv[j] : 0.f);
+          for (int j = 0; j < VEC; ++j)
+            o.v[j] = from_f<T>((use_max ? (arg[j] == k ? pv * gv[j] : 0.f) : (pv * gv[j]) / (float)zeta) + a);
           reinterpret_cast<Vec<T, VEC>*>(dxp + (int64_t)k * HW)[i] = o;
         }
-      } else {
-        Vec<T, VEC> o;
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          part += (sum[j] / (float)zeta) * gv[j];
-          o.v[j] = from_f<T>((pv * gv[j]) / (float)zeta);
-        }
-#pragma unroll
-        for (int k = 0; k < zeta; ++k) reinterpret_cast<Vec<T, VEC>*>(dxp + (int64_t)k * HW)[i] = o;
       }
     }
-    seg_add(red, lp, part, valid);
+    if (MODE != kDx) seg_add(red, lp, part, valid);
   }
+  if (MODE == kDx) return;
   __syncthreads();
   for (int i = threadIdx.x; i < np; i += blockDim.x) dp[plane0 + i] = from_f<T>(red[i]);
 }
 
 // ---------------------------------------------------------------------------------------- channels_last
-// Thread per (b, hw, g): the group's zeta channels are x[idx*zeta ... idx*zeta+zeta), output y[idx].
-template <typename T, int ZETA>
-__global__ void pix_fwd_cl(const T* __restrict__ x, const T* __restrict__ p, T* __restrict__ y, int total, int G,
+// Thread per GPT consecutive groups of one position (b, hw): their GPT*zeta channels are contiguous, so a thread
+// loads them as one (GPT*zeta)-element vector and stores GPT outputs as one vector (16 bytes when GPT > 1;
+// GPT > 1 needs a compile-time zeta, G % GPT == 0 and aligned pointers). `items` = B*HW*G / GPT.
+template <typename T, int ZETA, int GPT>
+__global__ void pix_fwd_cl(const T* __restrict__ x, const T* __restrict__ p, T* __restrict__ y, int items, int G,
                            int zeta_rt, int HWG, float tau) {
   constexpr int ZN = ZETA > 0 ? ZETA : 1;
   const int zeta = ZETA > 0 ? ZETA : zeta_rt;
-  for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += gridDim.x * blockDim.x) {
+  for (int it = blockIdx.x * blockDim.x + threadIdx.x; it < items; it += gridDim.x * blockDim.x) {
+    const int idx = it * GPT;  // first group, flat over (b, hw, g)
     const int g = idx % G;
     const int b = idx / HWG;
-    const float pv = to_f(p[b * G + g]);
-    float mx, s;
-    if (ZETA > 0) {
-      Vec<T, ZN> v = reinterpret_cast<const Vec<T, ZN>*>(x)[idx];
-      mx = s = to_f(v.v[0]);
+    float pv[GPT], mx[GPT], s[GPT];
+    Vec<T, GPT> pg = *reinterpret_cast<const Vec<T, GPT>*>(p + b * G + g);
 #pragma unroll
-      for (int k = 1; k < ZN; ++k) {
-        float f = to_f(v.v[k]);
-        mx = f > mx ? f : mx;
-        s += f;
+    for (int j = 0; j < GPT; ++j) pv[j] = to_f(pg.v[j]);
+    if (ZETA > 0) {
+      Vec<T, GPT * ZN> v = reinterpret_cast<const Vec<T, GPT * ZN>*>(x)[it];
+#pragma unroll
+      for (int j = 0; j < GPT; ++j) {
+        mx[j] = s[j] = to_f(v.v[j * ZN]);
+#pragma unroll
+        for (int k = 1; k < ZN; ++k) {
+          const float f = to_f(v.v[j * ZN + k]);
+          mx[j] = f > mx[j] ? f : mx[j];
+          s[j] += f;
+        }
       }
-    } else {
+    } else {  // GPT == 1
       const T* xp = x + (int64_t)idx * zeta;
-      mx = s = to_f(xp[0]);
+      mx[0] = s[0] = to_f(xp[0]);
       for (int k = 1; k < zeta; ++k) {
-        float f = to_f(xp[k]);
-        mx = f > mx ? f : mx;
-        s += f;
+        const float f = to_f(xp[k]);
+        mx[0] = f > mx[0] ? f : mx[0];
+        s[0] += f;
       }
     }
-    y[idx] = from_f<T>(pv < tau ? pv * mx : pv * (s / (float)zeta));
+    Vec<T, GPT> o;
+#pragma unroll
+    for (int j = 0; j < GPT; ++j) o.v[j] = from_f<T>(pv[j] < tau ? pv[j] * mx[j] : pv[j] * (s[j] / (float)zeta));
+    reinterpret_cast<Vec<T, GPT>*>(y)[it] = o;
   }
 }
 
 // Block (32 groups) x (8 rows of positions); grid (G tiles, position chunks, B). Partials (B, chunks, G).
-template <typename T, int ZETA>
+template <typename T, int ZETA, int MODE>
 __global__ void pix_bwd_cl(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ p,
-                           T* __restrict__ dx, float* __restrict__ partial, int G, int zeta_rt, int HW, int chunk,
-                           float tau) {
+                           const float* __restrict__ add, T* __restrict__ dx, float* __restrict__ partial, int G,
+                           int zeta_rt, int HW, int chunk, float tau) {
   constexpr int ZN = ZETA > 0 ? ZETA : 1;
   const int zeta = ZETA > 0 ? ZETA : zeta_rt;
   __shared__ float red[8][33];
@@ -220,16 +229,15 @@ __global__ void pix_bwd_cl(const T* __restrict__ dy, const T* __restrict__ x, co
           if (f > best) { best = f; arg = k; }
           s += f;
         }
-        Vec<T, ZN> o;
-        if (use_max) {
+        if (MODE != kDp) {
+          const float* ap = add + ((int64_t)b * G + g) * ZN;  // channels g*zeta .. of image b
+          Vec<T, ZN> o;
 #pragma unroll
-          for (int k = 0; k < ZN; ++k) o.v[k] = from_f<T>(k == arg ? pv * gv : 0.f);
-        } else {
-          const T d = from_f<T>((pv * gv) / (float)ZN);
-#pragma unroll
-          for (int k = 0; k < ZN; ++k) o.v[k] = d;
+          for (int k = 0; k < ZN; ++k)
+            o.v[k] = from_f<T>((use_max ? (k == arg ? pv * gv : 0.f) : (pv * gv) / (float)ZN) +
+                               (MODE == kDx ? ap[k] : 0.f));
+          reinterpret_cast<Vec<T, ZN>*>(dx)[idx] = o;
         }
-        reinterpret_cast<Vec<T, ZN>*>(dx)[idx] = o;
       } else {
         const T* xp = x + idx * zeta;
         T* dxp = dx + idx * zeta;
@@ -239,12 +247,17 @@ __global__ void pix_bwd_cl(const T* __restrict__ dy, const T* __restrict__ x, co
           if (f > best) { best = f; arg = k; }
           s += f;
         }
-        const T d = from_f<T>((pv * gv) / (float)zeta);
-        for (int k = 0; k < zeta; ++k) dxp[k] = use_max ? from_f<T>(k == arg ? pv * gv : 0.f) : d;
+        if (MODE != kDp) {
+          const float* ap = add + ((int64_t)b * G + g) * zeta;
+          for (int k = 0; k < zeta; ++k)
+            dxp[k] = from_f<T>((use_max ? (k == arg ? pv * gv : 0.f) : (pv * gv) / (float)zeta) +
+                               (MODE == kDx ? ap[k] : 0.f));
+        }
       }
       part += use_max ? best * gv : (s / (float)zeta) * gv;
     }
   }
+  if (MODE == kDx) return;
   red[threadIdx.y][threadIdx.x] = part;
   __syncthreads();
   if (threadIdx.y == 0 && g < G) {
@@ -255,14 +268,68 @@ __global__ void pix_bwd_cl(const T* __restrict__ dy, const T* __restrict__ x, co
   }
 }
 
+// out[b, g] = scale * sum_c partial[b, c, g] for partials (B, chunks, G) of the channels_last reductions.
 template <typename T>
-__global__ void pix_dp_finalize(const float* __restrict__ partial, T* __restrict__ dp, int BG, int G, int chunks) {
+__global__ void sum_chunks(const float* __restrict__ partial, T* __restrict__ out, int BG, int G, int chunks,
+                           float scale) {
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < BG; i += gridDim.x * blockDim.x) {
     const int b = i / G;
     const int g = i % G;
     float s = 0.f;
     for (int c = 0; c < chunks; ++c) s += partial[((int64_t)b * chunks + c) * G + g];
-    dp[i] = from_f<T>(s);
+    out[i] = from_f<T>(s * scale);
+  }
+}
+
+// --------------------------------------------------------------------------------- channel mean (the pool)
+// NCHW: one warp per (b, c) plane, vector loads along HW; out (B*C) float32.
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kThreads) mean_nchw(const T* __restrict__ x, float* __restrict__ out, int planes,
+                                                      int HW) {
+  const int plane = (int)(((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5);
+  const int lane = threadIdx.x & 31;
+  if (plane >= planes) return;  // whole warps
+  const Vec<T, VEC>* xp = reinterpret_cast<const Vec<T, VEC>*>(x + (int64_t)plane * HW);
+  float s = 0.f;
+  for (int i = lane; i < HW / VEC; i += 32) {
+    const Vec<T, VEC> v = xp[i];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) s += to_f(v.v[j]);
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) s += __shfl_down_sync(0xffffffffu, s, off);
+  if (lane == 0) out[plane] = s / (float)HW;
+}
+
+// channels_last: block (32 threads x VEC channels) x (8 rows of positions); grid (channel tiles, position chunks,
+// B). Partial sums (B, chunks, C), then sum_chunks.
+template <typename T, int VEC>
+__global__ void mean_cl_partial(const T* __restrict__ x, float* __restrict__ partial, int C, int HW, int chunk) {
+  __shared__ float red[8][32 * VEC + 1];
+  const int c = (blockIdx.x * 32 + threadIdx.x) * VEC;
+  const int b = blockIdx.z;
+  const int h0 = blockIdx.y * chunk;
+  const int h1 = min(h0 + chunk, HW);
+  float acc[VEC];
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) acc[j] = 0.f;
+  if (c < C) {
+    for (int hw = h0 + threadIdx.y; hw < h1; hw += 8) {
+      const Vec<T, VEC> v = *reinterpret_cast<const Vec<T, VEC>*>(x + ((int64_t)b * HW + hw) * C + c);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) acc[j] += to_f(v.v[j]);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) red[threadIdx.y][threadIdx.x * VEC + j] = acc[j];
+  __syncthreads();
+  for (int i = threadIdx.y * 32 + threadIdx.x; i < 32 * VEC; i += 256) {
+    const int cc = blockIdx.x * 32 * VEC + i;
+    if (cc >= C) continue;
+    float t = 0.f;
+#pragma unroll
+    for (int r = 0; r < 8; ++r) t += red[r][i];
+    partial[((int64_t)b * gridDim.y + blockIdx.y) * C + cc] = t;
   }
 }
 
@@ -323,13 +390,23 @@ at::Tensor pix_forward(const at::Tensor& x, const at::Tensor& p, int64_t zeta, d
     if (cl) {
       with_zeta(zeta, [&](auto Z) {
         constexpr int ZV = decltype(Z)::value;
+        constexpr int GPT = 16 / (int)sizeof(scalar_t);  // 16-byte output vectors
         const int total = (int)(B * HW * G);
-        const bool vec_ok = ZV > 0 && ck::aligned(xp, sizeof(scalar_t) * (ZV > 0 ? ZV : 1));
-        const unsigned grid = ck::grid_for(total, kThreads, 32);
-        if (vec_ok)
-          pix_fwd_cl<scalar_t, ZV><<<grid, kThreads, 0, stream>>>(xp, pp, yp, total, (int)G, (int)zeta, (int)(HW * G), ftau);
-        else
-          pix_fwd_cl<scalar_t, 0><<<grid, kThreads, 0, stream>>>(xp, pp, yp, total, (int)G, (int)zeta, (int)(HW * G), ftau);
+        const bool wide = ZV > 0 && G % GPT == 0 && ck::aligned(xp, sizeof(scalar_t) * GPT * (ZV > 0 ? ZV : 1)) &&
+                          ck::aligned(yp, sizeof(scalar_t) * GPT) && ck::aligned(pp, sizeof(scalar_t) * GPT);
+        if (wide) {
+          pix_fwd_cl<scalar_t, ZV, GPT><<<ck::grid_for(total / GPT, kThreads, 32), kThreads, 0, stream>>>(
+              xp, pp, yp, total / GPT, (int)G, (int)zeta, (int)(HW * G), ftau);
+        } else {
+          const bool vec_ok = ZV > 0 && ck::aligned(xp, sizeof(scalar_t) * (ZV > 0 ? ZV : 1));
+          const unsigned grid = ck::grid_for(total, kThreads, 32);
+          if (vec_ok)
+            pix_fwd_cl<scalar_t, ZV, 1><<<grid, kThreads, 0, stream>>>(xp, pp, yp, total, (int)G, (int)zeta,
+                                                                      (int)(HW * G), ftau);
+          else
+            pix_fwd_cl<scalar_t, 0, 1><<<grid, kThreads, 0, stream>>>(xp, pp, yp, total, (int)G, (int)zeta,
+                                                                     (int)(HW * G), ftau);
+        }
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     } else {
@@ -349,52 +426,79 @@ at::Tensor pix_forward(const at::Tensor& x, const at::Tensor& p, int64_t zeta, d
   return y;
 }
 
-std::vector<at::Tensor> pix_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& p, int64_t zeta,
-                                     double tau, bool cl) {
-  check_inputs(x, p, zeta, "compress::pix_backward");
+namespace {
+
+// Position chunks for the channel_last reductions: about 8 blocks per SM over (tiles x chunks x B).
+int64_t cl_chunks(int64_t tiles, int64_t B, int64_t HW) {
+  int64_t chunks = ck::ceil_div((int64_t)ck::num_sms() * 8, tiles * B);
+  chunks = std::max<int64_t>(1, std::min<int64_t>(chunks, ck::ceil_div(HW, 32)));
+  return ck::ceil_div(HW, ck::ceil_div(HW, chunks));
+}
+
+// The three backward modes (BwdMode). Returns {dx, dp}; the one a mode does not compute is undefined.
+std::vector<at::Tensor> pix_backward_impl(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& p,
+                                          const at::Tensor* add, int64_t zeta, double tau, bool cl, int mode,
+                                          const char* op) {
+  check_inputs(x, p, zeta, op);
   const at::cuda::OptionalCUDAGuard guard(x.device());
   const int64_t B = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3), G = C / zeta, HW = H * W;
   auto fmt = cl ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
-  TORCH_CHECK(x.is_contiguous(fmt) && dy.is_contiguous(fmt),
-              "compress::pix_backward: tensors 'x' and 'grad' must be contiguous in the requested layout");
-  TORCH_CHECK(dy.scalar_type() == x.scalar_type(), "compress::pix_backward: 'grad' and 'x' must have the same dtype");
-  auto dx = at::empty_like(x, x.options().memory_format(fmt));
-  auto dp = at::empty({B, G, 1, 1}, p.options().memory_format(at::MemoryFormat::Contiguous));
+  TORCH_CHECK(x.is_contiguous(fmt) && dy.is_contiguous(fmt), op,
+              ": tensors 'x' and 'grad' must be contiguous in the requested layout");
+  TORCH_CHECK(dy.scalar_type() == x.scalar_type(), op, ": 'grad' and 'x' must have the same dtype");
+  if (mode == kDx) {
+    TORCH_CHECK(add != nullptr && add->is_cuda() && add->scalar_type() == at::kFloat && add->numel() == B * C &&
+                    add->is_contiguous(),
+                op, ": tensor 'add' must be a contiguous float32 CUDA tensor of B*C elements");
+  }
+  at::Tensor dx, dp;
+  if (mode != kDp) dx = at::empty_like(x, x.options().memory_format(fmt));
+  if (mode != kDx) dp = at::empty({B, G, 1, 1}, p.options().memory_format(at::MemoryFormat::Contiguous));
   if (x.numel() == 0) {
-    dp.zero_();
+    if (dp.defined()) dp.zero_();
     return {dx, dp};
   }
   auto stream = at::cuda::getCurrentCUDAStream();
   const float ftau = (float)tau;
+  const float* ap = mode == kDx ? add->data_ptr<float>() : nullptr;
   CK_DISPATCH(x.scalar_type(), "pix_backward", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* gp = dy.data_ptr<scalar_t>();
     const scalar_t* pp = p.data_ptr<scalar_t>();
-    scalar_t* dxp = dx.data_ptr<scalar_t>();
-    scalar_t* dpp = dp.data_ptr<scalar_t>();
+    scalar_t* dxp = dx.defined() ? dx.data_ptr<scalar_t>() : nullptr;
+    scalar_t* dpp = dp.defined() ? dp.data_ptr<scalar_t>() : nullptr;
+    auto with_mode = [&](auto&& f) {
+      if (mode == kBoth) f(std::integral_constant<int, kBoth>{});
+      else if (mode == kDp) f(std::integral_constant<int, kDp>{});
+      else f(std::integral_constant<int, kDx>{});
+    };
     if (cl) {
       const int gt = (int)ck::ceil_div(G, 32);
-      int64_t chunks = ck::ceil_div((int64_t)ck::num_sms() * 8, (int64_t)gt * B);  // ~8 blocks per SM
-      chunks = std::max<int64_t>(1, std::min<int64_t>(chunks, ck::ceil_div(HW, 32)));
-      const int64_t chunk = ck::ceil_div(HW, chunks);
-      chunks = ck::ceil_div(HW, chunk);
-      auto partial = at::empty({B, chunks, G}, x.options().dtype(at::kFloat));
+      const int64_t chunks = cl_chunks(gt, B, HW), chunk = ck::ceil_div(HW, chunks);
+      at::Tensor partial;
+      if (mode != kDx) partial = at::empty({B, chunks, G}, x.options().dtype(at::kFloat));
+      float* part = partial.defined() ? partial.data_ptr<float>() : nullptr;
       dim3 grid(gt, (unsigned)chunks, (unsigned)B), block(32, 8);
       with_zeta(zeta, [&](auto Z) {
         constexpr int ZV = decltype(Z)::value;
         const bool vec_ok = ZV > 0 && ck::aligned(xp, sizeof(scalar_t) * (ZV > 0 ? ZV : 1)) &&
-                            ck::aligned(dxp, sizeof(scalar_t) * (ZV > 0 ? ZV : 1));
-        if (vec_ok)
-          pix_bwd_cl<scalar_t, ZV><<<grid, block, 0, stream>>>(gp, xp, pp, dxp, partial.data_ptr<float>(), (int)G,
-                                                               (int)zeta, (int)HW, (int)chunk, ftau);
-        else
-          pix_bwd_cl<scalar_t, 0><<<grid, block, 0, stream>>>(gp, xp, pp, dxp, partial.data_ptr<float>(), (int)G,
-                                                              (int)zeta, (int)HW, (int)chunk, ftau);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+                            (dxp == nullptr || ck::aligned(dxp, sizeof(scalar_t) * (ZV > 0 ? ZV : 1)));
+        with_mode([&](auto M) {
+          constexpr int MV = decltype(M)::value;
+          if (vec_ok)
+            pix_bwd_cl<scalar_t, ZV, MV><<<grid, block, 0, stream>>>(gp, xp, pp, ap, dxp, part, (int)G, (int)zeta,
+                                                                     (int)HW, (int)chunk, ftau);
+          else
+            pix_bwd_cl<scalar_t, 0, MV><<<grid, block, 0, stream>>>(gp, xp, pp, ap, dxp, part, (int)G, (int)zeta,
+                                                                    (int)HW, (int)chunk, ftau);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
       });
-      pix_dp_finalize<scalar_t><<<ck::grid_for(B * G, kThreads), kThreads, 0, stream>>>(
-          partial.data_ptr<float>(), dpp, (int)(B * G), (int)G, (int)chunks);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      if (mode != kDx) {
+        sum_chunks<scalar_t><<<ck::grid_for(B * G, kThreads), kThreads, 0, stream>>>(part, dpp, (int)(B * G), (int)G,
+                                                                                      (int)chunks, 1.f);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
     } else {
       with_vec<scalar_t>(HW, {xp, dxp, gp}, [&](auto V) {
         constexpr int VV = decltype(V)::value;
@@ -403,12 +507,77 @@ std::vector<at::Tensor> pix_backward(const at::Tensor& dy, const at::Tensor& x, 
           const int planes = (int)(B * G);
           const int ppb = planes_per_block(HW / VV);
           const unsigned grid = (unsigned)ck::ceil_div(planes, ppb);
-          pix_bwd_nchw<scalar_t, VV, ZV><<<grid, kThreads, 0, stream>>>(gp, xp, pp, dxp, dpp, planes, (int)zeta,
-                                                                        (int)HW, ftau, ppb);
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          with_mode([&](auto M) {
+            constexpr int MV = decltype(M)::value;
+            pix_bwd_nchw<scalar_t, VV, ZV, MV><<<grid, kThreads, 0, stream>>>(gp, xp, pp, ap, dxp, dpp, planes,
+                                                                              (int)zeta, (int)HW, ftau, ppb);
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+          });
         });
       });
     }
   });
   return {dx, dp};
+}
+
+}  // namespace
+
+std::vector<at::Tensor> pix_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& p, int64_t zeta,
+                                     double tau, bool cl) {
+  return pix_backward_impl(dy, x, p, nullptr, zeta, tau, cl, kBoth, "compress::pix_backward");
+}
+
+at::Tensor pix_backward_dp(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& p, int64_t zeta, double tau,
+                           bool cl) {
+  return pix_backward_impl(dy, x, p, nullptr, zeta, tau, cl, kDp, "compress::pix_squeeze_backward")[1];
+}
+
+at::Tensor pix_backward_dx(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& p, const at::Tensor& add,
+                           int64_t zeta, double tau, bool cl) {
+  return pix_backward_impl(dy, x, p, &add, zeta, tau, cl, kDx, "compress::pix_squeeze_backward")[0];
+}
+
+// Mean over H, W: x (B, C, H, W) NCHW or channels_last -> (B, C) float32.
+at::Tensor channel_mean(const at::Tensor& x, bool cl) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 4, "compress::pix_squeeze: tensor 'x' must be a 4-D CUDA tensor");
+  TORCH_CHECK(x.numel() < ((int64_t)1 << 31) - 1, "compress::pix_squeeze: tensor 'x' has too many elements (2^31)");
+  const at::cuda::OptionalCUDAGuard guard(x.device());
+  const int64_t B = x.size(0), C = x.size(1), HW = x.size(2) * x.size(3);
+  auto fmt = cl ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+  TORCH_CHECK(x.is_contiguous(fmt), "compress::pix_squeeze: tensor 'x' must be contiguous in the requested layout");
+  auto out = at::empty({B, C}, x.options().dtype(at::kFloat));
+  if (out.numel() == 0) return out;
+  if (HW == 0) return out.zero_().div_(0.);  // the mean of nothing, as torch.mean: nan
+  auto stream = at::cuda::getCurrentCUDAStream();
+  CK_DISPATCH(x.scalar_type(), "channel_mean", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    if (cl) {
+      auto launch = [&](auto V) {
+        constexpr int VV = decltype(V)::value;
+        const int64_t tiles = ck::ceil_div(C, 32 * VV);
+        const int64_t chunks = cl_chunks(tiles, B, HW), chunk = ck::ceil_div(HW, chunks);
+        auto partial = at::empty({B, chunks, C}, x.options().dtype(at::kFloat));
+        mean_cl_partial<scalar_t, VV><<<dim3((unsigned)tiles, (unsigned)chunks, (unsigned)B), dim3(32, 8), 0, stream>>>(
+            xp, partial.data_ptr<float>(), (int)C, (int)HW, (int)chunk);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        sum_chunks<float><<<ck::grid_for(B * C, kThreads), kThreads, 0, stream>>>(
+            partial.data_ptr<float>(), out.data_ptr<float>(), (int)(B * C), (int)C, (int)chunks, 1.f / (float)HW);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      };
+      constexpr int VW = 16 / (int)sizeof(scalar_t);
+      if (C % VW == 0 && ck::aligned(xp, 16))
+        launch(std::integral_constant<int, VW>{});
+      else
+        launch(std::integral_constant<int, 1>{});
+    } else {
+      with_vec<scalar_t>(HW, {xp}, [&](auto V) {
+        constexpr int VV = decltype(V)::value;
+        const int64_t planes = B * C;
+        mean_nchw<scalar_t, VV><<<(unsigned)ck::ceil_div(planes * 32, kThreads), kThreads, 0, stream>>>(
+            xp, out.data_ptr<float>(), (int)planes, (int)HW);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+    }
+  });
+  return out;
 }
