@@ -14,7 +14,9 @@ so that its backward never materialises the pooling gradient: the pool's (B, C) 
 inside the kernel that writes dx (PyTorch's mean backward expands it to a full-size tensor and adds that to dx:
 two extra full passes, 20% of a bf16 PiX ResNet-50 training step on an H200). Backward = a dp-only pass, the
 tiny predictor math, and a dx pass. The pooled mean and the predictor run in float32 (float64 for float64 x)
-whatever the autocast state; p is then cast to x's dtype for the fusion.
+whatever the autocast state; p is then cast to x's dtype for the fusion. On CUDA the whole forward and the
+whole backward are one C++ call each (``pix_squeeze_forward/backward`` in csrc/pix.cu: the predictor math as
+ATen calls there, not a dozen Python-level ops, which cost 20% of a batch-64 bf16 training step in host time).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels import _ext
+from kernels import _cpu, _ext
 from kernels._utils import acc_dtype, check_4d, check_like, memory_format, use_kernel
 
 __all__ = ["pix", "pix_squeeze", "pix_reference"]
@@ -83,6 +85,34 @@ def _forward_fast(x: Tensor, p: Tensor, zeta: int, tau: float) -> Tensor | None:
     return y
 
 
+def _forward_c(x: Tensor, p: Tensor, zeta: int, tau: float) -> Tensor | None:
+    """The C++ CPU fusion (kernels/_cpu.py) for CPU float32/float64 x that is contiguous NCHW or channels_last,
+    p of x's dtype; None where it does not apply or the library is unavailable (the caller takes PyTorch ops)."""
+    if x.device.type != "cpu" or x.dtype not in _C_DTYPES or p.dtype != x.dtype or x.numel() == 0:
+        return None
+    cl = memory_format(x) == torch.channels_last
+    if not (cl or x.is_contiguous()) or (lib := _cpu.lib()) is None:
+        return None
+    B, C, H, W = x.shape
+    G = C // zeta
+    p = p.reshape(B, G).contiguous()
+    y = torch.empty((B, G, H, W), dtype=x.dtype, memory_format=torch.channels_last if cl else torch.contiguous_format)
+    fn = _C_FUNCS[cl, x.dtype]
+    if getattr(lib, fn)(x.data_ptr(), p.data_ptr(), y.data_ptr(), B, G, zeta, H * W, tau):
+        raise MemoryError(f"{OP}: out of memory in the CPU kernel {fn}")
+    return y
+
+
+_C_DTYPES = (torch.float32, torch.float64)
+_C_FUNCS = {(False, torch.float32): "pix_nchw_f32", (False, torch.float64): "pix_nchw_f64",
+            (True, torch.float32): "pix_cl_f32", (True, torch.float64): "pix_cl_f64"}
+
+
+def _forward_cpu(x: Tensor, p: Tensor, zeta: int, tau: float) -> Tensor:
+    y = _forward_c(x, p, zeta, tau)
+    return _forward_torch(x, p, zeta, tau) if y is None else y
+
+
 def _forward_torch(x: Tensor, p: Tensor, zeta: int, tau: float) -> Tensor:
     y = _forward_fast(x, p, zeta, tau)
     if y is not None:
@@ -118,7 +148,7 @@ def _backward_torch(grad: Tensor, x: Tensor, p: Tensor, zeta: int, tau: float) -
 @torch.library.custom_op(OP, mutates_args=())
 def _pix_op(x: Tensor, p: Tensor, zeta: int, tau: float) -> Tensor:
     _check(x, p, zeta)
-    return _forward_torch(x, p, zeta, tau)
+    return _forward_cpu(x, p, zeta, tau)
 
 
 @_pix_op.register_kernel("cuda")
@@ -236,10 +266,31 @@ def _squeeze_torch(x: Tensor, weight: Tensor, zeta: int, tau: float) -> tuple[Te
     return _forward_torch(x, _predict(pooled, weight, x.dtype)[1], zeta, tau), pooled
 
 
+def _autocast_cpu() -> bool:
+    try:
+        return torch.is_autocast_enabled("cpu")
+    except TypeError:  # torch < 2.4
+        return torch.is_autocast_cpu_enabled()
+
+
+def _squeeze_cpu(x: Tensor, weight: Tensor, zeta: int, tau: float) -> tuple[Tensor, Tensor]:
+    """CPU float32/float64: the pool and the predictor with as few PyTorch calls as possible, then the C++ fusion;
+    elsewhere (or without the library) ``_squeeze_torch``."""
+    if (x.device.type == "cpu" and x.dtype in _C_DTYPES and x.numel() > 0 and not _autocast_cpu()
+            and (x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last)) and _cpu.lib() is not None):
+        pooled = x.mean((2, 3))  # float32 (float64) like acc_dtype(x.dtype)
+        w = weight.reshape(weight.shape[0], x.shape[1])
+        p = torch.mm(pooled, (w if w.dtype == x.dtype else w.to(x.dtype)).t()).sigmoid_()
+        y = _forward_c(x, p, zeta, tau)
+        if y is not None:
+            return y, pooled
+    return _squeeze_torch(x, weight, zeta, tau)
+
+
 @torch.library.custom_op(SQOP, mutates_args=())
 def _pix_squeeze_op(x: Tensor, weight: Tensor, zeta: int, tau: float) -> tuple[Tensor, Tensor]:
     _check_squeeze(x, weight, zeta)
-    return _squeeze_torch(x, weight, zeta, tau)
+    return _squeeze_cpu(x, weight, zeta, tau)
 
 
 @_pix_squeeze_op.register_kernel("cuda")
@@ -249,9 +300,8 @@ def _pix_squeeze_cuda(x: Tensor, weight: Tensor, zeta: int, tau: float) -> tuple
     if ext is None or x.numel() == 0:
         return _squeeze_torch(x, weight, zeta, tau)
     fmt = memory_format(x)
-    x, cl = x.contiguous(memory_format=fmt), fmt == torch.channels_last
-    pooled = ext.channel_mean(x, cl)
-    return ext.pix_forward(x, _predict(pooled, weight, x.dtype)[1], zeta, tau, cl), pooled
+    y, pooled = ext.pix_squeeze_forward(x.contiguous(memory_format=fmt), weight, zeta, tau, fmt == torch.channels_last)
+    return y, pooled
 
 
 @_pix_squeeze_op.register_fake
@@ -297,11 +347,9 @@ def _pix_squeeze_backward_cuda(grad: Tensor, x: Tensor, weight: Tensor, pooled: 
     if ext is None or x.numel() == 0:
         return _squeeze_backward_torch(grad, x, weight, pooled, zeta, tau)
     fmt = memory_format(x)
-    x, grad, cl = x.contiguous(memory_format=fmt), grad.contiguous(memory_format=fmt), fmt == torch.channels_last
-    p32, p = _predict(pooled, weight, x.dtype)
-    dp = ext.pix_backward_dp(grad, x, p, zeta, tau, cl)
-    dweight, add = _squeeze_grads(dp, p32, pooled, weight, x.shape[2] * x.shape[3])
-    return ext.pix_backward_dx(grad, x, p, add.float().contiguous(), zeta, tau, cl), dweight
+    dx, dweight = ext.pix_squeeze_backward(grad.contiguous(memory_format=fmt), x.contiguous(memory_format=fmt), weight,
+                                           pooled, zeta, tau, fmt == torch.channels_last)
+    return dx, dweight
 
 
 @_pix_squeeze_backward_op.register_fake

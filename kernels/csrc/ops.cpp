@@ -7,11 +7,10 @@
 at::Tensor pix_forward(const at::Tensor& x, const at::Tensor& p, int64_t zeta, double tau, bool cl);
 std::vector<at::Tensor> pix_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& p, int64_t zeta,
                                      double tau, bool cl);
-at::Tensor pix_backward_dp(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& p, int64_t zeta, double tau,
-                           bool cl);
-at::Tensor pix_backward_dx(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& p, const at::Tensor& add,
-                           int64_t zeta, double tau, bool cl);
-at::Tensor channel_mean(const at::Tensor& x, bool cl);
+std::vector<at::Tensor> pix_squeeze_forward(const at::Tensor& x, const at::Tensor& weight, int64_t zeta, double tau,
+                                            bool cl);
+std::vector<at::Tensor> pix_squeeze_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
+                                             const at::Tensor& pooled, int64_t zeta, double tau, bool cl);
 at::Tensor dw_forward(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                       std::vector<int64_t> stride, std::vector<int64_t> padding, std::vector<int64_t> dilation,
                       bool cl);
@@ -26,9 +25,8 @@ at::Tensor col2im(const at::Tensor& cols, std::vector<int64_t> size, std::vector
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pix_forward", &pix_forward, "PiX forward (CUDA)");
   m.def("pix_backward", &pix_backward, "PiX backward: dx, dp (CUDA)");
-  m.def("pix_backward_dp", &pix_backward_dp, "PiX backward, dp only (CUDA)");
-  m.def("pix_backward_dx", &pix_backward_dx, "PiX backward, dx + a per-(b, c) addend (CUDA)");
-  m.def("channel_mean", &channel_mean, "mean over H, W -> (B, C) float32 (CUDA)");
+  m.def("pix_squeeze_forward", &pix_squeeze_forward, "PiX block forward: y, pooled (CUDA)");
+  m.def("pix_squeeze_backward", &pix_squeeze_backward, "PiX block backward: dx, dweight (CUDA)");
   m.def("dw_forward", &dw_forward, "depthwise conv forward (CUDA)");
   m.def("dw_backward", &dw_backward, "depthwise conv backward: dx, dw (CUDA)");
   m.def("im2col", &im2col, "im2col (CUDA)");

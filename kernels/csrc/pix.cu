@@ -86,11 +86,15 @@ __global__ void __launch_bounds__(kThreads) pix_fwd_nchw(const T* __restrict__ x
 // position of channel c (the PiX block's pooling gradient, so no separate full-size pass adds it).
 enum BwdMode { kBoth = 0, kDp = 1, kDx = 2 };
 
+// dp's type: float32 for kDp (the PiX block chains it into the predictor's gradient), else x's dtype.
+template <typename T, int MODE>
+using DpT = std::conditional_t<MODE == kDp, float, T>;
+
 template <typename T, int VEC, int ZETA, int MODE>
 __global__ void __launch_bounds__(kThreads) pix_bwd_nchw(const T* __restrict__ dy, const T* __restrict__ x,
                                                          const T* __restrict__ p, const float* __restrict__ add,
-                                                         T* __restrict__ dx, T* __restrict__ dp, int planes,
-                                                         int zeta_rt, int HW, float tau, int ppb) {
+                                                         T* __restrict__ dx, DpT<T, MODE>* __restrict__ dp,
+                                                         int planes, int zeta_rt, int HW, float tau, int ppb) {
   const int zeta = ZETA > 0 ? ZETA : zeta_rt;
   __shared__ float red[kThreads];
   const int items = HW / VEC;
@@ -151,7 +155,7 @@ __global__ void __launch_bounds__(kThreads) pix_bwd_nchw(const T* __restrict__ d
   }
   if (MODE == kDx) return;
   __syncthreads();
-  for (int i = threadIdx.x; i < np; i += blockDim.x) dp[plane0 + i] = from_f<T>(red[i]);
+  for (int i = threadIdx.x; i < np; i += blockDim.x) dp[plane0 + i] = from_f<DpT<T, MODE>>(red[i]);
 }
 
 // ---------------------------------------------------------------------------------------- channels_last
@@ -343,8 +347,9 @@ void check_inputs(const at::Tensor& x, const at::Tensor& p, int64_t zeta, const 
 }
 
 template <typename F>
-void with_zeta(int64_t zeta, F&& f) {  // f(std::integral_constant<int, Z>), Z in {2, 4} or 0 (runtime zeta)
+void with_zeta(int64_t zeta, F&& f) {  // f(std::integral_constant<int, Z>), Z in {1, 2, 4} or 0 (runtime zeta)
   switch (zeta) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
     case 2: f(std::integral_constant<int, 2>{}); break;
     case 4: f(std::integral_constant<int, 4>{}); break;
     default: f(std::integral_constant<int, 0>{}); break;
@@ -364,6 +369,7 @@ void with_vec(int64_t HW, std::initializer_list<const void*> ptrs, F&& f) {
   switch (v) {
     case 8: if constexpr (sizeof(T) <= 2) { f(std::integral_constant<int, 8>{}); break; } [[fallthrough]];
     case 4: f(std::integral_constant<int, 4>{}); break;
+    case 1: f(std::integral_constant<int, 1>{}); break;
     case 2: f(std::integral_constant<int, 2>{}); break;
     default: f(std::integral_constant<int, 1>{}); break;
   }
@@ -453,7 +459,9 @@ std::vector<at::Tensor> pix_backward_impl(const at::Tensor& dy, const at::Tensor
   }
   at::Tensor dx, dp;
   if (mode != kDp) dx = at::empty_like(x, x.options().memory_format(fmt));
-  if (mode != kDx) dp = at::empty({B, G, 1, 1}, p.options().memory_format(at::MemoryFormat::Contiguous));
+  if (mode != kDx)
+    dp = at::empty({B, G, 1, 1}, p.options().dtype(mode == kDp ? at::kFloat : p.scalar_type())
+                                     .memory_format(at::MemoryFormat::Contiguous));
   if (x.numel() == 0) {
     if (dp.defined()) dp.zero_();
     return {dx, dp};
@@ -466,7 +474,6 @@ std::vector<at::Tensor> pix_backward_impl(const at::Tensor& dy, const at::Tensor
     const scalar_t* gp = dy.data_ptr<scalar_t>();
     const scalar_t* pp = p.data_ptr<scalar_t>();
     scalar_t* dxp = dx.defined() ? dx.data_ptr<scalar_t>() : nullptr;
-    scalar_t* dpp = dp.defined() ? dp.data_ptr<scalar_t>() : nullptr;
     auto with_mode = [&](auto&& f) {
       if (mode == kBoth) f(std::integral_constant<int, kBoth>{});
       else if (mode == kDp) f(std::integral_constant<int, kDp>{});
@@ -495,8 +502,12 @@ std::vector<at::Tensor> pix_backward_impl(const at::Tensor& dy, const at::Tensor
         });
       });
       if (mode != kDx) {
-        sum_chunks<scalar_t><<<ck::grid_for(B * G, kThreads), kThreads, 0, stream>>>(part, dpp, (int)(B * G), (int)G,
-                                                                                      (int)chunks, 1.f);
+        const unsigned g2 = ck::grid_for(B * G, kThreads);
+        if (mode == kDp)
+          sum_chunks<float><<<g2, kThreads, 0, stream>>>(part, dp.data_ptr<float>(), (int)(B * G), (int)G, (int)chunks, 1.f);
+        else
+          sum_chunks<scalar_t><<<g2, kThreads, 0, stream>>>(part, dp.data_ptr<scalar_t>(), (int)(B * G), (int)G,
+                                                            (int)chunks, 1.f);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
     } else {
@@ -509,6 +520,7 @@ std::vector<at::Tensor> pix_backward_impl(const at::Tensor& dy, const at::Tensor
           const unsigned grid = (unsigned)ck::ceil_div(planes, ppb);
           with_mode([&](auto M) {
             constexpr int MV = decltype(M)::value;
+            auto* dpp = dp.defined() ? static_cast<DpT<scalar_t, MV>*>(dp.data_ptr()) : nullptr;
             pix_bwd_nchw<scalar_t, VV, ZV, MV><<<grid, kThreads, 0, stream>>>(gp, xp, pp, ap, dxp, dpp, planes,
                                                                               (int)zeta, (int)HW, ftau, ppb);
             C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -527,15 +539,7 @@ std::vector<at::Tensor> pix_backward(const at::Tensor& dy, const at::Tensor& x, 
   return pix_backward_impl(dy, x, p, nullptr, zeta, tau, cl, kBoth, "compress::pix_backward");
 }
 
-at::Tensor pix_backward_dp(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& p, int64_t zeta, double tau,
-                           bool cl) {
-  return pix_backward_impl(dy, x, p, nullptr, zeta, tau, cl, kDp, "compress::pix_squeeze_backward")[1];
-}
-
-at::Tensor pix_backward_dx(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& p, const at::Tensor& add,
-                           int64_t zeta, double tau, bool cl) {
-  return pix_backward_impl(dy, x, p, &add, zeta, tau, cl, kDx, "compress::pix_squeeze_backward")[0];
-}
+namespace {
 
 // Mean over H, W: x (B, C, H, W) NCHW or channels_last -> (B, C) float32.
 at::Tensor channel_mean(const at::Tensor& x, bool cl) {
@@ -580,4 +584,36 @@ at::Tensor channel_mean(const at::Tensor& x, bool cl) {
     }
   });
   return out;
+}
+
+// p = sigmoid(pooled @ W^T): float32 (B, G), and cast to x's dtype as (B, G, 1, 1) for the fusion. Autocast is
+// excluded: the predictor runs in float32 whatever the caller's autocast state.
+std::pair<at::Tensor, at::Tensor> predict(const at::Tensor& pooled, const at::Tensor& weight, at::ScalarType dtype) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  auto p32 = at::sigmoid(at::mm(pooled, weight.reshape({weight.size(0), -1}).to(at::kFloat).t()));
+  return {p32, p32.to(dtype).reshape({p32.size(0), p32.size(1), 1, 1}).contiguous()};
+}
+
+}  // namespace
+
+// The PiX block (compress::pix_squeeze) forward: {y, pooled (B, C) float32}.
+std::vector<at::Tensor> pix_squeeze_forward(const at::Tensor& x, const at::Tensor& weight, int64_t zeta, double tau,
+                                            bool cl) {
+  auto pooled = channel_mean(x, cl);
+  return {pix_forward(x, predict(pooled, weight, x.scalar_type()).second, zeta, tau, cl), pooled};
+}
+
+// Its backward: {dx, dweight}. A dp-only pass (float32 dp), the predictor's gradient, then a dx pass that adds the
+// pooling gradient (dlogit @ W) / HW inside the kernel.
+std::vector<at::Tensor> pix_squeeze_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
+                                             const at::Tensor& pooled, int64_t zeta, double tau, bool cl) {
+  const char* op = "compress::pix_squeeze_backward";
+  auto [p32, p] = predict(pooled, weight, x.scalar_type());
+  auto dp = pix_backward_impl(dy, x, p, nullptr, zeta, tau, cl, kDp, op)[1];
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  auto dlogit = dp.reshape({p32.size(0), p32.size(1)}) * p32 * (1 - p32);  // (B, G)
+  auto dweight = at::mm(dlogit.t(), pooled).reshape(weight.sizes()).to(weight.scalar_type());
+  auto add = (at::mm(dlogit, weight.reshape({weight.size(0), -1}).to(at::kFloat)) / (double)(x.size(2) * x.size(3)))
+                 .contiguous();
+  return {pix_backward_impl(dy, x, p, &add, zeta, tau, cl, kDx, op)[0], dweight};
 }
