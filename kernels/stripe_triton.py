@@ -42,6 +42,15 @@ if triton is not None:
         return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _load_a(x_ptr, a_row, a_ok, cks, C, IS_FP32: tl.constexpr):
+        # A tile: input channels cks of the (channels_last) rows a_row, 0 where a row is out of range (a_ok
+        # False) or a channel is >= C; TF32-rounded for float32
+        a = tl.load(x_ptr + a_row[:, None] + cks[None, :], mask=a_ok[:, None] & (cks[None, :] < C), other=0.0)
+        if IS_FP32:
+            a = _round_tf32(a)
+        return a
+
+    @triton.jit
     def _stripe_fwd_kernel(
         x_ptr, w_ptr, oi_ptr, plan_ptr, b_ptr, y_ptr,
         M, C, H, W, Ho, Wo, N, S,
@@ -77,19 +86,13 @@ if triton is not None:
                 a_ok = m_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
                 a_row = ((bb * H + ih) * W + iw) * C
                 if ONE_K:
-                    a = tl.load(x_ptr + a_row[:, None] + ck[None, :], mask=a_ok[:, None] & (ck[None, :] < C),
-                                other=0.0)
-                    if IS_FP32:
-                        a = _round_tf32(a)
+                    a = _load_a(x_ptr, a_row, a_ok, ck, C, IS_FP32)
                 if DENSE:
                     # route (a): exact dense tile for this offset (skipped above when the tile keeps none)
                     for c0 in range(0, C, BLOCK_K):
                         c_ok = (c0 + ck) < C
                         if not ONE_K:
-                            a = tl.load(x_ptr + a_row[:, None] + (c0 + ck)[None, :],
-                                        mask=a_ok[:, None] & c_ok[None, :], other=0.0)
-                            if IS_FP32:
-                                a = _round_tf32(a)
+                            a = _load_a(x_ptr, a_row, a_ok, c0 + ck, C, IS_FP32)
                         wt = tl.load(w_ptr + (k * C + c0 + ck)[:, None].to(tl.int64) * N + (n0 + cols)[None, :],
                                      mask=c_ok[:, None] & ((n0 + cols) < N)[None, :], other=0.0)
                         if IS_FP32:
@@ -104,10 +107,7 @@ if triton is not None:
                         for c0 in range(0, C, BLOCK_K):
                             c_ok = (c0 + ck) < C
                             if not ONE_K:
-                                a = tl.load(x_ptr + a_row[:, None] + (c0 + ck)[None, :],
-                                            mask=a_ok[:, None] & c_ok[None, :], other=0.0)
-                                if IS_FP32:
-                                    a = _round_tf32(a)
+                                a = _load_a(x_ptr, a_row, a_ok, c0 + ck, C, IS_FP32)
                             wt = tl.load(w_ptr + st[None, :].to(tl.int64) * C + (c0 + ck)[:, None],
                                          mask=s_ok[None, :] & c_ok[:, None], other=0.0)
                             if IS_FP32:

@@ -30,6 +30,37 @@ __device__ __forceinline__ int64_t addr(bool cl, int n, int c, int h, int w, int
   return cl ? (((int64_t)n * H + h) * W + w) * C + c : (((int64_t)n * C + c) * H + h) * W + w;
 }
 
+// Row segment into registers (fast NCHW forward and weight grad): r[j] = row[j] as float for j < RW, where row
+// points at column col0 of a row of ncols columns, 0 for the columns outside [0, ncols). A segment wholly inside
+// the row is read without checks; for V > 1 that needs the whole span of the NV aligned V-element vectors, read
+// from OFF elements before row (see dw_fwd_nchw_fast).
+template <typename T, int RW, int V = 1, int OFF = 0>
+__device__ __forceinline__ void load_row(float (&r)[RW], const T* row, int col0, int ncols) {
+  constexpr int NV = (OFF + RW + V - 1) / V;
+  const bool interior = V > 1 ? (col0 - OFF >= 0 && col0 - OFF + NV * V <= ncols) : (col0 >= 0 && col0 + RW <= ncols);
+  if (interior && V > 1) {
+    const ck::Vec<T, V>* rv = reinterpret_cast<const ck::Vec<T, V>*>(row - OFF);
+    float buf[NV * V];
+#pragma unroll
+    for (int q = 0; q < NV; ++q) {
+      const ck::Vec<T, V> u = rv[q];
+#pragma unroll
+      for (int e = 0; e < V; ++e) buf[q * V + e] = to_f(u.v[e]);
+    }
+#pragma unroll
+    for (int j = 0; j < RW; ++j) r[j] = buf[OFF + j];
+  } else if (interior) {
+#pragma unroll
+    for (int j = 0; j < RW; ++j) r[j] = to_f(row[j]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < RW; ++j) {
+      const int col = col0 + j;
+      r[j] = (col >= 0 && col < ncols) ? to_f(row[j]) : 0.f;
+    }
+  }
+}
+
 // ------------------------------------------------------------------------------- fast NCHW forward
 // V > 1 (stride 2): the row segment is read as aligned V-element vectors starting OFF elements before it
 // (OFF = (-pw) mod V, so every thread's segment start wi0 - OFF is V-aligned when OPT*S % V == 0 and W % V == 0):
@@ -39,7 +70,6 @@ __global__ void __launch_bounds__(kThreads) dw_fwd_nchw_fast(const T* __restrict
                                                              const T* __restrict__ bias, T* __restrict__ y, Geo g,
                                                              int wchunks, int total) {
   constexpr int RW = (OPT - 1) * S + K;
-  constexpr int NV = (OFF + RW + V - 1) / V;
   for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += gridDim.x * blockDim.x) {
     const int wc = idx % wchunks;
     const int t = idx / wchunks;
@@ -57,34 +87,12 @@ __global__ void __launch_bounds__(kThreads) dw_fwd_nchw_fast(const T* __restrict
     const T* xp = x + (int64_t)nc * g.H * g.W;
     const int hi0 = ho * S - g.ph;
     const int wi0 = wo0 * S - g.pw;
-    const bool interior = V > 1 ? (wi0 - OFF >= 0 && wi0 - OFF + NV * V <= g.W) : (wi0 >= 0 && wi0 + RW <= g.W);
 #pragma unroll
     for (int kh = 0; kh < K; ++kh) {
       const int hi = hi0 + kh;
       if (hi < 0 || hi >= g.H) continue;
-      const T* row = xp + hi * g.W + wi0;
       float r[RW];
-      if (interior && V > 1) {
-        const ck::Vec<T, V>* rv = reinterpret_cast<const ck::Vec<T, V>*>(row - OFF);
-        float buf[NV * V];
-#pragma unroll
-        for (int q = 0; q < NV; ++q) {
-          const ck::Vec<T, V> u = rv[q];
-#pragma unroll
-          for (int e = 0; e < V; ++e) buf[q * V + e] = to_f(u.v[e]);
-        }
-#pragma unroll
-        for (int j = 0; j < RW; ++j) r[j] = buf[OFF + j];
-      } else if (interior) {
-#pragma unroll
-        for (int j = 0; j < RW; ++j) r[j] = to_f(row[j]);
-      } else {
-#pragma unroll
-        for (int j = 0; j < RW; ++j) {
-          const int wi = wi0 + j;
-          r[j] = (wi >= 0 && wi < g.W) ? to_f(row[j]) : 0.f;
-        }
-      }
+      load_row<T, RW, V, OFF>(r, xp + hi * g.W + wi0, wi0, g.W);
 #pragma unroll
       for (int o = 0; o < OPT; ++o)
 #pragma unroll
@@ -332,23 +340,12 @@ __global__ void __launch_bounds__(kThreads) dw_wgrad_nchw_fast(const T* __restri
     const T* xp = x + plane * g.H * g.W;
     const int hi0 = ho * S - g.ph;
     const int wi0 = wo0 * S - g.pw;
-    const bool interior = wi0 >= 0 && wi0 + RW <= g.W;
 #pragma unroll
     for (int kh = 0; kh < K; ++kh) {
       const int hi = hi0 + kh;
       if (hi < 0 || hi >= g.H) continue;
-      const T* row = xp + hi * g.W + wi0;
       float r[RW];
-      if (interior) {
-#pragma unroll
-        for (int j = 0; j < RW; ++j) r[j] = to_f(row[j]);
-      } else {
-#pragma unroll
-        for (int j = 0; j < RW; ++j) {
-          const int wi = wi0 + j;
-          r[j] = (wi >= 0 && wi < g.W) ? to_f(row[j]) : 0.f;
-        }
-      }
+      load_row<T, RW>(r, xp + hi * g.W + wi0, wi0, g.W);
 #pragma unroll
       for (int kw = 0; kw < K; ++kw)
 #pragma unroll
