@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import kernels
 from compress.surgery import conv_config
+from kernels._utils import is_channels_last
 
 __all__ = ["StripeConv2d", "conv_padding", "masked_conv"]
 
@@ -22,6 +23,17 @@ MODES = ("stripe", "dense")
 
 def _pair(v) -> tuple[int, int]:
     return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
+
+
+def _layout(x: torch.Tensor) -> torch.memory_format:
+    """channels_last if x is stored channels_last, as torch's suggest_memory_format decides: also a 1-channel
+    tensor made channels_last (channel stride 1, ambiguous by shape alone), so that a shrunk 1-channel layer
+    does not turn the rest of a channels_last network NCHW; else contiguous NCHW."""
+    if x.dim() != 4 or not x.is_contiguous(memory_format=torch.channels_last):
+        return torch.contiguous_format
+    if is_channels_last(x) or (x.shape[1] == 1 and x.stride(1) == 1 and x.shape[2] * x.shape[3] > 1):
+        return torch.channels_last
+    return torch.contiguous_format
 
 
 def conv_padding(conv: nn.Conv2d) -> tuple[int, int]:
@@ -186,27 +198,31 @@ class StripeConv2d(nn.Module):
         return mask
 
     # ---- forward --------------------------------------------------------------------------------
-    def _cached_dense_weight(self) -> torch.Tensor:
+    def _cached_dense_weight(self, fmt: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
+        """The zero-filled dense weight laid out as `fmt` (the input's layout: a channels_last conv would
+        otherwise copy an NCHW weight on every call; clone gives exact strides also for 1-channel weights,
+        whose layout is ambiguous by shape), cached in eval / without grad."""
         if torch.is_grad_enabled() and self.weight.requires_grad:
-            return self.dense_weight()
-        key = tuple(
+            return self.dense_weight().clone(memory_format=fmt)
+        key = (fmt,) + tuple(
             (t.data_ptr(), t.dtype, t.device, None if t.is_inference() else t._version)
             for t in (self.weight, self.out_index, self.offset)
         )
         if self._dense_cache is None or self._dense_cache[0] != key:
             with torch.no_grad():
-                self._dense_cache = (key, self.dense_weight())
+                self._dense_cache = (key, self.dense_weight().clone(memory_format=fmt))
         return self._dense_cache[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (B, C, H, W) -> (B, N, Ho, Wo)."""
+        """x (B, C, H, W) -> (B, N, Ho, Wo), in x's layout (see `_layout`)."""
+        fmt = _layout(x)
         if self.num_stripes == 0:
-            return self._constant_output(x)
+            return self._constant_output(x, fmt)
         if self._mode == "dense":
             return F.conv2d(
-                x, self._cached_dense_weight(), self.bias, self.stride, self.padding, self.dilation
+                x, self._cached_dense_weight(fmt), self.bias, self.stride, self.padding, self.dilation
             )
-        return kernels.stripe_conv2d(
+        y = kernels.stripe_conv2d(
             x,
             self.weight,
             self.out_index,
@@ -219,14 +235,18 @@ class StripeConv2d(nn.Module):
             self.dilation,
             plan=self.plan,
         )
+        if fmt is torch.channels_last and not y.is_contiguous(memory_format=fmt):
+            y = y.contiguous(memory_format=fmt)  # a 1-channel channels_last x counts as NCHW for the op
+        return y
 
-    def _constant_output(self, x: torch.Tensor) -> torch.Tensor:
+    def _constant_output(self, x: torch.Tensor, fmt: torch.memory_format) -> torch.Tensor:
         """No stripe kept: the output is the bias (or zeros) at every pixel, computed from x's shape only."""
         ho, wo = (
             (n + 2 * p - d * (k - 1) - 1) // s + 1
             for n, k, s, p, d in zip(x.shape[2:], self.kernel_size, self.stride, self.padding, self.dilation)
         )
-        out = x.new_zeros(x.shape[0], self.out_channels, ho, wo)
+        out = torch.empty((x.shape[0], self.out_channels, ho, wo), dtype=x.dtype, device=x.device, memory_format=fmt)
+        out.zero_()
         return out if self.bias is None else out + self.bias[:, None, None]
 
     # ---- extension protocol (compress.profile, compress.checkpoint) -----------------------------

@@ -193,7 +193,10 @@ def _forward_torch(x, weight, out_index, offset, bias, plan, N, kernel_size, str
             y[:, :, oi, oj].index_add_(0, out_index[a:b], p[a:b, :, rows, cols])
     if relu:
         y.clamp_min_(0)
-    return y.permute(1, 0, 2, 3).contiguous(memory_format=memory_format(x))
+    out = y.permute(1, 0, 2, 3).contiguous(memory_format=memory_format(x))
+    # with one output channel or one image the permuted view is already contiguous: return a tensor of its own
+    # (an op output that is a view breaks autograd's in-place checks, e.g. a following ReLU(inplace=True))
+    return out if out._base is None else out.clone(memory_format=memory_format(x))
 
 
 def _backward_torch(grad, x, weight, out_index, offset, plan, N, kernel_size, stride, padding, dilation,

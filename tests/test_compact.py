@@ -204,3 +204,37 @@ def test_untraceable_model_warns_and_stays_exact():
     assert any("cannot trace" in str(w.message) for w in caught)
     assert out.conv1.out_channels == 8 and isinstance(out.conv1, StripeConv2d)
     assert_same_output(model, out, torch.randn(2, 3, 8, 8, generator=gen))
+
+
+def _choose_modes_bf16_channels_last(device: str) -> None:
+    from compress import choose_modes
+
+    model = skeleton_model("resnet20", 32, seed=5)
+    small = compact(model, fold_bn=True)
+    x = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = model(x)
+    small.to(device=device, dtype=torch.bfloat16, memory_format=torch.channels_last)
+    xb = x.to(device=device, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    layouts = []
+    for m in small.modules():
+        if isinstance(m, StripeConv2d):
+            m.register_forward_hook(lambda mod, i, o: layouts.append(o.is_contiguous(memory_format=torch.channels_last)))
+    with torch.inference_mode():
+        modes = choose_modes(small, xb, repeats=1)
+        out = small(xb)
+    stripes = {n for n, m in small.named_modules() if isinstance(m, StripeConv2d) and m.num_stripes}
+    assert set(modes) == stripes and set(modes.values()) <= {"stripe", "dense"}
+    assert all(small.get_submodule(n).mode == mode for n, mode in modes.items())
+    assert out.dtype == torch.bfloat16 and all(layouts)
+    err = float((out.float().cpu() - ref).abs().max() / ref.abs().max())
+    assert err < 3e-2, f"bf16 relative error {err:.2e}"
+
+
+def test_choose_modes_bf16_channels_last_cpu():
+    _choose_modes_bf16_channels_last("cpu")
+
+
+@pytest.mark.cuda
+def test_choose_modes_bf16_channels_last_cuda():
+    _choose_modes_bf16_channels_last("cuda")

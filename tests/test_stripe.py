@@ -138,3 +138,41 @@ def test_bad_mode_and_grouped_conv_errors():
         StripeConv2d(3, 4, 3, mode="fast")
     with pytest.raises(ValueError, match="groups=1"):
         StripeConv2d.from_dense(nn.Conv2d(4, 4, 3, groups=2), torch.ones(4, 3, 3, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("mode", ["stripe", "dense", "empty"])
+@pytest.mark.parametrize("in_channels", [1, 5])
+def test_channels_last_input_gives_channels_last_output(mode, in_channels):
+    # a 1-channel channels_last tensor is ambiguous by shape; its channel stride 1 says channels_last
+    gen = torch.Generator().manual_seed(11)
+    conv = nn.Conv2d(in_channels, 6, 3, padding=1, bias=True)
+    mask = _random_mask(6, 3, 3, keep=0.0 if mode == "empty" else 0.5, gen=gen)
+    s = StripeConv2d.from_dense(conv, mask, mode="dense" if mode == "dense" else "stripe")
+    x_nchw = torch.randn(2, in_channels, 7, 7, generator=gen)
+    x = torch.empty_like(x_nchw, memory_format=torch.channels_last).copy_(x_nchw)  # as a channels_last conv makes it
+    with torch.no_grad():
+        y = s(x)
+        assert y.is_contiguous(memory_format=torch.channels_last)
+        torch.testing.assert_close(y, _masked_reference(conv, mask, x_nchw), rtol=1e-5, atol=1e-5)
+        y = s(x_nchw)
+        assert y.is_contiguous()  # NCHW stays NCHW
+        torch.testing.assert_close(y, _masked_reference(conv, mask, x_nchw), rtol=1e-5, atol=1e-5)
+        if mode == "dense":  # the cached dense weight follows the input's layout
+            assert s._dense_cache[1].is_contiguous()
+            s(x)
+            assert s._dense_cache[1].is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("batch,out_channels", [(1, 4), (3, 1)])
+def test_stripe_output_trains_through_inplace_relu(batch, out_channels):
+    # one image or one output channel: the op's output must not be a view (autograd forbids relu_ on it)
+    gen = torch.Generator().manual_seed(12)
+    conv = nn.Conv2d(3, out_channels, 3, padding=1)
+    mask = torch.ones(out_channels, 3, 3, dtype=torch.bool)
+    mask[:, 0] = False
+    s = StripeConv2d.from_dense(conv, mask, mode="stripe")
+    x = torch.randn(batch, 3, 5, 5, generator=gen, requires_grad=True)
+    torch.relu_(s(x)).sum().backward()
+    x2 = x.detach().clone().requires_grad_(True)
+    torch.relu(_masked_reference(conv, mask, x2)).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
