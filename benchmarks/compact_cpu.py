@@ -12,43 +12,31 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-import compress
-from compress.models import create_model
-from compress.skeleton import SkeletonConv2d, attach_skeletons, swp_update
-from compress.stripe import StripeConv2d
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]  # the repo (compress, kernels) and benchmarks/ (_masks)
+from _masks import swp_like  # noqa: E402
+
+import compress  # noqa: E402
+from compress.models import create_model  # noqa: E402
+from compress.stripe import StripeConv2d  # noqa: E402
 
 # per model: (share of dead filters, share of stripes kept by alive filters) for the convs that
-# feed another conv (their dead filters are removed) and for the others (residual outputs, last conv)
+# feed another conv (their dead filters are removed) and for the others (residual outputs, last conv);
+# drawn by _masks.swp_like (shared with stripe_models_gpu.py)
 MASKS = {
     "resnet56": {"inner": (0.7, 0.4), "outer": (0.2, 0.35)},
     "vgg16": {"inner": (0.5, 0.45), "outer": (0.5, 0.45)},
 }
-
-
-def swp_like(name: str, seed: int) -> nn.Module:
-    """`name` with skeletons masked as MASKS[name] says (random, seeded), dead filters' BN zeroed."""
-    gen = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    model = create_model(name, num_classes=10, input_size=32)
-    attach_skeletons(model)
-    with torch.no_grad():
-        for conv_name, m in model.named_modules():
-            if isinstance(m, SkeletonConv2d):
-                inner = conv_name.endswith("conv1") or conv_name.startswith("features")
-                dead, keep = MASKS[name]["inner" if inner else "outer"]
-                fs = (torch.rand(m.skeleton.shape, generator=gen) < keep).float()
-                fs[torch.randperm(m.out_channels, generator=gen)[: int(dead * m.out_channels)]] = 0
-                m.skeleton.copy_(fs)
-    swp_update(model, alpha=0.0, threshold=0.0)
-    return model.eval()
 
 
 def timed(model: nn.Module, x: torch.Tensor) -> float:
@@ -85,7 +73,7 @@ def side_by_side(a: nn.Module, b: nn.Module, x: torch.Tensor, repeats: int) -> t
 
 @torch.no_grad()
 def bench(name: str, batch: int, repeats: int, seed: int) -> dict:
-    skeleton = swp_like(name, seed)
+    skeleton = swp_like(name, seed, MASKS[name])
     dense = compress.compact(create_model(name, num_classes=10, input_size=32).eval(), fold_bn=True)
     compact_model = compress.compact(skeleton, fold_bn=True)
     x = torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(seed))

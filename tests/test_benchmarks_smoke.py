@@ -1,0 +1,115 @@
+"""benchmarks/_masks.py and benchmarks/stripe_models_gpu.py on the CPU: mask extraction from a train.py
+checkpoint, the mask file round trip, applying masks to a fresh model, and the benchmark's --cpu-smoke path."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from compress import compact
+from compress.models import create_model
+from compress.skeleton import SkeletonConv2d
+from compress.surgery import conv_bn_pairs
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCH))
+import _masks  # noqa: E402
+import stripe_models_gpu  # noqa: E402
+
+MASKS = {"inner": (0.5, 0.5), "outer": (0.2, 0.5)}
+
+
+def _fake_run(tmp_path: Path) -> tuple[Path, torch.nn.Module]:
+    """A train.py-style checkpoint (model state dict + resolved config) of a resnet20 with random skeletons,
+    some entries just below the SWP threshold 0.01 (dropped) and some just above (kept)."""
+    model = _masks.swp_like("resnet20", seed=3, masks=MASKS)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, SkeletonConv2d):
+                fs = m.skeleton
+                small = (torch.rand(fs.shape, generator=gen) < 0.2) & (fs != 0)
+                fs[small] = torch.where(torch.rand(fs.shape, generator=gen) < 0.5, 0.005, 0.02)[small]
+    config = {
+        "model": {"name": "resnet20"},
+        "data": {"name": "digits"},
+        "prune": {"name": "swp", "alpha": 1e-3, "threshold": 0.01},
+        "optim": {"epochs": 1},
+        "trainer": {"seed": 0},
+    }
+    ckpt = tmp_path / "run" / "checkpoints" / "last.pt"
+    ckpt.parent.mkdir(parents=True)
+    torch.save({"model": model.state_dict(), "config": config, "epoch": 1, "step": 1}, ckpt)
+    return ckpt, model
+
+
+def test_masks_from_checkpoint_round_trip_and_apply(tmp_path):
+    ckpt, trained = _fake_run(tmp_path)
+    expected = {
+        n: m.skeleton.detach().abs() > 0.01
+        for n, m in trained.named_modules()
+        if isinstance(m, SkeletonConv2d)
+    }
+    masks, meta = _masks.masks_from_checkpoint(ckpt)
+    assert meta["model"] == "resnet20" and meta["threshold"] == 0.01 and meta["run"]["data"] == "digits"
+    assert masks.keys() == expected.keys() and all(torch.equal(masks[n], expected[n]) for n in masks)
+
+    path = stripe_models_gpu.save_masks_cli(str(ckpt), str(tmp_path / "resnet20_digits.json"))
+    assert path.stat().st_size < 20_000
+    loaded, meta2 = _masks.load_masks(path)
+    assert meta2["summary"]["stripes_kept"] == sum(int(m.sum()) for m in expected.values())
+    assert loaded.keys() == expected.keys() and all(torch.equal(loaded[n], expected[n]) for n in loaded)
+
+    fresh = _masks.apply_masks(create_model("resnet20", num_classes=10, input_size=32), loaded)
+    applied = _masks.skeleton_masks(fresh)
+    assert applied.keys() == expected.keys() and all(torch.equal(applied[n], expected[n]) for n in applied)
+    pairs = conv_bn_pairs(fresh)
+    for name, mask in applied.items():  # dead filters' BN zeroed, as swp_update does in training
+        dead = ~mask.flatten(1).any(1)
+        bn = fresh.get_submodule(pairs[name])
+        assert not bn.weight[dead].any() and not bn.bias[dead].any()
+    # the fresh model compacts to the same layer shapes as the trained one with its dead filters' BN zeroed
+    ref = _masks.apply_masks(create_model("resnet20", num_classes=10, input_size=32), expected)
+    shapes = [
+        {n: tuple(p.shape) for n, p in compact(m, fold_bn=True).named_parameters()} for m in (fresh, ref)
+    ]
+    assert shapes[0] == shapes[1]
+
+
+def test_apply_masks_rejects_wrong_names_and_shapes():
+    masks = {"conv1": torch.ones(16, 3, 3, dtype=torch.bool)}
+    _masks.apply_masks(create_model("resnet20", num_classes=10, input_size=32), masks)
+    with pytest.raises(ValueError, match="not eligible"):
+        _masks.apply_masks(create_model("resnet20", num_classes=10, input_size=32), {"nope": masks["conv1"]})
+    with pytest.raises(ValueError, match="shape"):
+        _masks.apply_masks(
+            create_model("resnet20", num_classes=10, input_size=32), {"conv1": masks["conv1"][:8]}
+        )
+
+
+def test_committed_resnet56_masks_apply_exactly():
+    path = BENCH / "masks" / "resnet56_digits.json"
+    masks, meta = _masks.load_masks(path)
+    assert meta["model"] == "resnet56" and len(masks) == meta["summary"]["layers"] == 55
+    model = _masks.apply_masks(create_model("resnet56", num_classes=10, input_size=32), masks)
+    applied = _masks.skeleton_masks(model)
+    assert applied.keys() == masks.keys() and all(torch.equal(applied[n], masks[n]) for n in masks)
+    assert sum(int(m.sum()) for m in applied.values()) == meta["summary"]["stripes_kept"]
+
+
+def test_cpu_smoke_writes_report(tmp_path):
+    out = tmp_path / "smoke.json"
+    threads = torch.get_num_threads()
+    stripe_models_gpu.main(["--cpu-smoke", "--models", "resnet56", "--variants", "real", "--out", str(out)])
+    assert torch.get_num_threads() == threads
+    report = json.loads(out.read_text())
+    assert report["meta"]["cpu_smoke"] and len(report["results"]) == 1
+    r = report["results"][0]
+    assert r["model"] == "resnet56" and r["variant"] == "real"
+    assert r["max_rel_error_fp32"] < 1e-5 and r["macs_cut"] > 0.5
+    assert (BENCH.parent / r["masks"]["file"]).is_file()
+    assert r["eager"]["dense_ms"] > 0 and r["train"]["compact"]["backward_ms"] > 0 and "graphed" not in r
