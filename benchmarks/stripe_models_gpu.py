@@ -256,10 +256,10 @@ def bench(name: str, variant: str, args, device: torch.device) -> dict | None:
     xc = torch.randn(n_check, *size, generator=gen)
     tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    skeleton.to(device)  # outside inference_mode: parameters made there could never train again
+    small32.to(device).eval()
     try:
         with torch.inference_mode():
-            skeleton.to(device)
-            small32.to(device).eval()
             ref = skeleton(xc.to(device))
             err32 = rel_err(small32(xc.to(device).contiguous(memory_format=fmt)), ref)
             err_lp = rel_err(small(xc.to(device=device, dtype=dtype).contiguous(memory_format=fmt)), ref)

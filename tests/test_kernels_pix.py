@@ -203,11 +203,13 @@ def test_opcheck_cuda():
 # ------------------------------------------------------------------------------------------- pix_squeeze
 def ref_squeeze(x, weight, zeta, tau, dtype):
     """The PiX block in float64 autograd ops, from the definition: p = sigmoid(mean_hw(x) @ W^T), then the fusion.
-    p is rounded to `dtype` (as the op hands it to the fusion) with a straight-through gradient."""
+    p is rounded to `dtype` (as the op hands it to the fusion) with a straight-through gradient. Low-precision
+    inputs tie often inside a group: the max branch's gradient goes to the first arg-max (amax would split it)."""
     p = torch.sigmoid(x.mean((2, 3)) @ weight.flatten(1).t())[:, :, None, None]
     p = p + (p.to(dtype).double() - p).detach()
     xg = x.unflatten(1, (x.shape[1] // zeta, zeta))
-    return p * torch.where(p < tau, xg.amax(2), xg.mean(2))
+    first_max = xg.gather(2, xg.argmax(2, keepdim=True)).squeeze(2)  # ties: the FIRST arg-max gets the gradient
+    return p * torch.where(p < tau, first_max, xg.mean(2))
 
 
 def make_squeeze(B, C, H, W, zeta, dtype, device, layout, seed=0):
