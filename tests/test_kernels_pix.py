@@ -289,3 +289,75 @@ def test_pix_squeeze_opcheck_cuda():
         pooled = x.detach().mean((2, 3))
         dy = torch.randn(2, 8, 5, 6, device="cuda")
         torch.library.opcheck(_pix_squeeze_backward_op, (dy, x.detach(), w.detach(), pooled, 4, 0.5))
+
+
+# ------------------------------------------------------------------------------ C++ CPU kernels (kernels/_cpu.py)
+def _no_cpu_lib(monkeypatch):
+    """Make kernels._cpu.lib() return None (as without a compiler) for one test."""
+    from kernels import _cpu
+
+    monkeypatch.setattr(_cpu, "_state", {"lib": None})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("shape", [(3, 16, 5, 7, 4), (2, 24, 3, 11, 3), (1, 16, 6, 6, 1), (2, 32, 9, 9, 2),
+                                   (2, 64, 4, 5, 8), (2, 48, 1, 37, 16)])
+def test_cpu_kernels_match_reference(dtype, layout, shape):
+    """The C++ paths (pix_squeeze in one call, pix's fusion) against the float64 definitions, forward and backward
+    (the CPU backward recomputes p with the forward's GEMV), all zeta specialisations and tails; and the eager
+    inference fast path equals the op."""
+    from kernels import _cpu
+    from kernels.pix import _c_squeeze_ok
+
+    if _cpu.lib() is None:
+        pytest.skip("no C++ compiler")
+    B, C, H, W, zeta = shape
+    tol = 2e-6 if dtype == torch.float32 else 1e-12
+    x, w = make_squeeze(B, C, H, W, zeta, dtype, "cpu", layout, seed=B * C + H + W + zeta)
+    w = w.detach().to(dtype).requires_grad_(True)
+    assert _c_squeeze_ok(x.detach())
+    y = kernels.pix_squeeze(x, w, zeta)
+    assert y.dtype == dtype and y.is_contiguous(
+        memory_format=torch.channels_last if layout == "channels_last" else torch.contiguous_format)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    dx, dw = torch.autograd.grad(y, (x, w), dy.to(dtype))
+    xr, wr = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    yr = ref_squeeze(xr, wr, zeta, 0.5, dtype)
+    dxr, dwr = torch.autograd.grad(yr, (xr, wr), dy)
+    p = torch.sigmoid(xr.mean((2, 3)) @ wr.flatten(1).t())
+    assert (p < 0.5).any() and (p >= 0.5).any(), "both branches must appear"
+    assert rel_err(y, yr) < tol and rel_err(dx, dxr) < tol and rel_err(dw, dwr) < tol
+    with torch.inference_mode():
+        assert torch.equal(kernels.pix_squeeze(x.detach(), w.detach(), zeta), y.detach())
+
+    xp, p = make(B=B, C=C, H=H, W=W, zeta=zeta, dtype=dtype, layout=layout, seed=zeta)
+    yp = kernels.pix(xp, p, zeta, 0.5)
+    assert rel_err(yp, ref_pix(xp, p, zeta, 0.5)[0]) < tol
+    assert yp.is_contiguous(memory_format=torch.channels_last if layout == "channels_last" else torch.contiguous_format)
+
+
+def test_cpu_kernels_fall_back_without_the_library(monkeypatch):
+    """Without the C++ library (no compiler, COMPRESS_KERNELS_NO_CPU=1) the PyTorch path gives the same results."""
+    x, w = make_squeeze(2, 16, 5, 6, 4, torch.float32, "cpu", "channels_last")
+    y = kernels.pix_squeeze(x, w, 4)
+    dx, dw = torch.autograd.grad(y.square().sum(), (x, w))
+    _no_cpu_lib(monkeypatch)
+    y2 = kernels.pix_squeeze(x, w, 4)
+    dx2, dw2 = torch.autograd.grad(y2.square().sum(), (x, w))
+    torch.testing.assert_close(y2, y)
+    torch.testing.assert_close(dx2, dx)
+    torch.testing.assert_close(dw2, dw)
+
+
+def test_cpu_library_missing_compiler_warns_once(monkeypatch):
+    from kernels import _cpu
+
+    monkeypatch.setattr(_cpu, "_state", {})
+    monkeypatch.setattr(_cpu, "_compiler", lambda: None)
+    with pytest.warns(RuntimeWarning, match="C\\+\\+ CPU kernels are unavailable"):
+        assert _cpu.lib() is None
+    assert _cpu.lib() is None  # cached, no second warning
+    monkeypatch.setenv("COMPRESS_KERNELS_NO_CPU", "1")
+    monkeypatch.setattr(_cpu, "_state", {})
+    assert _cpu.lib() is None
