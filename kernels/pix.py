@@ -341,9 +341,19 @@ def _pix_squeeze_cuda(x: Tensor, weight: Tensor, zeta: int, tau: float) -> tuple
     ext = _ext.load() if use_kernel(x) else None
     if ext is None or x.numel() == 0:
         return _squeeze_torch(x, weight, zeta, tau)
+    return _squeeze_ext(ext, x, weight, zeta, tau)
+
+
+def _squeeze_ext(ext, x: Tensor, weight: Tensor, zeta: int, tau: float) -> tuple[Tensor, Tensor]:
     fmt = memory_format(x)
-    y, pooled = ext.pix_squeeze_forward(x.contiguous(memory_format=fmt), weight, zeta, tau, fmt == torch.channels_last)
-    return y, pooled
+    return tuple(ext.pix_squeeze_forward(x.contiguous(memory_format=fmt), weight, zeta, tau, fmt == torch.channels_last))
+
+
+def _squeeze_backward_ext(ext, grad: Tensor, x: Tensor, weight: Tensor, pooled: Tensor, zeta: int,
+                          tau: float) -> tuple[Tensor, Tensor]:
+    fmt = memory_format(x)
+    return tuple(ext.pix_squeeze_backward(grad.contiguous(memory_format=fmt), x.contiguous(memory_format=fmt), weight,
+                                          pooled, zeta, tau, fmt == torch.channels_last))
 
 
 @_pix_squeeze_op.register_fake
@@ -388,10 +398,7 @@ def _pix_squeeze_backward_cuda(grad: Tensor, x: Tensor, weight: Tensor, pooled: 
     ext = _ext.load() if use_kernel(x) else None
     if ext is None or x.numel() == 0:
         return _squeeze_backward_torch(grad, x, weight, pooled, zeta, tau)
-    fmt = memory_format(x)
-    dx, dweight = ext.pix_squeeze_backward(grad.contiguous(memory_format=fmt), x.contiguous(memory_format=fmt), weight,
-                                           pooled, zeta, tau, fmt == torch.channels_last)
-    return dx, dweight
+    return _squeeze_backward_ext(ext, grad, x, weight, pooled, zeta, tau)
 
 
 @_pix_squeeze_backward_op.register_fake
@@ -429,28 +436,53 @@ def pix_squeeze(x: Tensor, weight: Tensor, zeta: int, tau: float = 0.5) -> Tenso
     Returns:
         y: (B, C // zeta, H, W) in x's dtype, channels_last if ``x`` is.
 
-    Plain eager CPU inference (no autograd, tracing, compiling or Python modes; see ``_eager_cpu``) calls the op's
-    CPU implementation directly: the dispatcher's round trip is a few % of a batch-1 PiX ResNet-50 forward.
+    Plain eager calls (no tracing, compiling or Python modes; see ``_plain_eager``) skip the dispatcher: CPU
+    inference calls the op's CPU implementation (the round trip is a few % of a batch-1 PiX ResNet-50 forward),
+    CUDA calls the op's C++ functions, through ``_PixSqueezeCUDA`` when autograd records.
     """
     zeta, tau = int(zeta), float(tau)
-    if _eager_cpu(x, weight):
-        _check_squeeze(x, weight, zeta)
-        return _squeeze_cpu(x, weight, zeta, tau)[0]
+    if _plain_eager(x, weight):
+        grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+        if x.device.type == "cpu" and not grad:
+            _check_squeeze(x, weight, zeta)
+            return _squeeze_cpu(x, weight, zeta, tau)[0]
+        ext = _ext.load() if x.is_cuda and use_kernel(x) and x.numel() else None
+        if ext is not None:
+            _check_squeeze(x, weight, zeta)
+            return _PixSqueezeCUDA.apply(x, weight, zeta, tau) if grad else _squeeze_ext(ext, x, weight, zeta, tau)[0]
     return _pix_squeeze_op(x, weight, zeta, tau)[0]
+
+
+class _PixSqueezeCUDA(torch.autograd.Function):
+    """Plain eager CUDA training: the op's CUDA forward and backward (the same C++ calls) without the custom op's
+    Python dispatch layers, which cost ~60 us of host time per block and made a batch-64 bf16 PiX ResNet-50 step
+    host-bound on an H200. Anything that traces, compiles or intercepts goes through the registered op."""
+
+    @staticmethod
+    def forward(ctx, x, weight, zeta, tau):
+        y, pooled = _squeeze_ext(_ext.load(), x, weight, zeta, tau)
+        ctx.mark_non_differentiable(pooled)
+        ctx.save_for_backward(x, weight, pooled)
+        ctx.zeta, ctx.tau = zeta, tau
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, pooled = ctx.saved_tensors
+        dx, dweight = _squeeze_backward_ext(_ext.load(), grad, x, weight, pooled, ctx.zeta, ctx.tau)
+        return dx, dweight, None, None
 
 
 _len_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
 _len_function_modes = getattr(torch._C, "_len_torch_function_stack", None)
 
 
-def _eager_cpu(x: Tensor, weight: Tensor) -> bool:
-    """True where calling the op's CPU kernel directly is the same as calling the op: plain CPU tensors (no fake,
-    functional or other subclass; a Parameter weight is fine), no gradient to record, no TorchScript tracing, no
-    torch.compile, no Python dispatch or function mode (profilers, FLOP counters, make_fx and export see the op)."""
+def _plain_eager(x: Tensor, weight: Tensor) -> bool:
+    """True where calling the op's kernels directly is the same as calling the op: plain tensors (no fake,
+    functional or other subclass; a Parameter weight is fine), no TorchScript tracing, no torch.compile, no Python
+    dispatch or function mode (profilers, FLOP counters, make_fx and export see the op)."""
     return (not torch.compiler.is_compiling() and not torch.jit.is_tracing()
             and type(x) is torch.Tensor and type(weight) in (torch.Tensor, torch.nn.Parameter)
-            and x.device.type == "cpu"
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
             and _len_dispatch_modes is not None and _len_function_modes is not None
             and _len_dispatch_modes() == 0 and _len_function_modes() == 0)
 

@@ -361,3 +361,22 @@ def test_cpu_library_missing_compiler_warns_once(monkeypatch):
     monkeypatch.setenv("COMPRESS_KERNELS_NO_CPU", "1")
     monkeypatch.setattr(_cpu, "_state", {})
     assert _cpu.lib() is None
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_pix_squeeze_eager_fast_path_equals_op_cuda(layout):
+    """Plain eager CUDA calls skip the dispatcher (kernels.pix._PixSqueezeCUDA); they must equal the registered op."""
+    from kernels.pix import _pix_squeeze_op
+
+    x, w = make_squeeze(2, 64, 8, 8, 4, torch.bfloat16, "cuda", layout)
+    y = kernels.pix_squeeze(x, w, 4)
+    assert y.grad_fn is not None and "PixSqueezeCUDA" in type(y.grad_fn).__name__
+    dy = torch.randn_like(y)
+    dx, dw = torch.autograd.grad(y, (x, w), dy)
+    y2 = _pix_squeeze_op(x, w, 4, 0.5)[0]
+    dx2, dw2 = torch.autograd.grad(y2, (x, w), dy)
+    assert torch.equal(y, y2)
+    assert rel_err(dx, dx2) < 1e-3 and rel_err(dw, dw2) < 1e-5  # dp's shared-memory sums may reorder
+    with torch.no_grad():
+        assert torch.equal(kernels.pix_squeeze(x, w, 4), y2)
