@@ -14,9 +14,6 @@
 // vs 0.0164 ms; benchmarks/results/kernels_h200.json, meta.ab).
 #include "common.cuh"
 
-#include <algorithm>
-#include <limits>
-
 namespace {
 
 using ck::from_f;
@@ -544,34 +541,31 @@ std::vector<at::Tensor> pix_backward(const at::Tensor& dy, const at::Tensor& x, 
 
 namespace {
 
-// Channel sums of x for the pool: partial (B, chunks, C) float32 whose sum over chunks, times `scale`, is the mean
-// over H, W (NCHW: the means themselves, chunks = 1, scale 1; channels_last: per-chunk column sums, scale 1/HW).
-struct ChannelSums {
-  at::Tensor partial;
-  float scale;
-};
-
-ChannelSums channel_sums(const at::Tensor& x, bool cl) {
+// Mean over H, W: x (B, C, H, W) NCHW or channels_last -> (B, C) float32.
+at::Tensor channel_mean(const at::Tensor& x, bool cl) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 4, "compress::pix_squeeze: tensor 'x' must be a 4-D CUDA tensor");
   TORCH_CHECK(x.numel() < ((int64_t)1 << 31) - 1, "compress::pix_squeeze: tensor 'x' has too many elements (2^31)");
   const at::cuda::OptionalCUDAGuard guard(x.device());
   const int64_t B = x.size(0), C = x.size(1), HW = x.size(2) * x.size(3);
   auto fmt = cl ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
   TORCH_CHECK(x.is_contiguous(fmt), "compress::pix_squeeze: tensor 'x' must be contiguous in the requested layout");
-  if (B * C == 0 || HW == 0)  // the mean of nothing is nan, as torch.mean
-    return {at::zeros({B, 1, C}, x.options().dtype(at::kFloat)), std::numeric_limits<float>::quiet_NaN()};
+  auto out = at::empty({B, C}, x.options().dtype(at::kFloat));
+  if (out.numel() == 0) return out;
+  if (HW == 0) return out.zero_().div_(0.);  // the mean of nothing, as torch.mean: nan
   auto stream = at::cuda::getCurrentCUDAStream();
-  ChannelSums out;
-  CK_DISPATCH(x.scalar_type(), "channel_sums", [&] {
+  CK_DISPATCH(x.scalar_type(), "channel_mean", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     if (cl) {
       auto launch = [&](auto V) {
         constexpr int VV = decltype(V)::value;
         const int64_t tiles = ck::ceil_div(C, 32 * VV);
         const int64_t chunks = cl_chunks(tiles, B, HW), chunk = ck::ceil_div(HW, chunks);
-        out = {at::empty({B, chunks, C}, x.options().dtype(at::kFloat)), 1.f / (float)HW};
+        auto partial = at::empty({B, chunks, C}, x.options().dtype(at::kFloat));
         mean_cl_partial<scalar_t, VV><<<dim3((unsigned)tiles, (unsigned)chunks, (unsigned)B), dim3(32, 8), 0, stream>>>(
-            xp, out.partial.data_ptr<float>(), (int)C, (int)HW, (int)chunk);
+            xp, partial.data_ptr<float>(), (int)C, (int)HW, (int)chunk);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        sum_chunks<float><<<ck::grid_for(B * C, kThreads), kThreads, 0, stream>>>(
+            partial.data_ptr<float>(), out.data_ptr<float>(), (int)(B * C), (int)C, (int)chunks, 1.f / (float)HW);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       };
       constexpr int VW = 16 / (int)sizeof(scalar_t);
@@ -580,12 +574,11 @@ ChannelSums channel_sums(const at::Tensor& x, bool cl) {
       else
         launch(std::integral_constant<int, 1>{});
     } else {
-      out = {at::empty({B, 1, C}, x.options().dtype(at::kFloat)), 1.f};
       with_vec<scalar_t>(HW, {xp}, [&](auto V) {
         constexpr int VV = decltype(V)::value;
         const int64_t planes = B * C;
         mean_nchw<scalar_t, VV><<<(unsigned)ck::ceil_div(planes * 32, kThreads), kThreads, 0, stream>>>(
-            xp, out.partial.data_ptr<float>(), (int)planes, (int)HW);
+            xp, out.data_ptr<float>(), (int)planes, (int)HW);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     }
@@ -593,89 +586,12 @@ ChannelSums channel_sums(const at::Tensor& x, bool cl) {
   return out;
 }
 
-// The predictor in one kernel: pooled[b, c] = scale * sum_k partial[b, k, c] (also written out when `pooled`),
-// p[b, g] = sigmoid(sum_c pooled[b, c] * w[g, c]) in float32 (`p32`, optional) and in x's dtype (`p`). Block: up to
-// kMaxBT images (their pooled rows in dynamic shared memory) x 8 groups, a warp per group, lanes over c, a fixed
-// butterfly reduction: the same p bit for bit wherever it is computed from the same pooled values (the backward
-// recomputes p from the saved pooled mean and must take the forward's branches).
-constexpr int kMaxBT = 16;
-
-template <typename T, typename WT>
-__global__ void __launch_bounds__(kThreads) pix_predict(const float* __restrict__ partial, int chunks, float scale,
-                                                        const WT* __restrict__ w, float* __restrict__ pooled,
-                                                        float* __restrict__ p32, T* __restrict__ p, int B, int C,
-                                                        int G, int bt) {
-  extern __shared__ float pooled_s[];  // (bt, C)
-  const int b0 = blockIdx.y * bt;
-  const int nb = min(bt, B - b0);
-  for (int i = threadIdx.x; i < nb * C; i += blockDim.x) {
-    const int j = i / C, c = i - j * C;
-    const float* src = partial + (int64_t)(b0 + j) * chunks * C + c;
-    float s = 0.f;
-    for (int k = 0; k < chunks; ++k) s += src[(int64_t)k * C];
-    s *= scale;
-    pooled_s[i] = s;
-    if (pooled != nullptr && blockIdx.x == 0) pooled[(int64_t)(b0 + j) * C + c] = s;
-  }
-  __syncthreads();
-  const int lane = threadIdx.x & 31;
-  const int g = blockIdx.x * (kThreads / 32) + (threadIdx.x >> 5);
-  if (g >= G) return;
-  float acc[kMaxBT];
-#pragma unroll
-  for (int j = 0; j < kMaxBT; ++j) acc[j] = 0.f;
-  const WT* wg = w + (int64_t)g * C;
-  for (int c = lane; c < C; c += 32) {
-    const float wv = to_f(wg[c]);
-#pragma unroll
-    for (int j = 0; j < kMaxBT; ++j)
-      if (j < nb) acc[j] += wv * pooled_s[j * C + c];
-  }
-#pragma unroll
-  for (int j = 0; j < kMaxBT; ++j) {
-    float v = acc[j];
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-    if (lane == 0 && j < nb) {
-      const float pv = 1.f / (1.f + expf(-v));
-      const int64_t o = (int64_t)(b0 + j) * G + g;
-      if (p32 != nullptr) p32[o] = pv;
-      p[o] = from_f<T>(pv);
-    }
-  }
-}
-
-// {p32 (B, G) float32 or undefined, p (B, G, 1, 1) in `dtype`} from channel sums; writes `pooled_out` if given.
-std::pair<at::Tensor, at::Tensor> predict(const ChannelSums& sums, const at::Tensor& weight, at::ScalarType dtype,
-                                          bool want_p32, at::Tensor* pooled_out) {
-  const int64_t B = sums.partial.size(0), chunks = sums.partial.size(1), C = sums.partial.size(2);
-  const int64_t G = weight.size(0);
-  TORCH_CHECK(weight.is_cuda() && weight.numel() == G * C, "compress::pix_squeeze: tensor 'weight' must be a CUDA "
-              "tensor of shape (C/zeta, C, 1, 1)");
-  auto w = weight.reshape({G, C}).contiguous();
-  auto opts = sums.partial.options();
-  at::Tensor p32 = want_p32 ? at::empty({B, G}, opts) : at::Tensor();
-  auto p = at::empty({B, G, 1, 1}, opts.dtype(dtype));
-  if (B == 0 || G == 0) return {p32, p};
-  const int bt = (int)std::min<int64_t>({kMaxBT, B, std::max<int64_t>(1, (96 * 1024) / (4 * C))});
-  TORCH_CHECK(4 * C <= 96 * 1024, "compress::pix_squeeze: at most 24576 channels");
-  const size_t smem = (size_t)bt * C * sizeof(float);
-  dim3 grid((unsigned)ck::ceil_div(G, kThreads / 32), (unsigned)ck::ceil_div(B, bt));
-  auto stream = at::cuda::getCurrentCUDAStream();
-  CK_DISPATCH(dtype, "pix_predict", [&] {
-    using T = scalar_t;
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, w.scalar_type(), "pix_predict_w", [&] {
-      auto kernel = pix_predict<T, scalar_t>;
-      if (smem > 48 * 1024)
-        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-      kernel<<<grid, kThreads, smem, stream>>>(
-          sums.partial.data_ptr<float>(), (int)chunks, sums.scale, w.data_ptr<scalar_t>(),
-          pooled_out ? pooled_out->data_ptr<float>() : nullptr, want_p32 ? p32.data_ptr<float>() : nullptr,
-          p.data_ptr<T>(), (int)B, (int)C, (int)G, bt);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
-  });
-  return {p32, p};
+// p = sigmoid(pooled @ W^T): float32 (B, G), and cast to x's dtype as (B, G, 1, 1) for the fusion. Autocast is
+// excluded: the predictor runs in float32 whatever the caller's autocast state.
+std::pair<at::Tensor, at::Tensor> predict(const at::Tensor& pooled, const at::Tensor& weight, at::ScalarType dtype) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  auto p32 = at::sigmoid(at::mm(pooled, weight.reshape({weight.size(0), -1}).to(at::kFloat).t()));
+  return {p32, p32.to(dtype).reshape({p32.size(0), p32.size(1), 1, 1}).contiguous()};
 }
 
 }  // namespace
@@ -683,10 +599,8 @@ std::pair<at::Tensor, at::Tensor> predict(const ChannelSums& sums, const at::Ten
 // The PiX block (compress::pix_squeeze) forward: {y, pooled (B, C) float32}.
 std::vector<at::Tensor> pix_squeeze_forward(const at::Tensor& x, const at::Tensor& weight, int64_t zeta, double tau,
                                             bool cl) {
-  auto sums = channel_sums(x, cl);
-  auto pooled = at::empty({x.size(0), x.size(1)}, x.options().dtype(at::kFloat));
-  auto p = predict(sums, weight, x.scalar_type(), false, &pooled).second;
-  return {pix_forward(x, p, zeta, tau, cl), pooled};
+  auto pooled = channel_mean(x, cl);
+  return {pix_forward(x, predict(pooled, weight, x.scalar_type()).second, zeta, tau, cl), pooled};
 }
 
 // Its backward: {dx, dweight}. A dp-only pass (float32 dp), the predictor's gradient, then a dx pass that adds the
@@ -694,9 +608,7 @@ std::vector<at::Tensor> pix_squeeze_forward(const at::Tensor& x, const at::Tenso
 std::vector<at::Tensor> pix_squeeze_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
                                              const at::Tensor& pooled, int64_t zeta, double tau, bool cl) {
   const char* op = "compress::pix_squeeze_backward";
-  TORCH_CHECK(pooled.is_cuda() && pooled.scalar_type() == at::kFloat && pooled.dim() == 2, op,
-              ": tensor 'pooled' must be the forward's (B, C) float32 CUDA tensor");
-  auto [p32, p] = predict({pooled.contiguous().unsqueeze(1), 1.f}, weight, x.scalar_type(), true, nullptr);
+  auto [p32, p] = predict(pooled, weight, x.scalar_type());
   auto dp = pix_backward_impl(dy, x, p, nullptr, zeta, tau, cl, kDp, op)[1];
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   auto dlogit = dp.reshape({p32.size(0), p32.size(1)}) * p32 * (1 - p32);  // (B, G)
