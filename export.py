@@ -24,6 +24,7 @@ def main(cfg: DictConfig) -> None:
         threshold=cfg.threshold,
         target_macs=cfg.target_macs,
         fold_bn=cfg.fold_bn,
+        channel_multiple=cfg.channel_multiple,
         choose_stripe_modes=cfg.choose_modes,
         onnx=cfg.onnx.enabled,
         stripe_mode=cfg.onnx.stripe_mode,

@@ -231,7 +231,7 @@ def bench(name: str, variant: str, args, device: torch.device) -> dict | None:
     skeleton, mask_info = built
     torch.manual_seed(args.seed)
     dense = compress.compact(create_model(name, **kwargs).eval(), fold_bn=True)
-    small = compress.compact(skeleton, fold_bn=True)
+    small = compress.compact(skeleton, fold_bn=True, channel_multiple=args.channel_multiple)
     p_dense = compress.profile(dense, size, latency=False)
     p_small = compress.profile(small, size, latency=False)
     cost_modes = modes_of(small)
@@ -481,6 +481,8 @@ def parse_args(argv=None):
         help="time a training step's forward and backward (default: on)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--channel-multiple", type=int, default=8,
+                   help="compress.compact(channel_multiple=...): 8 keeps shrunk convs on cuDNN's tensor-core path")
     p.add_argument(
         "--out",
         default=None,
@@ -553,7 +555,9 @@ def main(argv=None) -> dict | None:
             "repeats": args.repeats,
             "warmup": args.warmup,
             "bwd_repeats": args.bwd_repeats,
-            "protocol": "dense = compact(plain, fold_bn=True), compact = compact(skeleton, fold_bn=True); eval, "
+            "channel_multiple": args.channel_multiple,
+            "protocol": "dense = compact(plain, fold_bn=True), compact = compact(skeleton, fold_bn=True, "
+            "channel_multiple=<channel_multiple>); eval, "
             "inference_mode, cudnn.benchmark; choose_modes on the device; eager: CUDA events around one "
             "forward after a synchronize (launch overhead included); graphed: one CUDA graph replay; "
             "dense and compact interleaved, median; train: fp32 weights + bf16 autocast, train mode, "

@@ -11,7 +11,11 @@
 - a conv with no stripe left at all (e.g. the last conv of a fully pruned residual branch) becomes a
   StripeConv2d with 0 stripes, which outputs its bias without reading its input, and the branch's
   earlier convs shrink to one zero channel: only the shortcut path does work;
-- optionally BN is folded into the preceding conv, and a MAC budget picks the threshold.
+- optionally BN is folded into the preceding conv, and a MAC budget picks the threshold;
+- `channel_multiple=8` keeps each shrunk conv's output channels a multiple of 8 where it can (extra kept
+  channels are ones that change nothing: all-zero filters whose outputs are zero or are never read). GPU
+  tensor-core convolutions (cuDNN, bf16/fp16 channels_last) take a slow path for other channel counts:
+  on an H200 random dead filters made a 73%-pruned VGG16 slower than the dense one.
 
 The chosen threshold and MAC counts are recorded in `compact_model.compress_compaction` (a dict:
 threshold, fold_bn, target_macs, macs, dense_macs; MACs are None when no budget was given).
@@ -52,6 +56,7 @@ def compact(
     fold_bn: bool = False,
     target_macs: float | None = None,
     input_size: Sequence[int] | None = None,
+    channel_multiple: int = 1,
 ) -> nn.Module:
     """A compact copy of `model` (see the module docstring); `model` itself is left unchanged.
 
@@ -66,6 +71,8 @@ def compact(
             values) to the smallest value whose compact model meets the budget.
         input_size: (C, H, W) used to count MACs for `target_macs`; default from
             `model.compress_arch` (in_chans, input_size, input_size).
+        channel_multiple: round the kept output channels of each shrunk conv up to a multiple of this
+            (8 for GPU tensor cores), using channels that change nothing; 1 = remove all removable.
 
     Returns:
         The compact model (same training mode, device and dtype, `compress_arch` kept) with
@@ -74,13 +81,16 @@ def compact(
     base = 0.0 if threshold is None else float(threshold)
     if base < 0:
         raise ValueError(f"compact: threshold must be >= 0, got {threshold}")
+    if not isinstance(channel_multiple, int) or isinstance(channel_multiple, bool) or channel_multiple < 1:
+        raise ValueError(f"compact: channel_multiple must be an int >= 1 (8 for GPU tensor cores), got {channel_multiple!r}")
     if target_macs is None:
-        out, macs, dense = _compact_at(model, base, fold_bn), None, None
+        out, macs, dense = _compact_at(model, base, fold_bn, channel_multiple), None, None
     else:
-        out, base, macs, dense = _compact_to_budget(model, base, fold_bn, target_macs, input_size)
+        out, base, macs, dense = _compact_to_budget(model, base, fold_bn, target_macs, input_size, channel_multiple)
     out.compress_compaction = {
         "threshold": base,
         "fold_bn": bool(fold_bn),
+        "channel_multiple": channel_multiple,
         "target_macs": target_macs,
         "macs": macs,
         "dense_macs": dense,
@@ -88,7 +98,7 @@ def compact(
     return out
 
 
-def _compact_at(model: nn.Module, threshold: float, fold: bool) -> nn.Module:
+def _compact_at(model: nn.Module, threshold: float, fold: bool, multiple: int = 1) -> nn.Module:
     out = copy.deepcopy(model)
     pruned = []
     for name, m in list(out.named_modules()):
@@ -98,7 +108,7 @@ def _compact_at(model: nn.Module, threshold: float, fold: bool) -> nn.Module:
     graph = trace(out)
     if graph is not None:
         chains = find_chains(out, graph)
-        while any([_shrink(out, chain) for chain in chains]):
+        while any([_shrink(out, chain, multiple) for chain in chains]):
             pass
         if fold:
             for conv_name, bn_name in conv_bn_pairs_traced(out, graph).items():
@@ -109,15 +119,21 @@ def _compact_at(model: nn.Module, threshold: float, fold: bool) -> nn.Module:
 
 
 @torch.no_grad()
-def _shrink(model: nn.Module, chain: Chain) -> bool:
+def _shrink(model: nn.Module, chain: Chain, multiple: int = 1) -> bool:
     """Remove the producer channels of `chain` that the consumers do not read (zero weights) or that
-    are dead with a constant that folds exactly; True if anything changed."""
+    are dead with a constant that folds exactly, keeping a multiple of `multiple` channels where
+    harmless ones allow; True if anything changed (idempotent once nothing is left to remove)."""
     producer = get_module(model, chain.producer)
     dead = producer.weight.flatten(1).abs().amax(1) == 0
     cols = [consumer_columns(model, chain, n).abs().amax(dim=(0, 2)) for n in chain.consumers]
     unused = torch.stack(cols).amax(0) == 0
     values = chain_constants(model, chain)
     removable = unused | (dead & ((values == 0) | consumers_unpadded(model, chain)))
+    if multiple > 1:  # keep back harmless channels: never read, or a zero filter whose output is 0
+        harmless = (removable & (unused | (dead & (values == 0)))).nonzero().flatten()
+        kept = int((~removable).sum())
+        extra = min(len(harmless), -kept % multiple if kept else 0)
+        removable[harmless[:extra]] = False
     neutralise = removable & dead & ~unused
     changed = bool(neutralise.any())
     if changed:
@@ -202,7 +218,7 @@ def _macs(model: nn.Module, input_size: tuple[int, int, int]) -> int:
     return profile(model, input_size, latency=False).macs
 
 
-def _compact_to_budget(model, base, fold, target, input_size):
+def _compact_to_budget(model, base, fold, target, input_size, multiple=1):
     """Smallest threshold >= base among base and the |skeleton| values above it whose compact model meets
     the budget (bisection: MACs fall as the threshold rises). Returns (model, threshold, macs, dense)."""
     if target <= 0:
@@ -219,7 +235,7 @@ def _compact_to_budget(model, base, fold, target, input_size):
 
     def meets(i: int) -> bool:
         nonlocal best
-        candidate = _compact_at(model, values[i], fold)
+        candidate = _compact_at(model, values[i], fold, multiple)
         macs = _macs(candidate, size)
         if macs <= budget and (best is None or i < best[0]):
             best = (i, candidate, macs)

@@ -96,6 +96,7 @@ def export_checkpoint(
     threshold: float | None = None,
     target_macs: float | None = None,
     fold_bn: bool = True,
+    channel_multiple: int = 1,
     choose_stripe_modes: bool = True,
     onnx: bool = True,
     stripe_mode: str = "dense",
@@ -111,6 +112,7 @@ def export_checkpoint(
         threshold, target_macs: compaction settings (see compress.compact); None takes the training
             config's prune.threshold / prune.target_flops (threshold 0 without one).
         fold_bn: fold BN into convs, in the compact model and (for a fair latency) the dense baseline.
+        channel_multiple: keep shrunk convs' channel counts a multiple of this (8 for GPU deployment).
         choose_stripe_modes: time each stripe conv against its dense equivalent on `device` and keep
             the faster (compress.choose_modes); otherwise the cost model's choice stays.
         onnx, stripe_mode, opset: write model.onnx (see compress.onnx_export) and check it in
@@ -127,7 +129,8 @@ def export_checkpoint(
     if target_macs is None:
         target_macs = prune.get("target_flops")
     size = _input_size(model)
-    small = compact(model, threshold=threshold, fold_bn=fold_bn, target_macs=target_macs, input_size=size)
+    small = compact(model, threshold=threshold, fold_bn=fold_bn, target_macs=target_macs, input_size=size,
+                    channel_multiple=channel_multiple)
     used = small.compress_compaction["threshold"]
     dense = create_model(model.compress_arch["name"], **model.compress_arch["kwargs"]).eval()
     if fold_bn:

@@ -104,6 +104,21 @@ def test_compact_equals_skeleton_model(name, tmp_path):
     assert all(torch.equal(before[k], after[k]) for k in before), "compact changed the caller's model"
 
 
+@pytest.mark.parametrize("name", ["resnet56", "vgg16"])
+def test_channel_multiple_keeps_harmless_channels_exactly(name):
+    size, chains, _ = CASES[name]
+    model = skeleton_model(name, size, dead=0.4)
+    x = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(1))
+    out = compact(model, fold_bn=True, channel_multiple=8)
+    assert_same_output(model, out, x)
+    assert out.compress_compaction["channel_multiple"] == 8
+    for producer, _consumer in chains:
+        full, kept = model.get_submodule(producer).out_channels, alive(model.get_submodule(producer))
+        assert out.get_submodule(producer).out_channels == min(full, -(-kept // 8) * 8)
+    with pytest.raises(ValueError, match="channel_multiple must be an int >= 1"):
+        compact(model, channel_multiple=0)
+
+
 def test_stripe_conv_from_skeleton_keeps_stride_and_mask():
     model = skeleton_model("resnet20", 32, seed=3)
     out = compact(model)
