@@ -3,11 +3,13 @@
 fp32, 224x224, batch 1 and 8, eval + torch.inference_mode, BN folded into the convs in both models, NCHW
 and channels_last (each layout applied to both). The two models run interleaved (A, B, A, B, ...) so that
 load changes hit both alike; the median (and, robust to CPU steal, the min) of the repeats is reported,
-with the load average before and after.
+with the load average before and after. With one thread (the default) the median CPU time of the thread is
+recorded too (``*_cpu_ms``, ``speedup_cpu``): other jobs sharing the cores stretch wall time, not that.
 
     python benchmarks/pix_cpu.py [--repeats 15] [--batches 1 8] [--size 224] [--threads N] [--no-fold] [--out PATH]
 
-With other jobs on the machine, --threads 1 gives steadier ratios (2 OpenMP threads spin on a busy core).
+--threads 1 (default) gives steady ratios on a shared machine (2 OpenMP threads spin on a busy core);
+--threads 0 keeps torch's choice. PiX's CPU kernels (kernels/_cpu.py) are single-threaded.
 """
 
 from __future__ import annotations
@@ -57,19 +59,24 @@ def build(pix: bool, fold: bool, channels_last: bool) -> nn.Module:
     return model.to(memory_format=torch.channels_last) if channels_last else model
 
 
-def time_pair(models: dict[str, nn.Module], x: torch.Tensor, repeats: int) -> dict[str, list[float]]:
-    """ms per forward of each model over `repeats` runs, the models interleaved, after 2 warm-up runs each."""
+def time_pair(
+    models: dict[str, nn.Module], x: torch.Tensor, repeats: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """(wall, thread CPU) ms per forward of each model over `repeats` runs, the models interleaved, after 2
+    warm-up runs each. The thread CPU time counts only the calling thread (meaningful with 1 torch thread)."""
     times: dict[str, list[float]] = {k: [] for k in models}
+    cpu: dict[str, list[float]] = {k: [] for k in models}
     with torch.inference_mode():
         for _ in range(2):
             for m in models.values():
                 m(x)
         for _ in range(repeats):
             for k, m in models.items():
-                t0 = time.perf_counter()
+                c0, t0 = time.thread_time(), time.perf_counter()
                 m(x)
                 times[k].append((time.perf_counter() - t0) * 1e3)
-    return times
+                cpu[k].append((time.thread_time() - c0) * 1e3)
+    return times, cpu
 
 
 def main() -> None:
@@ -78,7 +85,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--size", type=int, default=224)
     ap.add_argument(
-        "--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)"
+        "--threads", type=int, default=1, help="torch.set_num_threads (default 1; 0: torch's choice)"
     )
     ap.add_argument("--no-fold", action="store_true", help="keep BatchNorm unfolded in both models")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "pix_cpu.json"))
@@ -97,9 +104,10 @@ def main() -> None:
         fmt = torch.channels_last if channels_last else torch.contiguous_format
         for b in args.batches:
             x = torch.randn(b, 3, args.size, args.size).contiguous(memory_format=fmt)
-            times = time_pair(models, x, args.repeats)
+            times, cpu = time_pair(models, x, args.repeats)
             ms = {k: statistics.median(v) for k, v in times.items()}
             best = {k: min(v) for k, v in times.items()}
+            cpu_ms = {k: statistics.median(v) for k, v in cpu.items()}
             row = {
                 "layout": "channels_last" if channels_last else "nchw",
                 "batch": b,
@@ -110,11 +118,18 @@ def main() -> None:
                 "pix_resnet50_min_ms": round(best["pix_resnet50"], 2),
                 "speedup_min": round(best["resnet50"] / best["pix_resnet50"], 3),
             }
+            if torch.get_num_threads() == 1:
+                row |= {
+                    "resnet50_cpu_ms": round(cpu_ms["resnet50"], 2),
+                    "pix_resnet50_cpu_ms": round(cpu_ms["pix_resnet50"], 2),
+                    "speedup_cpu": round(cpu_ms["resnet50"] / cpu_ms["pix_resnet50"], 3),
+                }
             rows.append(row)
             print(
                 f"{row['layout']:>13} B={b:<2} median: resnet50 {row['resnet50_ms']:8.2f} ms  pix {row['pix_resnet50_ms']:8.2f} ms"
                 f"  speedup {row['speedup']:.3f}x | min: {row['resnet50_min_ms']:8.2f} / {row['pix_resnet50_min_ms']:8.2f} ms"
-                f"  speedup {row['speedup_min']:.3f}x",
+                f"  speedup {row['speedup_min']:.3f}x"
+                + (f" | thread CPU: speedup {row['speedup_cpu']:.3f}x" if "speedup_cpu" in row else ""),
                 flush=True,
             )
     result = {
@@ -123,7 +138,8 @@ def main() -> None:
         "input": [3, args.size, args.size],
         "bn_folded": fold,
         "repeats": args.repeats,
-        "statistic": "median (and min) ms per forward over the repeats, models interleaved",
+        "statistic": "median (and min) ms per forward over the repeats, models interleaved; *_cpu_ms: median "
+        "CPU time of the calling thread (1 thread only)",
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cpu": platform.processor() or platform.machine(),
