@@ -6,10 +6,11 @@
    (on the first 8 images of the batch), with bias and fused ReLU.
 3. Median times (CUDA events, warm-up, 3 rotated input sets) of cuDNN dense (cudnn.benchmark on, zero-filled
    dense weight) and of the stripe kernel (a few tile configs per layer, best kept), at keep 0.5/0.3/0.15 with
-   random stripe masks; the floor = max(kept MACs at the measured tensor-core rate, in+out bytes at the copy
-   bandwidth) and the fraction of the attainable speedup min(1/keep, dense/floor).
+   random stripe masks, and with the masks of a real SWP run (ResNet-56 on digits, on the CIFAR shapes: rows
+   `mask = real:<layer>`); the floor = max(kept MACs at the measured tensor-core rate, in+out bytes at the
+   copy bandwidth) and the fraction of the attainable speedup min(1/keep, dense/floor).
 
-    python benchmarks/stripe_gpu.py [--quick] [--out results/stripe_gpu_h200.json]
+    python benchmarks/stripe_gpu.py [--quick] [--real-only] [--out results/stripe_gpu_h200.json]
 """
 
 from __future__ import annotations
@@ -42,6 +43,29 @@ def random_layer(N, C, keep, gen, device="cuda"):
     nz = m.permute(1, 2, 0).nonzero()
     w = torch.randn(len(nz), C, generator=gen, dtype=torch.float64) / (C * 9 * keep) ** 0.5
     return w.to(device), nz[:, 2].contiguous().to(device), nz[:, :2].contiguous().to(device)
+
+
+def mask_layer(mask, C, gen, device="cuda"):
+    """The stripes of a boolean skeleton mask (N, 3, 3) in canonical order, random weights over C channels."""
+    nz = mask.permute(1, 2, 0).nonzero()
+    keep = max(float(mask.float().mean()), 1.0 / mask.numel())
+    w = torch.randn(len(nz), C, generator=gen, dtype=torch.float64) / (C * 9 * keep) ** 0.5
+    return w.to(device), nz[:, 2].contiguous().to(device), nz[:, :2].contiguous().to(device)
+
+
+def real_masks(path):
+    """(layer, mask) from a real SWP run's mask file (benchmarks/_masks.py format): per CIFAR width (16, 32, 64)
+    the layer keeping the most stripes, and for width 64 also the one at the median."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _masks import load_masks
+
+    masks, _ = load_masks(path)
+    picked = []
+    for width in (16, 32, 64):
+        cands = sorted((int(m.sum()), k) for k, m in masks.items() if tuple(m.shape) == (width, 3, 3) and m.any())
+        names = [cands[-1][1]] + ([cands[len(cands) // 2][1]] if width == 64 else [])
+        picked += [(k, masks[k]) for k in names]
+    return picked
 
 
 def time_rotated(fn, inputs, reps=25):
@@ -118,9 +142,90 @@ def _stripe_call(a, w, oi, off, b, plan, N, cfg):
     return run_stripe(a, w, oi, off, b, plan, N, cfg)
 
 
+def run_case(net, B, C, H, keep, w64, oi, off, x64, gen, rates, bw, rows, fails, mask="random"):
+    """Check and time one layer: stripes (w64 (S, C) float64, out_index oi, offset off), output channels N = C."""
+    N = C
+    b64 = torch.randn(N, dtype=torch.float64, generator=gen).cuda() * 0.1
+    plan = kernels.stripe_plan(oi, off, N, 3)
+    S = len(oi)
+    wd64 = kernels.stripe_to_dense(w64, oi, off, N, 3)
+    ref = F.conv2d(x64[:8], wd64, b64, 1, 1).relu()
+    for dname, layout in (("bf16", "cl"), ("fp16", "cl"), ("fp32", "cl"), ("fp32", "nchw"), ("bf16", "nchw")):
+        dt = DT[dname]
+        fmt = torch.channels_last if layout == "cl" else torch.contiguous_format
+        w, b = w64.to(dt), b64.to(dt)
+        tol = 1e-3 if dt == torch.float32 else 1e-2
+        cands = candidates(C, N, dt)
+        xs8 = x64[:8].to(dt).contiguous(memory_format=fmt)
+        errs = []
+        for cfg in cands[:1] + cands[-3:-2]:  # one route-b and one route-a config
+            y = run_stripe(xs8, w, oi, off, b, plan, N, cfg)
+            errs.append(((y.double() - ref).norm() / ref.norm()).item())
+        err = max(errs)
+        ok = err < tol and all(e == e for e in errs)
+        if not ok:
+            fails.append((net, C, H, keep, dname, layout, err))
+        timed = (dname, layout) in (("bf16", "cl"), ("fp32", "cl"), ("fp32", "nchw"))
+        if not timed:
+            continue
+        xs = [x64.to(dt).contiguous(memory_format=fmt) for _ in range(3)]
+        wd = wd64.to(dt).contiguous(memory_format=fmt)
+        dense_ms = time_rotated(lambda a, wd=wd, b=b: F.conv2d(a, wd, b, 1, 1).relu_(), xs)
+        best = None
+        tune = cands if layout == "cl" else [next(r["config"] for r in rows[::-1]
+                                                  if r["C"] == C and r["H"] == H and r["keep"] == keep
+                                                  and r["mask"] == mask and r["dtype"] == dname
+                                                  and r["layout"] == "cl")]
+        for cfg in tune:
+            try:
+                run_stripe(xs[0], w, oi, off, b, plan, N, cfg)
+            except Exception as e:  # e.g. a tile config over the shared-memory limit
+                print(f"   skip {cfg}: {type(e).__name__}", flush=True)
+                continue
+            ms = time_rotated(functools.partial(_stripe_call, w=w, oi=oi, off=off, b=b, plan=plan, N=N, cfg=cfg), xs)
+            if best is None or ms < best[0]:
+                best = (ms, cfg)
+        yb = run_stripe(xs8, w, oi, off, b, plan, N, best[1])  # the timed config is checked too
+        err = max(err, ((yb.double() - ref).norm() / ref.norm()).item())
+        if not err < tol:
+            fails.append((net, C, H, keep, dname, layout, err, best[1]))
+        def_ms = time_rotated(functools.partial(_stripe_call, w=w, oi=oi, off=off, b=b, plan=plan, N=N, cfg=None),
+                              xs)
+        macs = B * H * H * S * C
+        esz = xs[0].element_size()
+        floor_ms = max(2 * macs / rates[dname], 2 * B * C * H * H * esz / bw) * 1e3
+        attain = min(1 / keep, dense_ms / floor_ms)
+        sp = dense_ms / best[0]
+        row = dict(net=net, B=B, C=C, N=N, H=H, keep=keep, mask=mask, stripes=S, dtype=dname, layout=layout,
+                   dense_ms=round(dense_ms, 4), stripe_ms=round(best[0], 4),
+                   stripe_default_ms=round(def_ms, 4), config=best[1],
+                   route="a" if best[1]["DENSE"] else "b", speedup=round(sp, 2),
+                   floor_ms=round(floor_ms, 4), attainable=round(attain, 2),
+                   fraction=round(sp / attain, 2), rel_err=err)
+        if (keep == 0.3 or mask != "random") and layout == "cl":
+            g = torch.randn(B, N, H, H, device="cuda", dtype=dt).contiguous(memory_format=fmt)
+            db_ms = time_rotated(functools.partial(_dense_bwd, g=g, wd=wd), xs, reps=10)
+            sb_ms = time_rotated(functools.partial(_stripe_bwd, g=g, w=w, oi=oi, off=off, plan=plan, N=N),
+                                 xs, reps=10)  # experimental Triton backward (not used by the op)
+            cb_ms = time_rotated(functools.partial(_cudnn_bwd, g=g, w=w, oi=oi, off=off, N=N), xs, reps=10)
+            row.update(dense_bwd_ms=round(db_ms, 4), stripe_bwd_triton_ms=round(sb_ms, 4),
+                       stripe_bwd_cudnn_ms=round(cb_ms, 4),
+                       bwd_time_per_kept_mac_vs_dense=round(min(sb_ms, cb_ms) / db_ms / (S / (9 * N)), 2))
+            print(f"   backward: dense {db_ms:.4f} ms  stripe triton {sb_ms:.4f} ms  stripe via cudnn "
+                  f"{cb_ms:.4f} ms", flush=True)
+        rows.append(row)
+        print(f"{net:8s} B={B:4d} C={C:3d} H={H:2d} keep={keep:.2f} {dname} {layout:4s} "
+              f"dense {dense_ms:7.4f}  stripe {best[0]:7.4f} ({row['route']}; def {def_ms:7.4f})  x{sp:5.2f}  "
+              f"floor {floor_ms:7.4f}  attain x{attain:5.2f}  frac {sp / attain:4.2f}  err {err:.1e}",
+              flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--real-masks", default=os.path.join(os.path.dirname(__file__), "masks", "resnet56_digits.json"),
+                    help="mask file of a real SWP run (benchmarks/masks/*.json); '' to skip those rows")
+    ap.add_argument("--real-only", action="store_true", help="only the rows with real masks")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "stripe_gpu.json"))
     args = ap.parse_args()
     torch.backends.cudnn.benchmark = True
@@ -130,89 +235,25 @@ def main():
     print(f"# {gpu}: copy {bw / 1e12:.2f} TB/s, bf16 mm {rates['bf16'] / 1e12:.0f} TFLOP/s, "
           f"tf32 mm {rates['fp32'] / 1e12:.0f} TFLOP/s", flush=True)
     gen = torch.Generator().manual_seed(0)
-    shapes = SHAPES[:2] if args.quick else SHAPES
+    shapes = [] if args.real_only else SHAPES[:2] if args.quick else SHAPES
     rows, fails = [], []
     for net, B, C, H in shapes:
-        N = C
         x64 = torch.randn(B, C, H, H, dtype=torch.float64, generator=gen).cuda()
         for keep in KEEPS:
-            w64, oi, off = random_layer(N, C, keep, gen)
-            b64 = torch.randn(N, dtype=torch.float64, generator=gen).cuda() * 0.1
-            plan = kernels.stripe_plan(oi, off, N, 3)
-            S = len(oi)
-            wd64 = kernels.stripe_to_dense(w64, oi, off, N, 3)
-            ref = F.conv2d(x64[:8], wd64, b64, 1, 1).relu()
-            for dname, layout in (("bf16", "cl"), ("fp16", "cl"), ("fp32", "cl"), ("fp32", "nchw"), ("bf16", "nchw")):
-                dt = DT[dname]
-                fmt = torch.channels_last if layout == "cl" else torch.contiguous_format
-                w, b = w64.to(dt), b64.to(dt)
-                tol = 1e-3 if dt == torch.float32 else 1e-2
-                cands = candidates(C, N, dt)
-                xs8 = x64[:8].to(dt).contiguous(memory_format=fmt)
-                errs = []
-                for cfg in cands[:1] + cands[-3:-2]:  # one route-b and one route-a config
-                    y = run_stripe(xs8, w, oi, off, b, plan, N, cfg)
-                    errs.append(((y.double() - ref).norm() / ref.norm()).item())
-                err = max(errs)
-                ok = err < tol and all(e == e for e in errs)
-                if not ok:
-                    fails.append((net, C, H, keep, dname, layout, err))
-                timed = (dname, layout) in (("bf16", "cl"), ("fp32", "cl"), ("fp32", "nchw"))
-                if not timed:
-                    continue
-                xs = [x64.to(dt).contiguous(memory_format=fmt) for _ in range(3)]
-                wd = wd64.to(dt).contiguous(memory_format=fmt)
-                dense_ms = time_rotated(lambda a, wd=wd, b=b: F.conv2d(a, wd, b, 1, 1).relu_(), xs)
-                best = None
-                tune = cands if layout == "cl" else [next(r["config"] for r in rows[::-1]
-                                                          if r["C"] == C and r["H"] == H and r["keep"] == keep
-                                                          and r["dtype"] == dname and r["layout"] == "cl")]
-                for cfg in tune:
-                    try:
-                        run_stripe(xs[0], w, oi, off, b, plan, N, cfg)
-                    except Exception as e:  # e.g. a tile config over the shared-memory limit
-                        print(f"   skip {cfg}: {type(e).__name__}", flush=True)
-                        continue
-                    ms = time_rotated(functools.partial(_stripe_call, w=w, oi=oi, off=off, b=b, plan=plan, N=N, cfg=cfg), xs)
-                    if best is None or ms < best[0]:
-                        best = (ms, cfg)
-                yb = run_stripe(xs8, w, oi, off, b, plan, N, best[1])  # the timed config is checked too
-                err = max(err, ((yb.double() - ref).norm() / ref.norm()).item())
-                if not err < tol:
-                    fails.append((net, C, H, keep, dname, layout, err, best[1]))
-                def_ms = time_rotated(functools.partial(_stripe_call, w=w, oi=oi, off=off, b=b, plan=plan, N=N, cfg=None),
-                                      xs)
-                macs = B * H * H * S * C
-                esz = xs[0].element_size()
-                floor_ms = max(2 * macs / rates[dname], 2 * B * C * H * H * esz / bw) * 1e3
-                attain = min(1 / keep, dense_ms / floor_ms)
-                sp = dense_ms / best[0]
-                row = dict(net=net, B=B, C=C, N=N, H=H, keep=keep, stripes=S, dtype=dname, layout=layout,
-                           dense_ms=round(dense_ms, 4), stripe_ms=round(best[0], 4),
-                           stripe_default_ms=round(def_ms, 4), config=best[1],
-                           route="a" if best[1]["DENSE"] else "b", speedup=round(sp, 2),
-                           floor_ms=round(floor_ms, 4), attainable=round(attain, 2),
-                           fraction=round(sp / attain, 2), rel_err=err)
-                if keep == 0.3 and layout == "cl":
-                    g = torch.randn(B, N, H, H, device="cuda", dtype=dt).contiguous(memory_format=fmt)
-                    db_ms = time_rotated(functools.partial(_dense_bwd, g=g, wd=wd), xs, reps=10)
-                    sb_ms = time_rotated(functools.partial(_stripe_bwd, g=g, w=w, oi=oi, off=off, plan=plan, N=N),
-                                         xs, reps=10)  # experimental Triton backward (not used by the op)
-                    cb_ms = time_rotated(functools.partial(_cudnn_bwd, g=g, w=w, oi=oi, off=off, N=N), xs, reps=10)
-                    row.update(dense_bwd_ms=round(db_ms, 4), stripe_bwd_triton_ms=round(sb_ms, 4),
-                               stripe_bwd_cudnn_ms=round(cb_ms, 4),
-                               bwd_time_per_kept_mac_vs_dense=round(min(sb_ms, cb_ms) / db_ms / (S / (9 * N)), 2))
-                    print(f"   backward: dense {db_ms:.4f} ms  stripe triton {sb_ms:.4f} ms  stripe via cudnn "
-                          f"{cb_ms:.4f} ms", flush=True)
-                rows.append(row)
-                print(f"{net:8s} B={B:4d} C={C:3d} H={H:2d} keep={keep:.2f} {dname} {layout:4s} "
-                      f"dense {dense_ms:7.4f}  stripe {best[0]:7.4f} ({row['route']}; def {def_ms:7.4f})  x{sp:5.2f}  "
-                      f"floor {floor_ms:7.4f}  attain x{attain:5.2f}  frac {sp / attain:4.2f}  err {err:.1e}",
-                      flush=True)
+            w64, oi, off = random_layer(C, C, keep, gen)
+            run_case(net, B, C, H, keep, w64, oi, off, x64, gen, rates, bw, rows, fails)
+    for layer, mask in (real_masks(args.real_masks) if args.real_masks else []):
+        C = mask.shape[0]
+        net, B, _, H = next(sh for sh in SHAPES if sh[0] == "cifar" and sh[2] == C)
+        x64 = torch.randn(B, C, H, H, dtype=torch.float64, generator=gen).cuda()
+        w64, oi, off = mask_layer(mask, C, gen)
+        run_case(net, B, C, H, round(float(mask.float().mean()), 3), w64, oi, off, x64, gen, rates, bw, rows, fails,
+                 mask=f"real:{layer}")
     meta = dict(gpu=gpu, torch=torch.__version__, triton=getattr(stripe_triton.triton, "__version__", "?"),
                 copy_TBps=bw / 1e12, mm_TFLOPs={k: v / 1e12 for k, v in rates.items()},
                 notes="fp32 = TF32 tensor cores (RN-rounded operands) for both cuDNN and the stripe kernel; "
-                      "correctness on the first 8 images vs float64, bias+ReLU fused; random stripe masks")
+                      "correctness on the first 8 images vs float64, bias+ReLU fused; random stripe masks, and real:<layer> "
+                      "rows with the masks of a real SWP run (benchmarks/masks/resnet56_digits.json)")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows, "correctness_failures": fails}, f, indent=1)
