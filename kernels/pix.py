@@ -461,7 +461,6 @@ class _PixSqueezeCUDA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, zeta, tau):
         y, pooled = _squeeze_ext(_ext.load(), x, weight, zeta, tau)
-        ctx.mark_non_differentiable(pooled)
         ctx.save_for_backward(x, weight, pooled)
         ctx.zeta, ctx.tau = zeta, tau
         return y
