@@ -51,6 +51,17 @@ SOURCE = r"""
 // Everything below is inlined into the entry points, so each clone compiles it for its instruction set.
 #define INL static inline __attribute__((always_inline))
 
+// Max (first value wins ties and NaNs: `a > m ? a : m`) and in-order sum of one group's Z contiguous values.
+template <typename T>
+INL void group_max_sum(const T* __restrict__ v, int Z, T& m, T& s) {
+  m = s = v[0];
+  for (int k = 1; k < Z; ++k) {
+    const T a = v[k];
+    m = a > m ? a : m;
+    s += a;
+  }
+}
+
 // NCHW: x (B*G, Z, HW), y (B*G, HW); per row one branch, k outer and hw inner over L1-sized chunks of y.
 template <typename T, int ZC>
 INL void nchw_row(const T* __restrict__ xr, T* __restrict__ yr, int64_t HW, int Zr, bool pick, T pv) {
@@ -100,13 +111,8 @@ INL void cl_pixel(const T* __restrict__ xp, T* __restrict__ yp, const T* __restr
                   int64_t G, int Zr) {
   const int Z = ZC > 0 ? ZC : Zr;
   for (int64_t g = 0; g < G; ++g) {
-    const T* __restrict__ v = xp + g * Z;
-    T m = v[0], s = v[0];
-    for (int k = 1; k < Z; ++k) {
-      const T a = v[k];
-      m = a > m ? a : m;
-      s += a;
-    }
+    T m, s;
+    group_max_sum(xp + g * Z, Z, m, s);
     const T mean = s / (T)Z;
     const T r = pk[g] != (T)0 ? m : mean;
     yp[g] = pv[g] * r;
@@ -245,17 +251,7 @@ INL void sq1_cl(const T* x, T* pooled, T* ym, T* ys, double* acc, int64_t B, int
         T* __restrict__ so = ys + (b * HW + i) * G;
         T* __restrict__ a = accT;
         for (int64_t c = 0; c < C; ++c) a[c] += xp[c];
-        for (int64_t g = 0; g < G; ++g) {
-          const T* __restrict__ v = xp + g * Z;
-          T m = v[0], s = v[0];
-          for (int k = 1; k < Z; ++k) {
-            const T e = v[k];
-            m = e > m ? e : m;
-            s += e;
-          }
-          mo[g] = m;
-          so[g] = s;
-        }
+        for (int64_t g = 0; g < G; ++g) group_max_sum(xp + g * Z, Z, mo[g], so[g]);
       }
       for (int64_t c = 0; c < C; ++c) acc[c] += (double)accT[c];
     }
