@@ -113,28 +113,42 @@ def swp_update(model: nn.Module, alpha: float, threshold: float) -> None:
     For each skeleton FS: FS.grad += alpha * sign(FS); entries with |FS| <= threshold get value and
     gradient zeroed. Filters without a kept stripe have weight, bias and their gradients of the
     paired BatchNorm channel (compress.surgery.conv_bn_pairs) zeroed.
+
+    All layers at once with torch._foreach_* ops (a few multi-tensor kernels instead of ~8 per layer,
+    which made a CIFAR ResNet-56 step launch-bound on a GPU) and no host sync: keep = clamp_min(sign(
+    |FS| - threshold), 0) is 1 exactly where |FS| > threshold, and value and gradient are multiplied by it.
     """
     check_nonnegative(alpha=alpha, threshold=threshold)
-    pairs = conv_bn_pairs(model)
-    for name, conv in _skeleton_convs(model):
-        fs = conv.skeleton
+    convs = _skeleton_convs(model)
+    if not convs:
+        return
+    fss = [conv.skeleton for _, conv in convs]
+    for fs in fss:
         if fs.grad is None:
             fs.grad = torch.zeros_like(fs)
-        fs.grad.add_(torch.sign(fs), alpha=alpha)
-        mask = fs.abs() > threshold
-        fs.mul_(mask)
-        fs.grad.mul_(mask)
+    grads = [fs.grad for fs in fss]
+    if alpha:
+        torch._foreach_add_(grads, torch._foreach_sign(fss), alpha=alpha)
+    keep = torch._foreach_abs(fss)
+    torch._foreach_sub_(keep, threshold)
+    keep = torch._foreach_sign(keep)
+    torch._foreach_clamp_min_(keep, 0.0)
+    torch._foreach_mul_(fss, keep)
+    torch._foreach_mul_(grads, keep)
+    pairs = conv_bn_pairs(model)
+    bn_tensors, alive = [], []
+    for (name, _), k in zip(convs, keep):
         if name not in pairs:
             continue
-        # masked_fill_ instead of `if dead.any()`: no host sync per layer, so the GPU queue keeps running.
-        alive = mask.flatten(1).any(dim=1)
         bn = model.get_submodule(pairs[name])
+        filter_alive = k.flatten(1).amax(dim=1)  # 1 where the filter keeps a stripe, else 0
         for p in (bn.weight, bn.bias):
-            if p is None:
-                continue
-            p.masked_fill_(~alive, 0)
-            if p.grad is not None:
-                p.grad.masked_fill_(~alive, 0)
+            for t in (p, None if p is None else p.grad):
+                if t is not None:
+                    bn_tensors.append(t)
+                    alive.append(filter_alive.to(t.dtype))
+    if bn_tensors:
+        torch._foreach_mul_(bn_tensors, alive)
 
 
 @torch.no_grad()
