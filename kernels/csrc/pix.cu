@@ -272,71 +272,6 @@ __global__ void pix_bwd_cl(const T* __restrict__ dy, const T* __restrict__ x, co
   }
 }
 
-// channels_last backward, GPT consecutive groups per thread (compile-time zeta, G % GPT == 0, aligned pointers):
-// the thread's GPT*zeta channels of x and of dx move as one vector, its GPT dy values as another (16 bytes).
-// Block: TX threads along groups x R rows of positions (TX * R = 256, runtime: blockDim); grid (group tiles of
-// TX*GPT, position chunks, B). Partial dp sums (B, chunks, G) as pix_bwd_cl; kDx's addend is loaded once.
-template <typename T, int ZETA, int GPT, int MODE>
-__global__ void __launch_bounds__(kThreads) pix_bwd_cl_wide(const T* __restrict__ dy, const T* __restrict__ x,
-                                                            const T* __restrict__ p, const float* __restrict__ add,
-                                                            T* __restrict__ dx, float* __restrict__ partial, int G,
-                                                            int HW, int chunk, float tau) {
-  constexpr int Z = ZETA;
-  __shared__ float red[kThreads * GPT];  // [row][tx * GPT + j]
-  const int TX = blockDim.x, R = blockDim.y;
-  const int g0 = (blockIdx.x * TX + threadIdx.x) * GPT;
-  const int b = blockIdx.z;
-  const int h0 = blockIdx.y * chunk;
-  const int h1 = min(h0 + chunk, HW);
-  float part[GPT];
-#pragma unroll
-  for (int j = 0; j < GPT; ++j) part[j] = 0.f;
-  if (g0 < G) {
-    float pv[GPT], a[GPT * Z];
-    const Vec<T, GPT> pg = *reinterpret_cast<const Vec<T, GPT>*>(p + (int64_t)b * G + g0);
-#pragma unroll
-    for (int j = 0; j < GPT; ++j) pv[j] = to_f(pg.v[j]);
-#pragma unroll
-    for (int i = 0; i < GPT * Z; ++i) a[i] = MODE == kDx ? add[((int64_t)b * G + g0) * Z + i] : 0.f;
-    for (int hw = h0 + threadIdx.y; hw < h1; hw += R) {
-      const int64_t idx = ((int64_t)b * HW + hw) * G + g0;  // first group of the thread at this position
-      const Vec<T, GPT> g = *reinterpret_cast<const Vec<T, GPT>*>(dy + idx);
-      const Vec<T, GPT * Z> v = *reinterpret_cast<const Vec<T, GPT * Z>*>(x + idx * Z);
-      Vec<T, GPT * Z> o;
-#pragma unroll
-      for (int j = 0; j < GPT; ++j) {
-        const float gv = to_f(g.v[j]);
-        float best = to_f(v.v[j * Z]), sum = best;
-        int arg = 0;
-#pragma unroll
-        for (int k = 1; k < Z; ++k) {
-          const float f = to_f(v.v[j * Z + k]);
-          if (f > best) { best = f; arg = k; }
-          sum += f;
-        }
-        const bool use_max = pv[j] < tau;
-        part[j] += (use_max ? best : sum / (float)Z) * gv;
-#pragma unroll
-        for (int k = 0; k < Z; ++k)
-          o.v[j * Z + k] = from_f<T>((use_max ? (k == arg ? pv[j] * gv : 0.f) : (pv[j] * gv) / (float)Z) + a[j * Z + k]);
-      }
-      if (MODE != kDp) *reinterpret_cast<Vec<T, GPT * Z>*>(dx + idx * Z) = o;
-    }
-  }
-  if (MODE == kDx) return;
-#pragma unroll
-  for (int j = 0; j < GPT; ++j) red[threadIdx.y * TX * GPT + threadIdx.x * GPT + j] = part[j];
-  __syncthreads();
-  const int tid = threadIdx.y * TX + threadIdx.x;
-  for (int i = tid; i < TX * GPT; i += TX * R) {
-    const int g = blockIdx.x * TX * GPT + i;
-    if (g >= G) continue;
-    float t = 0.f;
-    for (int r = 0; r < R; ++r) t += red[r * TX * GPT + i];
-    partial[((int64_t)b * gridDim.y + blockIdx.y) * G + g] = t;
-  }
-}
-
 // out[b, g] = scale * sum_c partial[b, c, g] for partials (B, chunks, G) of the channels_last reductions.
 template <typename T>
 __global__ void sum_chunks(const float* __restrict__ partial, T* __restrict__ out, int BG, int G, int chunks,
@@ -545,30 +480,18 @@ std::vector<at::Tensor> pix_backward_impl(const at::Tensor& dy, const at::Tensor
       else f(std::integral_constant<int, kDx>{});
     };
     if (cl) {
-      constexpr int GPT = 16 / (int)sizeof(scalar_t);  // 16-byte dy vectors in the wide kernel
-      const bool wide = zeta <= 4 && zeta != 3 && G % GPT == 0 && ck::aligned(gp, 16) && ck::aligned(pp, 16) &&
-                        ck::aligned(xp, 16 * zeta) && (dxp == nullptr || ck::aligned(dxp, 16 * zeta));
-      const int tx = wide ? (int)std::min<int64_t>(32, G / GPT) : 32;  // G / GPT threads cover a row
-      const int gt = (int)ck::ceil_div(G, (int64_t)tx * (wide ? GPT : 1));
+      const int gt = (int)ck::ceil_div(G, 32);
       const int64_t chunks = cl_chunks(gt, B, HW), chunk = ck::ceil_div(HW, chunks);
       at::Tensor partial;
       if (mode != kDx) partial = at::empty({B, chunks, G}, x.options().dtype(at::kFloat));
       float* part = partial.defined() ? partial.data_ptr<float>() : nullptr;
-      dim3 grid(gt, (unsigned)chunks, (unsigned)B), block(tx, kThreads / tx);
+      dim3 grid(gt, (unsigned)chunks, (unsigned)B), block(32, 8);
       with_zeta(zeta, [&](auto Z) {
         constexpr int ZV = decltype(Z)::value;
         const bool vec_ok = ZV > 0 && ck::aligned(xp, sizeof(scalar_t) * (ZV > 0 ? ZV : 1)) &&
                             (dxp == nullptr || ck::aligned(dxp, sizeof(scalar_t) * (ZV > 0 ? ZV : 1)));
         with_mode([&](auto M) {
           constexpr int MV = decltype(M)::value;
-          if constexpr (ZV > 0) {
-            if (wide) {
-              pix_bwd_cl_wide<scalar_t, ZV, GPT, MV><<<grid, block, 0, stream>>>(gp, xp, pp, ap, dxp, part, (int)G,
-                                                                                 (int)HW, (int)chunk, ftau);
-              C10_CUDA_KERNEL_LAUNCH_CHECK();
-              return;
-            }
-          }
           if (vec_ok)
             pix_bwd_cl<scalar_t, ZV, MV><<<grid, block, 0, stream>>>(gp, xp, pp, ap, dxp, part, (int)G, (int)zeta,
                                                                      (int)HW, (int)chunk, ftau);
