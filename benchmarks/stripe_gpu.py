@@ -102,7 +102,7 @@ def ceilings():
 
 
 def candidates(C, N, dtype):
-    """Route (b) one-hot configs and route (a) dense-tile configs; the best per layer is kept."""
+    """Route (b) one-hot and gather configs and route (a) dense-tile configs; the best per layer is kept."""
     p2 = stripe_triton._pow2
     bk = p2(C, 16, 64 if dtype == torch.float32 else 128)
     bns = sorted({p2(N, 16, 32), p2(N, 16, 64), p2(N, 16, 128)})
@@ -116,6 +116,11 @@ def candidates(C, N, dtype):
     out.append(dict(BLOCK_M=64, BLOCK_N=bns[0], BLOCK_K=bk, CHUNK=16, num_warps=4, num_stages=3, DENSE=False))
     for bm, bn, nw in ((128, p2(N, 16, 64), 4), (128, p2(N, 16, 128), 8), (256, p2(N, 16, 64), 8)):
         out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, CHUNK=16, num_warps=nw, num_stages=3, DENSE=True))
+    if C >= 64:  # route (b) with the gather reduction
+        for bm, nw in ((64, 4), (128, 8)):
+            for ch in (32, 64):
+                out.append(dict(BLOCK_M=bm, BLOCK_N=p2(N, 16, 128), BLOCK_K=bk, CHUNK=ch, num_warps=nw,
+                                num_stages=2, DENSE=False, GATHER=True))
     return out
 
 
@@ -158,7 +163,8 @@ def run_case(net, B, C, H, keep, w64, oi, off, x64, gen, rates, bw, rows, fails,
         cands = candidates(C, N, dt)
         xs8 = x64[:8].to(dt).contiguous(memory_format=fmt)
         errs = []
-        for cfg in cands[:1] + cands[-3:-2]:  # one route-b and one route-a config
+        firsts = {("a" if c["DENSE"] else "g" if c.get("GATHER") else "b"): c for c in reversed(cands)}
+        for cfg in firsts.values():  # the first config of each route
             y = run_stripe(xs8, w, oi, off, b, plan, N, cfg)
             errs.append(((y.double() - ref).norm() / ref.norm()).item())
         err = max(errs)
@@ -199,7 +205,8 @@ def run_case(net, B, C, H, keep, w64, oi, off, x64, gen, rates, bw, rows, fails,
         row = dict(net=net, B=B, C=C, N=N, H=H, keep=keep, mask=mask, stripes=S, dtype=dname, layout=layout,
                    dense_ms=round(dense_ms, 4), stripe_ms=round(best[0], 4),
                    stripe_default_ms=round(def_ms, 4), config=best[1],
-                   route="a" if best[1]["DENSE"] else "b", speedup=round(sp, 2),
+                   route="a" if best[1]["DENSE"] else "b-gather" if best[1].get("GATHER") else "b",
+                   speedup=round(sp, 2),
                    floor_ms=round(floor_ms, 4), attainable=round(attain, 2),
                    fraction=round(sp / attain, 2), rel_err=err)
         if (keep == 0.3 or mask != "random") and layout == "cl":

@@ -8,10 +8,19 @@ They are taken CHUNK at a time (all of one offset, so they share one shifted inp
     P[M, CHUNK]    = A_k[M, C] @ W[chunk, C]^T        (tensor cores, fp32 accumulate)
     acc[M, BLOCK_N] += P @ R[CHUNK, BLOCK_N]           (R one-hot: stripe -> its output channel column)
 
-so per-stripe results never leave registers. Epilogue: bias, optional ReLU, store in the output's layout
+so per-stripe results never leave registers. With GATHER (route b', the default from 128 input channels) the
+one-hot product is replaced by ``acc[:, o] += P[:, s(k, o) - s0]`` (``tl.gather``; s(k, o) = the stripe of offset
+k and channel o, read from the plan), which costs no tensor-core work: on an H200 (bf16, channels_last, random
+masks, keep 0.3/0.15) it ran 1.1-1.5x faster than the one-hot route on 128-512-channel layers, about the same at
+64 and slower at 16-32 channels (benchmarks/results/stripe_gather_h200.json). Epilogue: bias, optional ReLU, store in the output's layout
 (NCHW or channels_last; the input is read channels_last, an NCHW input is converted first).
 float32 inputs use TF32 tensor cores with round-to-nearest operands, and P is split into two TF32 parts
 for the one-hot reduction, so the result stays within ~1e-4 relative of float32.
+
+Tried and dropped (H200, 2026-11-21): one flat loop of uniform (offset, stripe chunk, channel chunk) steps so
+that Triton pipelines the loads across offsets (gather reduction). Keep 0.3 and 0.15 ran in the same time on
+64-channel layers, so the kernel looked latency-bound, but the flat loop was no faster than the nested one
+(0.47-0.87x cuDNN vs 0.48-0.86x; benchmarks/results/stripe_flat_reverted_h200.json).
 """
 
 from __future__ import annotations
@@ -59,7 +68,7 @@ if triton is not None:
         DH: tl.constexpr, DW: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
         HAS_BIAS: tl.constexpr, RELU: tl.constexpr, IS_FP32: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
-        ONE_K: tl.constexpr, DENSE: tl.constexpr,
+        ONE_K: tl.constexpr, DENSE: tl.constexpr, GATHER: tl.constexpr,
     ):
         # w_ptr: route (b) stripe weight (S, C); DENSE route (a): zero-filled dense weight (KH*KW, C, N)
         pid_m = tl.program_id(0)
@@ -99,10 +108,14 @@ if triton is not None:
                             wt = _round_tf32(wt)
                         acc = tl.dot(a, wt, acc)
                 else:
+                    if GATHER:
+                        # first stripe of (k, o) for each column o of the tile, and whether it exists
+                        s_first = tl.load(plan_ptr + k * (N + 1) + n0 + cols, mask=(n0 + cols) < N, other=0)
+                        s_has = tl.load(plan_ptr + k * (N + 1) + n0 + cols + 1, mask=(n0 + cols) < N,
+                                        other=0) > s_first
                     for s0 in range(s_lo, s_hi, CHUNK):
                         st = s0 + cc
                         s_ok = st < s_hi
-                        oc = tl.load(oi_ptr + st, mask=s_ok, other=-1) - n0
                         p = tl.zeros((BLOCK_M, CHUNK), dtype=tl.float32)
                         for c0 in range(0, C, BLOCK_K):
                             c_ok = (c0 + ck) < C
@@ -113,15 +126,23 @@ if triton is not None:
                             if IS_FP32:
                                 wt = _round_tf32(wt)
                             p = tl.dot(a, wt, p)
-                        r = (oc[:, None] == cols[None, :])
-                        if IS_FP32:
-                            p_hi = _round_tf32(p)
-                            p_lo = _round_tf32(p - p_hi)
-                            rf = r.to(tl.float32)
-                            acc = tl.dot(p_hi, rf, acc)
-                            acc = tl.dot(p_lo, rf, acc)
+                        if GATHER:
+                            # column o of the tile takes P's column (its stripe - s0) when that is in this chunk
+                            loc = s_first - s0
+                            hit = s_has & (loc >= 0) & (loc < CHUNK)
+                            idx = tl.broadcast_to(tl.where(hit, loc, 0)[None, :], (BLOCK_M, BLOCK_N))
+                            acc += tl.where(hit[None, :], tl.gather(p, idx, 1), 0.0)
                         else:
-                            acc = tl.dot(p.to(x_ptr.dtype.element_ty), r.to(x_ptr.dtype.element_ty), acc)
+                            oc = tl.load(oi_ptr + st, mask=s_ok, other=-1) - n0
+                            r = (oc[:, None] == cols[None, :])
+                            if IS_FP32:
+                                p_hi = _round_tf32(p)
+                                p_lo = _round_tf32(p - p_hi)
+                                rf = r.to(tl.float32)
+                                acc = tl.dot(p_hi, rf, acc)
+                                acc = tl.dot(p_lo, rf, acc)
+                            else:
+                                acc = tl.dot(p.to(x_ptr.dtype.element_ty), r.to(x_ptr.dtype.element_ty), acc)
         n_ok = (n0 + cols) < N
         if HAS_BIAS:
             bias = tl.load(b_ptr + n0 + cols, mask=n_ok, other=0.0).to(tl.float32)
@@ -143,9 +164,12 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype) -> dict:
     """Heuristic tile choice (tuned in benchmarks/stripe_gpu.py)."""
     block_k = _pow2(C, 16, 64 if dtype == torch.float32 else 128)
     block_n = _pow2(N, 16, 64 if C <= 64 else 128)
+    dense = C <= 16 or S > 0.4 * K * N or (dtype == torch.float32 and S > 0.2 * K * N)
+    if C >= 128 and not dense:  # gather reduction (the best configs of stripe_gather_h200.json)
+        return dict(BLOCK_M=64, BLOCK_N=_pow2(N, 16, 128), BLOCK_K=block_k, CHUNK=32 if S <= 0.2 * K * N else 64,
+                    num_warps=4, num_stages=2, DENSE=False, GATHER=True)
     return dict(BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=block_k, CHUNK=16 if S <= 0.2 * K * N else 32,
-                num_warps=4 if block_n <= 64 else 8, num_stages=2,
-                DENSE=C <= 16 or S > 0.4 * K * N or (dtype == torch.float32 and S > 0.2 * K * N))
+                num_warps=4 if block_n <= 64 else 8, num_stages=2, DENSE=dense)
 
 
 def forward(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding, dilation,
@@ -166,6 +190,7 @@ def forward(x, weight, out_index, offset, bias, plan, out_channels, kernel_size,
     BM, BN = cfg.pop("BLOCK_M"), cfg["BLOCK_N"]
     cfg["ONE_K"] = C <= cfg["BLOCK_K"]
     cfg.setdefault("DENSE", False)
+    cfg.setdefault("GATHER", False)
     if cfg["DENSE"]:
         # zero-filled dense weight (KH*KW, C, N): cheap (K*C*N elements) and exact
         wk = weight.new_zeros(KH * KW, N, C)

@@ -189,11 +189,14 @@ from kernels import stripe_triton
 from test_kernels_stripe import random_layer, _ref
 gen = torch.Generator().manual_seed(8)
 cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, CHUNK=16, num_warps=4, num_stages=2)
+gcfg = dict(cfg, CHUNK=8, GATHER=True)
 for dt, ks, st, pd, dl, C, N, c in [
         (torch.float32, (3, 3), (1, 1), (1, 1), (1, 1), 16, 20, None),
         (torch.float32, (3, 3), (2, 2), (1, 1), (1, 1), 40, 20, cfg),
         (torch.float16, (3, 3), (2, 2), (1, 1), (1, 1), 40, 20, dict(cfg, DENSE=True)),
-        (torch.float16, (3, 2), (2, 1), (0, 1), (2, 1), 16, 36, cfg)]:
+        (torch.float16, (3, 2), (2, 1), (0, 1), (2, 1), 16, 36, cfg),
+        (torch.float32, (3, 3), (1, 1), (1, 1), (1, 1), 40, 36, gcfg),
+        (torch.float16, (3, 2), (2, 1), (0, 1), (2, 1), 16, 36, gcfg)]:
     w, oi, off = random_layer(N, C, ks, 0.4, gen, dtype=torch.float32)
     x = torch.randn(2, C, 6, 5, generator=gen)
     b = torch.randn(N, generator=gen)
@@ -216,7 +219,8 @@ print("OK")
 
 
 def test_triton_kernel_interpreted_on_cpu():
-    """The Triton kernel's indexing and one-hot reduction, run by TRITON_INTERPRET=1 on tiny shapes."""
+    """The Triton kernel's indexing and its one-hot and gather reductions, run by TRITON_INTERPRET=1 on tiny
+    shapes (CHUNK 8 < the tile's stripes per offset, so a column's stripe may fall in a later chunk)."""
     import subprocess
     import sys
 
