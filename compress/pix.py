@@ -28,8 +28,9 @@ from compress.models.cifar_resnet import BasicBlock as CifarBasicBlock
 from compress.models.cifar_resnet import Bottleneck as CifarBottleneck
 from compress.models.cifar_vgg import CifarVGG
 from compress.surgery import replace_module
+from kernels import residual_relu
 
-__all__ = ["PiXBlock", "insert_pix", "downscale_pix", "apply_pix"]
+__all__ = ["PiXBlock", "PiXBottleneck", "insert_pix", "downscale_pix", "apply_pix"]
 
 
 def _check_zeta(where: str, zeta: int) -> None:
@@ -129,6 +130,21 @@ def _resized(module: nn.Module, where: str, in_channels: int, out_channels: int)
     return new
 
 
+torch.fx.wrap("residual_relu")  # a leaf in torch.fx graphs (compaction traces models): its fast path branches
+
+
+class PiXBottleneck(tvm.resnet.Bottleneck):
+    """torchvision's Bottleneck after `insert_pix` (same modules and state dict; conv1 is the PiXBlock, bn1 an
+    Identity). Its forward is torchvision's without the ReLU after PiX (a no-op there: see `_squeeze_with_pix`)
+    and with the residual sum + ReLU as `kernels.residual_relu`, which on CUDA also pools the block output for the
+    next block's PiX in the same pass (H200: benchmarks/results/pix_gpu_h200.json, pix_profile_h200_b64.txt)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn2(self.conv2(self.conv1(x))))
+        out = self.bn3(self.conv3(out))
+        return residual_relu(out, x if self.downsample is None else self.downsample(x))
+
+
 def _squeeze_with_pix(name: str, block: nn.Module, zeta: int, tau: float) -> None:
     """Replace `block`'s squeeze conv1 + bn1 + act1 by PiXBlock(in, in / width), width = out / zeta, and
     resize conv2, bn2 and conv3's input to that width when it differs from the current one.
@@ -162,6 +178,8 @@ def _squeeze_with_pix(name: str, block: nn.Module, zeta: int, tau: float) -> Non
             f"(= output channels {out_ch} / zeta {zeta}); PiX can only squeeze, choose a larger zeta"
         )
     block.conv1, block.bn1 = PiXBlock(in_ch, in_ch // width, tau), nn.Identity()
+    if type(block) is tvm.resnet.Bottleneck:
+        block.__class__ = PiXBottleneck  # same modules, the forward above
     if hasattr(block, "act1"):
         block.act1 = nn.Identity()
     if (conv2.in_channels, conv2.out_channels) != (width, width):

@@ -1,7 +1,8 @@
 """Custom ops for the compression framework, registered with ``torch.library`` in the ``compress`` namespace.
 
 Public functions (thin wrappers over ``torch.ops.compress.*``) and modules:
-    pix(x, p, zeta, tau=0.5), pix_squeeze(x, weight, zeta, tau=0.5) (the whole PiX block)
+    pix(x, p, zeta, tau=0.5), pix_squeeze(x, weight, zeta, tau=0.5) (the whole PiX block),
+    residual_relu(out, identity) (a residual tail that hands the next PiX block its pool; eager CUDA fast path)
     depthwise_conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1), DepthwiseConv2d
     conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1), Im2colConv2d
 Each op has a CPU path (vectorised PyTorch), a CUDA path (``csrc/``, compiled on first use, see ``_ext``),
@@ -10,8 +11,8 @@ a fake kernel and autograd (the backward is its own op). ``python -m kernels bui
 
 from kernels.conv2d import Im2colConv2d, conv2d
 from kernels.depthwise import DepthwiseConv2d, depthwise_conv2d
-from kernels.pix import pix, pix_reference, pix_squeeze
+from kernels.pix import pix, pix_reference, pix_squeeze, residual_relu
 from kernels.stripe import stripe_conv2d, stripe_cost, stripe_plan, stripe_route, stripe_to_dense
 
-__all__ = ["pix", "pix_squeeze", "pix_reference", "depthwise_conv2d", "DepthwiseConv2d", "conv2d", "Im2colConv2d",
+__all__ = ["pix", "pix_squeeze", "pix_reference", "residual_relu", "depthwise_conv2d", "DepthwiseConv2d", "conv2d", "Im2colConv2d",
            "stripe_conv2d", "stripe_plan", "stripe_to_dense", "stripe_route", "stripe_cost"]

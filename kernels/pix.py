@@ -31,7 +31,7 @@ from torch import Tensor
 from kernels import _cpu, _ext
 from kernels._utils import acc_dtype, check_4d, check_like, memory_format, use_kernel
 
-__all__ = ["pix", "pix_squeeze", "pix_reference"]
+__all__ = ["pix", "pix_squeeze", "pix_reference", "residual_relu"]
 
 OP = "compress::pix"
 SQOP = "compress::pix_squeeze"
@@ -344,9 +344,11 @@ def _pix_squeeze_cuda(x: Tensor, weight: Tensor, zeta: int, tau: float) -> tuple
     return _squeeze_ext(ext, x, weight, zeta, tau)
 
 
-def _squeeze_ext(ext, x: Tensor, weight: Tensor, zeta: int, tau: float) -> tuple[Tensor, Tensor]:
+def _squeeze_ext(ext, x: Tensor, weight: Tensor, zeta: int, tau: float,
+                 pooled: Tensor | None = None) -> tuple[Tensor, Tensor]:
     fmt = memory_format(x)
-    return tuple(ext.pix_squeeze_forward(x.contiguous(memory_format=fmt), weight, zeta, tau, fmt == torch.channels_last))
+    return tuple(ext.pix_squeeze_forward(x.contiguous(memory_format=fmt), weight, zeta, tau, fmt == torch.channels_last,
+                                         pooled))
 
 
 def _squeeze_backward_ext(ext, grad: Tensor, x: Tensor, weight: Tensor, pooled: Tensor, zeta: int,
@@ -438,7 +440,8 @@ def pix_squeeze(x: Tensor, weight: Tensor, zeta: int, tau: float = 0.5) -> Tenso
 
     Plain eager calls (no tracing, compiling or Python modes; see ``_plain_eager``) skip the dispatcher: CPU
     inference calls the op's CPU implementation (the round trip is a few % of a batch-1 PiX ResNet-50 forward),
-    CUDA calls the op's C++ functions, through ``_PixSqueezeCUDA`` when autograd records.
+    CUDA calls the op's C++ functions, through ``_PixSqueezeCUDA`` when autograd records, and takes the channel
+    mean that ``residual_relu`` kept on x instead of computing it (see there).
     """
     zeta, tau = int(zeta), float(tau)
     if _plain_eager(x, weight):
@@ -449,7 +452,10 @@ def pix_squeeze(x: Tensor, weight: Tensor, zeta: int, tau: float = 0.5) -> Tenso
         ext = _ext.load() if x.is_cuda and use_kernel(x) and x.numel() else None
         if ext is not None:
             _check_squeeze(x, weight, zeta)
-            return _PixSqueezeCUDA.apply(x, weight, zeta, tau) if grad else _squeeze_ext(ext, x, weight, zeta, tau)[0]
+            pooled = _attached_mean(x)
+            if grad:
+                return _PixSqueezeCUDA.apply(x, weight, zeta, tau, pooled)
+            return _squeeze_ext(ext, x, weight, zeta, tau, pooled)[0]
     return _pix_squeeze_op(x, weight, zeta, tau)[0]
 
 
@@ -459,17 +465,18 @@ class _PixSqueezeCUDA(torch.autograd.Function):
     host-bound on an H200. Anything that traces, compiles or intercepts goes through the registered op."""
 
     @staticmethod
-    def forward(ctx, x, weight, zeta, tau):
-        y, pooled = _squeeze_ext(_ext.load(), x, weight, zeta, tau)
+    def forward(ctx, x, weight, zeta, tau, pooled):
+        y, pooled = _squeeze_ext(_ext.load(), x, weight, zeta, tau, pooled)
         ctx.save_for_backward(x, weight, pooled)
         ctx.zeta, ctx.tau = zeta, tau
         return y
 
     @staticmethod
     def backward(ctx, grad):
+        # the pool's gradient goes into dx (inside the dx kernel), so a precomputed `pooled` gets none
         x, weight, pooled = ctx.saved_tensors
         dx, dweight = _squeeze_backward_ext(_ext.load(), grad, x, weight, pooled, ctx.zeta, ctx.tau)
-        return dx, dweight, None, None
+        return dx, dweight, None, None, None
 
 
 _len_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
@@ -484,6 +491,64 @@ def _plain_eager(x: Tensor, weight: Tensor) -> bool:
             and type(x) is torch.Tensor and type(weight) in (torch.Tensor, torch.nn.Parameter)
             and _len_dispatch_modes is not None and _len_function_modes is not None
             and _len_dispatch_modes() == 0 and _len_function_modes() == 0)
+
+
+# ------------------------------------------------------------------------ residual tail + the next pool
+_MEAN_ATTR = "_compress_channel_mean"  # (pooled (B, C) float32, tensor version when it was computed)
+
+
+def residual_relu(out: Tensor, identity: Tensor) -> Tensor:
+    """``relu(out + identity)``, a residual block's tail; ``out`` (B, C, H, W) is consumed like torchvision's
+    ``out += identity`` (it may be overwritten), ``identity`` has its shape.
+
+    In plain eager mode on CUDA, with ``out`` and ``identity`` of one float dtype and layout, it is one kernel
+    that also computes the result's channel mean (float32) and keeps it on the returned tensor: a ``pix_squeeze``
+    of that tensor (while unmodified: its version is checked) then reads x once instead of twice, and the
+    separate ReLU pass is gone. Differentiable (the kept mean is a cached statistic, not an autograd output;
+    ``pix_squeeze`` routes the pool's gradient through its own dx). Elsewhere: ``out.add_(identity).relu_()``.
+    """
+    if (out.is_cuda and out.dtype in (torch.float32, torch.float16, torch.bfloat16) and out.dtype == identity.dtype
+            and out.shape == identity.shape and out.dim() == 4 and out.device == identity.device
+            and _plain_eager(out, identity) and type(identity) is torch.Tensor and use_kernel(out)):
+        fmt = memory_format(out)
+        ext = _ext.load() if memory_format(identity) == fmt and out.is_contiguous(memory_format=fmt) else None
+        if ext is not None and identity.is_contiguous(memory_format=fmt):
+            grad = torch.is_grad_enabled() and (out.requires_grad or identity.requires_grad)
+            cl = fmt == torch.channels_last
+            if grad:
+                y = _ResidualReluCUDA.apply(out, identity, cl)
+                pooled = y.grad_fn._pooled  # kept by the Function's forward (see there)
+            else:
+                y, pooled = ext.add_relu_pool(out, identity, cl)
+            setattr(y, _MEAN_ATTR, (pooled, y._version))
+            return y
+    return out.add_(identity).relu_()
+
+
+def _attached_mean(x: Tensor) -> Tensor | None:
+    """The channel mean ``residual_relu`` kept on x, if x is unmodified since; else None."""
+    kept = getattr(x, _MEAN_ATTR, None)
+    if kept is None or kept[1] != x._version:
+        return None
+    return kept[0]
+
+
+class _ResidualReluCUDA(torch.autograd.Function):
+    """relu(a + b) by the fused CUDA kernel; backward ``g * (y > 0)`` to both inputs. The channel mean it also
+    computes is stored on the graph node (``ctx._pooled``), not returned, so autograd does not track it."""
+
+    @staticmethod
+    def forward(ctx, a, b, cl):
+        y, pooled = _ext.load().add_relu_pool(a, b, cl)
+        ctx._pooled = pooled
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        g = torch.ops.aten.threshold_backward(grad, y, 0)
+        return g, g, None
 
 
 def pix_reference(x: Tensor, p: Tensor, zeta: int, tau: float = 0.5) -> Tensor:

@@ -380,3 +380,61 @@ def test_pix_squeeze_eager_fast_path_equals_op_cuda(layout):
     assert rel_err(dx, dx2) < 1e-3 and rel_err(dw, dw2) < 1e-5  # dp's shared-memory sums may reorder
     with torch.no_grad():
         assert torch.equal(kernels.pix_squeeze(x, w, 4), y2)
+
+
+# ----------------------------------------------------------------- residual_relu (the next PiX block's pool)
+def test_residual_relu_cpu_is_add_relu_without_a_kept_mean():
+    gen = torch.Generator().manual_seed(3)
+    a, b = torch.randn(2, 8, 5, 6, generator=gen), torch.randn(2, 8, 5, 6, generator=gen)
+    want = torch.relu(a + b)
+    y = kernels.residual_relu(a.clone(), b)
+    assert torch.equal(y, want)
+    from kernels.pix import _attached_mean
+
+    assert _attached_mean(y) is None
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("shape", [(3, 16, 7, 7), (2, 64, 14, 14), (2, 24, 1, 37)])
+def test_residual_relu_cuda_feeds_pix_squeeze(dtype, layout, shape):
+    from kernels.pix import _attached_mean
+
+    assert _ext.load() is not None, "CUDA extension failed to build"
+    gen = torch.Generator().manual_seed(4)
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    a64 = torch.randn(shape, generator=gen, dtype=torch.float64)
+    b64 = torch.randn(shape, generator=gen, dtype=torch.float64)
+    w = (torch.randn(shape[1] // 4, shape[1], 1, 1, generator=gen) / shape[1] ** 0.5).cuda()
+    a, b = (t.to(dtype).cuda().contiguous(memory_format=fmt) for t in (a64, b64))
+    y = kernels.residual_relu(a.clone(), b)
+    # the sum is rounded once to dtype, as PyTorch's add does; the ReLU is exact
+    assert torch.equal(y, torch.relu(a + b)) and y.is_contiguous(memory_format=fmt)
+    pooled = _attached_mean(y)
+    torch.testing.assert_close(pooled, y.double().mean((2, 3)).float(), rtol=1e-5, atol=1e-6)
+    # pix_squeeze takes the kept mean: the same output as computing it itself
+    fresh = y.clone()
+    assert _attached_mean(fresh) is None
+    torch.testing.assert_close(kernels.pix_squeeze(y, w, 4), kernels.pix_squeeze(fresh, w, 4), rtol=1e-3, atol=1e-3)
+    y.mul_(-1)  # an in-place change makes the kept mean stale: it is not used
+    assert _attached_mean(y) is None
+
+
+@pytest.mark.cuda
+def test_residual_relu_cuda_gradients_match_autograd_of_torch_ops():
+    gen = torch.Generator().manual_seed(5)
+    shape = (2, 32, 9, 9)
+    w0 = torch.randn(8, 32, 1, 1, generator=gen, dtype=torch.float64) / 32**0.5
+    a0, b0 = torch.randn(shape, generator=gen, dtype=torch.float64), torch.randn(shape, generator=gen, dtype=torch.float64)
+    dy = torch.randn(2, 8, 9, 9, generator=gen, dtype=torch.float64)
+    grads = []
+    for fused in (True, False):
+        a = a0.float().cuda().contiguous(memory_format=torch.channels_last).requires_grad_()
+        b = b0.float().cuda().contiguous(memory_format=torch.channels_last).requires_grad_()
+        w = w0.float().cuda().requires_grad_()
+        x = kernels.residual_relu(a * 1, b) if fused else torch.relu(a + b)
+        kernels.pix_squeeze(x, w, 4).backward(dy.float().cuda())
+        grads.append((a.grad, b.grad, w.grad))
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

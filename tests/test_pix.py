@@ -188,6 +188,36 @@ def test_torchvision_resnet50_insertion(zeta):
     _train_step(model, x)
 
 
+def test_pix_bottleneck_forward_is_torchvision_forward():
+    """PiXBottleneck (torchvision blocks after insert_pix) drops the no-op ReLU after PiX and ends with
+    kernels.residual_relu: outputs and gradients equal torchvision's own forward on the same modules."""
+    from compress import surgery
+    from compress.pix import PiXBottleneck
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet50(num_classes=10)
+    insert_pix(model, 4)
+    blocks = [m for m in model.modules() if isinstance(m, torchvision.models.resnet.Bottleneck)]
+    assert len(blocks) == 16 and all(type(m) is PiXBottleneck for m in blocks)
+    x = torch.randn(2, 3, 64, 64)
+    results = []
+    for cls in (PiXBottleneck, torchvision.models.resnet.Bottleneck):
+        for m in blocks:
+            m.__class__ = cls
+        model.zero_grad()
+        y = model(x)
+        y.square().sum().backward()
+        results.append((y.detach(), [p.grad.clone() for p in model.parameters()]))
+    for m in blocks:
+        m.__class__ = PiXBottleneck
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=0)
+    for g0, g1 in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(g0, g1, rtol=1e-6, atol=1e-7)
+    graph = surgery.trace(model)  # compaction traces models: residual_relu is a leaf of the fx graph
+    assert graph is not None
+    assert sum(n.target is compress.pix.residual_relu for n in graph.nodes) == 16
+
+
 def test_cifar_bottleneck_and_timm_insertion_keep_shapes():
     for name in ("timm:resnet26", "resnet29_bottleneck"):
         torch.manual_seed(0)

@@ -8,7 +8,8 @@ at::Tensor pix_forward(const at::Tensor& x, const at::Tensor& p, int64_t zeta, d
 std::vector<at::Tensor> pix_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& p, int64_t zeta,
                                      double tau, bool cl);
 std::vector<at::Tensor> pix_squeeze_forward(const at::Tensor& x, const at::Tensor& weight, int64_t zeta, double tau,
-                                            bool cl);
+                                            bool cl, const c10::optional<at::Tensor>& pooled);
+std::vector<at::Tensor> add_relu_pool(const at::Tensor& a, const at::Tensor& b, bool cl);
 std::vector<at::Tensor> pix_squeeze_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
                                              const at::Tensor& pooled, int64_t zeta, double tau, bool cl);
 at::Tensor dw_forward(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
@@ -25,7 +26,9 @@ at::Tensor col2im(const at::Tensor& cols, std::vector<int64_t> size, std::vector
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pix_forward", &pix_forward, "PiX forward (CUDA)");
   m.def("pix_backward", &pix_backward, "PiX backward: dx, dp (CUDA)");
-  m.def("pix_squeeze_forward", &pix_squeeze_forward, "PiX block forward: y, pooled (CUDA)");
+  m.def("pix_squeeze_forward", &pix_squeeze_forward, "PiX block forward: y, pooled (CUDA)", py::arg("x"),
+        py::arg("weight"), py::arg("zeta"), py::arg("tau"), py::arg("cl"), py::arg("pooled") = py::none());
+  m.def("add_relu_pool", &add_relu_pool, "relu(a + b) and its channel mean (CUDA)");
   m.def("pix_squeeze_backward", &pix_squeeze_backward, "PiX block backward: dx, dweight (CUDA)");
   m.def("dw_forward", &dw_forward, "depthwise conv forward (CUDA)");
   m.def("dw_backward", &dw_backward, "depthwise conv backward: dx, dw (CUDA)");

@@ -286,17 +286,30 @@ __global__ void sum_chunks(const float* __restrict__ partial, T* __restrict__ ou
 }
 
 // --------------------------------------------------------------------------------- channel mean (the pool)
+// FUSE = false: the mean of x. FUSE = true: x := relu(x + res) is computed, written to y and averaged (a residual
+// block's sum + ReLU and the next PiX block's pool in one pass).
+template <typename T, int VEC, bool FUSE>
+__device__ __forceinline__ Vec<T, VEC> load_pooled(const T* x, const T* res, T* y, int64_t i) {
+  Vec<T, VEC> v = *reinterpret_cast<const Vec<T, VEC>*>(x + i);
+  if constexpr (FUSE) {
+    const Vec<T, VEC> r = *reinterpret_cast<const Vec<T, VEC>*>(res + i);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) v.v[j] = from_f<T>(fmaxf(to_f(v.v[j]) + to_f(r.v[j]), 0.f));
+    *reinterpret_cast<Vec<T, VEC>*>(y + i) = v;
+  }
+  return v;
+}
+
 // NCHW: one warp per (b, c) plane, vector loads along HW; out (B*C) float32.
-template <typename T, int VEC>
-__global__ void __launch_bounds__(kThreads) mean_nchw(const T* __restrict__ x, float* __restrict__ out, int planes,
-                                                      int HW) {
+template <typename T, int VEC, bool FUSE>
+__global__ void __launch_bounds__(kThreads) mean_nchw(const T* __restrict__ x, const T* __restrict__ res,
+                                                      T* __restrict__ y, float* __restrict__ out, int planes, int HW) {
   const int plane = (int)(((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5);
   const int lane = threadIdx.x & 31;
   if (plane >= planes) return;  // whole warps
-  const Vec<T, VEC>* xp = reinterpret_cast<const Vec<T, VEC>*>(x + (int64_t)plane * HW);
   float s = 0.f;
-  for (int i = lane; i < HW / VEC; i += 32) {
-    const Vec<T, VEC> v = xp[i];
+  for (int i = lane * VEC; i < HW; i += 32 * VEC) {
+    const Vec<T, VEC> v = load_pooled<T, VEC, FUSE>(x, res, y, (int64_t)plane * HW + i);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) s += to_f(v.v[j]);
   }
@@ -307,8 +320,9 @@ __global__ void __launch_bounds__(kThreads) mean_nchw(const T* __restrict__ x, f
 
 // channels_last: block (32 threads x VEC channels) x (8 rows of positions); grid (channel tiles, position chunks,
 // B). Partial sums (B, chunks, C), then sum_chunks.
-template <typename T, int VEC>
-__global__ void mean_cl_partial(const T* __restrict__ x, float* __restrict__ partial, int C, int HW, int chunk) {
+template <typename T, int VEC, bool FUSE>
+__global__ void mean_cl_partial(const T* __restrict__ x, const T* __restrict__ res, T* __restrict__ y,
+                                float* __restrict__ partial, int C, int HW, int chunk) {
   __shared__ float red[8][32 * VEC + 1];
   const int c = (blockIdx.x * 32 + threadIdx.x) * VEC;
   const int b = blockIdx.z;
@@ -319,7 +333,7 @@ __global__ void mean_cl_partial(const T* __restrict__ x, float* __restrict__ par
   for (int j = 0; j < VEC; ++j) acc[j] = 0.f;
   if (c < C) {
     for (int hw = h0 + threadIdx.y; hw < h1; hw += 8) {
-      const Vec<T, VEC> v = *reinterpret_cast<const Vec<T, VEC>*>(x + ((int64_t)b * HW + hw) * C + c);
+      const Vec<T, VEC> v = load_pooled<T, VEC, FUSE>(x, res, y, ((int64_t)b * HW + hw) * C + c);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) acc[j] += to_f(v.v[j]);
     }
@@ -541,46 +555,62 @@ std::vector<at::Tensor> pix_backward(const at::Tensor& dy, const at::Tensor& x, 
 
 namespace {
 
-// Mean over H, W: x (B, C, H, W) NCHW or channels_last -> (B, C) float32.
-at::Tensor channel_mean(const at::Tensor& x, bool cl) {
-  TORCH_CHECK(x.is_cuda() && x.dim() == 4, "compress::pix_squeeze: tensor 'x' must be a 4-D CUDA tensor");
-  TORCH_CHECK(x.numel() < ((int64_t)1 << 31) - 1, "compress::pix_squeeze: tensor 'x' has too many elements (2^31)");
+// Mean over H, W: x (B, C, H, W) NCHW or channels_last -> (B, C) float32. With `res` defined (same shape, dtype
+// and layout as x), the mean of relu(x + res), which is also written to `y` (allocated like x).
+at::Tensor channel_mean(const at::Tensor& x, const at::Tensor& res, const at::Tensor& y, bool cl, const char* op) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 4, op, ": tensor 'x' must be a 4-D CUDA tensor");
+  TORCH_CHECK(x.numel() < ((int64_t)1 << 31) - 1, op, ": tensor 'x' has too many elements (2^31)");
   const at::cuda::OptionalCUDAGuard guard(x.device());
   const int64_t B = x.size(0), C = x.size(1), HW = x.size(2) * x.size(3);
   auto fmt = cl ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
-  TORCH_CHECK(x.is_contiguous(fmt), "compress::pix_squeeze: tensor 'x' must be contiguous in the requested layout");
+  TORCH_CHECK(x.is_contiguous(fmt), op, ": tensor 'x' must be contiguous in the requested layout");
+  const bool fuse = res.defined();
+  if (fuse)
+    TORCH_CHECK(res.sizes() == x.sizes() && res.scalar_type() == x.scalar_type() && res.device() == x.device() &&
+                    res.is_contiguous(fmt) && y.sizes() == x.sizes() && y.is_contiguous(fmt),
+                op, ": the residual must match x in shape, dtype, device and layout");
   auto out = at::empty({B, C}, x.options().dtype(at::kFloat));
   if (out.numel() == 0) return out;
   if (HW == 0) return out.zero_().div_(0.);  // the mean of nothing, as torch.mean: nan
   auto stream = at::cuda::getCurrentCUDAStream();
   CK_DISPATCH(x.scalar_type(), "channel_mean", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
-    if (cl) {
-      auto launch = [&](auto V) {
-        constexpr int VV = decltype(V)::value;
-        const int64_t tiles = ck::ceil_div(C, 32 * VV);
-        const int64_t chunks = cl_chunks(tiles, B, HW), chunk = ck::ceil_div(HW, chunks);
-        auto partial = at::empty({B, chunks, C}, x.options().dtype(at::kFloat));
-        mean_cl_partial<scalar_t, VV><<<dim3((unsigned)tiles, (unsigned)chunks, (unsigned)B), dim3(32, 8), 0, stream>>>(
-            xp, partial.data_ptr<float>(), (int)C, (int)HW, (int)chunk);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-        sum_chunks<float><<<ck::grid_for(B * C, kThreads), kThreads, 0, stream>>>(
-            partial.data_ptr<float>(), out.data_ptr<float>(), (int)(B * C), (int)C, (int)chunks, 1.f / (float)HW);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      };
-      constexpr int VW = 16 / (int)sizeof(scalar_t);
-      if (C % VW == 0 && ck::aligned(xp, 16))
-        launch(std::integral_constant<int, VW>{});
+    const scalar_t* rp = fuse ? res.data_ptr<scalar_t>() : nullptr;
+    scalar_t* yp = fuse ? y.data_ptr<scalar_t>() : nullptr;
+    auto launch_cl = [&](auto V, auto F) {
+      constexpr int VV = decltype(V)::value;
+      const int64_t tiles = ck::ceil_div(C, 32 * VV);
+      const int64_t chunks = cl_chunks(tiles, B, HW), chunk = ck::ceil_div(HW, chunks);
+      auto partial = at::empty({B, chunks, C}, x.options().dtype(at::kFloat));
+      mean_cl_partial<scalar_t, VV, decltype(F)::value>
+          <<<dim3((unsigned)tiles, (unsigned)chunks, (unsigned)B), dim3(32, 8), 0, stream>>>(
+              xp, rp, yp, partial.data_ptr<float>(), (int)C, (int)HW, (int)chunk);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      sum_chunks<float><<<ck::grid_for(B * C, kThreads), kThreads, 0, stream>>>(
+          partial.data_ptr<float>(), out.data_ptr<float>(), (int)(B * C), (int)C, (int)chunks, 1.f / (float)HW);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    auto launch_nchw = [&](auto V, auto F) {
+      const int64_t planes = B * C;
+      mean_nchw<scalar_t, decltype(V)::value, decltype(F)::value>
+          <<<(unsigned)ck::ceil_div(planes * 32, kThreads), kThreads, 0, stream>>>(xp, rp, yp, out.data_ptr<float>(),
+                                                                                (int)planes, (int)HW);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    auto with_fuse = [&](auto launch, auto V) {
+      if (fuse)
+        launch(V, std::true_type{});
       else
-        launch(std::integral_constant<int, 1>{});
+        launch(V, std::false_type{});
+    };
+    if (cl) {
+      constexpr int VW = 16 / (int)sizeof(scalar_t);
+      if (C % VW == 0 && ck::aligned(xp, 16) && ck::aligned(rp, 16) && ck::aligned(yp, 16))
+        with_fuse(launch_cl, std::integral_constant<int, VW>{});
+      else
+        with_fuse(launch_cl, std::integral_constant<int, 1>{});
     } else {
-      with_vec<scalar_t>(HW, {xp}, [&](auto V) {
-        constexpr int VV = decltype(V)::value;
-        const int64_t planes = B * C;
-        mean_nchw<scalar_t, VV><<<(unsigned)ck::ceil_div(planes * 32, kThreads), kThreads, 0, stream>>>(
-            xp, out.data_ptr<float>(), (int)planes, (int)HW);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      });
+      with_vec<scalar_t>(HW, {xp, rp, yp}, [&](auto V) { with_fuse(launch_nchw, V); });
     }
   });
   return out;
@@ -617,9 +647,14 @@ std::pair<at::Tensor, at::Tensor> predict(const at::Tensor& pooled, const at::Te
 }  // namespace
 
 // The PiX block (compress::pix_squeeze) forward: {y, pooled (B, C) float32}.
+// `pooled` may come in precomputed (add_relu_pool of the producing residual block): then x is read once.
 std::vector<at::Tensor> pix_squeeze_forward(const at::Tensor& x, const at::Tensor& weight, int64_t zeta, double tau,
-                                            bool cl) {
-  auto pooled = channel_mean(x, cl);
+                                            bool cl, const c10::optional<at::Tensor>& pooled_in) {
+  if (pooled_in.has_value())
+    TORCH_CHECK(pooled_in->scalar_type() == at::kFloat && pooled_in->dim() == 2 && pooled_in->size(0) == x.size(0) &&
+                    pooled_in->size(1) == x.size(1) && pooled_in->device() == x.device() && pooled_in->is_contiguous(),
+                "compress::pix_squeeze: 'pooled' must be the float32 (B, C) channel mean of x on its device");
+  auto pooled = pooled_in.has_value() ? *pooled_in : channel_mean(x, {}, {}, cl, "compress::pix_squeeze");
   return {pix_forward(x, predict(pooled, weight, x.scalar_type(), false).second, zeta, tau, cl), pooled};
 }
 
@@ -636,4 +671,11 @@ std::vector<at::Tensor> pix_squeeze_backward(const at::Tensor& dy, const at::Ten
   auto add = (at::mm(dlogit, weight.reshape({weight.size(0), -1}).to(at::kFloat)) / (double)(x.size(2) * x.size(3)))
                  .contiguous();
   return {pix_backward_impl(dy, x, p, &add, zeta, tau, cl, kDx, op)[0], dweight};
+}
+
+// A residual block's tail, relu(a + b), with the channel mean of the result: {y (like a), pooled (B, C) float32}.
+std::vector<at::Tensor> add_relu_pool(const at::Tensor& a, const at::Tensor& b, bool cl) {
+  auto y = at::empty_like(a, cl ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous);
+  auto pooled = channel_mean(a, b, y, cl, "compress::add_relu_pool");
+  return {y, pooled};
 }
