@@ -11,8 +11,8 @@ They are taken CHUNK at a time (all of one offset, so they share one shifted inp
 so per-stripe results never leave registers. With GATHER (route b', the default from 128 input channels) the
 one-hot product is replaced by ``acc[:, o] += P[:, s(k, o) - s0]`` (``tl.gather``; s(k, o) = the stripe of offset
 k and channel o, read from the plan), which costs no tensor-core work: on an H200 (bf16, channels_last, random
-masks, keep 0.3/0.15) it ran 1.1-1.5x faster than the one-hot route on 128-512-channel layers, about the same at
-64 and slower at 16-32 channels (benchmarks/results/stripe_gather_h200.json). Epilogue: bias, optional ReLU, store in the output's layout
+masks, keep 0.3/0.15) it ran 1.07-1.52x faster than the one-hot route on 128-512-channel layers, 0.89-1.08x at
+64 and 0.71-0.74x at 16-32 channels (benchmarks/results/stripe_gather_h200.json). Epilogue: bias, optional ReLU, store in the output's layout
 (NCHW or channels_last; the input is read channels_last, an NCHW input is converted first).
 float32 inputs use TF32 tensor cores with round-to-nearest operands, and P is split into two TF32 parts
 for the one-hot reduction, so the result stays within ~1e-4 relative of float32.
