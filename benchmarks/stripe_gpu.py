@@ -117,10 +117,10 @@ def candidates(C, N, dtype):
     for bm, bn, nw in ((128, p2(N, 16, 64), 4), (128, p2(N, 16, 128), 8), (256, p2(N, 16, 64), 8)):
         out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, CHUNK=16, num_warps=nw, num_stages=3, DENSE=True))
     if C >= 64:  # route (b) with the gather reduction
-        for bm, nw in ((64, 4), (128, 8)):
+        for bm, nw, ns in ((64, 4, 2), (128, 8, 2), (128, 8, 3)):
             for ch in (32, 64):
                 out.append(dict(BLOCK_M=bm, BLOCK_N=p2(N, 16, 128), BLOCK_K=bk, CHUNK=ch, num_warps=nw,
-                                num_stages=2, DENSE=False, GATHER=True))
+                                num_stages=ns, DENSE=False, GATHER=True))
     return out
 
 

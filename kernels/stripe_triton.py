@@ -20,7 +20,9 @@ for the one-hot reduction, so the result stays within ~1e-4 relative of float32.
 Tried and dropped (H200, 2026-11-21): one flat loop of uniform (offset, stripe chunk, channel chunk) steps so
 that Triton pipelines the loads across offsets (gather reduction). Keep 0.3 and 0.15 ran in the same time on
 64-channel layers, so the kernel looked latency-bound, but the flat loop was no faster than the nested one
-(0.47-0.87x cuDNN vs 0.48-0.86x; benchmarks/results/stripe_flat_reverted_h200.json).
+(0.47-0.87x cuDNN vs 0.48-0.86x; benchmarks/results/stripe_flat_reverted_h200.json). Loading every offset's
+stripe range of the tile up front (two vector loads instead of two dependent scalar loads per offset) changed
+nothing either (within 5% both ways; benchmarks/results/stripe_preload_reverted_h200.json).
 """
 
 from __future__ import annotations
@@ -166,8 +168,10 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype) -> dict:
     block_n = _pow2(N, 16, 64 if C <= 64 else 128)
     dense = C <= 16 or S > 0.4 * K * N or (dtype == torch.float32 and S > 0.2 * K * N)
     if C >= 128 and not dense:  # gather reduction (the best configs of stripe_gather_h200.json)
-        return dict(BLOCK_M=64, BLOCK_N=_pow2(N, 16, 128), BLOCK_K=block_k, CHUNK=32 if S <= 0.2 * K * N else 64,
-                    num_warps=4, num_stages=2, DENSE=False, GATHER=True)
+        wide = C >= 256
+        return dict(BLOCK_M=128 if wide else 64, BLOCK_N=_pow2(N, 16, 128), BLOCK_K=block_k,
+                    CHUNK=32 if S <= 0.2 * K * N else 64, num_warps=8 if wide else 4, num_stages=3 if wide else 2,
+                    DENSE=False, GATHER=True)
     return dict(BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=block_k, CHUNK=16 if S <= 0.2 * K * N else 32,
                 num_warps=4 if block_n <= 64 else 8, num_stages=2, DENSE=dense)
 

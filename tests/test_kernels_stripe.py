@@ -238,7 +238,8 @@ def test_triton_kernel_interpreted_on_cpu():
 def test_cuda_matches_dense(dtype, tol, layout):
     gen = torch.Generator().manual_seed(9)
     for case in CASES + [(4, 64, 64, 8, 8, (3, 3), (1, 1), (1, 1), (1, 1)),
-                         (2, 128, 96, 9, 9, (3, 3), (2, 2), (1, 1), (1, 1))]:
+                         (2, 128, 96, 9, 9, (3, 3), (2, 2), (1, 1), (1, 1)),
+                         (2, 256, 160, 7, 7, (3, 3), (1, 1), (1, 1), (1, 1))]:  # the default configs by width
         B, C, N, H, W, ks, st, pd, dl = case
         w, oi, off = random_layer(N, C, ks, 0.3, gen, device="cuda")
         x = torch.randn(B, C, H, W, generator=gen, dtype=torch.float64).cuda()
