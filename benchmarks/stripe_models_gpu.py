@@ -66,7 +66,7 @@ RANDOM_MASKS = {
 MODELS = {
     "resnet56": {"kwargs": CIFAR, "batch": 256, "real": "resnet56_digits.json"},
     "vgg16": {"kwargs": CIFAR, "batch": 256, "real": "vgg16_digits.json"},
-    "resnet18": {"kwargs": IMAGENET, "batch": 128, "real": None},
+    "resnet18": {"kwargs": IMAGENET, "batch": 128, "real": "resnet18_digits.json"},
     "resnet50": {"kwargs": IMAGENET, "batch": 128, "real": None},
 }
 # issue 5: (MACs cut at least, speedup at least, speedup goal)

@@ -1,0 +1,132 @@
+"""Where a compact model's GPU time goes, against its dense model (the numbers behind README's notes on
+whole-model speed).
+
+For one model and mask variant (as `stripe_models_gpu.py` builds them: dense = compact(plain, fold_bn=True),
+compact = compact(skeleton, fold_bn=True, channel_multiple=8), bf16, channels_last, eval, every StripeConv2d in
+dense mode, which is what `choose_modes` picks on an H200 today):
+
+1. the CUDA kernels of one forward of each (torch.profiler, per-kernel time per forward);
+2. an experiment: CUDA-graph time of both with each conv + bias + ReLU run as ONE cuDNN call
+   (`torch.cudnn_convolution_relu`, the ReLU module then skipped), against the unfused models.
+
+    python3 benchmarks/compact_profile_gpu.py [--model vgg16] [--variant real] [--batch 256] [--top 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn as nn
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from stripe_models_gpu import MODELS, build_skeleton, cuda_graph  # noqa: E402
+
+import compress  # noqa: E402
+from compress.models import create_model  # noqa: E402
+from compress.stripe import StripeConv2d  # noqa: E402
+
+
+class ConvReLU(nn.Module):
+    """conv (+ its bias) + ReLU as one cuDNN call (inference only)."""
+
+    def __init__(self, conv: nn.Module):
+        super().__init__()
+        self.conv = conv
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.conv
+        w = c._cached_dense_weight(torch.channels_last) if isinstance(c, StripeConv2d) else c.weight
+        return torch.cudnn_convolution_relu(x, w, c.bias, c.stride, c.padding, c.dilation, 1)
+
+
+def fuse_relu(seq: nn.Sequential) -> int:
+    """In a VGG `features` Sequential: conv, Identity (folded BN), ReLU -> ConvReLU, Identity, Identity."""
+    n = 0
+    for i in range(len(seq) - 2):
+        if isinstance(seq[i], (nn.Conv2d, StripeConv2d)) and isinstance(seq[i + 1], nn.Identity) and isinstance(
+            seq[i + 2], nn.ReLU
+        ):
+            seq[i], seq[i + 2] = ConvReLU(seq[i]), nn.Identity()
+            n += 1
+    return n
+
+
+def median_ms(fn, reps: int = 50) -> float:
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def build(name: str, variant: str, side: str, device: torch.device) -> nn.Module:
+    kwargs = MODELS[name]["kwargs"]
+    if side == "dense":
+        torch.manual_seed(0)
+        model = compress.compact(create_model(name, **kwargs).eval(), fold_bn=True)
+    else:
+        skeleton, _ = build_skeleton(name, variant, 0, kwargs)
+        model = compress.compact(skeleton.eval(), fold_bn=True, channel_multiple=8)
+    for m in model.modules():
+        if isinstance(m, StripeConv2d):
+            m.mode = "dense"
+    return model.to(device).to(torch.bfloat16).to(memory_format=torch.channels_last).eval()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="vgg16", choices=["vgg16"])
+    ap.add_argument("--variant", default="real", choices=["random", "real"])
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--top", type=int, default=12)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("compact_profile_gpu.py needs a CUDA GPU")
+    torch.backends.cudnn.benchmark = True
+    dev = torch.device("cuda")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.model}/{args.variant}, batch "
+          f"{args.batch}, bf16, channels_last, StripeConv2d in dense mode")
+    x = torch.randn(args.batch, 3, 32, 32, device=dev, dtype=torch.bfloat16).contiguous(
+        memory_format=torch.channels_last)
+    graphed = {}
+    for side in ("dense", "compact"):
+        model = build(args.model, args.variant, side, dev)
+        with torch.inference_mode():
+            for _ in range(20):
+                model(x)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    model(x)
+                torch.cuda.synchronize()
+            events = prof.key_averages()
+            total = sum(e.self_device_time_total for e in events) / 10 / 1e3
+            print(f"== {side}: GPU kernels {total:.3f} ms per forward")
+            for e in sorted(events, key=lambda e: -e.self_device_time_total)[: args.top]:
+                print(f"   {e.key[:88]:88s} {e.self_device_time_total / 10 / 1e3:7.4f} ms  x{e.count / 10:.0f}")
+            ref = model(x).float()
+            graphed[(side, "unfused")] = median_ms(cuda_graph(model, x))
+            fused = fuse_relu(model.features)
+            err = ((model(x).float() - ref).norm() / ref.norm()).item()
+            graphed[(side, "fused")] = median_ms(cuda_graph(model, x))
+        print(f"   {fused} conv+bias+ReLU fused (rel. error vs unfused {err:.1e})")
+    print("CUDA-graph ms per forward, dense / compact (speedup):")
+    for kind in ("unfused", "fused"):
+        d, c = graphed[("dense", kind)], graphed[("compact", kind)]
+        print(f"   {kind:8s} {d:.4f} / {c:.4f} ({d / c:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
