@@ -118,7 +118,10 @@ def _build(key: str, config: dict, where: str) -> nn.Module:
 
 
 def _same(model_mod: nn.Module, ref_mod: nn.Module | None) -> bool:
-    if ref_mod is None or type(model_mod) is not type(ref_mod):
+    # a class may stand for its base in the recipe (`recipe_base`, e.g. PiXBottleneck: the same modules and
+    # state as torchvision's Bottleneck, another forward); `load` gives it back its class
+    recorded = getattr(type(model_mod), "recipe_base", type(model_mod))
+    if ref_mod is None or recorded is not type(ref_mod):
         return False
     key = _type_key(model_mod)
     return key is None or _config(model_mod, key) == _config(ref_mod, key)
@@ -268,6 +271,9 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> nn.Modu
         arch, replacements, removed = recipe["arch"], recipe["replacements"], recipe["removed"]
         model = _reference(arch, where)
         _apply(model, replacements, removed, where)
+        from compress.pix import use_pix_bottlenecks  # here: compress.pix imports the model zoo
+
+        use_pix_bottlenecks(model)
     except (KeyError, TypeError) as err:
         raise ValueError(f"{where}: the recipe is incomplete or malformed ({err!r})") from None
     try:

@@ -30,7 +30,7 @@ from compress.models.cifar_vgg import CifarVGG
 from compress.surgery import replace_module
 from kernels import residual_relu
 
-__all__ = ["PiXBlock", "PiXBottleneck", "insert_pix", "downscale_pix", "apply_pix"]
+__all__ = ["PiXBlock", "PiXBottleneck", "insert_pix", "use_pix_bottlenecks", "downscale_pix", "apply_pix"]
 
 
 def _check_zeta(where: str, zeta: int) -> None:
@@ -139,10 +139,21 @@ class PiXBottleneck(tvm.resnet.Bottleneck):
     and with the residual sum + ReLU as `kernels.residual_relu`, which on CUDA also pools the block output for the
     next block's PiX in the same pass (H200: benchmarks/results/pix_gpu_h200.json, pix_profile_h200_b64.txt)."""
 
+    recipe_base = tvm.resnet.Bottleneck  # compress.save records the base type; compress.load restores this one
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.relu(self.bn2(self.conv2(self.conv1(x))))
         out = self.bn3(self.conv3(out))
         return residual_relu(out, x if self.downsample is None else self.downsample(x))
+
+
+def use_pix_bottlenecks(model: nn.Module) -> int:
+    """Give every torchvision Bottleneck of `model` whose conv1 is a PiXBlock the PiXBottleneck forward (same
+    modules and state dict), in place; returns how many. `insert_pix` and `compress.load` call it."""
+    blocks = [m for m in model.modules() if type(m) is tvm.resnet.Bottleneck and isinstance(m.conv1, PiXBlock)]
+    for block in blocks:
+        block.__class__ = PiXBottleneck
+    return len(blocks)
 
 
 def _squeeze_with_pix(name: str, block: nn.Module, zeta: int, tau: float) -> None:
@@ -178,8 +189,6 @@ def _squeeze_with_pix(name: str, block: nn.Module, zeta: int, tau: float) -> Non
             f"(= output channels {out_ch} / zeta {zeta}); PiX can only squeeze, choose a larger zeta"
         )
     block.conv1, block.bn1 = PiXBlock(in_ch, in_ch // width, tau), nn.Identity()
-    if type(block) is tvm.resnet.Bottleneck:
-        block.__class__ = PiXBottleneck  # same modules, the forward above
     if hasattr(block, "act1"):
         block.act1 = nn.Identity()
     if (conv2.in_channels, conv2.out_channels) != (width, width):
@@ -210,6 +219,7 @@ def insert_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
         raise ValueError(f"insert_pix: {type(model).__name__} has no bottleneck block; {_SUPPORTED}")
     for name in names:
         _squeeze_with_pix(name, model.get_submodule(name), zeta, tau)
+    use_pix_bottlenecks(model)
     return names
 
 

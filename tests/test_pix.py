@@ -188,14 +188,15 @@ def test_torchvision_resnet50_insertion(zeta):
     _train_step(model, x)
 
 
-def test_pix_bottleneck_forward_is_torchvision_forward():
+def test_pix_bottleneck_forward_is_torchvision_forward(tmp_path):
     """PiXBottleneck (torchvision blocks after insert_pix) drops the no-op ReLU after PiX and ends with
-    kernels.residual_relu: outputs and gradients equal torchvision's own forward on the same modules."""
+    kernels.residual_relu: outputs and gradients equal torchvision's own forward on the same modules; it survives
+    compress.save/load and torch.fx tracing."""
     from compress import surgery
     from compress.pix import PiXBottleneck
 
     torch.manual_seed(0)
-    model = torchvision.models.resnet50(num_classes=10)
+    model = create_model("resnet50", num_classes=10)  # compress_arch: save/load below
     insert_pix(model, 4)
     blocks = [m for m in model.modules() if isinstance(m, torchvision.models.resnet.Bottleneck)]
     assert len(blocks) == 16 and all(type(m) is PiXBottleneck for m in blocks)
@@ -213,6 +214,11 @@ def test_pix_bottleneck_forward_is_torchvision_forward():
     torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=0)
     for g0, g1 in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(g0, g1, rtol=1e-6, atol=1e-7)
+    loaded = compress.load(compress.save(model, tmp_path / "pix_resnet50.safetensors"))
+    assert sum(type(m) is PiXBottleneck for m in loaded.modules()) == 16
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
     graph = surgery.trace(model)  # compaction traces models: residual_relu is a leaf of the fx graph
     assert graph is not None
     assert sum(n.target is compress.pix.residual_relu for n in graph.nodes) == 16
