@@ -22,7 +22,10 @@ that Triton pipelines the loads across offsets (gather reduction). Keep 0.3 and 
 64-channel layers, so the kernel looked latency-bound, but the flat loop was no faster than the nested one
 (0.47-0.87x cuDNN vs 0.48-0.86x; benchmarks/results/stripe_flat_reverted_h200.json). Loading every offset's
 stripe range of the tile up front (two vector loads instead of two dependent scalar loads per offset) changed
-nothing either (within 5% both ways; benchmarks/results/stripe_preload_reverted_h200.json).
+nothing either (within 5% both ways; benchmarks/results/stripe_preload_reverted_h200.json). A CUDA tensor-core
+kernel (mma.m16n8k16 per offset, cp.async double buffering, a per-warp scatter of P into an fp32 shared-memory
+tile; commit b317148, reverted) was correct but 0.21-0.37x cuDNN, slower than this kernel everywhere
+(benchmarks/results/stripe_cuda_mma_v{1,2}_h200.json): it waits on one 64-pixel step of loads at a time.
 """
 
 from __future__ import annotations

@@ -12,10 +12,6 @@ std::vector<at::Tensor> pix_squeeze_forward(const at::Tensor& x, const at::Tenso
 std::vector<at::Tensor> add_relu_pool(const at::Tensor& a, const at::Tensor& b, bool cl);
 std::vector<at::Tensor> pix_squeeze_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
                                              const at::Tensor& pooled, int64_t zeta, double tau, bool cl);
-at::Tensor stripe_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& out_index, const at::Tensor& plan,
-                          const c10::optional<at::Tensor>& bias, int64_t N, std::vector<int64_t> kernel,
-                          std::vector<int64_t> stride, std::vector<int64_t> padding, std::vector<int64_t> dilation,
-                          bool relu, bool cl_out);
 at::Tensor dw_forward(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                       std::vector<int64_t> stride, std::vector<int64_t> padding, std::vector<int64_t> dilation,
                       bool cl);
@@ -34,7 +30,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight"), py::arg("zeta"), py::arg("tau"), py::arg("cl"), py::arg("pooled") = py::none());
   m.def("add_relu_pool", &add_relu_pool, "relu(a + b) and its channel mean (CUDA)");
   m.def("pix_squeeze_backward", &pix_squeeze_backward, "PiX block backward: dx, dweight (CUDA)");
-  m.def("stripe_forward", &stripe_forward, "stripe conv forward, tensor cores (CUDA, fp16/bf16)");
   m.def("dw_forward", &dw_forward, "depthwise conv forward (CUDA)");
   m.def("dw_backward", &dw_backward, "depthwise conv backward: dx, dw (CUDA)");
   m.def("im2col", &im2col, "im2col (CUDA)");
