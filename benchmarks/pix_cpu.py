@@ -9,7 +9,7 @@ recorded too (``*_cpu_ms``, ``speedup_cpu``): other jobs sharing the cores stret
     python benchmarks/pix_cpu.py [--repeats 15] [--batches 1 8] [--size 224] [--threads N] [--no-fold] [--out PATH]
 
 --threads 1 (default) gives steady ratios on a shared machine (2 OpenMP threads spin on a busy core);
---threads 0 keeps torch's choice. PiX's CPU kernels (kernels/_cpu.py) are single-threaded.
+--threads 0 keeps torch's choice. PiX's CPU kernels (kernels/_cpu.py) run on torch's OpenMP threads too.
 """
 
 from __future__ import annotations

@@ -1,12 +1,23 @@
 """Small C++ CPU kernels, compiled on first use with the system C++ compiler and called through ctypes.
 
-No PyTorch headers: one source (``SOURCE``), one ``c++ -O3 -shared`` call (~6 s on 2 cores, once), cached as a
-shared library in ``$COMPRESS_KERNELS_CACHE`` or ``~/.cache/compress_kernels/cpu``, named by a hash of the source,
-the compiler, the flags and the machine. With GCC on x86-64 the float32 entry points are ``target_clones``
+No PyTorch headers: one source (``SOURCE``), one ``c++ -O3 -fopenmp -shared`` call (~6 s on 2 cores, once),
+cached as a shared library in ``$COMPRESS_KERNELS_CACHE`` or ``~/.cache/compress_kernels/cpu``, named by a hash of
+the source, the compiler, the flags and the machine. With GCC on x86-64 the float32 workers are ``target_clones``
 (AVX-512, AVX2, baseline x86-64), so one library runs on any x86-64 CPU. Where this cannot work (no compiler, a
 compile or load error, or ``COMPRESS_KERNELS_NO_CPU=1``) ``lib()`` returns ``None``, after ONE warning unless the
-variable asked for it, and the ops keep their PyTorch CPU path. The kernels are single-threaded: they are memory-
-bound passes (in a 1-thread PiX ResNet-50 forward they run at about the speed of a copy of their input).
+variable asked for it, and the ops keep their PyTorch CPU path.
+
+Threads: the passes run on torch's intra-op threads. The library is linked with ``-fopenmp`` against
+``libgomp.so.1``; torch's CPU build loads its own ``libgomp.so.1`` first (torch/lib), so the dynamic loader binds
+ours to it: one OpenMP runtime and thread pool, and ``torch.set_num_threads`` (``omp_set_num_threads``) sets our
+team size too (``compress_omp_max_threads()`` reports it). A pass forks only for x of at least 32768 elements
+(``PAR_MIN``; the predictor: G * C * B); each thread takes one contiguous share of rows (NCHW: B*G) or positions
+(channels_last: B*H*W), so a result depends on the thread count only in the channels_last pool (per-thread sums
+in double, added in thread order). Where ``-fopenmp`` does not build or load, the library is built without it
+(``SERIAL_FLAGS``, one warning; the failed build is remembered in the cache) and the kernels run single-threaded.
+A torch that uses another OpenMP runtime (e.g. Intel's libiomp5) would leave ours with a pool of its own.
+The kernels are memory-bound passes (in a 1-thread PiX ResNet-50 forward they run at about the speed of a copy
+of their input).
 
 PiX, semantics as ``compress::pix`` / ``compress::pix_squeeze`` and the CUDA kernels:
 ``y[b,g] = p[b,g] * max_k x[b,g*Z+k]`` if ``p[b,g] < tau`` (tau cast to x's dtype) else
@@ -19,8 +30,9 @@ runs over k in order. x and y are contiguous in the same layout (NCHW or channel
   a scratch s); p = sigmoid(pooled @ w^T) (w (G, C) in x's dtype; ``pix_predict``); pass 2 selects and scales
   y in place (reading y and s, each 1/Z of x).
 - ``pix_predict_{f32,f64}(pooled, w, p, B, C, G)``: that predictor alone (the CPU backward recomputes p with it).
+- ``compress_omp_max_threads()``: the team size a pass would get now (0: built without OpenMP).
 
-Every function returns 0, or 1 if a scratch allocation failed.
+Every ``pix_*`` function returns 0, or 1 if a scratch allocation failed.
 """
 
 from __future__ import annotations
@@ -43,13 +55,35 @@ SOURCE = r"""
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define CLONES
 #endif
-// Everything below is inlined into the entry points, so each clone compiles it for its instruction set.
+// Everything below is inlined into the workers (one thread's share of a pass, near the end), so each clone
+// compiles it for its instruction set.
 #define INL static inline __attribute__((always_inline))
+
+// ---- Threads (OpenMP). A pass forks only for at least PAR_MIN elements of x; each thread of the team takes one
+// contiguous share [a, b) of rows, positions or groups (`share`), the same for every call with that team size.
+#define PAR_MIN 32768
+#ifdef _OPENMP
+static int max_threads() { return omp_get_max_threads(); }
+static int team_rank() { return omp_get_thread_num(); }
+static int team_size() { return omp_get_num_threads(); }
+#else
+static int max_threads() { return 1; }
+static int team_rank() { return 0; }
+static int team_size() { return 1; }
+#endif
+static void share(int64_t n, int64_t& a, int64_t& b) {
+  const int64_t t = team_rank(), nt = team_size();
+  a = n * t / nt;
+  b = n * (t + 1) / nt;
+}
 
 // Max (first value wins ties and NaNs: `a > m ? a : m`) and in-order sum of one group's Z contiguous values.
 template <typename T>
@@ -61,6 +95,15 @@ INL void group_max_sum(const T* __restrict__ v, int Z, T& m, T& s) {
     s += a;
   }
 }
+
+#define ZDISPATCH(F, ...)                          \
+  switch (Z) {                                     \
+    case 1: F<T, 1>(__VA_ARGS__); break;           \
+    case 2: F<T, 2>(__VA_ARGS__); break;           \
+    case 4: F<T, 4>(__VA_ARGS__); break;           \
+    case 8: F<T, 8>(__VA_ARGS__); break;           \
+    default: F<T, 0>(__VA_ARGS__); break;          \
+  }
 
 // NCHW: x (B*G, Z, HW), y (B*G, HW); per row one branch, k outer and hw inner over L1-sized chunks of y.
 template <typename T, int ZC>
@@ -88,21 +131,10 @@ INL void nchw_row(const T* __restrict__ xr, T* __restrict__ yr, int64_t HW, int 
   }
 }
 
-template <typename T>
-INL int nchw(const T* x, const T* p, T* y, int64_t B, int64_t G, int Z, int64_t HW, T tau) {
-  for (int64_t r = 0; r < B * G; ++r) {
-    const bool pick = p[r] < tau;
-    const T* xr = x + r * Z * HW;
-    T* yr = y + r * HW;
-    switch (Z) {
-      case 1: nchw_row<T, 1>(xr, yr, HW, Z, pick, p[r]); break;
-      case 2: nchw_row<T, 2>(xr, yr, HW, Z, pick, p[r]); break;
-      case 4: nchw_row<T, 4>(xr, yr, HW, Z, pick, p[r]); break;
-      case 8: nchw_row<T, 8>(xr, yr, HW, Z, pick, p[r]); break;
-      default: nchw_row<T, 0>(xr, yr, HW, Z, pick, p[r]); break;
-    }
-  }
-  return 0;
+// Rows [a, b) of B*G.
+template <typename T, int ZC>
+INL void nchw_rows(const T* x, const T* p, T* y, int Z, int64_t HW, T tau, int64_t a, int64_t b) {
+  for (int64_t r = a; r < b; ++r) nchw_row<T, ZC>(x + r * Z * HW, y + r * HW, HW, Z, p[r] < tau, p[r]);
 }
 
 // channels_last: x (B, HW, G, Z), y (B, HW, G); max and sum of each group in registers, selected per g.
@@ -119,27 +151,14 @@ INL void cl_pixel(const T* __restrict__ xp, T* __restrict__ yp, const T* __restr
   }
 }
 
-template <typename T>
-INL int cl(const T* x, const T* p, T* y, int64_t B, int64_t G, int Z, int64_t HW, T tau) {
-  T* pk = (T*)malloc(sizeof(T) * (G > 0 ? G : 1));
-  if (!pk) return 1;
-  for (int64_t b = 0; b < B; ++b) {
-    const T* pb = p + b * G;
-    for (int64_t g = 0; g < G; ++g) pk[g] = pb[g] < tau ? (T)1 : (T)0;
-    for (int64_t i = 0; i < HW; ++i) {
-      const T* xp = x + (b * HW + i) * G * Z;
-      T* yp = y + (b * HW + i) * G;
-      switch (Z) {
-        case 1: cl_pixel<T, 1>(xp, yp, pb, pk, G, Z); break;
-        case 2: cl_pixel<T, 2>(xp, yp, pb, pk, G, Z); break;
-        case 4: cl_pixel<T, 4>(xp, yp, pb, pk, G, Z); break;
-        case 8: cl_pixel<T, 8>(xp, yp, pb, pk, G, Z); break;
-        default: cl_pixel<T, 0>(xp, yp, pb, pk, G, Z); break;
-      }
-    }
+// Positions [a, b) of B*HW; pk (B, G): 1 where p < tau.
+template <typename T, int ZC>
+INL void cl_positions(const T* x, const T* p, const T* pk, T* y, int64_t G, int Z, int64_t HW, int64_t a,
+                      int64_t b) {
+  for (int64_t n = a; n < b; ++n) {
+    const int64_t bi = n / HW;
+    cl_pixel<T, ZC>(x + n * G * Z, y + n * G, p + bi * G, pk + bi * G, G, Z);
   }
-  free(pk);
-  return 0;
 }
 
 // ---- The PiX block (compress::pix_squeeze): pass 1, the predictor, pass 2.
@@ -153,13 +172,14 @@ INL void acc16(double* __restrict__ lanes, const T* __restrict__ v, int64_t n) {
   for (; i < n; ++i) lanes[i & 15] += (double)v[i];
 }
 
+// Rows [a, b) of B*G (a row: one group's Z channels, whole; lanes: 16 * Z doubles of this thread).
 template <typename T, int ZC>
-INL void sq1_nchw(const T* x, T* pooled, T* ym, T* ys, double* lanes, int64_t R, int Zr, int64_t HW) {
+INL void sq1_nchw(const T* x, T* pooled, T* ym, T* ys, double* lanes, int Zr, int64_t HW, int64_t a, int64_t b) {
   if (ZC > 0) {  // Z known: one read of each x vector updates max, sum and the pool lanes held in registers
     constexpr int Z = ZC > 0 ? ZC : 1;
     typedef T V __attribute__((vector_size(64)));
     constexpr int L = 64 / sizeof(T);
-    for (int64_t r = 0; r < R; ++r) {
+    for (int64_t r = a; r < b; ++r) {
       const T* __restrict__ xr = x + r * Z * HW;
       T* __restrict__ mo = ym + r * HW;
       T* __restrict__ so = ys + r * HW;
@@ -177,11 +197,11 @@ INL void sq1_nchw(const T* x, T* pooled, T* ym, T* ys, double* lanes, int64_t R,
           s = m;
           lk[0] += m;
           for (int k = 1; k < Z; ++k) {
-            V a;
-            memcpy(&a, xr + k * HW + i, sizeof(V));
-            m = a > m ? a : m;
-            s += a;
-            lk[k] += a;
+            V v;
+            memcpy(&v, xr + k * HW + i, sizeof(V));
+            m = v > m ? v : m;
+            s += v;
+            lk[k] += v;
           }
           memcpy(mo + i, &m, sizeof(V));
           memcpy(so + i, &s, sizeof(V));
@@ -193,10 +213,10 @@ INL void sq1_nchw(const T* x, T* pooled, T* ym, T* ys, double* lanes, int64_t R,
         T m = xr[i], s = xr[i];
         tot[0] += (double)xr[i];
         for (int k = 1; k < Z; ++k) {
-          const T a = xr[k * HW + i];
-          m = a > m ? a : m;
-          s += a;
-          tot[k] += (double)a;
+          const T v = xr[k * HW + i];
+          m = v > m ? v : m;
+          s += v;
+          tot[k] += (double)v;
         }
         mo[i] = m;
         so[i] = s;
@@ -207,7 +227,7 @@ INL void sq1_nchw(const T* x, T* pooled, T* ym, T* ys, double* lanes, int64_t R,
   }
   const int Z = Zr;  // any Z: chunks of y and s, k outer, pool lanes in memory
   const int64_t CH = 512;
-  for (int64_t r = 0; r < R; ++r) {
+  for (int64_t r = a; r < b; ++r) {
     const T* xr = x + r * Z * HW;
     for (int j = 0; j < Z * 16; ++j) lanes[j] = 0.0;
     for (int64_t h0 = 0; h0 < HW; h0 += CH) {
@@ -220,9 +240,9 @@ INL void sq1_nchw(const T* x, T* pooled, T* ym, T* ys, double* lanes, int64_t R,
       for (int k = 1; k < Z; ++k) {
         const T* __restrict__ xk = x0 + k * HW;
         for (int64_t i = 0; i < n; ++i) {
-          const T a = xk[i];
-          mo[i] = a > mo[i] ? a : mo[i];
-          so[i] += a;
+          const T v = xk[i];
+          mo[i] = v > mo[i] ? v : mo[i];
+          so[i] += v;
         }
         acc16(lanes + k * 16, xk, n);
       }
@@ -235,34 +255,42 @@ INL void sq1_nchw(const T* x, T* pooled, T* ym, T* ys, double* lanes, int64_t R,
   }
 }
 
+// Positions [a, b) of B*HW: each group's max and sum, and this thread's pool sums, part (B, C) in double (added
+// to; per-channel sums of up to 32 positions of one sample in T first, in accT (C)).
 template <typename T, int ZC>
-INL void sq1_cl(const T* x, T* pooled, T* ym, T* ys, double* acc, int64_t B, int64_t G, int Zr, int64_t HW) {
+INL void sq1_cl(const T* x, double* part, T* accT, T* ym, T* ys, int64_t G, int Zr, int64_t HW, int64_t a,
+                int64_t b) {
   const int Z = ZC > 0 ? ZC : Zr;
   const int64_t C = G * Z;
-  T* accT = (T*)(acc + C);  // per-channel sums of up to 32 pixels in T, then into double
-  for (int64_t b = 0; b < B; ++b) {
-    for (int64_t c = 0; c < C; ++c) acc[c] = 0.0;
-    for (int64_t i0 = 0; i0 < HW; i0 += 32) {
-      const int64_t i1 = HW - i0 < 32 ? HW : i0 + 32;
-      for (int64_t c = 0; c < C; ++c) accT[c] = (T)0;
-      for (int64_t i = i0; i < i1; ++i) {
-        const T* __restrict__ xp = x + (b * HW + i) * C;
-        T* __restrict__ mo = ym + (b * HW + i) * G;
-        T* __restrict__ so = ys + (b * HW + i) * G;
-        T* __restrict__ a = accT;
-        for (int64_t c = 0; c < C; ++c) a[c] += xp[c];
-        for (int64_t g = 0; g < G; ++g) group_max_sum(xp + g * Z, Z, mo[g], so[g]);
+  for (int64_t n0 = a; n0 < b;) {
+    const int64_t bi = n0 / HW;
+    int64_t n1 = (bi + 1) * HW < b ? (bi + 1) * HW : b;
+    n1 = n1 - n0 > 32 ? n0 + 32 : n1;
+    for (int64_t c = 0; c < C; ++c) accT[c] = (T)0;
+    for (int64_t n = n0; n < n1; ++n) {
+      const T* __restrict__ xp = x + n * C;
+      T* __restrict__ mo = ym + n * G;
+      T* __restrict__ so = ys + n * G;
+      T* __restrict__ acc = accT;
+      for (int64_t c = 0; c < C; ++c) acc[c] += xp[c];
+      for (int64_t g = 0; g < G; ++g) {  // in registers: the worker cannot know that mo and so do not alias
+        T m, s;
+        group_max_sum(xp + g * Z, Z, m, s);
+        mo[g] = m;
+        so[g] = s;
       }
-      for (int64_t c = 0; c < C; ++c) acc[c] += (double)accT[c];
     }
-    for (int64_t c = 0; c < C; ++c) pooled[b * C + c] = (T)(acc[c] / (double)HW);
+    double* __restrict__ pb = part + bi * C;
+    for (int64_t c = 0; c < C; ++c) pb[c] += (double)accT[c];
+    n0 = n1;
   }
 }
 
+// Rows [a, b) of B*G.
 template <typename T, int ZC>
-INL void sq2_nchw(const T* p, T* ym, const T* ys, int64_t R, int Zr, int64_t HW, T tau) {
+INL void sq2_nchw(const T* p, T* ym, const T* ys, int Zr, int64_t HW, T tau, int64_t a, int64_t b) {
   const int Z = ZC > 0 ? ZC : Zr;
-  for (int64_t r = 0; r < R; ++r) {
+  for (int64_t r = a; r < b; ++r) {
     const T pv = p[r];
     T* __restrict__ m = ym + r * HW;
     const T* __restrict__ s = ys + r * HW;
@@ -274,58 +302,22 @@ INL void sq2_nchw(const T* p, T* ym, const T* ys, int64_t R, int Zr, int64_t HW,
   }
 }
 
+// Positions [a, b) of B*HW; pk (B, G): 1 where p < tau.
 template <typename T, int ZC>
-INL void sq2_cl(const T* p, T* ym, const T* ys, T* pk, int64_t B, int64_t G, int Zr, int64_t HW, T tau) {
+INL void sq2_cl(const T* p, const T* pk, T* ym, const T* ys, int64_t G, int Zr, int64_t HW, int64_t a, int64_t b) {
   const int Z = ZC > 0 ? ZC : Zr;
-  for (int64_t b = 0; b < B; ++b) {
-    const T* __restrict__ pb = p + b * G;
-    for (int64_t g = 0; g < G; ++g) pk[g] = pb[g] < tau ? (T)1 : (T)0;
-    for (int64_t i = 0; i < HW; ++i) {
-      T* __restrict__ m = ym + (b * HW + i) * G;
-      const T* __restrict__ s = ys + (b * HW + i) * G;
-      for (int64_t g = 0; g < G; ++g) {
-        const T mean = s[g] / (T)Z;
-        const T r = pk[g] != (T)0 ? m[g] : mean;
-        m[g] = pb[g] * r;
-      }
+  for (int64_t n = a; n < b; ++n) {
+    const int64_t bi = n / HW;
+    const T* __restrict__ pb = p + bi * G;
+    const T* __restrict__ kb = pk + bi * G;
+    T* __restrict__ m = ym + n * G;
+    const T* __restrict__ s = ys + n * G;
+    for (int64_t g = 0; g < G; ++g) {
+      const T mean = s[g] / (T)Z;
+      const T r = kb[g] != (T)0 ? m[g] : mean;
+      m[g] = pb[g] * r;
     }
   }
-}
-
-#define ZDISPATCH(F, ...)                          \
-  switch (Z) {                                     \
-    case 1: F<T, 1>(__VA_ARGS__); break;           \
-    case 2: F<T, 2>(__VA_ARGS__); break;           \
-    case 4: F<T, 4>(__VA_ARGS__); break;           \
-    case 8: F<T, 8>(__VA_ARGS__); break;           \
-    default: F<T, 0>(__VA_ARGS__); break;          \
-  }
-
-template <typename T>
-INL int sq1(bool cl, const T* x, T* pooled, T* ym, T* ys, int64_t B, int64_t C, int Z, int64_t HW) {
-  const int64_t G = C / Z;
-  double* work = (double*)malloc(sizeof(double) * (cl ? 2 * (C > 0 ? C : 1) : 16 * (int64_t)Z));
-  if (!work) return 1;
-  if (cl) {
-    ZDISPATCH(sq1_cl, x, pooled, ym, ys, work, B, G, Z, HW)
-  } else {
-    ZDISPATCH(sq1_nchw, x, pooled, ym, ys, work, B * G, Z, HW)
-  }
-  free(work);
-  return 0;
-}
-
-template <typename T>
-INL int sq2(bool cl, const T* p, T* ym, const T* ys, int64_t B, int64_t G, int Z, int64_t HW, T tau) {
-  if (cl) {
-    T* pk = (T*)malloc(sizeof(T) * (G > 0 ? G : 1));
-    if (!pk) return 1;
-    ZDISPATCH(sq2_cl, p, ym, ys, pk, B, G, Z, HW, tau)
-    free(pk);
-  } else {
-    ZDISPATCH(sq2_nchw, p, ym, ys, B * G, Z, HW, tau)
-  }
-  return 0;
 }
 
 // p = sigmoid(pooled @ w^T): pooled (B, C), w (G, C), p (B, G). Each w row is read once for up to 4 samples; the
@@ -358,70 +350,228 @@ INL void predict_rows(const T* __restrict__ wg, const T* __restrict__ pooled, T*
   }
 }
 
+// Groups [a, b) of G, every sample.
 template <typename T>
-INL void predict(const T* pooled, const T* w, T* p, int64_t B, int64_t C, int64_t G) {
-  for (int64_t g = 0; g < G; ++g) {
+INL void predict_groups(const T* pooled, const T* w, T* p, int64_t B, int64_t C, int64_t G, int64_t a, int64_t b) {
+  for (int64_t g = a; g < b; ++g) {
     const T* wg = w + g * C;
-    int64_t b = 0;
-    for (; b + 4 <= B; b += 4) predict_rows<T, 4>(wg, pooled + b * C, p + b * G + g, C, G);
-    for (; b < B; ++b) predict_rows<T, 1>(wg, pooled + b * C, p + b * G + g, C, G);
+    int64_t s = 0;
+    for (; s + 4 <= B; s += 4) predict_rows<T, 4>(wg, pooled + s * C, p + s * G + g, C, G);
+    for (; s < B; ++s) predict_rows<T, 1>(wg, pooled + s * C, p + s * G + g, C, G);
+  }
+}
+
+// ---- Workers: one thread's share of a pass. The compiler moves the body of a parallel region into a function of
+// its own that does not inherit target_clones, so the vector code lives in these (cloned for float) functions,
+// called from the regions below.
+#define WORKERS(T, ATTR)                                                                                          \
+  static ATTR void w_nchw(const T* x, const T* p, T* y, int Z, int64_t HW, T tau, int64_t a, int64_t b) {       \
+    ZDISPATCH(nchw_rows, x, p, y, Z, HW, tau, a, b)                                                             \
+  }                                                                                                             \
+  static ATTR void w_cl(const T* x, const T* p, const T* pk, T* y, int64_t G, int Z, int64_t HW, int64_t a,     \
+                        int64_t b) {                                                                            \
+    ZDISPATCH(cl_positions, x, p, pk, y, G, Z, HW, a, b)                                                        \
+  }                                                                                                             \
+  static ATTR void w_sq1_nchw(const T* x, T* pooled, T* ym, T* ys, double* lanes, int Z, int64_t HW, int64_t a, \
+                              int64_t b) {                                                                      \
+    ZDISPATCH(sq1_nchw, x, pooled, ym, ys, lanes, Z, HW, a, b)                                                  \
+  }                                                                                                             \
+  static ATTR void w_sq1_cl(const T* x, double* part, T* accT, T* ym, T* ys, int64_t G, int Z, int64_t HW,      \
+                            int64_t a, int64_t b) {                                                             \
+    ZDISPATCH(sq1_cl, x, part, accT, ym, ys, G, Z, HW, a, b)                                                    \
+  }                                                                                                             \
+  static ATTR void w_sq2_nchw(const T* p, T* ym, const T* ys, int Z, int64_t HW, T tau, int64_t a, int64_t b) { \
+    ZDISPATCH(sq2_nchw, p, ym, ys, Z, HW, tau, a, b)                                                            \
+  }                                                                                                             \
+  static ATTR void w_sq2_cl(const T* p, const T* pk, T* ym, const T* ys, int64_t G, int Z, int64_t HW,          \
+                            int64_t a, int64_t b) {                                                             \
+    ZDISPATCH(sq2_cl, p, pk, ym, ys, G, Z, HW, a, b)                                                            \
+  }                                                                                                             \
+  static ATTR void w_predict(const T* pooled, const T* w, T* p, int64_t B, int64_t C, int64_t G, int64_t a,     \
+                             int64_t b) {                                                                       \
+    predict_groups<T>(pooled, w, p, B, C, G, a, b);                                                             \
+  }
+
+// ZDISPATCH names T: the workers' element type.
+#define T float
+WORKERS(float, CLONES)
+#undef T
+#define T double
+WORKERS(double, )
+#undef T
+
+// ---- The passes: parallel regions over the workers (a team of one below PAR_MIN elements of x).
+template <typename T>
+static T* flags_below(const T* p, int64_t n, T tau) {  // (T)1 where p < tau, else 0; NULL if out of memory
+  T* pk = (T*)malloc(sizeof(T) * (n > 0 ? n : 1));
+  if (pk)
+    for (int64_t i = 0; i < n; ++i) pk[i] = p[i] < tau ? (T)1 : (T)0;
+  return pk;
+}
+
+template <typename T>
+static int nchw(const T* x, const T* p, T* y, int64_t B, int64_t G, int Z, int64_t HW, T tau) {
+#pragma omp parallel if (B * G * Z * HW >= PAR_MIN)
+  {
+    int64_t a, b;
+    share(B * G, a, b);
+    w_nchw(x, p, y, Z, HW, tau, a, b);
+  }
+  return 0;
+}
+
+template <typename T>
+static int cl(const T* x, const T* p, T* y, int64_t B, int64_t G, int Z, int64_t HW, T tau) {
+  T* pk = flags_below(p, B * G, tau);
+  if (!pk) return 1;
+#pragma omp parallel if (B * G * Z * HW >= PAR_MIN)
+  {
+    int64_t a, b;
+    share(B * HW, a, b);
+    w_cl(x, p, pk, y, G, Z, HW, a, b);
+  }
+  free(pk);
+  return 0;
+}
+
+// Pass 1. NCHW: threads take whole rows (each row's pool is one thread's). channels_last: threads take ranges of
+// positions with pool sums of their own, (B, C) doubles each, added up in thread order after a barrier.
+template <typename T>
+static int sq1(bool cl, const T* x, T* pooled, T* ym, T* ys, int64_t B, int64_t C, int Z, int64_t HW, bool par) {
+  const int64_t G = C / Z;
+  const int64_t nt = par ? max_threads() : 1;
+  const int64_t per = cl ? B * C + C : 16 * (int64_t)Z;  // doubles of scratch per thread
+  double* work = (double*)malloc(sizeof(double) * nt * per);
+  if (!work) return 1;
+  if (cl) {
+#pragma omp parallel if (par)
+    {
+      double* part = work + team_rank() * per;
+      memset(part, 0, sizeof(double) * B * C);
+      int64_t a, b;
+      share(B * HW, a, b);
+      w_sq1_cl(x, part, (T*)(part + B * C), ym, ys, G, Z, HW, a, b);
+#pragma omp barrier
+      const int n = team_size();
+      share(B * C, a, b);
+      for (int64_t i = a; i < b; ++i) {
+        double s = 0.0;
+        for (int t = 0; t < n; ++t) s += work[t * per + i];
+        pooled[i] = (T)(s / (double)HW);
+      }
+    }
+  } else {
+#pragma omp parallel if (par)
+    {
+      int64_t a, b;
+      share(B * G, a, b);
+      w_sq1_nchw(x, pooled, ym, ys, work + team_rank() * per, Z, HW, a, b);
+    }
+  }
+  free(work);
+  return 0;
+}
+
+template <typename T>
+static int sq2(bool cl, const T* p, T* ym, const T* ys, int64_t B, int64_t G, int Z, int64_t HW, T tau, bool par) {
+  if (cl) {
+    T* pk = flags_below(p, B * G, tau);
+    if (!pk) return 1;
+#pragma omp parallel if (par)
+    {
+      int64_t a, b;
+      share(B * HW, a, b);
+      w_sq2_cl(p, pk, ym, ys, G, Z, HW, a, b);
+    }
+    free(pk);
+  } else {
+#pragma omp parallel if (par)
+    {
+      int64_t a, b;
+      share(B * G, a, b);
+      w_sq2_nchw(p, ym, ys, Z, HW, tau, a, b);
+    }
+  }
+  return 0;
+}
+
+template <typename T>
+static void predict(const T* pooled, const T* w, T* p, int64_t B, int64_t C, int64_t G) {
+#pragma omp parallel if (G * C * B >= PAR_MIN && G > 1)
+  {
+    int64_t a, b;
+    share(G, a, b);
+    w_predict(pooled, w, p, B, C, G, a, b);
   }
 }
 
 // The whole block: pass 1, the predictor, pass 2 (s and p are scratch).
 template <typename T>
-INL int squeeze(bool cl, const T* x, const T* w, T* pooled, T* y, int64_t B, int64_t C, int Z, int64_t HW, T tau) {
+static int squeeze(bool cl, const T* x, const T* w, T* pooled, T* y, int64_t B, int64_t C, int Z, int64_t HW,
+                   T tau) {
   const int64_t G = C / Z;
+  const bool par = B * C * HW >= PAR_MIN;
   T* s = (T*)malloc(sizeof(T) * (B * G * HW + B * G));
   if (!s) return 1;
   T* p = s + B * G * HW;
-  int err = sq1<T>(cl, x, pooled, y, s, B, C, Z, HW);
+  int err = sq1<T>(cl, x, pooled, y, s, B, C, Z, HW, par);
   if (!err) {
     predict<T>(pooled, w, p, B, C, G);
-    err = sq2<T>(cl, p, y, s, B, G, Z, HW, tau);
+    err = sq2<T>(cl, p, y, s, B, G, Z, HW, tau, par);
   }
   free(s);
   return err;
 }
 
-// Entry points. float32 runs in clones for AVX-512, AVX2 and baseline x86-64; float64 (tests, references) only
-// in the baseline build.
-#define ENTRIES(SUF, T, ATTR)                                                                                     \
-  ATTR int pix_nchw_##SUF(const T* x, const T* p, T* y, int64_t B, int64_t G, int64_t Z, int64_t HW,            \
-                          double tau) {                                                                         \
+// Entry points (their workers are the target_clones: AVX-512, AVX2 and baseline x86-64 for float32; float64,
+// for tests and references, only in the baseline build).
+#define ENTRIES(SUF, T)                                                                                           \
+  int pix_nchw_##SUF(const T* x, const T* p, T* y, int64_t B, int64_t G, int64_t Z, int64_t HW, double tau) {   \
     return nchw<T>(x, p, y, B, G, (int)Z, HW, (T)tau);                                                          \
   }                                                                                                             \
-  ATTR int pix_cl_##SUF(const T* x, const T* p, T* y, int64_t B, int64_t G, int64_t Z, int64_t HW, double tau) { \
+  int pix_cl_##SUF(const T* x, const T* p, T* y, int64_t B, int64_t G, int64_t Z, int64_t HW, double tau) {     \
     return cl<T>(x, p, y, B, G, (int)Z, HW, (T)tau);                                                            \
   }                                                                                                             \
-  ATTR int pix_squeeze_nchw_##SUF(const T* x, const T* w, T* pooled, T* y, int64_t B, int64_t C, int64_t Z,     \
-                                  int64_t HW, double tau) {                                                     \
+  int pix_squeeze_nchw_##SUF(const T* x, const T* w, T* pooled, T* y, int64_t B, int64_t C, int64_t Z,          \
+                             int64_t HW, double tau) {                                                          \
     return squeeze<T>(false, x, w, pooled, y, B, C, (int)Z, HW, (T)tau);                                        \
   }                                                                                                             \
-  ATTR int pix_squeeze_cl_##SUF(const T* x, const T* w, T* pooled, T* y, int64_t B, int64_t C, int64_t Z,       \
-                                int64_t HW, double tau) {                                                       \
+  int pix_squeeze_cl_##SUF(const T* x, const T* w, T* pooled, T* y, int64_t B, int64_t C, int64_t Z,            \
+                           int64_t HW, double tau) {                                                            \
     return squeeze<T>(true, x, w, pooled, y, B, C, (int)Z, HW, (T)tau);                                         \
   }                                                                                                             \
-  ATTR int pix_predict_##SUF(const T* pooled, const T* w, T* p, int64_t B, int64_t C, int64_t G) {              \
+  int pix_predict_##SUF(const T* pooled, const T* w, T* p, int64_t B, int64_t C, int64_t G) {                   \
     predict<T>(pooled, w, p, B, C, G);                                                                          \
     return 0;                                                                                                   \
   }
 
 extern "C" {
-ENTRIES(f32, float, CLONES)
-ENTRIES(f64, double, )
+ENTRIES(f32, float)
+ENTRIES(f64, double)
+// The team size a pass gets (omp_get_max_threads(): torch.set_num_threads where the runtime is torch's); 0
+// without OpenMP.
+int compress_omp_max_threads() {
+#ifdef _OPENMP
+  return omp_get_max_threads();
+#else
+  return 0;
+#endif
+}
 }
 """
 
 # -fno-trapping-math lets GCC turn the per-group select into vector blends (results are unchanged: no fast-math).
-FLAGS = ["-O3", "-fno-trapping-math", "-shared", "-fPIC"]
+# -fopenmp: the passes run on torch's OpenMP threads (module docstring); SERIAL_FLAGS where that cannot build or load.
+FLAGS = ["-O3", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC"]
+SERIAL_FLAGS = [f for f in FLAGS if f != "-fopenmp"]
 _PTR, _I64, _F64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
-SIGNATURES = {}  # argtypes; every function returns an int (0, or 1 when out of memory)
+SIGNATURES = {}  # argtypes; every function returns an int (pix_*: 0, or 1 when out of memory)
 for _t in ("f32", "f64"):
     for _l in ("nchw", "cl"):
         SIGNATURES[f"pix_{_l}_{_t}"] = [_PTR] * 3 + [_I64] * 4 + [_F64]  # x, p, y, B, G, Z, HW, tau
         SIGNATURES[f"pix_squeeze_{_l}_{_t}"] = [_PTR] * 4 + [_I64] * 4 + [_F64]  # x, w, pooled, y, B, C, Z, HW, tau
     SIGNATURES[f"pix_predict_{_t}"] = [_PTR] * 3 + [_I64] * 3  # pooled, w, p, B, C, G
+SIGNATURES["compress_omp_max_threads"] = []  # the threads a pass may use (0: built without OpenMP)
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -439,27 +589,63 @@ def _warn(why: str) -> None:
                   "PyTorch path.", RuntimeWarning, stacklevel=4)
 
 
-def _build(cxx: str) -> str:
-    tag = hashlib.sha256("\0".join([SOURCE, cxx, *FLAGS, platform.machine(), platform.system()]).encode())
+class _CompileError(RuntimeError):
+    pass
+
+
+def _path(cxx: str, flags: list[str]) -> str:
+    """The cached library's path: named by a hash of the source, the compiler, the flags and the machine."""
+    tag = hashlib.sha256("\0".join([SOURCE, cxx, *flags, platform.machine(), platform.system()]).encode())
     root = os.environ.get("COMPRESS_KERNELS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
                                                                      "compress_kernels")
-    d = os.path.join(root, "cpu")
+    return os.path.join(root, "cpu", f"compress_cpu_{tag.hexdigest()[:16]}.so")
+
+
+def _build(cxx: str, flags: list[str]) -> str:
+    so = _path(cxx, flags)
+    d = os.path.dirname(so)
     os.makedirs(d, exist_ok=True)
-    so = os.path.join(d, f"compress_cpu_{tag.hexdigest()[:16]}.so")
     if os.path.exists(so):
         return so
+    if os.path.exists(so + ".failed"):  # an OpenMP build that failed where the serial one built: not retried
+        with open(so + ".failed") as f:
+            raise _CompileError(f.read().strip() or "an earlier build failed")
     with tempfile.TemporaryDirectory(dir=d) as tmp:  # build privately, then rename: safe with parallel processes
         src, out = os.path.join(tmp, "kernels.cpp"), os.path.join(tmp, "kernels.so")
         with open(src, "w") as f:
             f.write(SOURCE)
         print(f"compress kernels: compiling the C++ CPU kernels into {d} (first use only, a few seconds) ...",
               file=sys.stderr, flush=True)
-        r = subprocess.run([cxx, *FLAGS, "-o", out, src], capture_output=True, text=True, timeout=300)
+        r = subprocess.run([cxx, *flags, "-o", out, src], capture_output=True, text=True, timeout=300)
         if r.returncode != 0:
             lines = (r.stderr or r.stdout or f"exit status {r.returncode}").strip().splitlines()
-            raise RuntimeError(next((ln for ln in lines if "error" in ln), lines[-1])[:300])
+            raise _CompileError(next((ln for ln in lines if "error" in ln), lines[-1])[:300])
         os.replace(out, so)
     return so
+
+
+def _load(cxx: str, flags: list[str]) -> ctypes.CDLL:
+    handle = ctypes.CDLL(_build(cxx, flags))
+    for name, args in SIGNATURES.items():
+        fn = getattr(handle, name)
+        fn.argtypes, fn.restype = args, ctypes.c_int
+    return handle
+
+
+def _load_any(cxx: str) -> ctypes.CDLL:
+    """The OpenMP build, else (one warning: single-threaded kernels) the serial one; raises if neither works."""
+    try:
+        return _load(cxx, FLAGS)
+    except Exception as e:  # noqa: BLE001 - no OpenMP (compiler or runtime): build without
+        omp_error = e
+    handle = _load(cxx, SERIAL_FLAGS)
+    failed = _path(cxx, FLAGS) + ".failed"
+    if isinstance(omp_error, _CompileError) and not os.path.exists(failed):  # the serial build compiled: remember
+        with open(failed, "w") as f:
+            f.write(str(omp_error))
+    warnings.warn(f"compress kernels: the C++ CPU kernels are built without OpenMP ({omp_error}); they run "
+                  "single-threaded.", RuntimeWarning, stacklevel=4)
+    return handle
 
 
 def lib() -> ctypes.CDLL | None:
@@ -476,10 +662,7 @@ def lib() -> ctypes.CDLL | None:
             _warn("no C++ compiler found; set CXX")
         else:
             try:
-                handle = ctypes.CDLL(_build(cxx))
-                for name, args in SIGNATURES.items():
-                    fn = getattr(handle, name)
-                    fn.argtypes, fn.restype = args, ctypes.c_int
+                handle = _load_any(cxx)
             except Exception as e:  # noqa: BLE001 - any build or load failure means: fall back, with one warning
                 _warn(f"{type(e).__name__}: {e}")
                 handle = None

@@ -1,5 +1,7 @@
 """compress::pix against a float64 reference written from the definition (DESIGN.md, seed 003)."""
 
+import os
+
 import pytest
 import torch
 
@@ -348,6 +350,98 @@ def test_cpu_kernels_fall_back_without_the_library(monkeypatch):
     torch.testing.assert_close(y2, y)
     torch.testing.assert_close(dx2, dx)
     torch.testing.assert_close(dw2, dw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("B", [1, 3])
+@pytest.mark.parametrize("zeta", [2, 3, 4])
+def test_cpu_kernels_threaded_match_reference(dtype, layout, B, zeta):
+    """Shapes past the C++ kernels' threading threshold (32768 elements of x; G * C * B for the predictor) with 1
+    and 2 torch threads (the kernels run on torch's OpenMP threads) against the float64 definitions. Odd H*W: the
+    channels_last shares of positions split inside a sample and its 32-position pool chunks."""
+    from kernels import _cpu
+
+    if _cpu.lib() is None:
+        pytest.skip("no C++ compiler")
+    C, H, W = 128 * zeta, 11, 13
+    tol = 2e-6 if dtype == torch.float32 else 1e-12
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    x, w = make_squeeze(B, C, H, W, zeta, dtype, "cpu", layout, seed=B + zeta)
+    x, w = x.detach(), w.detach().to(dtype)
+    yr = ref_squeeze(x.double(), w.double(), zeta, 0.5, dtype)
+    p = torch.sigmoid(x.double().mean((2, 3)) @ w.double().flatten(1).t())
+    assert (p < 0.5).any() and (p >= 0.5).any(), "both branches must appear"
+    xp, pp = make(B=B, C=C, H=H, W=W, zeta=zeta, dtype=dtype, layout=layout, seed=zeta)
+    ypr = ref_pix(xp, pp, zeta, 0.5)[0]
+    threads = torch.get_num_threads()
+    got = {}
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            with torch.no_grad():
+                y = kernels.pix_squeeze(x, w, zeta)
+            yp = kernels.pix(xp, pp, zeta, 0.5)
+            assert y.dtype == yp.dtype == dtype
+            assert y.is_contiguous(memory_format=fmt) and yp.is_contiguous(memory_format=fmt)
+            assert rel_err(y, yr) < tol, n
+            assert rel_err(yp, ypr) < tol, n
+            got[n] = y, yp
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got[1][1], got[2][1])  # the fusion: every output element is one thread's, same code
+    if layout == "contiguous":  # NCHW: each row's pool too; channels_last adds per-thread pool sums (reordered)
+        assert torch.equal(got[1][0], got[2][0])
+
+
+def test_cpu_kernels_use_torchs_threads():
+    """The library links libgomp.so.1, which binds to the libgomp that torch loaded: one OpenMP runtime, whose
+    thread count torch.set_num_threads sets."""
+    from kernels import _cpu
+
+    if (lib := _cpu.lib()) is None:
+        pytest.skip("no C++ compiler")
+    if lib.compress_omp_max_threads() == 0:
+        pytest.skip("the C++ kernels were built without OpenMP")
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3, 1):
+            torch.set_num_threads(n)
+            assert lib.compress_omp_max_threads() == n
+    finally:
+        torch.set_num_threads(threads)
+    if os.path.exists("/proc/self/maps"):  # one libgomp.so.1 (others, vendored under other sonames, are apart)
+        with open("/proc/self/maps") as f:
+            gomp = {ln.split()[-1] for ln in f if os.path.basename(ln.split()[-1]).startswith("libgomp.so")}
+        assert len(gomp) <= 1, f"two libgomp.so.1 loaded: {sorted(gomp)}"
+
+
+def test_cpu_library_falls_back_to_a_serial_build(monkeypatch, tmp_path, capfd):
+    """Where the OpenMP build fails (here: an unknown flag), the library is built without it (one warning), and
+    the failed build is remembered, not retried by the next process."""
+    from kernels import _cpu
+
+    if _cpu._compiler() is None:
+        pytest.skip("no C++ compiler")
+    monkeypatch.setenv("COMPRESS_KERNELS_CACHE", str(tmp_path))
+    monkeypatch.setattr(_cpu, "FLAGS", [*_cpu.SERIAL_FLAGS, "-fno-such-openmp-flag"])
+    monkeypatch.setattr(_cpu, "_state", {})
+    with pytest.warns(RuntimeWarning, match="built without OpenMP"):
+        lib = _cpu.lib()
+    assert lib is not None and lib.compress_omp_max_threads() == 0
+    failed = list((tmp_path / "cpu").glob("*.so.failed"))
+    assert len(failed) == 1 and "no-such-openmp-flag" in failed[0].read_text()
+    x, w = make_squeeze(2, 64, 9, 9, 4, torch.float32, "cpu", "channels_last")
+    x, w = x.detach(), w.detach()
+    y = torch.empty(2, 16, 9, 9).contiguous(memory_format=torch.channels_last)
+    pooled = torch.empty(2, 64)  # called directly: kernels.pix keeps the functions of the library it met first
+    assert lib.pix_squeeze_cl_f32(x.data_ptr(), w.data_ptr(), pooled.data_ptr(), y.data_ptr(), 2, 64, 4, 81, 0.5) == 0
+    assert rel_err(y, ref_squeeze(x.double(), w.double(), 4, 0.5, torch.float32)) < 2e-6
+    capfd.readouterr()
+    monkeypatch.setattr(_cpu, "_state", {})  # a new process: both builds are cached (the failed one as failed)
+    with pytest.warns(RuntimeWarning, match="built without OpenMP"):
+        assert _cpu.lib() is not None
+    assert "compiling" not in capfd.readouterr().err
 
 
 def test_cpu_library_missing_compiler_warns_once(monkeypatch):
