@@ -12,7 +12,8 @@
 // Tried and dropped (H200, 2026-11-21): staging a block's planes in shared memory with 16-byte loads for small
 // planes (7x7, 14x14 bf16) ran slower than this mapping (bf16 64x1024x14x14 fwd 0.0150 vs 0.0094 ms, bwd 0.0289
 // vs 0.0164 ms; benchmarks/results/kernels_h200.json, meta.ab).
-// Unrolling the channels_last backward's position loop 4x changed no timing (2026-11-21, same table).
+// Unrolling the channels_last backward's position loop 4x changed no timing (H200, 2026-11-21:
+// benchmarks/results/kernels_pix_h200_unroll_reverted.json vs kernels_pix_h200.json).
 #include "common.cuh"
 
 namespace {
