@@ -25,6 +25,7 @@ def main(cfg: DictConfig) -> None:
         target_macs=cfg.target_macs,
         fold_bn=cfg.fold_bn,
         channel_multiple=cfg.channel_multiple,
+        fuse_relu=cfg.fuse_relu,
         choose_stripe_modes=cfg.choose_modes,
         onnx=cfg.onnx.enabled,
         stripe_mode=cfg.onnx.stripe_mode,

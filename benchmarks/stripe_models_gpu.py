@@ -230,8 +230,8 @@ def bench(name: str, variant: str, args, device: torch.device) -> dict | None:
     t_start = time.perf_counter()
     skeleton, mask_info = built
     torch.manual_seed(args.seed)
-    dense = compress.compact(create_model(name, **kwargs).eval(), fold_bn=True)
-    small = compress.compact(skeleton, fold_bn=True, channel_multiple=args.channel_multiple)
+    dense = compress.compact(create_model(name, **kwargs).eval(), fold_bn=True, fuse_relu=args.fuse_relu)
+    small = compress.compact(skeleton, fold_bn=True, channel_multiple=args.channel_multiple, fuse_relu=args.fuse_relu)
     p_dense = compress.profile(dense, size, latency=False)
     p_small = compress.profile(small, size, latency=False)
     cost_modes = modes_of(small)
@@ -481,6 +481,8 @@ def parse_args(argv=None):
         help="time a training step's forward and backward (default: on)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fuse-relu", action="store_true",
+                   help="compress.compact(fuse_relu=True) for both models: each conv's ReLU in its epilogue")
     p.add_argument("--channel-multiple", type=int, default=8,
                    help="compress.compact(channel_multiple=...): 8 keeps shrunk convs on cuDNN's tensor-core path")
     p.add_argument(
@@ -556,6 +558,7 @@ def main(argv=None) -> dict | None:
             "warmup": args.warmup,
             "bwd_repeats": args.bwd_repeats,
             "channel_multiple": args.channel_multiple,
+            "fuse_relu": args.fuse_relu,
             "protocol": "dense = compact(plain, fold_bn=True), compact = compact(skeleton, fold_bn=True, "
             "channel_multiple=<channel_multiple>); eval, "
             "inference_mode, cudnn.benchmark; choose_modes on the device; eager: CUDA events around one "

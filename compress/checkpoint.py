@@ -70,6 +70,7 @@ _TYPES: dict[str, tuple[str | type, Callable[[nn.Module], dict]]] = {
     "Sequential": (nn.Sequential, _no_config),
     "SkeletonConv2d": ("compress.skeleton:SkeletonConv2d", conv_config),
     "StripeConv2d": ("compress.stripe:StripeConv2d", _own_config),
+    "Conv2dReLU": ("compress.stripe:Conv2dReLU", conv_config),
     "PiXBlock": ("compress.pix:PiXBlock", _own_config),
 }
 

@@ -24,6 +24,7 @@ threshold, fold_bn, target_macs, macs, dense_macs; MACs are None when no budget 
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -31,7 +32,7 @@ import torch.nn as nn
 
 import kernels
 from compress.skeleton import SkeletonConv2d
-from compress.stripe import StripeConv2d, masked_conv
+from compress.stripe import Conv2dReLU, StripeConv2d, masked_conv
 from compress.surgery import (
     Chain,
     chain_constants,
@@ -57,6 +58,7 @@ def compact(
     target_macs: float | None = None,
     input_size: Sequence[int] | None = None,
     channel_multiple: int = 1,
+    fuse_relu: bool = False,
 ) -> nn.Module:
     """A compact copy of `model` (see the module docstring); `model` itself is left unchanged.
 
@@ -73,6 +75,9 @@ def compact(
             `model.compress_arch` (in_chans, input_size, input_size).
         channel_multiple: round the kept output channels of each shrunk conv up to a multiple of this
             (8 for GPU tensor cores), using channels that change nothing; 1 = remove all removable.
+        fuse_relu: with fold_bn, a conv (plain or stripe) whose output goes only, through folded BNs, to a ReLU
+            module that runs once takes that ReLU into its epilogue (`Conv2dReLU`, `StripeConv2d(relu=True)`;
+            on CUDA one cuDNN call or the stripe kernel) and the ReLU becomes nn.Identity. Inference only.
 
     Returns:
         The compact model (same training mode, device and dtype, `compress_arch` kept) with
@@ -83,13 +88,17 @@ def compact(
         raise ValueError(f"compact: threshold must be >= 0, got {threshold}")
     if not isinstance(channel_multiple, int) or isinstance(channel_multiple, bool) or channel_multiple < 1:
         raise ValueError(f"compact: channel_multiple must be an int >= 1 (8 for GPU tensor cores), got {channel_multiple!r}")
+    if fuse_relu and not fold_bn:
+        raise ValueError("compact: fuse_relu=True needs fold_bn=True (a BatchNorm sits between a conv and its ReLU)")
     if target_macs is None:
         out, macs, dense = _compact_at(model, base, fold_bn, channel_multiple), None, None
     else:
         out, base, macs, dense = _compact_to_budget(model, base, fold_bn, target_macs, input_size, channel_multiple)
+    fused = _fuse_relu(out) if fuse_relu else []
     out.compress_compaction = {
         "threshold": base,
         "fold_bn": bool(fold_bn),
+        "relu_fused": len(fused),
         "channel_multiple": channel_multiple,
         "target_macs": target_macs,
         "macs": macs,
@@ -161,6 +170,44 @@ def _to_stripe_convs(model: nn.Module, pruned: list[str]) -> None:
             stripe = StripeConv2d.from_dense(m, mask)
             stripe.mode = _cost_model_mode(stripe)
             replace_module(model, name, stripe)
+
+
+def _fuse_relu(model: nn.Module) -> list[str]:
+    """Fold each ReLU module into the conv before it (see `compact`'s fuse_relu), in place; returns the convs.
+
+    A conv qualifies when torch.fx shows it called once, its output going through nothing but once-called
+    nn.Identity modules (folded BNs) to a once-called nn.ReLU (a module shared by several call sites, as
+    torchvision's Bottleneck ReLU, is left alone)."""
+    graph = trace(model)
+    if graph is None:
+        return []
+    calls = Counter(n.target for n in graph.nodes if n.op == "call_module")
+    fused = []
+    for node in graph.nodes:
+        if node.op != "call_module" or calls[node.target] != 1:
+            continue
+        conv = get_module(model, node.target)
+        if type(conv) is not nn.Conv2d and not isinstance(conv, StripeConv2d):
+            continue
+        nxt, relu = node, None
+        while len(nxt.users) == 1:
+            (nxt,) = nxt.users
+            if nxt.op != "call_module" or calls[nxt.target] != 1:
+                break
+            mod = get_module(model, nxt.target)
+            if type(mod) is nn.Identity:
+                continue
+            relu = nxt.target if type(mod) is nn.ReLU else None
+            break
+        if relu is None:
+            continue
+        if isinstance(conv, StripeConv2d):
+            conv.relu = True
+        else:
+            replace_module(model, node.target, Conv2dReLU.from_conv(conv))
+        replace_module(model, relu, nn.Identity())
+        fused.append(node.target)
+    return fused
 
 
 def _cost_model_mode(m: StripeConv2d) -> str:

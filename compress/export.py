@@ -97,6 +97,7 @@ def export_checkpoint(
     target_macs: float | None = None,
     fold_bn: bool = True,
     channel_multiple: int = 1,
+    fuse_relu: bool = True,
     choose_stripe_modes: bool = True,
     onnx: bool = True,
     stripe_mode: str = "dense",
@@ -113,6 +114,8 @@ def export_checkpoint(
             config's prune.threshold / prune.target_flops (threshold 0 without one).
         fold_bn: fold BN into convs, in the compact model and (for a fair latency) the dense baseline.
         channel_multiple: keep shrunk convs' channel counts a multiple of this (8 for GPU deployment).
+        fuse_relu: with fold_bn, fold each conv's ReLU into it (compress.compact), in the compact model and the
+            dense baseline alike.
         choose_stripe_modes: time each stripe conv against its dense equivalent on `device` and keep
             the faster (compress.choose_modes); otherwise the cost model's choice stays.
         onnx, stripe_mode, opset: write model.onnx (see compress.onnx_export) and check it in
@@ -129,12 +132,13 @@ def export_checkpoint(
     if target_macs is None:
         target_macs = prune.get("target_flops")
     size = _input_size(model)
+    fuse_relu = fuse_relu and fold_bn
     small = compact(model, threshold=threshold, fold_bn=fold_bn, target_macs=target_macs, input_size=size,
-                    channel_multiple=channel_multiple)
+                    channel_multiple=channel_multiple, fuse_relu=fuse_relu)
     used = small.compress_compaction["threshold"]
     dense = create_model(model.compress_arch["name"], **model.compress_arch["kwargs"]).eval()
     if fold_bn:
-        dense = compact(dense, fold_bn=True)
+        dense = compact(dense, fold_bn=True, fuse_relu=fuse_relu)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     small.to(device)
     if choose_stripe_modes:

@@ -38,7 +38,7 @@ class ShiftAddConv2d(nn.Module):
     def __init__(self, stripe: StripeConv2d):
         super().__init__()
         self.stride, self.padding, self.dilation = stripe.stride, stripe.padding, stripe.dilation
-        self.kernel_size, self.out_channels = stripe.kernel_size, stripe.out_channels
+        self.kernel_size, self.out_channels, self.relu = stripe.kernel_size, stripe.out_channels, stripe.relu
         self.weight = nn.Parameter(stripe.weight.detach().clone()[:, :, None, None])  # (S, C, 1, 1)
         self.bias = None if stripe.bias is None else nn.Parameter(stripe.bias.detach().clone())
         # per offset: (kh, kw, first stripe, last stripe + 1, gather index (N,) into [its stripes, zero])
@@ -66,7 +66,8 @@ class ShiftAddConv2d(nn.Module):
                      c : c + self.stride[1] * (wo - 1) + 1 : self.stride[1]]
             part = torch.cat([part, part.new_zeros(part.shape[0], 1, ho, wo)], dim=1)
             y = y + part.index_select(1, getattr(self, f"gather{g}"))
-        return y if self.bias is None else y + self.bias[:, None, None]
+        y = y if self.bias is None else y + self.bias[:, None, None]
+        return y.relu() if self.relu else y
 
 
 def onnx_ready(model: nn.Module, stripe_mode: str = "dense") -> nn.Module:

@@ -36,6 +36,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn as nn
 
+from compress.stripe import Conv2dReLU, StripeConv2d
+
 __all__ = ["LayerProfile", "ProfileReport", "profile", "compare", "measure_latencies", "register_macs_handler"]
 
 MacsHandler = Callable[[nn.Module, torch.Tensor, torch.Tensor], int]
@@ -75,6 +77,9 @@ _PAPER_EXTRA: dict[type[nn.Module], MacsHandler] = {
     nn.Conv1d: _bias, nn.Conv2d: _bias, nn.Conv3d: _bias, nn.Linear: _bias,
     nn.BatchNorm1d: _per_output(2), nn.BatchNorm2d: _per_output(2), nn.BatchNorm3d: _per_output(2),
     nn.ReLU: _per_output(1), nn.ReLU6: _per_output(1), nn.LeakyReLU: _per_output(1), nn.PReLU: _per_output(1),
+    # a ReLU fused into its conv (compact(fuse_relu=True)) counts as it did as a module
+    Conv2dReLU: lambda m, inp, out: _bias(m, inp, out) + out.numel(),
+    StripeConv2d: lambda m, inp, out: out.numel() if m.relu else 0,
     nn.MaxPool1d: _per_input, nn.MaxPool2d: _per_input, nn.MaxPool3d: _per_input,
     nn.AvgPool1d: _per_input, nn.AvgPool2d: _per_input, nn.AvgPool3d: _per_input,
     nn.AdaptiveAvgPool1d: _per_input, nn.AdaptiveAvgPool2d: _per_input, nn.AdaptiveAvgPool3d: _per_input,
@@ -100,8 +105,9 @@ def _lookup(table: dict[type[nn.Module], MacsHandler], module: nn.Module) -> Mac
 
 def _handler(module: nn.Module, convention: str = "layers") -> MacsHandler | None:
     if callable(getattr(module, "macs", None)):
-        return lambda m, inp, out: m.macs(inp, out)
-    base = _lookup(_MACS_HANDLERS, module)
+        base = lambda m, inp, out: m.macs(inp, out)  # noqa: E731
+    else:
+        base = _lookup(_MACS_HANDLERS, module)
     extra = _lookup(_PAPER_EXTRA, module) if convention == "paper" else None
     if base is None or extra is None:
         return base or extra

@@ -16,7 +16,7 @@ import kernels
 from compress.surgery import conv_config
 from kernels._utils import is_channels_last
 
-__all__ = ["StripeConv2d", "conv_padding", "masked_conv"]
+__all__ = ["StripeConv2d", "Conv2dReLU", "conv2d_relu", "conv_padding", "masked_conv"]
 
 MODES = ("stripe", "dense")
 
@@ -34,6 +34,47 @@ def _layout(x: torch.Tensor) -> torch.memory_format:
     if is_channels_last(x) or (x.shape[1] == 1 and x.stride(1) == 1 and x.shape[2] * x.shape[3] > 1):
         return torch.channels_last
     return torch.contiguous_format
+
+
+def conv2d_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride, padding, dilation,
+                groups: int = 1) -> torch.Tensor:
+    """relu(conv2d(x, weight, bias)) for int/pair `padding`. On CUDA in plain inference (autograd not recording,
+    no tracing, compiling or ONNX export) one cuDNN call, `torch.cudnn_convolution_relu`, with the bias add and
+    the ReLU in the conv's epilogue: PyTorch's conv adds a bias in a separate elementwise kernel, and in a
+    compact VGG16 at batch 256 those adds and the ReLUs were 30% of the forward on an H200
+    (benchmarks/results/compact_profile_vgg16_real_h200.txt). Elsewhere F.conv2d then ReLU."""
+    if (
+        x.is_cuda
+        and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and weight.dtype == x.dtype
+        and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)))
+        and not (torch.jit.is_tracing() or torch.compiler.is_compiling() or torch.onnx.is_in_onnx_export())
+    ):
+        return torch.cudnn_convolution_relu(x, weight, bias, _pair(stride), _pair(padding), _pair(dilation), groups)
+    return F.relu(F.conv2d(x, weight, bias, stride, padding, dilation, groups))
+
+
+class Conv2dReLU(nn.Conv2d):
+    """An nn.Conv2d and the ReLU after it as one module (same parameters and state dict as the conv), made by
+    `compress.compact(..., fuse_relu=True)`; see `conv2d_relu`."""
+
+    @classmethod
+    def from_conv(cls, conv: nn.Conv2d) -> Conv2dReLU:
+        new = cls(**conv_config(conv), device=conv.weight.device, dtype=conv.weight.dtype)
+        new.load_state_dict(conv.state_dict())
+        new.train(conv.training)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.padding_mode != "zeros" or isinstance(self.padding, str):
+            return F.relu(super().forward(x))
+        return conv2d_relu(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+
+    def config(self) -> dict:
+        return conv_config(self)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", relu=True"
 
 
 def conv_padding(conv: nn.Conv2d) -> tuple[int, int]:
@@ -81,6 +122,9 @@ class StripeConv2d(nn.Module):
         mode: "stripe" runs `kernels.stripe_conv2d` on the kept stripes; "dense" runs F.conv2d with the
             zero-filled dense weight (cached in eval). Both give the same output; `compress.compact`
             picks the faster one per layer.
+        relu: apply ReLU to the output, in the kernel's epilogue (stripe mode) or cuDNN's (dense mode, see
+            `conv2d_relu`); set by `compress.compact(..., fuse_relu=True)` for a conv whose BN is folded and
+            whose only consumer is a ReLU.
     """
 
     def __init__(
@@ -94,8 +138,10 @@ class StripeConv2d(nn.Module):
         num_stripes: int = 0,
         bias: bool = False,
         mode: str = "stripe",
+        relu: bool = False,
     ):
         super().__init__()
+        self.relu = bool(relu)
         self.in_channels, self.out_channels = int(in_channels), int(out_channels)
         self.kernel_size, self.stride = _pair(kernel_size), _pair(stride)
         self.padding, self.dilation = _pair(padding), _pair(dilation)
@@ -170,8 +216,8 @@ class StripeConv2d(nn.Module):
         )
 
     def to_dense(self) -> nn.Conv2d:
-        """An nn.Conv2d with the same output: dropped stripes are zeros."""
-        conv = nn.Conv2d(
+        """An nn.Conv2d (a Conv2dReLU if `relu`) with the same output: dropped stripes are zeros."""
+        conv = (Conv2dReLU if self.relu else nn.Conv2d)(
             self.in_channels,
             self.out_channels,
             self.kernel_size,
@@ -217,11 +263,11 @@ class StripeConv2d(nn.Module):
         """x (B, C, H, W) -> (B, N, Ho, Wo), in x's layout (see `_layout`)."""
         fmt = _layout(x)
         if self.num_stripes == 0:
-            return self._constant_output(x, fmt)
+            out = self._constant_output(x, fmt)
+            return out.relu_() if self.relu else out
         if self._mode == "dense":
-            return F.conv2d(
-                x, self._cached_dense_weight(fmt), self.bias, self.stride, self.padding, self.dilation
-            )
+            conv = conv2d_relu if self.relu else F.conv2d
+            return conv(x, self._cached_dense_weight(fmt), self.bias, self.stride, self.padding, self.dilation)
         y = kernels.stripe_conv2d(
             x,
             self.weight,
@@ -233,6 +279,7 @@ class StripeConv2d(nn.Module):
             self.stride,
             self.padding,
             self.dilation,
+            relu=self.relu,
             plan=self.plan,
         )
         if fmt is torch.channels_last and not y.is_contiguous(memory_format=fmt):
@@ -267,6 +314,7 @@ class StripeConv2d(nn.Module):
             "num_stripes": self.num_stripes,
             "bias": self.bias is not None,
             "mode": self._mode,
+            "relu": self.relu,
         }
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
@@ -290,4 +338,4 @@ class StripeConv2d(nn.Module):
             f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
             f"padding={self.padding}, dilation={self.dilation}, stripes={self.num_stripes}/{total}"
         )
-        return s + f", bias={self.bias is not None}, mode={self._mode}"
+        return s + f", bias={self.bias is not None}, mode={self._mode}" + (", relu=True" if self.relu else "")

@@ -104,6 +104,36 @@ def test_compact_equals_skeleton_model(name, tmp_path):
     assert all(torch.equal(before[k], after[k]) for k in before), "compact changed the caller's model"
 
 
+@pytest.mark.parametrize("name, size, fused", [("vgg11", 32, 8), ("resnet20", 32, 10), ("resnet18", 32, 1)])
+def test_fuse_relu_takes_each_conv_relu_into_the_conv(name, size, fused, tmp_path):
+    """compact(fold_bn=True, fuse_relu=True): a conv whose only consumer is a ReLU (through folded BNs) runs it
+    in its epilogue; shared ReLU modules (torchvision's blocks: only the stem qualifies) stay. Same output,
+    also after save/load and as ONNX (dense and shift stripe modes), and the same paper-convention MACs."""
+    from compress.onnx_export import check_onnx, export_onnx
+    from compress.stripe import Conv2dReLU
+
+    model = skeleton_model(name, size)
+    x = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(2))
+    plain = compact(model, fold_bn=True)
+    out = compact(model, fold_bn=True, fuse_relu=True)
+    assert out.compress_compaction["relu_fused"] == fused
+    convs = [m for m in out.modules() if isinstance(m, Conv2dReLU) or getattr(m, "relu", False) is True]
+    assert len(convs) == fused
+    n_relu = sum(type(m) is nn.ReLU for m in out.modules())
+    assert n_relu == sum(type(m) is nn.ReLU for m in plain.modules()) - (fused if name != "resnet18" else 1)
+    assert_same_output(plain, out, x)
+    assert_same_output(plain, load(save(out, tmp_path / "fused.safetensors")), x)
+    for mode in ("dense", "shift"):  # onnxruntime's error on the fused export is the unfused export's
+        base = check_onnx(export_onnx(plain, tmp_path / f"plain-{mode}.onnx", (3, size, size), stripe_mode=mode),
+                          plain, x)
+        path = export_onnx(out, tmp_path / f"fused-{mode}.onnx", (3, size, size), stripe_mode=mode)
+        assert check_onnx(path, plain, x) <= max(1e-4, 1.01 * base)
+    macs = [profile(m, (3, size, size), latency=False, convention="paper").macs for m in (plain, out)]
+    assert macs[0] == macs[1]
+    with pytest.raises(ValueError, match="fuse_relu=True needs fold_bn=True"):
+        compact(model, fuse_relu=True)
+
+
 @pytest.mark.parametrize("name", ["resnet56", "vgg16"])
 def test_channel_multiple_keeps_harmless_channels_exactly(name):
     size, chains, _ = CASES[name]
@@ -253,3 +283,28 @@ def test_choose_modes_bf16_channels_last_cpu():
 @pytest.mark.cuda
 def test_choose_modes_bf16_channels_last_cuda():
     _choose_modes_bf16_channels_last("cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-3), (torch.bfloat16, 3e-2)])
+def test_fuse_relu_cuda_runs_one_cudnn_call_per_conv(dtype, tol, monkeypatch):
+    """On CUDA in inference the fused convs call torch.cudnn_convolution_relu (dense mode) or the stripe kernel
+    with its ReLU (stripe mode), and match the unfused compact model."""
+    model = skeleton_model("vgg16", 32)
+    plain = compact(model, fold_bn=True).cuda().to(dtype).to(memory_format=torch.channels_last)
+    out = compact(model, fold_bn=True, fuse_relu=True).cuda().to(dtype).to(memory_format=torch.channels_last)
+    x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(3)).cuda().to(dtype)
+    x = x.contiguous(memory_format=torch.channels_last)
+    calls = []
+    fused_call = torch.cudnn_convolution_relu
+    monkeypatch.setattr(torch, "cudnn_convolution_relu", lambda *a: calls.append(1) or fused_call(*a))
+    for mode in ("dense", "stripe"):
+        for m in (plain, out):
+            for s in m.modules():
+                if isinstance(s, StripeConv2d):
+                    s.mode = mode
+        calls.clear()
+        with torch.inference_mode():
+            ref, got = plain(x).float(), out(x).float()
+        assert len(calls) == (13 if mode == "dense" else 0)
+        assert float((got - ref).norm() / ref.norm()) < tol
