@@ -24,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from pix_gpu import median_ms  # noqa: E402
 from stripe_models_gpu import MODELS, build_skeleton, cuda_graph  # noqa: E402
 
 import compress  # noqa: E402
@@ -54,21 +55,6 @@ def fuse_relu(seq: nn.Sequential) -> int:
             seq[i], seq[i + 2] = ConvReLU(seq[i]), nn.Identity()
             n += 1
     return n
-
-
-def median_ms(fn, reps: int = 50) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def build(name: str, variant: str, side: str, device: torch.device) -> nn.Module:
@@ -117,10 +103,10 @@ def main() -> None:
             for e in sorted(events, key=lambda e: -e.self_device_time_total)[: args.top]:
                 print(f"   {e.key[:88]:88s} {e.self_device_time_total / 10 / 1e3:7.4f} ms  x{e.count / 10:.0f}")
             ref = model(x).float()
-            graphed[(side, "unfused")] = median_ms(cuda_graph(model, x))
+            graphed[(side, "unfused")] = median_ms(cuda_graph(model, x), dev, 10, 50)
             fused = fuse_relu(model.features)
             err = ((model(x).float() - ref).norm() / ref.norm()).item()
-            graphed[(side, "fused")] = median_ms(cuda_graph(model, x))
+            graphed[(side, "fused")] = median_ms(cuda_graph(model, x), dev, 10, 50)
         print(f"   {fused} conv+bias+ReLU fused (rel. error vs unfused {err:.1e})")
     print("CUDA-graph ms per forward, dense / compact (speedup):")
     for kind in ("unfused", "fused"):
