@@ -339,6 +339,38 @@ def test_swp_compaction_save_load_and_onnx_keep_pix(tmp_path):
     assert check_onnx(tmp_path / "pix.onnx", small, x) < 1e-5
 
 
+def test_swp_pix_torchvision_resnet50_compacts_fused_and_reloads(tmp_path):
+    """SWP + PiX on torchvision ResNet-50: compaction with BN folded and ReLUs fused keeps PiXBottleneck (whose
+    conv2's ReLU now runs once, so it fuses too), stays exact, and survives save/load."""
+    from compress.compaction import compact
+    from compress.pix import PiXBottleneck
+
+    torch.manual_seed(0)
+    model = create_model("resnet50", num_classes=10)
+    insert_pix(model, 4)
+    skeletons = compress.attach_skeletons(model)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n in skeletons:
+            sk = model.get_submodule(n).skeleton
+            sk.mul_((torch.rand(sk.shape, generator=gen) > 0.5).float())
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.2, 0.2, generator=gen)
+                m.running_var.uniform_(0.5, 1.5, generator=gen)
+    model.eval()
+    x = torch.randn(2, 3, 64, 64, generator=gen)
+    small = compact(model, fold_bn=True, fuse_relu=True)
+    assert small.compress_compaction["relu_fused"] == 17  # the stem and every block's conv2
+    assert sum(type(m) is PiXBottleneck for m in small.modules()) == 16
+    with torch.no_grad():
+        ref = model(x)
+        torch.testing.assert_close(small(x), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+        loaded = compress.load(compress.save(small, tmp_path / "pix50.safetensors"))
+        assert sum(type(m) is PiXBottleneck for m in loaded.modules()) == 16
+        torch.testing.assert_close(loaded(x), small(x), rtol=0, atol=0)
+
+
 def test_onnx_export_uses_standard_ops():
     import onnx
     import onnxruntime as ort
