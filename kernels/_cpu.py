@@ -409,14 +409,20 @@ static T* flags_below(const T* p, int64_t n, T tau) {  // (T)1 where p < tau, el
   return pk;
 }
 
-template <typename T>
-static int nchw(const T* x, const T* p, T* y, int64_t B, int64_t G, int Z, int64_t HW, T tau) {
-#pragma omp parallel if (B * G * Z * HW >= PAR_MIN)
+// f(a, b) on each thread's share [a, b) of n items: a team when `par`, else this thread alone.
+template <typename F>
+static void for_shares(int64_t n, bool par, F f) {
+#pragma omp parallel if (par)
   {
     int64_t a, b;
-    share(B * G, a, b);
-    w_nchw(x, p, y, Z, HW, tau, a, b);
+    share(n, a, b);
+    f(a, b);
   }
+}
+
+template <typename T>
+static int nchw(const T* x, const T* p, T* y, int64_t B, int64_t G, int Z, int64_t HW, T tau) {
+  for_shares(B * G, B * G * Z * HW >= PAR_MIN, [&](int64_t a, int64_t b) { w_nchw(x, p, y, Z, HW, tau, a, b); });
   return 0;
 }
 
@@ -424,12 +430,7 @@ template <typename T>
 static int cl(const T* x, const T* p, T* y, int64_t B, int64_t G, int Z, int64_t HW, T tau) {
   T* pk = flags_below(p, B * G, tau);
   if (!pk) return 1;
-#pragma omp parallel if (B * G * Z * HW >= PAR_MIN)
-  {
-    int64_t a, b;
-    share(B * HW, a, b);
-    w_cl(x, p, pk, y, G, Z, HW, a, b);
-  }
+  for_shares(B * HW, B * G * Z * HW >= PAR_MIN, [&](int64_t a, int64_t b) { w_cl(x, p, pk, y, G, Z, HW, a, b); });
   free(pk);
   return 0;
 }
@@ -461,12 +462,9 @@ static int sq1(bool cl, const T* x, T* pooled, T* ym, T* ys, int64_t B, int64_t 
       }
     }
   } else {
-#pragma omp parallel if (par)
-    {
-      int64_t a, b;
-      share(B * G, a, b);
+    for_shares(B * G, par, [&](int64_t a, int64_t b) {
       w_sq1_nchw(x, pooled, ym, ys, work + team_rank() * per, Z, HW, a, b);
-    }
+    });
   }
   free(work);
   return 0;
@@ -477,32 +475,17 @@ static int sq2(bool cl, const T* p, T* ym, const T* ys, int64_t B, int64_t G, in
   if (cl) {
     T* pk = flags_below(p, B * G, tau);
     if (!pk) return 1;
-#pragma omp parallel if (par)
-    {
-      int64_t a, b;
-      share(B * HW, a, b);
-      w_sq2_cl(p, pk, ym, ys, G, Z, HW, a, b);
-    }
+    for_shares(B * HW, par, [&](int64_t a, int64_t b) { w_sq2_cl(p, pk, ym, ys, G, Z, HW, a, b); });
     free(pk);
   } else {
-#pragma omp parallel if (par)
-    {
-      int64_t a, b;
-      share(B * G, a, b);
-      w_sq2_nchw(p, ym, ys, Z, HW, tau, a, b);
-    }
+    for_shares(B * G, par, [&](int64_t a, int64_t b) { w_sq2_nchw(p, ym, ys, Z, HW, tau, a, b); });
   }
   return 0;
 }
 
 template <typename T>
 static void predict(const T* pooled, const T* w, T* p, int64_t B, int64_t C, int64_t G) {
-#pragma omp parallel if (G * C * B >= PAR_MIN && G > 1)
-  {
-    int64_t a, b;
-    share(G, a, b);
-    w_predict(pooled, w, p, B, C, G, a, b);
-  }
+  for_shares(G, G * C * B >= PAR_MIN && G > 1, [&](int64_t a, int64_t b) { w_predict(pooled, w, p, B, C, G, a, b); });
 }
 
 // The whole block: pass 1, the predictor, pass 2 (s and p are scratch).
