@@ -511,13 +511,12 @@ def residual_relu(out: Tensor, identity: Tensor) -> Tensor:
             and out.shape == identity.shape and out.dim() == 4 and out.device == identity.device
             and _plain_eager(out, identity) and type(identity) is torch.Tensor and use_kernel(out)):
         fmt = memory_format(out)
-        ext = _ext.load() if memory_format(identity) == fmt and out.is_contiguous(memory_format=fmt) else None
-        if ext is not None and identity.is_contiguous(memory_format=fmt):
-            grad = torch.is_grad_enabled() and (out.requires_grad or identity.requires_grad)
+        same_layout = out.is_contiguous(memory_format=fmt) and identity.is_contiguous(memory_format=fmt)
+        ext = _ext.load() if same_layout else None
+        if ext is not None:
             cl = fmt == torch.channels_last
-            if grad:
-                y = _ResidualReluCUDA.apply(out, identity, cl)
-                pooled = y.grad_fn._pooled  # kept by the Function's forward (see there)
+            if torch.is_grad_enabled() and (out.requires_grad or identity.requires_grad):
+                y, pooled = _ResidualReluCUDA.apply(out, identity, cl)
             else:
                 y, pooled = ext.add_relu_pool(out, identity, cl)
             setattr(y, _MEAN_ATTR, (pooled, y._version))
@@ -534,18 +533,18 @@ def _attached_mean(x: Tensor) -> Tensor | None:
 
 
 class _ResidualReluCUDA(torch.autograd.Function):
-    """relu(a + b) by the fused CUDA kernel; backward ``g * (y > 0)`` to both inputs. The channel mean it also
-    computes is stored on the graph node (``ctx._pooled``), not returned, so autograd does not track it."""
+    """(relu(a + b), its channel mean) by the fused CUDA kernel; backward ``g * (y > 0)`` to both inputs (the
+    mean is a non-differentiable output: its consumer, ``pix_squeeze``, sends the pool's gradient through dx)."""
 
     @staticmethod
     def forward(ctx, a, b, cl):
         y, pooled = _ext.load().add_relu_pool(a, b, cl)
-        ctx._pooled = pooled
+        ctx.mark_non_differentiable(pooled)
         ctx.save_for_backward(y)
-        return y
+        return y, pooled
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, _grad_pooled):
         (y,) = ctx.saved_tensors
         g = torch.ops.aten.threshold_backward(grad, y, 0)
         return g, g, None
