@@ -6,8 +6,10 @@ compact = compact(skeleton, fold_bn=True, channel_multiple=8), bf16, channels_la
 dense mode, which is what `choose_modes` picks on an H200 today):
 
 1. the CUDA kernels of one forward of each (torch.profiler, per-kernel time per forward);
-2. an experiment: CUDA-graph time of both with each conv + bias + ReLU run as ONE cuDNN call
-   (`torch.cudnn_convolution_relu`, the ReLU module then skipped), against the unfused models.
+2. CUDA-graph time of both with each conv + bias + ReLU run as ONE cuDNN call (`compact(..., fuse_relu=True)`:
+   `torch.cudnn_convolution_relu`), against the unfused models. The committed outputs
+   (results/compact_profile_vgg16_*_h200.txt) come from this script's first form (commit 542cffd), which fused
+   the VGG `features` by hand with the same cuDNN call, before compaction could.
 
     python3 benchmarks/compact_profile_gpu.py [--model vgg16] [--variant real] [--batch 256] [--top 12]
 """
@@ -32,39 +34,14 @@ from compress.models import create_model  # noqa: E402
 from compress.stripe import StripeConv2d  # noqa: E402
 
 
-class ConvReLU(nn.Module):
-    """conv (+ its bias) + ReLU as one cuDNN call (inference only)."""
-
-    def __init__(self, conv: nn.Module):
-        super().__init__()
-        self.conv = conv
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        c = self.conv
-        w = c._cached_dense_weight(torch.channels_last) if isinstance(c, StripeConv2d) else c.weight
-        return torch.cudnn_convolution_relu(x, w, c.bias, c.stride, c.padding, c.dilation, 1)
-
-
-def fuse_relu(seq: nn.Sequential) -> int:
-    """In a VGG `features` Sequential: conv, Identity (folded BN), ReLU -> ConvReLU, Identity, Identity."""
-    n = 0
-    for i in range(len(seq) - 2):
-        if isinstance(seq[i], (nn.Conv2d, StripeConv2d)) and isinstance(seq[i + 1], nn.Identity) and isinstance(
-            seq[i + 2], nn.ReLU
-        ):
-            seq[i], seq[i + 2] = ConvReLU(seq[i]), nn.Identity()
-            n += 1
-    return n
-
-
-def build(name: str, variant: str, side: str, device: torch.device) -> nn.Module:
+def build(name: str, variant: str, side: str, device: torch.device, fuse_relu: bool) -> nn.Module:
     kwargs = MODELS[name]["kwargs"]
     if side == "dense":
         torch.manual_seed(0)
-        model = compress.compact(create_model(name, **kwargs).eval(), fold_bn=True)
+        model = compress.compact(create_model(name, **kwargs).eval(), fold_bn=True, fuse_relu=fuse_relu)
     else:
         skeleton, _ = build_skeleton(name, variant, 0, kwargs)
-        model = compress.compact(skeleton.eval(), fold_bn=True, channel_multiple=8)
+        model = compress.compact(skeleton.eval(), fold_bn=True, channel_multiple=8, fuse_relu=fuse_relu)
     for m in model.modules():
         if isinstance(m, StripeConv2d):
             m.mode = "dense"
@@ -88,7 +65,8 @@ def main() -> None:
         memory_format=torch.channels_last)
     graphed = {}
     for side in ("dense", "compact"):
-        model = build(args.model, args.variant, side, dev)
+        model = build(args.model, args.variant, side, dev, fuse_relu=False)
+        fused_model = build(args.model, args.variant, side, dev, fuse_relu=True)
         with torch.inference_mode():
             for _ in range(20):
                 model(x)
@@ -104,9 +82,9 @@ def main() -> None:
                 print(f"   {e.key[:88]:88s} {e.self_device_time_total / 10 / 1e3:7.4f} ms  x{e.count / 10:.0f}")
             ref = model(x).float()
             graphed[(side, "unfused")] = median_ms(cuda_graph(model, x), dev, 10, 50)
-            fused = fuse_relu(model.features)
-            err = ((model(x).float() - ref).norm() / ref.norm()).item()
-            graphed[(side, "fused")] = median_ms(cuda_graph(model, x), dev, 10, 50)
+            err = ((fused_model(x).float() - ref).norm() / ref.norm()).item()
+            graphed[(side, "fused")] = median_ms(cuda_graph(fused_model, x), dev, 10, 50)
+        fused = fused_model.compress_compaction["relu_fused"]
         print(f"   {fused} conv+bias+ReLU fused (rel. error vs unfused {err:.1e})")
     print("CUDA-graph ms per forward, dense / compact (speedup):")
     for kind in ("unfused", "fused"):

@@ -70,9 +70,6 @@ class Conv2dReLU(nn.Conv2d):
             return F.relu(super().forward(x))
         return conv2d_relu(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
 
-    def config(self) -> dict:
-        return conv_config(self)
-
     def extra_repr(self) -> str:
         return super().extra_repr() + ", relu=True"
 
