@@ -124,6 +124,17 @@ def copy_bandwidth() -> float:
     return bw
 
 
+def same_size_copy(nbytes: int) -> float:
+    """Milliseconds of an in-graph copy kernel that reads and writes nbytes in all (nbytes / 2 each way), inputs
+    rotated like the ops': the floor a kernel moving that many bytes can reach at this size (launch and ramp
+    included), beside the bandwidth floor of a 1 GiB copy."""
+    n = max(1, nbytes // 8)  # float32 elements per direction
+    k = nsets(nbytes)
+    src = [torch.empty(n, device=DEV) for _ in range(k)]
+    dst = [torch.empty(n, device=DEV) for _ in range(k)]
+    return bench([lambda i=i: torch.mul(src[i], 1.0, out=dst[i]) for i in range(k)])
+
+
 # ------------------------------------------------------------------------------------------- references
 def rel(a, b):
     a, b = a.double(), b.double()
@@ -200,7 +211,8 @@ def correctness():
                 record("pix", dtype, layout, f"dx z{zeta}", rel(dx.cpu(), dxr), tol)
                 record("pix", dtype, layout, f"dp z{zeta}", rel(dp.cpu(), dpr), tol)
             # depthwise and im2col conv against F.conv2d in float64
-            for C, H, k, s, pad, d in ((32, 28, 3, 1, 1, 1), (24, 15, 5, 2, 2, 1), (16, 12, 3, 1, 2, 2), (8, 9, 7, 1, 3, 1)):
+            for C, H, k, s, pad, d in ((32, 28, 3, 1, 1, 1), (24, 15, 5, 2, 2, 1), (16, 12, 3, 1, 2, 2), (8, 9, 7, 1, 3, 1),
+                                     (40, 16, 3, 2, 1, 1), (24, 24, 7, 2, 3, 1)):
                 x = torch.randn(4, C, H, H, generator=g, dtype=torch.float64)
                 w = torch.randn(C, 1, k, k, generator=g, dtype=torch.float64)
                 b = torch.randn(C, generator=g, dtype=torch.float64)
@@ -245,15 +257,30 @@ def bench_pix(bw):
                 t_bwd = max(t_fb - t_fwd, 1e-6)
                 f_fwd = (xbytes + ybytes) / bw * 1e3
                 f_bwd = (2 * xbytes + ybytes) / bw * 1e3
+                copy_fwd, copy_bwd = same_size_copy(xbytes + ybytes), same_size_copy(2 * xbytes + ybytes)
+                ab = {}
+                if layout == "nchw" and H <= 28:  # small planes: block-wide steps per thread of the NCHW kernels
+                    for st in ("1", "4"):
+                        with env(COMPRESS_PIX_STEPS=st):
+                            ab[f"fwd_ms_steps{st}"] = bench([lambda i=i: ops.pix(xs[i], ps[i], z, 0.5) for i in range(k)])
+                            ab[f"bwd_ms_steps{st}"] = bench([lambda i=i: ops.pix_backward(dys[i], xs[i], ps[i], z, 0.5)
+                                                             for i in range(k)])
+                if layout == "cl":
+                    with env(COMPRESS_PIX_CL_GPT="1"):
+                        ab["bwd_ms_gpt1"] = bench([lambda i=i: ops.pix_backward(dys[i], xs[i], ps[i], z, 0.5)
+                                                   for i in range(k)])
                 row = {"B": B, "C": C, "H": H, "W": H, "zeta": z, "dtype": str(dtype).replace("torch.", ""),
                        "layout": layout, "fwd_ms": fwd, "fwd_eager_ms": fwd_eager, "bwd_ms": bwd, "floor_fwd_ms": f_fwd, "floor_bwd_ms": f_bwd,
                        "torch_fwd_ms": t_fwd, "torch_fwd_bwd_ms": t_fb, "torch_bwd_ms": t_bwd,
                        "fwd_over_floor": fwd / f_fwd, "bwd_over_floor": bwd / f_bwd,
-                       "fwd_speedup": t_fwd / fwd, "bwd_speedup": t_bwd / bwd}
+                       "copy_fwd_ms": copy_fwd, "copy_bwd_ms": copy_bwd,
+                       "fwd_over_copy": fwd / copy_fwd, "bwd_over_copy": bwd / copy_bwd,
+                       "fwd_speedup": t_fwd / fwd, "bwd_speedup": t_bwd / bwd, **ab}
                 RESULTS["pix"].append(row)
                 print(f"  {B}x{C}x{H}x{H:<6d} {row['dtype']:9s} {layout:6s} {fwd:7.4f} {f_fwd:7.4f} {fwd / f_fwd:5.2f} "
                       f"{t_fwd:7.4f} {t_fwd / fwd:5.1f} | {bwd:7.4f} {f_bwd:7.4f} {bwd / f_bwd:5.2f} {t_bwd:7.4f} "
-                      f"{t_bwd / bwd:5.1f}", flush=True)
+                      f"{t_bwd / bwd:5.1f} | same-size copy {copy_fwd:.4f} / {copy_bwd:.4f}"
+                      + "".join(f" {k} {v:.4f}" for k, v in ab.items()), flush=True)
 
 
 # ------------------------------------------------------------------------------------------ depthwise
@@ -356,7 +383,9 @@ def main():
                        "timing": "median of 30 CUDA-event timings of CUDA-graph replays (>=20 calls each, inputs rotated "
                                  "over sets totalling >= 4x L2), per call; conv2d and fwd_eager_ms: eager launches",
                        "floor": "bytes / max(eager memcpy, in-graph copy kernel) bandwidth of a 1 GiB copy",
-                       "ab": "depthwise fwd_ms_vec_off: COMPRESS_DW_VEC=0 (no stride-2 vector loads); depthwise cl rows: fwd_ms "
+                       "ab": "depthwise fwd_ms_vec_off: COMPRESS_DW_VEC=0 (no stride-2 vector loads); pix nchw "
+                             "fwd/bwd_ms_steps*: COMPRESS_PIX_STEPS; pix cl bwd_ms_gpt1: COMPRESS_PIX_CL_GPT=1; depthwise cl "
+                             "rows: fwd_ms "
                              "is the default dispatch (cuDNN), kernel_*: our channels_last kernels forced "
                              "(COMPRESS_DW_CL_KERNEL=1)"}
     print(RESULTS["meta"])

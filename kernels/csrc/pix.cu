@@ -3,17 +3,20 @@
 //   max branch: dx = p*dy at the FIRST arg-max channel, 0 elsewhere; mean branch: dx = p*dy/zeta everywhere;
 //   dp[b,g] = sum_hw (max or mean) * dy.
 // One pass: every kernel reads its inputs once and writes its outputs once; fp32 accumulation.
-// NCHW: a block owns `ppb` whole (b, g) planes (ppb = 256 / items for small planes, else 1 plane looped),
-// with vector loads along HW (the widest of 16/8/4/2 bytes that divides HW); dp is reduced in shared memory
+// NCHW: a block owns `ppb` whole (b, g) planes (ppb = steps * 256 / items for small planes, see
+// planes_per_block, else 1 plane looped), with vector loads along HW (the widest of 16/8/4/2 bytes that divides
+// HW); dp is reduced in shared memory
 // (segmented warp scans keyed by plane + one shared atomic per warp and plane) and written once per plane: no
 // global atomics, no full-size intermediate.
-// channels_last: a group's zeta channels are contiguous, so each thread loads one group as one vector;
-// dp via per-block partial sums (B, chunks, G) and a tiny finalize kernel.
+// channels_last: a group's zeta channels are contiguous, so each thread loads one group (two in the backward
+// for 16-bit types) as one vector; dp via per-block partial sums (B, chunks, G) and a tiny finalize kernel.
 // Tried and dropped (H200, 2026-11-21): staging a block's planes in shared memory with 16-byte loads for small
 // planes (7x7, 14x14 bf16) ran slower than this mapping (bf16 64x1024x14x14 fwd 0.0150 vs 0.0094 ms, bwd 0.0289
 // vs 0.0164 ms; benchmarks/results/kernels_h200.json, meta.ab).
 // Unrolling the channels_last backward's position loop 4x changed no timing (H200, 2026-11-21:
-// benchmarks/results/kernels_pix_h200_unroll_reverted.json vs kernels_pix_h200.json).
+// benchmarks/results/kernels_pix_h200_unroll_reverted.json vs kernels_pix_h200.json). Issuing the loads of 2 or 4
+// small-plane elements per thread before any use (each with its own index division) was 1-60% slower than one
+// element per step (kernels_pix_unroll2_reverted_h200.json; fwd_ms_u1/u4 are the A/B rows).
 #include "common.cuh"
 
 namespace {
@@ -23,6 +26,7 @@ using ck::to_f;
 using ck::Vec;
 
 constexpr int kThreads = 256;
+constexpr int kMaxSteps = 8;  // block-wide steps over small planes (planes per block <= kMaxSteps * kThreads)
 
 // ------------------------------------------------------------------------------------------------ NCHW
 // Add `part` into red[lp] for every lane. lp is non-decreasing across the valid lanes of the warp (invalid lanes,
@@ -57,9 +61,9 @@ __global__ void __launch_bounds__(kThreads) pix_fwd_nchw(const T* __restrict__ x
   const int items = HW / VEC;
   const int plane0 = blockIdx.x * ppb;
   const int total = min(ppb, planes - plane0) * items;
+  const int step_p = blockDim.x / items, step_i = blockDim.x - step_p * items;  // e += blockDim.x in (lp, i)
+  int lp = threadIdx.x / items, i = threadIdx.x - lp * items;
   for (int e = threadIdx.x; e < total; e += blockDim.x) {
-    const int lp = e / items;
-    const int i = e - lp * items;
     const int64_t plane = plane0 + lp;
     const float pv = to_f(p[plane]);
     const bool use_max = pv < tau;
@@ -81,6 +85,9 @@ __global__ void __launch_bounds__(kThreads) pix_fwd_nchw(const T* __restrict__ x
 #pragma unroll
     for (int j = 0; j < VEC; ++j) o.v[j] = from_f<T>(use_max ? pv * acc[j] : pv * (acc[j] / (float)zeta));
     reinterpret_cast<Vec<T, VEC>*>(y + plane * HW)[i] = o;
+    lp += step_p;
+    i += step_i;
+    if (i >= items) { i -= items; ++lp; }
   }
 }
 
@@ -98,20 +105,21 @@ __global__ void __launch_bounds__(kThreads) pix_bwd_nchw(const T* __restrict__ d
                                                          T* __restrict__ dx, DpT<T, MODE>* __restrict__ dp,
                                                          int planes, int zeta_rt, int HW, float tau, int ppb) {
   const int zeta = ZETA > 0 ? ZETA : zeta_rt;
-  __shared__ float red[kThreads];
+  __shared__ float red[kThreads * kMaxSteps];  // one slot per plane of the block
   const int items = HW / VEC;
   const int plane0 = blockIdx.x * ppb;
   const int np = min(ppb, planes - plane0);
   const int total = np * items;
   for (int i = threadIdx.x; i < np; i += blockDim.x) red[i] = 0.f;
   __syncthreads();
+  const int step_p = blockDim.x / items, step_i = blockDim.x - step_p * items;  // e += blockDim.x in (lp_, i)
+  int lp_ = threadIdx.x / items, i = threadIdx.x - lp_ * items;
   for (int base = 0; base < total; base += blockDim.x) {  // uniform trip count: warps stay converged
     const int e = base + threadIdx.x;
     const bool valid = e < total;
-    const int lp = valid ? e / items : -1;
+    const int lp = valid ? lp_ : -1;
     float part = 0.f;
     if (valid) {
-      const int i = e - lp * items;
       const int64_t plane = plane0 + lp;
       const float pv = to_f(p[plane]);
       const bool use_max = pv < tau;
@@ -154,6 +162,9 @@ __global__ void __launch_bounds__(kThreads) pix_bwd_nchw(const T* __restrict__ d
       }
     }
     if (MODE != kDx) seg_add(red, lp, part, valid);
+    lp_ += step_p;
+    i += step_i;
+    if (i >= items) { i -= items; ++lp_; }
   }
   if (MODE == kDx) return;
   __syncthreads();
@@ -205,72 +216,89 @@ __global__ void pix_fwd_cl(const T* __restrict__ x, const T* __restrict__ p, T* 
   }
 }
 
-// Block (32 groups) x (8 rows of positions); grid (G tiles, position chunks, B). Partials (B, chunks, G).
-template <typename T, int ZETA, int MODE>
+// Block (32 threads) x (8 rows of positions), a thread owning GPT consecutive groups (GPT > 1: compile-time zeta,
+// G % GPT == 0, aligned pointers; one GPT*zeta-element vector of x and dx, GPT of dy per position); grid (G tiles
+// of 32*GPT, position chunks, B). Partials (B, chunks, G).
+template <typename T, int ZETA, int MODE, int GPT>
 __global__ void pix_bwd_cl(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ p,
                            const float* __restrict__ add, T* __restrict__ dx, float* __restrict__ partial, int G,
                            int zeta_rt, int HW, int chunk, float tau) {
+  static_assert(GPT == 1 || ZETA > 0, "GPT > 1 needs a compile-time zeta");
   constexpr int ZN = ZETA > 0 ? ZETA : 1;
   const int zeta = ZETA > 0 ? ZETA : zeta_rt;
-  __shared__ float red[8][33];
-  const int g = blockIdx.x * 32 + threadIdx.x;
+  __shared__ float red[8][32 * GPT + 1];
+  const int g0 = (blockIdx.x * 32 + threadIdx.x) * GPT;
   const int b = blockIdx.z;
   const int h0 = blockIdx.y * chunk;
   const int h1 = min(h0 + chunk, HW);
-  float part = 0.f;
-  if (g < G) {
-    const float pv = to_f(p[b * G + g]);
-    const bool use_max = pv < tau;
-    for (int hw = h0 + threadIdx.y; hw < h1; hw += 8) {
-      const int64_t idx = ((int64_t)b * HW + hw) * G + g;
-      const float gv = to_f(dy[idx]);
-      float best, s;
-      int arg = 0;
-      if (ZETA > 0) {
-        Vec<T, ZN> v = reinterpret_cast<const Vec<T, ZN>*>(x)[idx];
-        best = s = to_f(v.v[0]);
+  float part[GPT];
 #pragma unroll
-        for (int k = 1; k < ZN; ++k) {
-          float f = to_f(v.v[k]);
-          if (f > best) { best = f; arg = k; }
-          s += f;
-        }
-        if (MODE != kDp) {
-          const float* ap = add + ((int64_t)b * G + g) * ZN;  // channels g*zeta .. of image b
-          Vec<T, ZN> o;
+  for (int j = 0; j < GPT; ++j) part[j] = 0.f;
+  if (g0 < G) {
+    float pv[GPT];
+    bool use_max[GPT];
+#pragma unroll
+    for (int j = 0; j < GPT; ++j) {
+      pv[j] = to_f(p[b * G + g0 + j]);
+      use_max[j] = pv[j] < tau;
+    }
+    const float* ap = add + ((int64_t)b * G + g0) * zeta;  // channels g0*zeta .. of image b (kDx only)
+    for (int hw = h0 + threadIdx.y; hw < h1; hw += 8) {
+      const int64_t idx = ((int64_t)b * HW + hw) * G + g0;  // first group's flat index
+      if (ZETA > 0) {
+        const Vec<T, GPT> gvv = *reinterpret_cast<const Vec<T, GPT>*>(dy + idx);
+        const Vec<T, GPT * ZN> v = *reinterpret_cast<const Vec<T, GPT * ZN>*>(x + idx * ZN);
+        Vec<T, GPT * ZN> o;
+#pragma unroll
+        for (int j = 0; j < GPT; ++j) {
+          const float gv = to_f(gvv.v[j]);
+          float best = to_f(v.v[j * ZN]), s = best;
+          int arg = 0;
+#pragma unroll
+          for (int k = 1; k < ZN; ++k) {
+            const float f = to_f(v.v[j * ZN + k]);
+            if (f > best) { best = f; arg = k; }
+            s += f;
+          }
 #pragma unroll
           for (int k = 0; k < ZN; ++k)
-            o.v[k] = from_f<T>((use_max ? (k == arg ? pv * gv : 0.f) : (pv * gv) / (float)ZN) +
-                               (MODE == kDx ? ap[k] : 0.f));
-          reinterpret_cast<Vec<T, ZN>*>(dx)[idx] = o;
+            o.v[j * ZN + k] = from_f<T>((use_max[j] ? (k == arg ? pv[j] * gv : 0.f) : (pv[j] * gv) / (float)ZN) +
+                                        (MODE == kDx ? ap[j * ZN + k] : 0.f));
+          part[j] += use_max[j] ? best * gv : (s / (float)ZN) * gv;
         }
-      } else {
+        if (MODE != kDp) *reinterpret_cast<Vec<T, GPT * ZN>*>(dx + idx * ZN) = o;
+      } else {  // GPT == 1, runtime zeta
+        const float gv = to_f(dy[idx]);
         const T* xp = x + idx * zeta;
         T* dxp = dx + idx * zeta;
-        best = s = to_f(xp[0]);
+        float best = to_f(xp[0]), s = best;
+        int arg = 0;
         for (int k = 1; k < zeta; ++k) {
-          float f = to_f(xp[k]);
+          const float f = to_f(xp[k]);
           if (f > best) { best = f; arg = k; }
           s += f;
         }
         if (MODE != kDp) {
-          const float* ap = add + ((int64_t)b * G + g) * zeta;
           for (int k = 0; k < zeta; ++k)
-            dxp[k] = from_f<T>((use_max ? (k == arg ? pv * gv : 0.f) : (pv * gv) / (float)zeta) +
+            dxp[k] = from_f<T>((use_max[0] ? (k == arg ? pv[0] * gv : 0.f) : (pv[0] * gv) / (float)zeta) +
                                (MODE == kDx ? ap[k] : 0.f));
         }
+        part[0] += use_max[0] ? best * gv : (s / (float)zeta) * gv;
       }
-      part += use_max ? best * gv : (s / (float)zeta) * gv;
     }
   }
   if (MODE == kDx) return;
-  red[threadIdx.y][threadIdx.x] = part;
-  __syncthreads();
-  if (threadIdx.y == 0 && g < G) {
-    float s = 0.f;
 #pragma unroll
-    for (int r = 0; r < 8; ++r) s += red[r][threadIdx.x];
-    partial[((int64_t)b * gridDim.y + blockIdx.y) * G + g] = s;
+  for (int j = 0; j < GPT; ++j) red[threadIdx.y][threadIdx.x * GPT + j] = part[j];
+  __syncthreads();
+  if (threadIdx.y == 0 && g0 < G) {
+#pragma unroll
+    for (int j = 0; j < GPT; ++j) {
+      float s = 0.f;
+#pragma unroll
+      for (int r = 0; r < 8; ++r) s += red[r][threadIdx.x * GPT + j];
+      partial[((int64_t)b * gridDim.y + blockIdx.y) * G + g0 + j] = s;
+    }
   }
 }
 
@@ -391,7 +419,29 @@ void with_vec(int64_t HW, std::initializer_list<const void*> ptrs, F&& f) {
   }
 }
 
-int planes_per_block(int64_t items) { return items >= kThreads ? 1 : (int)(kThreads / items); }
+// Planes per block of the NCHW kernels: one (looped) when a plane has >= kThreads vector items, else as many as
+// `steps` block-wide steps cover: 4 when a thread's item is a single 16-bit element (odd planes such as 7x7 in
+// bf16/fp16), else 1. H200, bf16 64x2048x7x7: fwd 0.0079 vs 0.0093 ms, bwd 0.0134 vs 0.0148 ms with 1 step; for
+// wider items (float32 7x7, 14x14, 28x28) 4 steps were 0-20% slower (benchmarks/results/kernels_h200.json,
+// *_steps1/4). COMPRESS_PIX_STEPS=1|2|4|8 overrides it, for A/B runs.
+int planes_per_block(int64_t items, int item_bytes) {
+  if (items >= kThreads) return 1;
+  const char* env = std::getenv("COMPRESS_PIX_STEPS");
+  const bool forced = env && (env[0] == '1' || env[0] == '2' || env[0] == '4' || env[0] == '8');
+  const int steps = forced ? env[0] - '0' : (item_bytes <= 2 ? 4 : 1);
+  return (int)(steps * kThreads / items);
+}
+
+// Groups per thread of the channels_last backward: 2 for 16-bit types (16-byte x/dx vectors at zeta 4) when the
+// shapes and pointers allow, else 1 (COMPRESS_PIX_CL_GPT=1 forces 1, for A/B runs). H200, bf16, B=64, zeta 4:
+// 2 groups ran 1.0-1.1x faster than 1 (56x56 0.0735 vs 0.0805 ms); for float32 (32-byte vectors) 1.1-1.2x slower.
+bool cl_bwd_pairs(int64_t G, int zv, int elem, std::initializer_list<const void*> group_ptrs, const void* dy) {
+  const char* env = std::getenv("COMPRESS_PIX_CL_GPT");
+  if (elem != 2 || zv == 0 || G % 2 != 0 || (env && env[0] == '1')) return false;
+  for (const void* q : group_ptrs)
+    if (q != nullptr && !ck::aligned(q, 2 * zv * elem)) return false;
+  return ck::aligned(dy, 2 * elem);
+}
 
 }  // namespace
 
@@ -437,7 +487,7 @@ at::Tensor pix_forward(const at::Tensor& x, const at::Tensor& p, int64_t zeta, d
         with_zeta(zeta, [&](auto Z) {
           constexpr int ZV = decltype(Z)::value;
           const int planes = (int)(B * G);
-          const int ppb = planes_per_block(HW / VV);
+          const int ppb = planes_per_block(HW / VV, VV * (int)sizeof(scalar_t));
           const unsigned grid = (unsigned)ck::ceil_div(planes, ppb);
           pix_fwd_nchw<scalar_t, VV, ZV><<<grid, kThreads, 0, stream>>>(xp, pp, yp, planes, (int)zeta, (int)HW, ftau, ppb);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -496,28 +546,42 @@ std::vector<at::Tensor> pix_backward_impl(const at::Tensor& dy, const at::Tensor
       else f(std::integral_constant<int, kDx>{});
     };
     if (cl) {
-      const int gt = (int)ck::ceil_div(G, 32);
-      const int64_t chunks = cl_chunks(gt, B, HW), chunk = ck::ceil_div(HW, chunks);
       at::Tensor partial;
-      if (mode != kDx) partial = at::empty({B, chunks, G}, x.options().dtype(at::kFloat));
-      float* part = partial.defined() ? partial.data_ptr<float>() : nullptr;
-      dim3 grid(gt, (unsigned)chunks, (unsigned)B), block(32, 8);
+      int64_t n_chunks = 1;
       with_zeta(zeta, [&](auto Z) {
         constexpr int ZV = decltype(Z)::value;
         const bool vec_ok = ZV > 0 && ck::aligned(xp, sizeof(scalar_t) * (ZV > 0 ? ZV : 1)) &&
                             (dxp == nullptr || ck::aligned(dxp, sizeof(scalar_t) * (ZV > 0 ? ZV : 1)));
+        const int gpt = vec_ok && cl_bwd_pairs(G, ZV, (int)sizeof(scalar_t), {xp, dxp}, gp) &&
+                                ck::aligned(pp, 2 * sizeof(scalar_t)) ? 2 : 1;
+        const int gt = (int)ck::ceil_div(G, 32 * gpt);
+        const int64_t chunks = cl_chunks(gt, B, HW), chunk = ck::ceil_div(HW, chunks);
+        if (mode != kDx) partial = at::empty({B, chunks, G}, x.options().dtype(at::kFloat));
+        float* part = partial.defined() ? partial.data_ptr<float>() : nullptr;
+        n_chunks = chunks;
+        dim3 grid(gt, (unsigned)chunks, (unsigned)B), block(32, 8);
         with_mode([&](auto M) {
           constexpr int MV = decltype(M)::value;
+          if constexpr (ZV > 0) {
+            if (gpt == 2) {
+              pix_bwd_cl<scalar_t, ZV, MV, 2><<<grid, block, 0, stream>>>(gp, xp, pp, ap, dxp, part, (int)G, (int)zeta,
+                                                                          (int)HW, (int)chunk, ftau);
+              C10_CUDA_KERNEL_LAUNCH_CHECK();
+              return;
+            }
+          }
           if (vec_ok)
-            pix_bwd_cl<scalar_t, ZV, MV><<<grid, block, 0, stream>>>(gp, xp, pp, ap, dxp, part, (int)G, (int)zeta,
-                                                                     (int)HW, (int)chunk, ftau);
+            pix_bwd_cl<scalar_t, ZV, MV, 1><<<grid, block, 0, stream>>>(gp, xp, pp, ap, dxp, part, (int)G, (int)zeta,
+                                                                        (int)HW, (int)chunk, ftau);
           else
-            pix_bwd_cl<scalar_t, 0, MV><<<grid, block, 0, stream>>>(gp, xp, pp, ap, dxp, part, (int)G, (int)zeta,
-                                                                    (int)HW, (int)chunk, ftau);
+            pix_bwd_cl<scalar_t, 0, MV, 1><<<grid, block, 0, stream>>>(gp, xp, pp, ap, dxp, part, (int)G, (int)zeta,
+                                                                       (int)HW, (int)chunk, ftau);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         });
       });
       if (mode != kDx) {
+        float* part = partial.data_ptr<float>();
+        const int64_t chunks = n_chunks;
         const unsigned g2 = ck::grid_for(B * G, kThreads);
         if (mode == kDp)
           sum_chunks<float><<<g2, kThreads, 0, stream>>>(part, dp.data_ptr<float>(), (int)(B * G), (int)G, (int)chunks, 1.f);
@@ -532,7 +596,7 @@ std::vector<at::Tensor> pix_backward_impl(const at::Tensor& dy, const at::Tensor
         with_zeta(zeta, [&](auto Z) {
           constexpr int ZV = decltype(Z)::value;
           const int planes = (int)(B * G);
-          const int ppb = planes_per_block(HW / VV);
+          const int ppb = planes_per_block(HW / VV, VV * (int)sizeof(scalar_t));
           const unsigned grid = (unsigned)ck::ceil_div(planes, ppb);
           with_mode([&](auto M) {
             constexpr int MV = decltype(M)::value;
