@@ -27,6 +27,7 @@ def main(cfg: DictConfig) -> None:
         channel_multiple=cfg.channel_multiple,
         fuse_relu=cfg.fuse_relu,
         choose_stripe_modes=cfg.choose_modes,
+        modes_timing=cfg.choose_modes_timing,
         onnx=cfg.onnx.enabled,
         stripe_mode=cfg.onnx.stripe_mode,
         opset=cfg.onnx.opset,

@@ -10,10 +10,12 @@ Models: CIFAR ResNet-56 and VGG16 (32x32, 10 classes, batch 256), torchvision Re
 Both sides get the same treatment: dense = compress.compact(plain model, fold_bn=True), compact =
 compress.compact(skeleton model, fold_bn=True); eval, bf16 weights and activations, channels_last,
 torch.inference_mode, cudnn.benchmark on. Each StripeConv2d's stripe/dense mode is measured on the device
-(compress.choose_modes on the bf16 CUDA model with a real batch); the cost-model default (without
-choose_modes) is timed too where it differs. Times: CUDA events around one forward after a synchronize
-(eager, launch overhead included), warm-up, then dense and compact interleaved, median; and the same with
-each model captured once in a CUDA graph and replayed (launch overhead removed). Backward: one training step
+(compress.choose_modes on the bf16 CUDA model with a real batch), once per way of running: the eager timings
+use the modes chosen by eager wall time (timing="eager", launch overhead included), the CUDA-graph timings those
+chosen by GPU time (timing="graph"); the cost-model default (without choose_modes) is timed too where it
+differs. Times: CUDA events around one forward after a synchronize (eager, launch overhead included), warm-up,
+then dense and compact interleaved, median; and the same with each model captured once in a CUDA graph and
+replayed (launch overhead removed). Backward: one training step
 of each model (the same BN-folded models, so no BatchNorm in either; fp32 weights, bf16 autocast,
 channels_last, train mode, StripeConv2d weights trainable), forward and backward timed apart. Correctness: max |compact - skeleton| / max |skeleton| of the outputs in
 fp32 on the device (TF32 off) on a few images, and of the bf16 compact model against the fp32 skeleton model.
@@ -122,6 +124,20 @@ def modes_of(model: nn.Module) -> dict[str, str]:
 def set_modes(model: nn.Module, modes: dict[str, str]) -> None:
     for n, mode in modes.items():
         model.get_submodule(n).mode = mode
+
+
+def layer_rows(model: nn.Module, eager: dict, graph: dict) -> dict[str, dict]:
+    """Per stripe layer: shape, keep ratio and choose_modes' measurements (ms), eager and GPU time."""
+    rows = {}
+    for name, m in model.named_modules():
+        if name not in eager:
+            continue
+        kh, kw = m.kernel_size
+        rows[name] = {"C": m.in_channels, "N": m.out_channels, "keep": round(m.num_stripes / (m.out_channels * kh * kw), 3),
+                      "eager_ms": {k: round(v, 4) for k, v in eager[name].items() if k != "use_stripe"}}
+        if name in graph:
+            rows[name]["gpu_ms"] = {k: round(v, 4) for k, v in graph[name].items() if k != "use_stripe"}
+    return rows
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -244,10 +260,15 @@ def bench(name: str, variant: str, args, device: torch.device) -> dict | None:
     dense.to(device=device, dtype=dtype, memory_format=fmt)
     small.to(device=device, dtype=dtype, memory_format=fmt)
     small_cost = copy.deepcopy(small)  # cost-model modes
+    small_graph = copy.deepcopy(small)  # modes chosen by GPU time, for the CUDA-graph timings
     clock = Clock(device)
     t_choose = time.perf_counter()
     with torch.inference_mode():
-        modes = compress.choose_modes(small, x, repeats=args.choose_repeats)  # includes Triton JIT compiles
+        routes_eager, routes_graph = {}, {}  # per layer: stripe and dense ms as choose_modes measured them
+        modes = compress.choose_modes(small, x, repeats=args.choose_repeats, timing="eager",
+                                      report=routes_eager)  # + Triton compiles
+        graph_modes = (compress.choose_modes(small_graph, x, repeats=args.choose_repeats, timing="graph",
+                                             report=routes_graph) if args.graphs else None)
     t_choose = time.perf_counter() - t_choose
     set_modes(small32, modes)
 
@@ -292,6 +313,7 @@ def bench(name: str, variant: str, args, device: torch.device) -> dict | None:
         "compact_params": p_small.params,
         "stripe_layers": len(stripe_layers(small)),
         "stripe_mode_layers": sum(m == "stripe" for m in modes.values()),
+        "stripe_mode_layers_graph": sum(m == "stripe" for m in graph_modes.values()) if graph_modes else None,
         "stripe_mode_layers_cost_model": sum(m == "stripe" for m in cost_modes.values()),
         "max_rel_error_fp32": err32,
         "max_rel_error_timed_vs_fp32_skeleton": err_lp,  # the timed (bf16 on a GPU) compact model
@@ -305,6 +327,8 @@ def bench(name: str, variant: str, args, device: torch.device) -> dict | None:
             "all_ms": {k: [round(t, 4) for t in v] for k, v in eager.items()},
         },
         "modes": modes,
+        "graph_modes": graph_modes,
+        "layers": layer_rows(small, routes_eager, routes_graph),
         "choose_modes_seconds": round(t_choose, 2),
     }
 
@@ -312,7 +336,7 @@ def bench(name: str, variant: str, args, device: torch.device) -> dict | None:
     if args.graphs:
         try:
             with torch.inference_mode():
-                g_fns = {"dense": cuda_graph(dense, x), "compact": cuda_graph(small, x)}
+                g_fns = {"dense": cuda_graph(dense, x), "compact": cuda_graph(small_graph, x)}
                 graphed = interleaved(g_fns, clock, args.warmup, args.repeats)
             g = {k: statistics.median(v) for k, v in graphed.items()}
             result["graphed"] = {
@@ -325,7 +349,7 @@ def bench(name: str, variant: str, args, device: torch.device) -> dict | None:
         except Exception as err:  # report and go on: the eager numbers stand
             result["graphed"] = {"error": f"{type(err).__name__}: {err}"}
             print(f"   {name}/{variant}: CUDA graph failed: {type(err).__name__}: {err}", flush=True)
-    del dense, small, small_cost, fns
+    del dense, small, small_cost, small_graph, fns
 
     # training step (fine-tuning the compact model): fp32 weights, bf16 autocast
     if args.backward:
@@ -363,14 +387,15 @@ def bench(name: str, variant: str, args, device: torch.device) -> dict | None:
 def print_table(results: list[dict]) -> None:
     hdr = (f"{'model':<9} {'masks':<7} {'batch':>5} {'MACs dense':>11} {'compact':>10} {'cut':>6} {'params':>13} "
            f"{'stripe':>7} | {'eager ms dense/compact':>23} {'speedup':>7} {'(cost)':>7} | "
-           f"{'graphed ms dense/compact':>24} {'speedup':>7} | {'bwd ms dense/compact':>21} {'bwd/MAC':>7} "
+           f"{'graphed ms d/c, stripe':>24} {'speedup':>7} | {'bwd ms dense/compact':>21} {'bwd/MAC':>7} "
            f"{'err fp32':>8}")  # fmt: skip
     print(hdr)
     print("-" * len(hdr))
     for r in results:
         e, g, t = r["eager"], r.get("graphed", {}), r.get("train")
         gs = (
-            f"{g['dense_ms']:>11.3f}/{g['compact_ms']:<12.3f} {g['speedup']:>6.2f}x"
+            f"{g['dense_ms']:>7.3f}/{g['compact_ms']:<7.3f} {r['stripe_mode_layers_graph']:>3}/{r['stripe_layers']:<3} "
+            f"{g['speedup']:>6.2f}x"
             if "speedup" in g
             else f"{'failed' if 'error' in g else 'off':>24} {'':>7}"
         )
@@ -388,7 +413,8 @@ def print_table(results: list[dict]) -> None:
             f"{e['speedup']:>6.2f}x {e['speedup_cost_model']:>6.2f}x | {gs} | {ts} {r['max_rel_error_fp32']:>8.1e}"
         )
     print(
-        "stripe = StripeConv2d layers in stripe mode / all with stripes (choose_modes on the device); (cost) = "
+        "stripe = StripeConv2d layers in stripe mode / all with stripes (choose_modes on the device: by eager wall "
+        "time for the eager columns, by GPU time for the graphed ones); (cost) = "
         "eager speedup with the cost model's modes; bwd/MAC = backward time per kept MAC, compact vs dense"
     )
     for r in results:

@@ -218,10 +218,16 @@ def _cost_model_mode(m: StripeConv2d) -> str:
 
 
 @torch.no_grad()
-def choose_modes(model: nn.Module, x: torch.Tensor, repeats: int = 5) -> dict[str, str]:
+def choose_modes(model: nn.Module, x: torch.Tensor, repeats: int = 5, timing: str = "auto",
+                 report: dict | None = None) -> dict[str, str]:
     """Time each StripeConv2d of `model` on its real input for one forward of `x` (stripe op against
     F.conv2d with the zero-filled weight, kernels.stripe_route) and set the faster mode, like
-    cudnn.benchmark. Call once, with a representative batch, in eval mode; returns {name: mode}."""
+    cudnn.benchmark. Call once, with a representative batch, in eval mode; returns {name: mode}.
+
+    timing (see kernels.stripe_route): "graph" compares GPU time (the default on CUDA: for models run in CUDA
+    graphs or compiled), "eager" the wall time of an eager call, launch overhead included (the default on CPU;
+    choose it on CUDA for a model that will run eagerly). `report`, if given, receives each layer's
+    measurement: {name: {"use_stripe", "stripe_ms", "dense_ms"}}."""
     layers = {n: m for n, m in model.named_modules() if isinstance(m, StripeConv2d) and m.num_stripes}
     inputs: dict[str, torch.Tensor] = {}
     hooks = [
@@ -237,9 +243,11 @@ def choose_modes(model: nn.Module, x: torch.Tensor, repeats: int = 5) -> dict[st
         m = layers[name]
         route = kernels.stripe_route(
             inp, m.weight, m.out_index, m.offset, m.bias, m.out_channels, m.kernel_size,
-            m.stride, m.padding, m.dilation, plan=m.plan, repeats=repeats,
+            m.stride, m.padding, m.dilation, plan=m.plan, repeats=repeats, timing=timing,
         )  # fmt: skip
         m.mode = "stripe" if route["use_stripe"] else "dense"
+        if report is not None:
+            report[name] = route
     return {name: layers[name].mode for name in inputs}
 
 

@@ -99,6 +99,7 @@ def export_checkpoint(
     channel_multiple: int = 1,
     fuse_relu: bool = True,
     choose_stripe_modes: bool = True,
+    modes_timing: str = "eager",
     onnx: bool = True,
     stripe_mode: str = "dense",
     opset: int = 17,
@@ -118,6 +119,9 @@ def export_checkpoint(
             dense baseline alike.
         choose_stripe_modes: time each stripe conv against its dense equivalent on `device` and keep
             the faster (compress.choose_modes); otherwise the cost model's choice stays.
+        modes_timing: how choose_modes compares them: "eager" (wall time of an eager call, launch overhead
+            included: what the latency report measures) or "graph" (GPU time, CUDA only: for deployment in CUDA
+            graphs or torch.compile).
         onnx, stripe_mode, opset: write model.onnx (see compress.onnx_export) and check it in
             onnxruntime against PyTorch.
         device: where latency is measured (default: cuda when available, else cpu).
@@ -142,7 +146,7 @@ def export_checkpoint(
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     small.to(device)
     if choose_stripe_modes:
-        choose_modes(small, torch.randn(batch_size, *size, device=device))
+        choose_modes(small, torch.randn(batch_size, *size, device=device), timing=modes_timing)
 
     save_compact(small, out / FILES[0])
     onnx_info = None

@@ -386,15 +386,66 @@ def stripe_cost(in_channels: int, out_channels: int, num_stripes: int, kernel_si
     return (num_stripes * in_channels + 150.0 * num_stripes) / (0.75 * max(dense, 1))
 
 
+def _eager_ms(fn, device: torch.device, repeats: int) -> float:
+    """Median wall milliseconds of one synchronised call (launch overhead included)."""
+    fn()
+    ts = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts)[len(ts) // 2] * 1e3
+
+
+def _graph_ms(fn, device: torch.device, repeats: int, calls: int = 10) -> float:
+    """Median GPU milliseconds per call: CUDA-event timings of a CUDA graph holding `calls` calls (no launch
+    overhead: what the layer costs in a graphed or compiled model)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # warm-up (Triton compiles, cuDNN's algorithm search) outside the capture
+        fn()
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ts = []
+    for _ in range(repeats):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        ts.append(start.elapsed_time(end) / calls)
+    return sorted(ts)[len(ts) // 2]
+
+
 @torch.no_grad()
 def stripe_route(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, bias: Tensor | None,
                  out_channels: int, kernel_size, stride=1, padding=0, dilation=1, plan: Tensor | None = None,
-                 repeats: int = 5) -> dict:
+                 repeats: int = 5, timing: str = "auto") -> dict:
     """Measure once whether the stripe op beats ``F.conv2d`` with the zero-filled dense weight on ``x``'s device,
     shape, dtype and layout (like ``cudnn.benchmark``). Returns ``{"use_stripe": bool, "stripe_ms", "dense_ms"}``.
 
+    timing: "graph" (CUDA only) compares GPU time, replaying each path in a CUDA graph: the cost in a graphed or
+    compiled model, where launch overhead is gone; "eager" compares the wall time of one synchronised call,
+    launch overhead included (a Triton launch costs tens of microseconds of Python, more than a small layer's
+    GPU time: the right measure for a model run eagerly); "auto" (default): "graph" on CUDA, else "eager".
     Call it once per layer (at export/load or on the first batch), not per forward.
     """
+    if timing == "auto":
+        timing = "graph" if x.is_cuda else "eager"
+    if timing not in ("graph", "eager"):
+        raise ValueError(f"stripe_route: timing must be 'auto', 'graph' or 'eager', got {timing!r}")
+    if timing == "graph" and not x.is_cuda:
+        raise ValueError(f"stripe_route: timing='graph' times CUDA graphs and needs a CUDA input; x is on {x.device} "
+                         "(use timing='eager')")
     ks = pair(kernel_size, "kernel_size")
     if plan is None:
         plan = stripe_plan(out_index, offset, out_channels, ks)
@@ -408,18 +459,6 @@ def stripe_route(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, b
     def run_dense():
         return F.conv2d(x, dense_w, bias, pair(stride), pair(padding), pair(dilation))
 
-    def timeit(fn):
-        fn()
-        ts = []
-        for _ in range(repeats):
-            if x.is_cuda:
-                torch.cuda.synchronize(x.device)
-            t0 = time.perf_counter()
-            fn()
-            if x.is_cuda:
-                torch.cuda.synchronize(x.device)
-            ts.append(time.perf_counter() - t0)
-        return sorted(ts)[len(ts) // 2] * 1e3
-
-    s_ms, d_ms = timeit(run_stripe), timeit(run_dense)
+    clock = _graph_ms if timing == "graph" else _eager_ms
+    s_ms, d_ms = clock(run_stripe, x.device, repeats), clock(run_dense, x.device, repeats)
     return {"use_stripe": s_ms < d_ms, "stripe_ms": s_ms, "dense_ms": d_ms}

@@ -26,6 +26,14 @@ nothing either (within 5% both ways; benchmarks/results/stripe_preload_reverted_
 kernel (mma.m16n8k16 per offset, cp.async double buffering, a per-warp scatter of P into an fp32 shared-memory
 tile; commit b317148, reverted) was correct but 0.21-0.37x cuDNN, slower than this kernel everywhere
 (benchmarks/results/stripe_cuda_mma_v{1,2}_h200.json): it waits on one 64-pixel step of loads at a time.
+Route (a) with the output channels permuted (greedily, so that each 16/32-channel tile's channels share kernel
+offsets and fewer (offset, tile) blocks are computed) was slower than without on the layers of the real-mask
+VGG16/ResNet-18/ResNet-56 (a permuted channel store does not vectorise; stripe_perm_dense_reverted_h200.json).
+
+The channel counts C and N are compile-time constants (one compile per layer shape): as runtime arguments
+Triton could not prove the channels_last rows 16-byte aligned unless C and N were multiples of 16, and every
+other width (the 40, 104, 120, 200, 232, ... channels of compact models) ran with scalar loads and stores,
+2-17x slower (VGG16 real masks, same file: e.g. 232 -> 360 channels at 2x2, 0.231 ms vs cuDNN 0.014 ms).
 """
 
 from __future__ import annotations
@@ -56,7 +64,7 @@ if triton is not None:
         return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _load_a(x_ptr, a_row, a_ok, cks, C, IS_FP32: tl.constexpr):
+    def _load_a(x_ptr, a_row, a_ok, cks, C: tl.constexpr, IS_FP32: tl.constexpr):
         # A tile: input channels cks of the (channels_last) rows a_row, 0 where a row is out of range (a_ok
         # False) or a channel is >= C; TF32-rounded for float32
         a = tl.load(x_ptr + a_row[:, None] + cks[None, :], mask=a_ok[:, None] & (cks[None, :] < C), other=0.0)
@@ -67,11 +75,11 @@ if triton is not None:
     @triton.jit
     def _stripe_fwd_kernel(
         x_ptr, w_ptr, oi_ptr, plan_ptr, b_ptr, y_ptr,
-        M, C, H, W, Ho, Wo, N, S,
+        M, C: tl.constexpr, H, W, Ho, Wo, N: tl.constexpr, S,
         sy_b, sy_c, sy_h, sy_w,
         SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
         DH: tl.constexpr, DW: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
-        HAS_BIAS: tl.constexpr, RELU: tl.constexpr, IS_FP32: tl.constexpr,
+        HAS_BIAS: tl.constexpr, RELU: tl.constexpr, IS_FP32: tl.constexpr, OUT_CL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
         ONE_K: tl.constexpr, DENSE: tl.constexpr, GATHER: tl.constexpr,
     ):
@@ -154,7 +162,10 @@ if triton is not None:
             acc += bias[None, :]
         if RELU:
             acc = tl.maximum(acc, 0.0)
-        y_off = (bb * sy_b + (t % Ho) * sy_h + jw * sy_w)[:, None] + ((n0 + cols) * sy_c)[None, :]
+        if OUT_CL:  # pixel rows of N channels: with N a compile-time constant the stores vectorise
+            y_off = (offs_m.to(tl.int64) * N)[:, None] + (n0 + cols)[None, :]
+        else:
+            y_off = (bb * sy_b + (t % Ho) * sy_h + jw * sy_w)[:, None] + ((n0 + cols) * sy_c)[None, :]
         tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
@@ -210,7 +221,8 @@ def forward(x, weight, out_index, offset, bias, plan, out_channels, kernel_size,
         xc, wop, out_index, plan, bias if bias is not None else y, y,
         M, C, H, W, Ho, Wo, N, weight.shape[0], *y.stride(),
         SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1], DH=dilation[0], DW=dilation[1], KH=KH, KW=KW,
-        HAS_BIAS=bias is not None, RELU=relu, IS_FP32=x.dtype == torch.float32, BLOCK_M=BM, **cfg)
+        HAS_BIAS=bias is not None, RELU=relu, IS_FP32=x.dtype == torch.float32, OUT_CL=fmt == torch.channels_last,
+        BLOCK_M=BM, **cfg)
     return y
 
 

@@ -251,7 +251,7 @@ def test_untraceable_model_warns_and_stays_exact():
     assert_same_output(model, out, torch.randn(2, 3, 8, 8, generator=gen))
 
 
-def _choose_modes_bf16_channels_last(device: str) -> None:
+def _choose_modes_bf16_channels_last(device: str, timing: str = "auto") -> None:
     from compress import choose_modes
 
     model = skeleton_model("resnet20", 32, seed=5)
@@ -266,11 +266,14 @@ def _choose_modes_bf16_channels_last(device: str) -> None:
         if isinstance(m, StripeConv2d):
             m.register_forward_hook(lambda mod, i, o: layouts.append(o.is_contiguous(memory_format=torch.channels_last)))
     with torch.inference_mode():
-        modes = choose_modes(small, xb, repeats=1)
+        report = {}
+        modes = choose_modes(small, xb, repeats=1, timing=timing, report=report)
         out = small(xb)
     stripes = {n for n, m in small.named_modules() if isinstance(m, StripeConv2d) and m.num_stripes}
     assert set(modes) == stripes and set(modes.values()) <= {"stripe", "dense"}
     assert all(small.get_submodule(n).mode == mode for n, mode in modes.items())
+    assert set(report) == stripes and all(
+        (modes[n] == "stripe") == (r["stripe_ms"] < r["dense_ms"]) and r["dense_ms"] > 0 for n, r in report.items())
     assert out.dtype == torch.bfloat16 and all(layouts)
     err = float((out.float().cpu() - ref).abs().max() / ref.abs().max())
     assert err < 3e-2, f"bf16 relative error {err:.2e}"
@@ -281,8 +284,9 @@ def test_choose_modes_bf16_channels_last_cpu():
 
 
 @pytest.mark.cuda
-def test_choose_modes_bf16_channels_last_cuda():
-    _choose_modes_bf16_channels_last("cuda")
+@pytest.mark.parametrize("timing", ["auto", "eager"])  # auto = CUDA-graph GPU time on CUDA
+def test_choose_modes_bf16_channels_last_cuda(timing):
+    _choose_modes_bf16_channels_last("cuda", timing)
 
 
 @pytest.mark.cuda

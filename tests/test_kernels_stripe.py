@@ -176,6 +176,11 @@ def test_route_helpers():
     x = torch.randn(2, 8, 8, 8, generator=gen)
     r = kernels.stripe_route(x, w, oi, off, None, 8, 3, 1, 1, 1, repeats=1)
     assert set(r) == {"use_stripe", "stripe_ms", "dense_ms"} and r["stripe_ms"] > 0 and r["dense_ms"] > 0
+    assert r["use_stripe"] == (r["stripe_ms"] < r["dense_ms"])
+    with pytest.raises(ValueError, match="timing='graph' times CUDA graphs and needs a CUDA input"):
+        kernels.stripe_route(x, w, oi, off, None, 8, 3, 1, 1, 1, repeats=1, timing="graph")
+    with pytest.raises(ValueError, match="timing must be 'auto', 'graph' or 'eager'"):
+        kernels.stripe_route(x, w, oi, off, None, 8, 3, 1, 1, 1, repeats=1, timing="fast")
     lo = kernels.stripe_cost(256, 256, int(0.1 * 256 * 9), 3)
     hi = kernels.stripe_cost(256, 256, int(0.9 * 256 * 9), 3)
     assert lo < 1 < hi
@@ -190,15 +195,15 @@ from test_kernels_stripe import random_layer, _ref
 gen = torch.Generator().manual_seed(8)
 cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, CHUNK=16, num_warps=4, num_stages=2)
 gcfg = dict(cfg, CHUNK=8, GATHER=True)
-for dt, ks, st, pd, dl, C, N, c in [
-        (torch.float32, (3, 3), (1, 1), (1, 1), (1, 1), 16, 20, None),
-        (torch.float32, (3, 3), (2, 2), (1, 1), (1, 1), 40, 20, cfg),
-        (torch.float16, (3, 3), (2, 2), (1, 1), (1, 1), 40, 20, dict(cfg, DENSE=True)),
-        (torch.float16, (3, 2), (2, 1), (0, 1), (2, 1), 16, 36, cfg),
-        (torch.float32, (3, 3), (1, 1), (1, 1), (1, 1), 40, 36, gcfg),
-        (torch.float16, (3, 2), (2, 1), (0, 1), (2, 1), 16, 36, gcfg)]:
+for dt, ks, st, pd, dl, C, N, c, fmt in [
+        (torch.float32, (3, 3), (1, 1), (1, 1), (1, 1), 16, 20, None, torch.contiguous_format),
+        (torch.float32, (3, 3), (2, 2), (1, 1), (1, 1), 40, 20, cfg, torch.contiguous_format),
+        (torch.float16, (3, 3), (2, 2), (1, 1), (1, 1), 40, 20, dict(cfg, DENSE=True), torch.channels_last),
+        (torch.float16, (3, 2), (2, 1), (0, 1), (2, 1), 16, 36, cfg, torch.channels_last),
+        (torch.float32, (3, 3), (1, 1), (1, 1), (1, 1), 40, 36, gcfg, torch.contiguous_format),
+        (torch.float16, (3, 2), (2, 1), (0, 1), (2, 1), 24, 36, gcfg, torch.channels_last)]:
     w, oi, off = random_layer(N, C, ks, 0.4, gen, dtype=torch.float32)
-    x = torch.randn(2, C, 6, 5, generator=gen)
+    x = torch.randn(2, C, 6, 5, generator=gen).contiguous(memory_format=fmt)
     b = torch.randn(N, generator=gen)
     plan = kernels.stripe_plan(oi, off, N, ks)
     y = stripe_triton.forward(x.to(dt), w.to(dt), oi, off, b.to(dt), plan, N, list(ks), list(st), list(pd),
@@ -206,6 +211,7 @@ for dt, ks, st, pd, dl, C, N, c in [
     yr = _ref(x.double(), w.double(), oi, off, b.double(), N, ks, st, pd, dl, relu=True)
     err = ((y.double() - yr).norm() / yr.norm()).item()
     assert y.shape == yr.shape and err < 1e-3, (dt, ks, st, err)
+    assert y.is_contiguous(memory_format=fmt)
     xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
     yr = _ref(xr, wr, oi, off, None, N, ks, st, pd, dl)
     g = torch.randn(yr.shape, generator=gen, dtype=torch.float64)
