@@ -245,12 +245,12 @@ class StripeConv2d(nn.Module):
         """The zero-filled dense weight laid out as `fmt` (the input's layout: a channels_last conv would
         otherwise copy an NCHW weight on every call; clone gives exact strides also for 1-channel weights,
         whose layout is ambiguous by shape), cached in eval / without grad."""
-        if torch.is_grad_enabled() and self.weight.requires_grad:
+        w = self.weight
+        if w.requires_grad and torch.is_grad_enabled():
             return self.dense_weight().clone(memory_format=fmt)
-        key = (fmt,) + tuple(
-            (t.data_ptr(), t.dtype, t.device, None if t.is_inference() else t._version)
-            for t in (self.weight, self.out_index, self.offset)
-        )
+        # cheap key (this runs on every eager call): the weight's storage and version (a move or cast makes a new
+        # tensor), the indices' storage; _build_plan (new indices from a state dict) clears the cache
+        key = (fmt, w.data_ptr(), -1 if w.is_inference() else w._version, self.out_index.data_ptr())
         if self._dense_cache is None or self._dense_cache[0] != key:
             with torch.no_grad():
                 self._dense_cache = (key, self.dense_weight().clone(memory_format=fmt))
@@ -328,6 +328,7 @@ class StripeConv2d(nn.Module):
                 "module or is corrupt: rebuild it with StripeConv2d.from_dense/from_skeleton"
             ) from None
         self.plan = plan
+        self._dense_cache = None
 
     def extra_repr(self) -> str:
         total = self.out_channels * self.kernel_size[0] * self.kernel_size[1]
