@@ -163,6 +163,27 @@ def test_channels_last_input_gives_channels_last_output(mode, in_channels):
             assert s._dense_cache[1].is_contiguous(memory_format=torch.channels_last)
 
 
+def test_dense_mode_cache_follows_weight_edits_casts_and_loads():
+    """The cached zero-filled weight of dense mode is rebuilt after an in-place weight edit, a dtype cast and a
+    state dict with other stripes; every output is checked against the masked dense conv."""
+    gen = torch.Generator().manual_seed(14)
+    conv = nn.Conv2d(5, 6, 3, padding=1)
+    mask = _random_mask(6, 3, 3, keep=0.5, gen=gen)
+    s = StripeConv2d.from_dense(conv, mask, mode="dense").eval()
+    x = torch.randn(2, 5, 7, 7, generator=gen)
+    with torch.no_grad():
+        torch.testing.assert_close(s(x), _masked_reference(conv, mask, x), rtol=1e-5, atol=1e-5)
+        s.weight.mul_(-2.0)
+        conv.weight.mul_(-2.0)
+        torch.testing.assert_close(s(x), _masked_reference(conv, mask, x), rtol=1e-5, atol=1e-5)
+        s.double()
+        torch.testing.assert_close(s(x.double()), _masked_reference(conv.double(), mask, x.double()))
+        conv2 = nn.Conv2d(5, 6, 3, padding=1).double()
+        mask2 = mask.flip(0)  # as many stripes, other places: same tensor shapes, other indices
+        s.load_state_dict(StripeConv2d.from_dense(conv2, mask2, mode="dense").state_dict())
+        torch.testing.assert_close(s(x.double()), _masked_reference(conv2, mask2, x.double()))
+
+
 @pytest.mark.parametrize("batch,out_channels", [(1, 4), (3, 1)])
 def test_stripe_output_trains_through_inplace_relu(batch, out_channels):
     # one image or one output channel: the op's output must not be a view (autograd forbids relu_ on it)
