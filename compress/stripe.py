@@ -149,6 +149,8 @@ class StripeConv2d(nn.Module):
         self.register_buffer("offset", torch.zeros(num_stripes, 2, dtype=torch.long))
         # kernels.stripe_plan of the indices; built once they are set (from_dense, load_state_dict)
         self.register_buffer("plan", None, persistent=False)
+        # kernels.stripe_rows of the indices (where dense_weight scatters each stripe), built with the plan
+        self.register_buffer("rows", None, persistent=False)
         self._dense_cache: tuple[tuple, torch.Tensor] | None = None
 
     @property
@@ -206,10 +208,11 @@ class StripeConv2d(nn.Module):
         """From a SkeletonConv2d: stripes where |skeleton| > threshold, weight W * skeleton."""
         return cls.from_dense(masked_conv(conv, threshold), conv.stripe_mask(threshold), mode=mode)
 
-    def dense_weight(self) -> torch.Tensor:
-        """The zero-filled dense weight (N, C, kh, kw); differentiable w.r.t. `weight`."""
+    def dense_weight(self, memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
+        """The zero-filled dense weight (N, C, kh, kw) laid out as `memory_format`; differentiable w.r.t. `weight`."""
         return kernels.stripe_to_dense(
-            self.weight, self.out_index, self.offset, self.out_channels, self.kernel_size
+            self.weight, self.out_index, self.offset, self.out_channels, self.kernel_size, memory_format,
+            rows=self.rows,
         )
 
     def to_dense(self) -> nn.Conv2d:
@@ -243,17 +246,18 @@ class StripeConv2d(nn.Module):
     # ---- forward --------------------------------------------------------------------------------
     def _cached_dense_weight(self, fmt: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
         """The zero-filled dense weight laid out as `fmt` (the input's layout: a channels_last conv would
-        otherwise copy an NCHW weight on every call; clone gives exact strides also for 1-channel weights,
-        whose layout is ambiguous by shape), cached in eval / without grad."""
+        otherwise copy an NCHW weight on every call; the exact strides hold also for 1-channel weights, whose
+        layout is ambiguous by shape), cached in eval / without grad; built anew (two small kernels for
+        channels_last) while training."""
         w = self.weight
         if w.requires_grad and torch.is_grad_enabled():
-            return self.dense_weight().clone(memory_format=fmt)
+            return self.dense_weight(fmt)
         # cheap key (this runs on every eager call): the weight's storage and version (a move or cast makes a new
         # tensor), the indices' storage; _build_plan (new indices from a state dict) clears the cache
         key = (fmt, w.data_ptr(), -1 if w.is_inference() else w._version, self.out_index.data_ptr())
         if self._dense_cache is None or self._dense_cache[0] != key:
             with torch.no_grad():
-                self._dense_cache = (key, self.dense_weight().clone(memory_format=fmt))
+                self._dense_cache = (key, self.dense_weight(fmt))
         return self._dense_cache[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -328,6 +332,7 @@ class StripeConv2d(nn.Module):
                 "module or is corrupt: rebuild it with StripeConv2d.from_dense/from_skeleton"
             ) from None
         self.plan = plan
+        self.rows = kernels.stripe_rows(self.out_index, self.offset, self.kernel_size)
         self._dense_cache = None
 
     def extra_repr(self) -> str:

@@ -42,7 +42,7 @@ from kernels._utils import (
     pair,
 )
 
-__all__ = ["stripe_conv2d", "stripe_plan", "stripe_to_dense", "stripe_route", "stripe_cost"]
+__all__ = ["stripe_conv2d", "stripe_plan", "stripe_to_dense", "stripe_rows", "stripe_route", "stripe_cost"]
 
 OP = "compress::stripe_conv2d"
 BOP = "compress::stripe_conv2d_backward"
@@ -133,14 +133,27 @@ def stripe_plan(out_index: Tensor, offset: Tensor, out_channels: int, kernel_siz
     return _plan_torch(out_index, offset, out_channels, kernel_size)
 
 
-def stripe_to_dense(weight: Tensor, out_index: Tensor, offset: Tensor, out_channels: int, kernel_size) -> Tensor:
-    """Zero-filled dense weight (N, C, KH, KW) with ``W[o_s, :, kh_s, kw_s] = weight[s]`` (differentiable)."""
+def stripe_rows(out_index: Tensor, offset: Tensor, kernel_size) -> Tensor:
+    """Each stripe's row ``(o*KH + kh)*KW + kw`` in the dense weight viewed as (N*KH*KW, C) (int64 (S,)); a layer
+    that rebuilds its dense weight often computes this once (``stripe_to_dense(..., rows=)``)."""
+    KH, KW = pair(kernel_size, "kernel_size")
+    return (out_index * KH + offset[:, 0]) * KW + offset[:, 1]
+
+
+def stripe_to_dense(weight: Tensor, out_index: Tensor, offset: Tensor, out_channels: int, kernel_size,
+                    memory_format: torch.memory_format = torch.contiguous_format, rows: Tensor | None = None) -> Tensor:
+    """Zero-filled dense weight (N, C, KH, KW) with ``W[o_s, :, kh_s, kw_s] = weight[s]`` (differentiable), laid
+    out as ``memory_format``. It is built as (N*KH*KW, C) rows, which is the channels_last layout itself: for
+    ``torch.channels_last`` no copy follows (one zero fill and one row scatter; its gradient is one gather).
+    ``rows``: ``stripe_rows(out_index, offset, kernel_size)``, if kept from before."""
     KH, KW = pair(kernel_size, "kernel_size")
     S, C = weight.shape
     flat = weight.new_zeros(out_channels * KH * KW, C)
-    rows = (out_index * KH + offset[:, 0]) * KW + offset[:, 1]
-    flat = flat.index_add(0, rows, weight)
-    return flat.view(out_channels, KH, KW, C).permute(0, 3, 1, 2).contiguous()
+    flat = flat.index_add(0, stripe_rows(out_index, offset, kernel_size) if rows is None else rows, weight)
+    dense = flat.view(out_channels, KH, KW, C).permute(0, 3, 1, 2)  # channels_last strides, also for C == 1
+    # clone, not contiguous(): with C == 1 the view already counts as contiguous but has channels_last strides,
+    # which would make a conv return channels_last output for an NCHW input
+    return dense if memory_format == torch.channels_last else dense.clone(memory_format=memory_format)
 
 
 def _segments(plan: Tensor | None, out_index, offset, N, kernel_size):
@@ -287,7 +300,7 @@ def _backward_dense(grad, x, weight, out_index, offset, N, kernel_size, stride, 
     """cuDNN's dense conv backward with the zero-filled weight, then the kept stripes of its weight gradient
     (exact; on an H200 this beats the Triton backward, see benchmarks/results/stripe_gpu_h200.json)."""
     fmt = memory_format(x)
-    wd = stripe_to_dense(weight, out_index, offset, N, kernel_size).contiguous(memory_format=fmt)
+    wd = stripe_to_dense(weight, out_index, offset, N, kernel_size, memory_format=fmt)
     dx, dW, _ = torch.ops.aten.convolution_backward(grad, x, wd, None, stride, padding, dilation, False, [0, 0], 1,
                                                     [need_x, need_w, False])
     dw = dW[out_index, :, offset[:, 0], offset[:, 1]] if need_w else None
@@ -449,8 +462,7 @@ def stripe_route(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, b
     ks = pair(kernel_size, "kernel_size")
     if plan is None:
         plan = stripe_plan(out_index, offset, out_channels, ks)
-    dense_w = stripe_to_dense(weight, out_index, offset, out_channels, ks).contiguous(
-        memory_format=memory_format(x))
+    dense_w = stripe_to_dense(weight, out_index, offset, out_channels, ks, memory_format=memory_format(x))
 
     def run_stripe():
         return stripe_conv2d(x, weight, out_index, offset, bias, out_channels, ks, stride, padding, dilation,
