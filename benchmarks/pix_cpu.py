@@ -6,7 +6,11 @@ load changes hit both alike; the median (and, robust to CPU steal, the min) of t
 with the load average before and after. With one thread (the default) the median CPU time of the thread is
 recorded too (``*_cpu_ms``, ``speedup_cpu``): other jobs sharing the cores stretch wall time, not that.
 
-    python benchmarks/pix_cpu.py [--repeats 15] [--batches 1 8] [--size 224] [--threads N] [--no-fold] [--out PATH]
+    python benchmarks/pix_cpu.py [--repeats 15] [--batches 1 8] [--size 224] [--threads N] [--no-fold]
+                                 [--layouts nchw channels_last] [--trials 1] [--out PATH]
+
+--trials N repeats each measurement N times in a row and records every trial's medians (the row's figures
+are then the medians over all N * repeats pairs), to show how far the ratio moves on a shared machine.
 
 --threads 1 (default) gives steady ratios on a shared machine (2 OpenMP threads spin on a busy core);
 --threads 0 keeps torch's choice. PiX's CPU kernels (kernels/_cpu.py) run on torch's OpenMP threads too.
@@ -88,6 +92,8 @@ def main() -> None:
         "--threads", type=int, default=1, help="torch.set_num_threads (default 1; 0: torch's choice)"
     )
     ap.add_argument("--no-fold", action="store_true", help="keep BatchNorm unfolded in both models")
+    ap.add_argument("--layouts", nargs="+", choices=("nchw", "channels_last"), default=["nchw", "channels_last"])
+    ap.add_argument("--trials", type=int, default=1, help="measure each row this many times (see above)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "pix_cpu.json"))
     args = ap.parse_args()
 
@@ -96,7 +102,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     rows = []
-    for channels_last in (False, True):
+    for channels_last in [layout == "channels_last" for layout in args.layouts]:
         models = {
             "resnet50": build(False, fold, channels_last),
             "pix_resnet50": build(True, fold, channels_last),
@@ -104,7 +110,15 @@ def main() -> None:
         fmt = torch.channels_last if channels_last else torch.contiguous_format
         for b in args.batches:
             x = torch.randn(b, 3, args.size, args.size).contiguous(memory_format=fmt)
-            times, cpu = time_pair(models, x, args.repeats)
+            times: dict[str, list[float]] = {k: [] for k in models}
+            cpu: dict[str, list[float]] = {k: [] for k in models}
+            trials = []
+            for _ in range(args.trials):
+                t, c = time_pair(models, x, args.repeats)
+                trials.append(round(statistics.median(t["resnet50"]) / statistics.median(t["pix_resnet50"]), 3))
+                for k in models:
+                    times[k] += t[k]
+                    cpu[k] += c[k]
             ms = {k: statistics.median(v) for k, v in times.items()}
             best = {k: min(v) for k, v in times.items()}
             cpu_ms = {k: statistics.median(v) for k, v in cpu.items()}
@@ -118,6 +132,8 @@ def main() -> None:
                 "pix_resnet50_min_ms": round(best["pix_resnet50"], 2),
                 "speedup_min": round(best["resnet50"] / best["pix_resnet50"], 3),
             }
+            if args.trials > 1:
+                row["speedup_per_trial"] = trials
             if torch.get_num_threads() == 1:
                 row |= {
                     "resnet50_cpu_ms": round(cpu_ms["resnet50"], 2),
@@ -129,7 +145,8 @@ def main() -> None:
                 f"{row['layout']:>13} B={b:<2} median: resnet50 {row['resnet50_ms']:8.2f} ms  pix {row['pix_resnet50_ms']:8.2f} ms"
                 f"  speedup {row['speedup']:.3f}x | min: {row['resnet50_min_ms']:8.2f} / {row['pix_resnet50_min_ms']:8.2f} ms"
                 f"  speedup {row['speedup_min']:.3f}x"
-                + (f" | thread CPU: speedup {row['speedup_cpu']:.3f}x" if "speedup_cpu" in row else ""),
+                + (f" | thread CPU: speedup {row['speedup_cpu']:.3f}x" if "speedup_cpu" in row else "")
+                + (f" | per trial {trials}" if args.trials > 1 else ""),
                 flush=True,
             )
     result = {
