@@ -49,6 +49,7 @@ except ImportError:  # pragma: no cover - triton ships with CUDA torch builds
     triton = None
 
 from kernels._utils import memory_format
+from kernels.stripe import stripe_to_dense
 
 
 def available(x: torch.Tensor) -> bool:
@@ -212,10 +213,9 @@ def forward(x, weight, out_index, offset, bias, plan, out_channels, kernel_size,
     cfg.setdefault("DENSE", False)
     cfg.setdefault("GATHER", False)
     if cfg["DENSE"]:
-        # zero-filled dense weight (KH*KW, C, N): cheap (K*C*N elements) and exact
-        wk = weight.new_zeros(KH * KW, N, C)
-        wk[offset[:, 0] * KW + offset[:, 1], out_index] = weight
-        wop = wk.transpose(1, 2).contiguous()
+        # zero-filled dense weight as (KH*KW, C, N): cheap (K*C*N elements) and exact
+        dense = stripe_to_dense(weight, out_index, offset, N, kernel_size, memory_format=torch.channels_last)
+        wop = dense.permute(2, 3, 1, 0).contiguous().view(KH * KW, C, N)
     else:
         wop = weight.contiguous()
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
