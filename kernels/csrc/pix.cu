@@ -435,12 +435,16 @@ int planes_per_block(int64_t items, int item_bytes) {
 // Groups per thread of the channels_last backward: 2 for 16-bit types (16-byte x/dx vectors at zeta 4) when the
 // shapes and pointers allow, else 1 (COMPRESS_PIX_CL_GPT=1 forces 1, for A/B runs). H200, bf16, B=64, zeta 4:
 // 2 groups ran 1.0-1.1x faster than 1 (56x56 0.0735 vs 0.0805 ms); for float32 (32-byte vectors) 1.1-1.2x slower.
-bool cl_bwd_pairs(int64_t G, int zv, int elem, std::initializer_list<const void*> group_ptrs, const void* dy) {
+// group_ptrs (x, dx; dx may be null) are read as 2*zeta-element vectors, pair_ptrs (dy, p) as 2-element ones.
+bool cl_bwd_pairs(int64_t G, int zv, int elem, std::initializer_list<const void*> group_ptrs,
+                  std::initializer_list<const void*> pair_ptrs) {
   const char* env = std::getenv("COMPRESS_PIX_CL_GPT");
   if (elem != 2 || zv == 0 || G % 2 != 0 || (env && env[0] == '1')) return false;
   for (const void* q : group_ptrs)
     if (q != nullptr && !ck::aligned(q, 2 * zv * elem)) return false;
-  return ck::aligned(dy, 2 * elem);
+  for (const void* q : pair_ptrs)
+    if (!ck::aligned(q, 2 * elem)) return false;
+  return true;
 }
 
 }  // namespace
@@ -552,8 +556,7 @@ std::vector<at::Tensor> pix_backward_impl(const at::Tensor& dy, const at::Tensor
         constexpr int ZV = decltype(Z)::value;
         const bool vec_ok = ZV > 0 && ck::aligned(xp, sizeof(scalar_t) * (ZV > 0 ? ZV : 1)) &&
                             (dxp == nullptr || ck::aligned(dxp, sizeof(scalar_t) * (ZV > 0 ? ZV : 1)));
-        const int gpt = vec_ok && cl_bwd_pairs(G, ZV, (int)sizeof(scalar_t), {xp, dxp}, gp) &&
-                                ck::aligned(pp, 2 * sizeof(scalar_t)) ? 2 : 1;
+        const int gpt = vec_ok && cl_bwd_pairs(G, ZV, (int)sizeof(scalar_t), {xp, dxp}, {gp, pp}) ? 2 : 1;
         const int gt = (int)ck::ceil_div(G, 32 * gpt);
         const int64_t chunks = cl_chunks(gt, B, HW), chunk = ck::ceil_div(HW, chunks);
         if (mode != kDx) partial = at::empty({B, chunks, G}, x.options().dtype(at::kFloat));
