@@ -8,9 +8,11 @@
    dense weight) and of the stripe kernel (a few tile configs per layer, best kept), at keep 0.5/0.3/0.15 with
    random stripe masks, and with the masks of a real SWP run (ResNet-56 on digits, on the CIFAR shapes: rows
    `mask = real:<layer>`); the floor = max(kept MACs at the measured tensor-core rate, in+out bytes at the
-   copy bandwidth) and the fraction of the attainable speedup min(1/keep, dense/floor).
+   copy bandwidth) and the fraction of the attainable speedup min(1/keep, dense/floor). The stripe kernel runs
+   as a compact model's layer runs it in inference: the DENSE route (``kernels.stripe_reads_dense``) reads the
+   dense weight kept with the layer (``dense=``) instead of building it per call.
 
-    python benchmarks/stripe_gpu.py [--quick] [--real-only] [--out results/stripe_gpu_h200.json]
+    python benchmarks/stripe_gpu.py [--quick] [--real-only] [--channels 16 32 64] [--out results/stripe_gpu_h200.json]
 """
 
 from __future__ import annotations
@@ -124,8 +126,12 @@ def candidates(C, N, dtype):
     return out
 
 
-def run_stripe(x, w, oi, off, b, plan, N, cfg):
-    return stripe_triton.forward(x, w, oi, off, b, plan, N, [3, 3], [1, 1], [1, 1], [1, 1], True, cfg)
+def run_stripe(x, w, oi, off, b, plan, N, cfg, kept):
+    """The kernel with `cfg` (None: the default), given `kept` (the layer's channels_last dense weight, as
+    StripeConv2d keeps it in inference) where that route reads it."""
+    reads = cfg["DENSE"] if cfg is not None else kernels.stripe_reads_dense(x, w, N, 3)
+    return stripe_triton.forward(x, w, oi, off, b, plan, N, [3, 3], [1, 1], [1, 1], [1, 1], True, cfg,
+                                 dense=kept if reads else None)
 
 
 def _dense_bwd(a, g, wd):
@@ -143,8 +149,8 @@ def _cudnn_bwd(a, g, w, oi, off, N):
     return _backward_dense(g, a, w, oi, off, N, [3, 3], [1, 1], [1, 1], [1, 1], True, True)
 
 
-def _stripe_call(a, w, oi, off, b, plan, N, cfg):
-    return run_stripe(a, w, oi, off, b, plan, N, cfg)
+def _stripe_call(a, w, oi, off, b, plan, N, cfg, kept):
+    return run_stripe(a, w, oi, off, b, plan, N, cfg, kept)
 
 
 def run_case(net, B, C, H, keep, w64, oi, off, x64, gen, rates, bw, rows, fails, mask="random"):
@@ -159,13 +165,14 @@ def run_case(net, B, C, H, keep, w64, oi, off, x64, gen, rates, bw, rows, fails,
         dt = DT[dname]
         fmt = torch.channels_last if layout == "cl" else torch.contiguous_format
         w, b = w64.to(dt), b64.to(dt)
+        kept = kernels.stripe_to_dense(w, oi, off, N, 3, memory_format=torch.channels_last)
         tol = 1e-3 if dt == torch.float32 else 1e-2
         cands = candidates(C, N, dt)
         xs8 = x64[:8].to(dt).contiguous(memory_format=fmt)
         errs = []
         firsts = {("a" if c["DENSE"] else "g" if c.get("GATHER") else "b"): c for c in reversed(cands)}
         for cfg in firsts.values():  # the first config of each route
-            y = run_stripe(xs8, w, oi, off, b, plan, N, cfg)
+            y = run_stripe(xs8, w, oi, off, b, plan, N, cfg, kept)
             errs.append(((y.double() - ref).norm() / ref.norm()).item())
         err = max(errs)
         ok = err < tol and all(e == e for e in errs)
@@ -184,19 +191,20 @@ def run_case(net, B, C, H, keep, w64, oi, off, x64, gen, rates, bw, rows, fails,
                                                   and r["layout"] == "cl")]
         for cfg in tune:
             try:
-                run_stripe(xs[0], w, oi, off, b, plan, N, cfg)
+                run_stripe(xs[0], w, oi, off, b, plan, N, cfg, kept)
             except Exception as e:  # e.g. a tile config over the shared-memory limit
                 print(f"   skip {cfg}: {type(e).__name__}", flush=True)
                 continue
-            ms = time_rotated(functools.partial(_stripe_call, w=w, oi=oi, off=off, b=b, plan=plan, N=N, cfg=cfg), xs)
+            ms = time_rotated(functools.partial(_stripe_call, w=w, oi=oi, off=off, b=b, plan=plan, N=N, cfg=cfg,
+                                                kept=kept), xs)
             if best is None or ms < best[0]:
                 best = (ms, cfg)
-        yb = run_stripe(xs8, w, oi, off, b, plan, N, best[1])  # the timed config is checked too
+        yb = run_stripe(xs8, w, oi, off, b, plan, N, best[1], kept)  # the timed config is checked too
         err = max(err, ((yb.double() - ref).norm() / ref.norm()).item())
         if not err < tol:
             fails.append((net, C, H, keep, dname, layout, err, best[1]))
-        def_ms = time_rotated(functools.partial(_stripe_call, w=w, oi=oi, off=off, b=b, plan=plan, N=N, cfg=None),
-                              xs)
+        def_ms = time_rotated(functools.partial(_stripe_call, w=w, oi=oi, off=off, b=b, plan=plan, N=N, cfg=None,
+                                                kept=kept), xs)
         macs = B * H * H * S * C
         esz = xs[0].element_size()
         floor_ms = max(2 * macs / rates[dname], 2 * B * C * H * H * esz / bw) * 1e3
@@ -233,6 +241,7 @@ def main():
     ap.add_argument("--real-masks", default=os.path.join(os.path.dirname(__file__), "masks", "resnet56_digits.json"),
                     help="mask file of a real SWP run (benchmarks/masks/*.json); '' to skip those rows")
     ap.add_argument("--real-only", action="store_true", help="only the rows with real masks")
+    ap.add_argument("--channels", type=int, nargs="+", default=None, help="only the shapes of these widths")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "stripe_gpu.json"))
     args = ap.parse_args()
     torch.backends.cudnn.benchmark = True
@@ -243,6 +252,7 @@ def main():
           f"tf32 mm {rates['fp32'] / 1e12:.0f} TFLOP/s", flush=True)
     gen = torch.Generator().manual_seed(0)
     shapes = [] if args.real_only else SHAPES[:2] if args.quick else SHAPES
+    shapes = [sh for sh in shapes if args.channels is None or sh[2] in args.channels]
     rows, fails = [], []
     for net, B, C, H in shapes:
         x64 = torch.randn(B, C, H, H, dtype=torch.float64, generator=gen).cuda()
@@ -251,6 +261,8 @@ def main():
             run_case(net, B, C, H, keep, w64, oi, off, x64, gen, rates, bw, rows, fails)
     for layer, mask in (real_masks(args.real_masks) if args.real_masks else []):
         C = mask.shape[0]
+        if args.channels is not None and C not in args.channels:
+            continue
         net, B, _, H = next(sh for sh in SHAPES if sh[0] == "cifar" and sh[2] == C)
         x64 = torch.randn(B, C, H, H, dtype=torch.float64, generator=gen).cuda()
         w64, oi, off = mask_layer(mask, C, gen)

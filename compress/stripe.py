@@ -269,6 +269,17 @@ class StripeConv2d(nn.Module):
         if self._mode == "dense":
             conv = conv2d_relu if self.relu else F.conv2d
             return conv(x, self._cached_dense_weight(fmt), self.bias, self.stride, self.padding, self.dilation)
+        # the kernel's dense route (narrow or dense-ish layers) reads a zero-filled dense weight: in eager inference
+        # it comes from the same cache as the dense mode instead of being rebuilt on every call
+        dense = None
+        if (
+            x.is_cuda
+            and not (self.weight.requires_grad and torch.is_grad_enabled())
+            and not (torch.jit.is_tracing() or torch.compiler.is_compiling())
+            and self.weight.dtype == x.dtype
+            and kernels.stripe_reads_dense(x, self.weight, self.out_channels, self.kernel_size)
+        ):
+            dense = self._cached_dense_weight(torch.channels_last)
         y = kernels.stripe_conv2d(
             x,
             self.weight,
@@ -282,6 +293,7 @@ class StripeConv2d(nn.Module):
             self.dilation,
             relu=self.relu,
             plan=self.plan,
+            dense=dense,
         )
         if fmt is torch.channels_last and not y.is_contiguous(memory_format=fmt):
             y = y.contiguous(memory_format=fmt)  # a 1-channel channels_last x counts as NCHW for the op

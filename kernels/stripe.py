@@ -14,6 +14,12 @@ The *plan* (``stripe_plan``) is an int32 table (KH*KW, N+1): ``plan[k, n]`` = nu
 for output channels ``[n0, n1)`` are ``[plan[k, n0], plan[k, n1])``. Build it once per layer (``StripeConv2d`` keeps
 it as a non-persistent buffer) and pass it in; without it the op builds it on every call.
 
+The CUDA kernel's dense route reads the zero-filled dense weight, ``stripe_to_dense(...,
+memory_format=torch.channels_last)``. An inference caller that keeps that tensor (``StripeConv2d`` caches it like its
+dense mode) passes it as ``dense``: the kernel then takes the dense route up to 64 input channels
+(``stripe_reads_dense``). Without it the op takes that route only for C <= 16 or mostly-kept layers and builds the
+weight on every call (two small kernels, about as long as such a layer on an H200).
+
 CUDA path: the Triton kernel in ``kernels/stripe_triton.py`` (forward); backward by cuDNN's dense backward with the
 zero-filled weight, then the kept stripes of its weight gradient (exact, and faster on an H200 than the
 experimental Triton backward in ``stripe_triton.backward``).
@@ -42,7 +48,8 @@ from kernels._utils import (
     pair,
 )
 
-__all__ = ["stripe_conv2d", "stripe_plan", "stripe_to_dense", "stripe_rows", "stripe_route", "stripe_cost"]
+__all__ = ["stripe_conv2d", "stripe_plan", "stripe_to_dense", "stripe_rows", "stripe_reads_dense", "stripe_route",
+           "stripe_cost"]
 
 OP = "compress::stripe_conv2d"
 BOP = "compress::stripe_conv2d_backward"
@@ -95,6 +102,19 @@ def _check(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, bias: T
         raise ValueError(f"{op}: tensor 'x' of spatial size {(H, W)} is too small for kernel "
                          f"{tuple(kernel_size)} with padding {list(padding)} and dilation {list(dilation)}")
     return ho, wo
+
+
+def _check_dense(dense: Tensor, weight: Tensor, out_channels: int, kernel_size, op: str = OP) -> None:
+    """``dense`` must be laid out as ``stripe_to_dense(..., memory_format=torch.channels_last)`` returns it."""
+    KH, KW = kernel_size
+    C = weight.shape[1]
+    shape, strides = (out_channels, C, KH, KW), (KH * KW * C, 1, KW * C, C)
+    if (tuple(dense.shape) != shape or dense.stride() != strides or dense.dtype != weight.dtype
+            or dense.device != weight.device):
+        raise ValueError(f"{op}: tensor 'dense' must be the zero-filled dense weight {shape} with strides {strides} "
+                         f"(channels_last), {weight.dtype} on {weight.device}, as "
+                         f"stripe_to_dense(weight, out_index, offset, N, kernel_size, memory_format=torch.channels_last) "
+                         f"returns it; got {tuple(dense.shape)} strides {dense.stride()} {dense.dtype} on {dense.device}")
 
 
 # ----------------------------------------------------------------------------------------------- plan
@@ -244,31 +264,38 @@ def _backward_torch(grad, x, weight, out_index, offset, plan, N, kernel_size, st
 @torch.library.custom_op(OP, mutates_args=())
 def _stripe_op(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, bias: Tensor | None,
                plan: Tensor | None, out_channels: int, kernel_size: list[int], stride: list[int],
-               padding: list[int], dilation: list[int], relu: bool) -> Tensor:
+               padding: list[int], dilation: list[int], relu: bool, dense: Tensor | None = None) -> Tensor:
+    # the CPU path does not read `dense` (its GEMM runs on the stripes); it is checked all the same
     _check(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding, dilation)
+    if dense is not None:
+        _check_dense(dense, weight, out_channels, kernel_size)
     return _forward_torch(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding,
                           dilation, relu)
 
 
 @_stripe_op.register_kernel("cuda")
 def _stripe_cuda(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding,
-                 dilation, relu):
+                 dilation, relu, dense=None):
     _check(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding, dilation)
+    if dense is not None:
+        _check_dense(dense, weight, out_channels, kernel_size)
     from kernels import stripe_triton
 
     if stripe_triton.available(x):
         if plan is None:
             plan = _plan_torch(out_index, offset, out_channels, kernel_size)
         return stripe_triton.forward(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride,
-                                     padding, dilation, relu)
+                                     padding, dilation, relu, dense=dense)
     return _forward_torch(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding,
                           dilation, relu)
 
 
 @_stripe_op.register_fake
 def _stripe_fake(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding, dilation,
-                 relu):
+                 relu, dense=None):
     ho, wo = _check(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding, dilation)
+    if dense is not None:
+        _check_dense(dense, weight, out_channels, kernel_size)
     return x.new_empty((x.shape[0], out_channels, ho, wo)).contiguous(memory_format=memory_format(x))
 
 
@@ -335,7 +362,7 @@ def _stripe_backward_fake(grad, x, weight, out_index, offset, plan, out_channels
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, out_index, offset, bias, plan, N, ks, stride, padding, dilation, relu = inputs
+    x, weight, out_index, offset, bias, plan, N, ks, stride, padding, dilation, relu, _dense = inputs
     ctx.save_for_backward(x, weight, out_index, offset, plan, output if relu else None)
     ctx.conf = (N, ks, stride, padding, dilation)
     ctx.has_bias, ctx.relu = bias is not None, relu
@@ -353,7 +380,7 @@ def _backward(ctx, grad):
         dx, dw = (gx if need_x else None), (gw if need_w else None)
     if ctx.has_bias and need_b:
         db = grad.sum((0, 2, 3))
-    return dx, dw, None, None, db, None, None, None, None, None, None, None
+    return dx, dw, None, None, db, None, None, None, None, None, None, None, None  # `dense` is a cache: no gradient
 
 
 _stripe_op.register_autograd(_backward, setup_context=_setup_context)
@@ -362,7 +389,7 @@ _stripe_op.register_autograd(_backward, setup_context=_setup_context)
 # ----------------------------------------------------------------------------------------------- public
 def stripe_conv2d(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, bias: Tensor | None,
                   out_channels: int, kernel_size, stride=1, padding=0, dilation=1, relu: bool = False,
-                  plan: Tensor | None = None) -> Tensor:
+                  plan: Tensor | None = None, dense: Tensor | None = None) -> Tensor:
     """Stripe convolution, equal to ``F.conv2d`` with the zero-filled dense weight (see ``stripe_to_dense``).
 
     Args:
@@ -371,14 +398,31 @@ def stripe_conv2d(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, 
         bias: (N,) or None.  out_channels: N.  kernel_size, stride, padding, dilation: int or pair.
         relu: apply ReLU after the bias (fused in the CUDA kernel).
         plan: ``stripe_plan(out_index, offset, N, kernel_size)``, built once per layer (optional).
+        dense: ``stripe_to_dense(weight, out_index, offset, N, kernel_size, memory_format=torch.channels_last)``,
+            kept by the caller for inference (optional; no gradient flows into it). The CUDA kernel's dense route
+            (``stripe_reads_dense``) reads it instead of building it per call; it must equal the stripes.
 
     Returns:
         y: (B, N, Ho, Wo), channels_last if ``x`` is.
     """
-    x, weight, bias = autocast_inputs(x, weight, bias)
+    x, weight, bias, dense = autocast_inputs(x, weight, bias, dense)
     return _stripe_op(x, weight, out_index, offset, bias, plan, int(out_channels),
                       pair(kernel_size, "kernel_size"), pair(stride, "stride"), pair(padding, "padding"),
-                      pair(dilation, "dilation"), bool(relu))
+                      pair(dilation, "dilation"), bool(relu), dense)
+
+
+def stripe_reads_dense(x: Tensor, weight: Tensor, out_channels: int, kernel_size) -> bool:
+    """Whether ``stripe_conv2d`` on ``x``, given the zero-filled dense weight as ``dense``, runs the CUDA kernel's
+    dense route, which reads it: CUDA float32/16/bf16 with Triton, up to 64 input channels or with many stripes
+    kept (``kernels.stripe_triton.default_config(..., dense_given=True)``). Without ``dense`` the kernel takes
+    that route only for C <= 16 or many stripes, and builds the weight on every call."""
+    from kernels import stripe_triton
+
+    if not stripe_triton.available(x):
+        return False
+    KH, KW = pair(kernel_size, "kernel_size")
+    return stripe_triton.default_config(x.shape[1], int(out_channels), weight.shape[0], KH * KW, x.dtype,
+                                        dense_given=True)["DENSE"]
 
 
 # ----------------------------------------------------------------------------------------------- route choice
@@ -450,7 +494,8 @@ def stripe_route(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, b
     compiled model, where launch overhead is gone; "eager" compares the wall time of one synchronised call,
     launch overhead included (a Triton launch costs tens of microseconds of Python, more than a small layer's
     GPU time: the right measure for a model run eagerly); "auto" (default): "graph" on CUDA, else "eager".
-    Call it once per layer (at export/load or on the first batch), not per forward.
+    Call it once per layer (at export/load or on the first batch), not per forward. The stripe op runs as an
+    inference caller like ``StripeConv2d`` runs it: with the dense weight kept (``dense``) where its route reads it.
     """
     if timing == "auto":
         timing = "graph" if x.is_cuda else "eager"
@@ -463,10 +508,13 @@ def stripe_route(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, b
     if plan is None:
         plan = stripe_plan(out_index, offset, out_channels, ks)
     dense_w = stripe_to_dense(weight, out_index, offset, out_channels, ks, memory_format=memory_format(x))
+    kept = None
+    if weight.dtype == x.dtype and stripe_reads_dense(x, weight, out_channels, ks):
+        kept = stripe_to_dense(weight, out_index, offset, out_channels, ks, memory_format=torch.channels_last)
 
     def run_stripe():
         return stripe_conv2d(x, weight, out_index, offset, bias, out_channels, ks, stride, padding, dilation,
-                             plan=plan)
+                             plan=plan, dense=kept)
 
     def run_dense():
         return F.conv2d(x, dense_w, bias, pair(stride), pair(padding), pair(dilation))

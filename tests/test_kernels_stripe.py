@@ -116,6 +116,9 @@ def test_opcheck():
     plan = kernels.stripe_plan(oi, off, 5, 3)
     torch.library.opcheck(torch.ops.compress.stripe_conv2d.default,
                           (x, w, oi, off, b, plan, 5, [3, 3], [2, 2], [1, 1], [1, 1], False))
+    dense = kernels.stripe_to_dense(w.detach(), oi, off, 5, 3, memory_format=torch.channels_last)
+    torch.library.opcheck(torch.ops.compress.stripe_conv2d.default,
+                          (x, w, oi, off, b, plan, 5, [3, 3], [2, 2], [1, 1], [1, 1], True, dense))
     g = torch.randn(2, 5, 3, 3, generator=gen, dtype=torch.float64)
     torch.library.opcheck(torch.ops.compress.stripe_conv2d_backward.default,
                           (g, x.detach(), w.detach(), oi, off, plan, 5, [3, 3], [2, 2], [1, 1], [1, 1], True, True))
@@ -170,6 +173,25 @@ def test_errors():
         kernels.stripe_conv2d(x.transpose(2, 3), w, oi, off, None, 4, 3, 1, 1, 1)
 
 
+def test_dense_argument_is_checked_and_leaves_the_result_unchanged():
+    """`dense` (the caller's cached zero-filled weight, channels_last) is validated; the CPU path gives the same
+    result with it, and no gradient flows into it. The CUDA kernel's use of it: the interpreted test below."""
+    gen = torch.Generator().manual_seed(12)
+    w, oi, off = random_layer(6, 4, (3, 3), 0.5, gen, dtype=torch.float32)
+    x = torch.randn(2, 4, 7, 7, generator=gen)
+    dense = kernels.stripe_to_dense(w, oi, off, 6, 3, memory_format=torch.channels_last)
+    want = F.conv2d(x, dense, None, 1, 1)
+    got = kernels.stripe_conv2d(x, w.requires_grad_(), oi, off, None, 6, 3, 1, 1, 1, dense=dense.detach())
+    torch.testing.assert_close(got, want)
+    got.sum().backward()
+    assert w.grad is not None and w.grad.abs().sum() > 0
+    assert not kernels.stripe_reads_dense(x, w, 6, 3)  # CPU: never the kernel's dense route
+    with pytest.raises(ValueError, match="tensor 'dense' must be the zero-filled dense weight"):
+        kernels.stripe_conv2d(x, w, oi, off, None, 6, 3, 1, 1, 1, dense=dense.contiguous())  # NCHW strides
+    with pytest.raises(ValueError, match="tensor 'dense' must be the zero-filled dense weight"):
+        kernels.stripe_conv2d(x, w, oi, off, None, 6, 3, 1, 1, 1, dense=dense[:5])
+
+
 def test_route_helpers():
     gen = torch.Generator().manual_seed(7)
     w, oi, off = random_layer(8, 8, (3, 3), 0.3, gen, dtype=torch.float32)
@@ -212,6 +234,11 @@ for dt, ks, st, pd, dl, C, N, c, fmt in [
     err = ((y.double() - yr).norm() / yr.norm()).item()
     assert y.shape == yr.shape and err < 1e-3, (dt, ks, st, err)
     assert y.is_contiguous(memory_format=fmt)
+    if c is not None and c.get("DENSE"):  # a cached dense weight gives the same result as the per-call one
+        dense = kernels.stripe_to_dense(w.to(dt), oi, off, N, ks, memory_format=torch.channels_last)
+        y2 = stripe_triton.forward(x.to(dt), w.to(dt), oi, off, b.to(dt), plan, N, list(ks), list(st), list(pd),
+                                   list(dl), True, c, dense=dense)
+        assert torch.equal(y2, y)
     xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
     yr = _ref(xr, wr, oi, off, None, N, ks, st, pd, dl)
     g = torch.randn(yr.shape, generator=gen, dtype=torch.float64)

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import kernels
 from compress.skeleton import SkeletonConv2d
 from compress.stripe import StripeConv2d
 
@@ -182,6 +183,40 @@ def test_dense_mode_cache_follows_weight_edits_casts_and_loads():
         mask2 = mask.flip(0)  # as many stripes, other places: same tensor shapes, other indices
         s.load_state_dict(StripeConv2d.from_dense(conv2, mask2, mode="dense").state_dict())
         torch.testing.assert_close(s(x.double()), _masked_reference(conv2, mask2, x.double()))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
+def test_stripe_mode_passes_its_cached_dense_weight_to_the_kernel_dense_route(dtype, layout):
+    """A narrow layer (8 input channels: the CUDA kernel's dense route) in eval reads the module's cached
+    channels_last dense weight; outputs follow an in-place weight edit; training builds it per call. Checked
+    against the masked dense conv in float64 (relative error)."""
+    gen = torch.Generator().manual_seed(21)
+    conv = nn.Conv2d(8, 24, 3, padding=1).double()
+    mask = _random_mask(24, 3, 3, keep=0.3, gen=gen)
+    s = StripeConv2d.from_dense(conv, mask, mode="stripe").cuda().to(dtype).eval()
+    x = torch.randn(4, 8, 12, 12, generator=gen, dtype=torch.float64)
+    xd = x.cuda().to(dtype).contiguous(memory_format=layout)
+    assert kernels.stripe_reads_dense(xd, s.weight, 24, 3)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-3
+
+    def rel(a, b):
+        return ((a.double().cpu() - b).norm() / b.norm()).item()
+
+    with torch.no_grad():
+        assert rel(s(xd), _masked_reference(conv, mask, x)) < tol
+        assert s._dense_cache is not None and s._dense_cache[1].is_contiguous(memory_format=torch.channels_last)
+        s.weight.mul_(-2.0)
+        conv.weight.mul_(-2.0)
+        assert rel(s(xd), _masked_reference(conv, mask, x)) < tol
+    s.train()
+    xg = xd.detach().clone().requires_grad_()
+    g = torch.randn(4, 24, 12, 12, generator=gen, dtype=torch.float64)
+    s(xg).backward(g.cuda().to(dtype))
+    xr = x.clone().requires_grad_()
+    _masked_reference(conv, mask, xr).backward(g)
+    assert rel(xg.grad, xr.grad) < tol
 
 
 @pytest.mark.parametrize("batch,out_channels", [(1, 4), (3, 1)])
