@@ -7,10 +7,16 @@ with the load average before and after. With one thread (the default) the median
 recorded too (``*_cpu_ms``, ``speedup_cpu``): other jobs sharing the cores stretch wall time, not that.
 
     python benchmarks/pix_cpu.py [--repeats 15] [--batches 1 8] [--size 224] [--threads N] [--no-fold]
-                                 [--layouts nchw channels_last] [--trials 1] [--out PATH]
+                                 [--layouts nchw channels_last] [--trials 1] [--malloc default|keep] [--out PATH]
 
 --trials N repeats each measurement N times in a row and records every trial's medians (the row's figures
 are then the medians over all N * repeats pairs), to show how far the ratio moves on a shared machine.
+
+--malloc keep sets glibc's malloc, for the whole process and so for both models, to keep freed memory (no trim,
+no mmap below 1 GiB; what MALLOC_TRIM_THRESHOLD_ / MALLOC_MMAP_THRESHOLD_ or jemalloc/tcmalloc do for a deployment).
+By default glibc returns large freed blocks to the OS and the next forward's activations fault in fresh pages:
+tens of thousands of 4 KiB page faults per batch-8 ResNet-50 forward on this machine. The per-forward page fault
+count of each model is recorded (``*_faults``).
 
 --threads 1 (default) gives steady ratios on a shared machine (2 OpenMP threads spin on a busy core);
 --threads 0 keeps torch's choice. PiX's CPU kernels (kernels/_cpu.py) run on torch's OpenMP threads too.
@@ -19,9 +25,11 @@ are then the medians over all N * repeats pairs), to show how far the ratio move
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -63,24 +71,36 @@ def build(pix: bool, fold: bool, channels_last: bool) -> nn.Module:
     return model.to(memory_format=torch.channels_last) if channels_last else model
 
 
+def keep_freed_memory() -> None:
+    """glibc malloc: never trim the heap, serve blocks below 1 GiB from it (no fresh pages per forward)."""
+    libc = ctypes.CDLL("libc.so.6")
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    if not (libc.mallopt(m_trim_threshold, 2**31 - 1) and libc.mallopt(m_mmap_threshold, 2**30)):
+        raise RuntimeError("--malloc keep: glibc's mallopt refused the setting (not glibc?); run with --malloc default")
+
+
 def time_pair(
     models: dict[str, nn.Module], x: torch.Tensor, repeats: int
-) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """(wall, thread CPU) ms per forward of each model over `repeats` runs, the models interleaved, after 2
-    warm-up runs each. The thread CPU time counts only the calling thread (meaningful with 1 torch thread)."""
+) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, list[int]]]:
+    """(wall, thread CPU) ms and minor page faults per forward of each model over `repeats` runs, the models
+    interleaved, after 2 warm-up runs each. The thread CPU time counts only the calling thread (meaningful with 1
+    torch thread); the page faults are the process's."""
     times: dict[str, list[float]] = {k: [] for k in models}
     cpu: dict[str, list[float]] = {k: [] for k in models}
+    faults: dict[str, list[int]] = {k: [] for k in models}
     with torch.inference_mode():
         for _ in range(2):
             for m in models.values():
                 m(x)
         for _ in range(repeats):
             for k, m in models.items():
+                f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 c0, t0 = time.thread_time(), time.perf_counter()
                 m(x)
                 times[k].append((time.perf_counter() - t0) * 1e3)
                 cpu[k].append((time.thread_time() - c0) * 1e3)
-    return times, cpu
+                faults[k].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+    return times, cpu, faults
 
 
 def main() -> None:
@@ -94,10 +114,14 @@ def main() -> None:
     ap.add_argument("--no-fold", action="store_true", help="keep BatchNorm unfolded in both models")
     ap.add_argument("--layouts", nargs="+", choices=("nchw", "channels_last"), default=["nchw", "channels_last"])
     ap.add_argument("--trials", type=int, default=1, help="measure each row this many times (see above)")
+    ap.add_argument("--malloc", choices=("default", "keep"), default="default",
+                    help="keep: glibc malloc keeps freed memory, for both models (see above)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "pix_cpu.json"))
     args = ap.parse_args()
 
     fold = not args.no_fold
+    if args.malloc == "keep":
+        keep_freed_memory()
     if args.threads:
         torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
@@ -112,13 +136,15 @@ def main() -> None:
             x = torch.randn(b, 3, args.size, args.size).contiguous(memory_format=fmt)
             times: dict[str, list[float]] = {k: [] for k in models}
             cpu: dict[str, list[float]] = {k: [] for k in models}
+            faults: dict[str, list[int]] = {k: [] for k in models}
             trials = []
             for _ in range(args.trials):
-                t, c = time_pair(models, x, args.repeats)
+                t, c, f = time_pair(models, x, args.repeats)
                 trials.append(round(statistics.median(t["resnet50"]) / statistics.median(t["pix_resnet50"]), 3))
                 for k in models:
                     times[k] += t[k]
                     cpu[k] += c[k]
+                    faults[k] += f[k]
             ms = {k: statistics.median(v) for k, v in times.items()}
             best = {k: min(v) for k, v in times.items()}
             cpu_ms = {k: statistics.median(v) for k, v in cpu.items()}
@@ -131,6 +157,8 @@ def main() -> None:
                 "resnet50_min_ms": round(best["resnet50"], 2),
                 "pix_resnet50_min_ms": round(best["pix_resnet50"], 2),
                 "speedup_min": round(best["resnet50"] / best["pix_resnet50"], 3),
+                "resnet50_faults": int(statistics.median(faults["resnet50"])),
+                "pix_resnet50_faults": int(statistics.median(faults["pix_resnet50"])),
             }
             if args.trials > 1:
                 row["speedup_per_trial"] = trials
@@ -146,7 +174,8 @@ def main() -> None:
                 f"  speedup {row['speedup']:.3f}x | min: {row['resnet50_min_ms']:8.2f} / {row['pix_resnet50_min_ms']:8.2f} ms"
                 f"  speedup {row['speedup_min']:.3f}x"
                 + (f" | thread CPU: speedup {row['speedup_cpu']:.3f}x" if "speedup_cpu" in row else "")
-                + (f" | per trial {trials}" if args.trials > 1 else ""),
+                + (f" | per trial {trials}" if args.trials > 1 else "")
+                + f" | page faults {row['resnet50_faults']} / {row['pix_resnet50_faults']}",
                 flush=True,
             )
     result = {
@@ -154,9 +183,10 @@ def main() -> None:
         "dtype": "float32",
         "input": [3, args.size, args.size],
         "bn_folded": fold,
+        "malloc": args.malloc,
         "repeats": args.repeats,
         "statistic": "median (and min) ms per forward over the repeats, models interleaved; *_cpu_ms: median "
-        "CPU time of the calling thread (1 thread only)",
+        "CPU time of the calling thread (1 thread only); *_faults: median minor page faults of the process per forward",
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cpu": platform.processor() or platform.machine(),

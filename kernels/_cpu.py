@@ -488,13 +488,36 @@ static void predict(const T* pooled, const T* w, T* p, int64_t B, int64_t C, int
   for_shares(G, G * C * B >= PAR_MIN && G > 1, [&](int64_t a, int64_t b) { w_predict(pooled, w, p, B, C, G, a, b); });
 }
 
+// The squeeze's scratch (the group sums, 1/Z of x) is kept per calling thread and reused while it is at most
+// SCRATCH_KEEP bytes: a fresh multi-megabyte malloc comes from new pages, and their first-touch faults cost a
+// 2-thread batch-8 PiX ResNet-50 forward ~8% (~15k faults of 4 KiB; benchmarks/pix_cpu.py --page-faults).
+// Larger requests are allocated and freed per call.
+#define SCRATCH_KEEP ((size_t)128 << 20)
+static thread_local void* kept_scratch = NULL;
+static thread_local size_t kept_bytes = 0;
+
+// `bytes` of scratch, or NULL if out of memory; release it with scratch_release(ptr).
+static void* scratch_get(size_t bytes) {
+  if (bytes > SCRATCH_KEEP) return malloc(bytes);
+  if (bytes > kept_bytes) {
+    free(kept_scratch);
+    kept_scratch = malloc(bytes);
+    kept_bytes = kept_scratch ? bytes : 0;
+  }
+  return kept_scratch;
+}
+
+static void scratch_release(void* ptr) {
+  if (ptr != kept_scratch) free(ptr);
+}
+
 // The whole block: pass 1, the predictor, pass 2 (s and p are scratch).
 template <typename T>
 static int squeeze(bool cl, const T* x, const T* w, T* pooled, T* y, int64_t B, int64_t C, int Z, int64_t HW,
                    T tau) {
   const int64_t G = C / Z;
   const bool par = B * C * HW >= PAR_MIN;
-  T* s = (T*)malloc(sizeof(T) * (B * G * HW + B * G));
+  T* s = (T*)scratch_get(sizeof(T) * (B * G * HW + B * G));
   if (!s) return 1;
   T* p = s + B * G * HW;
   int err = sq1<T>(cl, x, pooled, y, s, B, C, Z, HW, par);
@@ -502,7 +525,7 @@ static int squeeze(bool cl, const T* x, const T* w, T* pooled, T* y, int64_t B, 
     predict<T>(pooled, w, p, B, C, G);
     err = sq2<T>(cl, p, y, s, B, G, Z, HW, tau, par);
   }
-  free(s);
+  scratch_release(s);
   return err;
 }
 

@@ -505,8 +505,16 @@ def residual_relu(out: Tensor, identity: Tensor) -> Tensor:
     that also computes the result's channel mean (float32) and keeps it on the returned tensor: a ``pix_squeeze``
     of that tensor (while unmodified: its version is checked) then reads x once instead of twice, and the
     separate ReLU pass is gone. Differentiable (the kept mean is a cached statistic, not an autograd output;
-    ``pix_squeeze`` routes the pool's gradient through its own dx). Elsewhere: ``out.add_(identity).relu_()``.
+    ``pix_squeeze`` routes the pool's gradient through its own dx). CPU inference (float32/64, same shape and
+    dtype, no gradient recorded) is PyTorch's fused ``aten::_add_relu_``: one pass where add + ReLU take two
+    (a 2-thread batch-8 PiX ResNet-50 forward ~1% faster); no mean is kept there, since the CPU ``pix_squeeze``
+    pools in the same read of x that finds the group max and sum. Elsewhere: ``out.add_(identity).relu_()``.
     """
+    if (out.device.type == "cpu" and out.dtype in (torch.float32, torch.float64) and out.dtype == identity.dtype
+            and out.shape == identity.shape and identity.device.type == "cpu"
+            and not (torch.is_grad_enabled() and (out.requires_grad or identity.requires_grad))
+            and _plain_eager(out, identity) and type(identity) is torch.Tensor):
+        return torch.ops.aten._add_relu_(out, identity)
     if (out.is_cuda and out.dtype in (torch.float32, torch.float16, torch.bfloat16) and out.dtype == identity.dtype
             and out.shape == identity.shape and out.dim() == 4 and out.device == identity.device
             and _plain_eager(out, identity) and type(identity) is torch.Tensor and use_kernel(out)):

@@ -477,15 +477,39 @@ def test_pix_squeeze_eager_fast_path_equals_op_cuda(layout):
 
 
 # ----------------------------------------------------------------- residual_relu (the next PiX block's pool)
-def test_residual_relu_cpu_is_add_relu_without_a_kept_mean():
-    gen = torch.Generator().manual_seed(3)
-    a, b = torch.randn(2, 8, 5, 6, generator=gen), torch.randn(2, 8, 5, 6, generator=gen)
-    want = torch.relu(a + b)
-    y = kernels.residual_relu(a.clone(), b)
-    assert torch.equal(y, want)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "mixed"])
+@pytest.mark.parametrize("inference", [True, False])
+def test_residual_relu_cpu_is_add_relu_without_a_kept_mean(dtype, layout, inference):
+    """CPU inference takes the fused aten::_add_relu_ (float32/64), the rest add_ + relu_: same values in place."""
     from kernels.pix import _attached_mean
 
+    gen = torch.Generator().manual_seed(3)
+    a, b = (torch.randn(2, 8, 5, 6, generator=gen).to(dtype) for _ in range(2))
+    if layout != "contiguous":
+        a = a.contiguous(memory_format=torch.channels_last)
+    if layout == "channels_last":
+        b = b.contiguous(memory_format=torch.channels_last)
+    want = torch.relu(a + b)
+    out = a.clone()
+    with torch.inference_mode(inference):
+        y = kernels.residual_relu(out, b)
+    assert torch.equal(y, want) and y.data_ptr() == out.data_ptr()
     assert _attached_mean(y) is None
+
+
+def test_residual_relu_cpu_gradients_match_autograd_of_torch_ops():
+    gen = torch.Generator().manual_seed(4)
+    a0, b0 = torch.randn(2, 8, 5, 6, generator=gen), torch.randn(2, 8, 5, 6, generator=gen)
+    g = torch.randn(2, 8, 5, 6, generator=gen)
+    grads = []
+    for fused in (True, False):
+        a, b = a0.clone().requires_grad_(), b0.clone().requires_grad_()
+        y = kernels.residual_relu(a * 1, b) if fused else torch.relu(a + b)
+        y.backward(g)
+        grads.append((y.detach(), a.grad, b.grad))
+    for got, want in zip(*grads):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.cuda
