@@ -7,7 +7,10 @@ of the DENSE ("D") and one-hot ("O") routes, each checked against float64 (relat
 measurement behind ``kernels.stripe_triton.default_config``'s DENSE route up to 64 channels when the weight is kept
 (benchmarks/results/stripe_tiles_narrow_h200.json; its "default" columns are the defaults before that change).
 
-    python benchmarks/stripe_tiles_gpu.py [--out results/stripe_tiles_narrow_<gpu>.json]
+--set vgg16 takes the first layers of the compact CIFAR VGG16s instead (3-128 channels at 8x8-32x32, real and random
+masks) and a wider grid: BLOCK_N 16/32/64 and BLOCK_K 16 or the whole width, at three (BLOCK_M, warps).
+
+    python benchmarks/stripe_tiles_gpu.py [--set narrow|vgg16] [--out results/stripe_tiles_<set>_<gpu>.json]
 """
 
 from __future__ import annotations
@@ -35,11 +38,28 @@ SHAPES = [  # (C, N, H, keep): the widths and keeps of the real-mask compact Res
     (8, 32, 16, 0.03), (32, 16, 16, 0.1), (32, 8, 16, 0.1), (16, 32, 16, 0.05), (24, 32, 16, 0.09),
     (32, 32, 16, 0.3), (64, 64, 8, 0.1),
 ]
+VGG16_SHAPES = [  # (C, N, H, keep): compact VGG16 layers, real masks then random
+    (3, 40, 32, 0.117), (40, 40, 32, 0.142), (40, 64, 16, 0.153), (64, 80, 16, 0.171), (80, 128, 8, 0.155),
+    (3, 48, 32, 0.52), (48, 48, 32, 0.52),
+]
 TILES = [(64, 2, 2), (64, 4, 2), (128, 4, 1), (128, 4, 2), (128, 4, 3), (128, 8, 2),
          (256, 4, 2), (256, 8, 1), (256, 8, 2), (256, 8, 3)]  # (BLOCK_M, num_warps, num_stages)
 
 
-def sweep_layer(C, N, H, keep, gen, dev):
+def grid(C, N, wide):
+    """(name, config) of the tilings to time: DENSE ("D") and one-hot ("O") routes."""
+    bk, bn = stripe_triton._pow2(C, 16, 128), stripe_triton._pow2(N, 16, 64)
+    if not wide:
+        return [(f"{'D' if route else 'O'} m{bm} w{nw} s{ns}",
+                 dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, CHUNK=16, num_warps=nw, num_stages=ns, DENSE=route))
+                for route in (True, False) for bm, nw, ns in TILES if route or C > 8]
+    return [(f"{'D' if route else 'O'} m{bm} w{nw} n{n} k{k}",
+             dict(BLOCK_M=bm, BLOCK_N=n, BLOCK_K=k, CHUNK=16, num_warps=nw, num_stages=2, DENSE=route))
+            for route in (True, False) for bm, nw in ((64, 4), (128, 4), (256, 8))
+            for n in sorted({16, min(32, bn), bn}) for k in sorted({16, bk})]
+
+
+def sweep_layer(C, N, H, keep, gen, dev, wide=False):
     w64, oi, off = random_layer(N, C, keep, gen)
     x = torch.randn(BATCH, C, H, H, generator=gen).to(dev, torch.bfloat16).contiguous(memory_format=torch.channels_last)
     w, b = w64.to(torch.bfloat16), torch.randn(N, generator=gen).to(dev, torch.bfloat16)
@@ -49,11 +69,7 @@ def sweep_layer(C, N, H, keep, gen, dev):
     cudnn_ms = _graph_ms(lambda: F.conv2d(x, dense, b, 1, 1), dev, 20)
     cudnn_relu_ms = _graph_ms(lambda: torch.cudnn_convolution_relu(x, dense, b, (1, 1), (1, 1), (1, 1), 1), dev, 20)
     default = stripe_triton.default_config(C, N, len(oi), 9, torch.bfloat16)
-    bk, bn = stripe_triton._pow2(C, 16, 128), stripe_triton._pow2(N, 16, 64)
-    cands = [("default", default)] + [
-        (f"{'D' if route else 'O'} m{bm} w{nw} s{ns}",
-         dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, CHUNK=16, num_warps=nw, num_stages=ns, DENSE=route))
-        for route in (True, False) for bm, nw, ns in TILES if route or C > 8]
+    cands = [("default", default)] + grid(C, N, wide)
     res = {}
     for name, cfg in cands:
         for kept in ((False, True) if cfg.get("DENSE") else (False,)):
@@ -77,21 +93,22 @@ def sweep_layer(C, N, H, keep, gen, dev):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--set", choices=("narrow", "vgg16"), default="narrow")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.backends.cudnn.benchmark = True
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
     rows, t0 = [], time.time()
-    for C, N, H, keep in SHAPES:
-        r = sweep_layer(C, N, H, keep, gen, dev)
+    for C, N, H, keep in SHAPES if args.set == "narrow" else VGG16_SHAPES:
+        r = sweep_layer(C, N, H, keep, gen, dev, wide=args.set == "vgg16")
         rows.append(r)
         print(f"C{C:3d} N{N:3d} H{H:2d} keep {keep:.2f} S{r['S']:4d} cudnn {r['cudnn_ms']:.4f} (bias+ReLU fused "
               f"{r['cudnn_relu_ms']:.4f}) default {r['default_ms']:.4f} kept {r['default_cached_ms']} "
               f"best {r['best']} {r['best_ms']:.4f}  [{time.time() - t0:.0f}s]", flush=True)
     gpu = torch.cuda.get_device_name()
     out = args.out or os.path.join(os.path.dirname(__file__), "results",
-                                   f"stripe_tiles_narrow_{gpu.split()[-1].lower()}.json")
+                                   f"stripe_tiles_{args.set}_{gpu.split()[-1].lower()}.json")
     with open(out, "w") as f:
         json.dump(dict(gpu=gpu, batch=BATCH, dtype="bfloat16", layout="channels_last",
                        timing="CUDA graph of 10 calls, kernels.stripe._graph_ms, 20 repeats", rows=rows), f, indent=1)

@@ -219,6 +219,7 @@ cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, CHUNK=16, num_warps=4, num_stages
 gcfg = dict(cfg, CHUNK=8, GATHER=True)
 for dt, ks, st, pd, dl, C, N, c, fmt in [
         (torch.float32, (3, 3), (1, 1), (1, 1), (1, 1), 16, 20, None, torch.contiguous_format),
+        (torch.float32, (3, 3), (1, 1), (1, 1), (1, 1), 3, 40, None, torch.channels_last),  # RGB: 16-wide N tiles
         (torch.float32, (3, 3), (2, 2), (1, 1), (1, 1), 40, 20, cfg, torch.contiguous_format),
         (torch.float16, (3, 3), (2, 2), (1, 1), (1, 1), 40, 20, dict(cfg, DENSE=True), torch.channels_last),
         (torch.float16, (3, 2), (2, 1), (0, 1), (2, 1), 16, 36, cfg, torch.channels_last),
@@ -270,7 +271,8 @@ def test_triton_kernel_interpreted_on_cpu():
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])
 def test_cuda_matches_dense(dtype, tol, layout):
     gen = torch.Generator().manual_seed(9)
-    for case in CASES + [(4, 64, 64, 8, 8, (3, 3), (1, 1), (1, 1), (1, 1)),
+    for case in CASES + [(2, 3, 40, 12, 12, (3, 3), (1, 1), (1, 1), (1, 1)),
+                         (4, 64, 64, 8, 8, (3, 3), (1, 1), (1, 1), (1, 1)),
                          (2, 128, 96, 9, 9, (3, 3), (2, 2), (1, 1), (1, 1)),
                          (2, 256, 160, 7, 7, (3, 3), (1, 1), (1, 1), (1, 1))]:  # the default configs by width
         B, C, N, H, W, ks, st, pd, dl = case
