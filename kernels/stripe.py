@@ -437,9 +437,10 @@ def stripe_cost(in_channels: int, out_channels: int, num_stripes: int, kernel_si
     KH, KW = pair(kernel_size, "kernel_size")
     dense = out_channels * KH * KW * in_channels
     if device == "cuda":
-        # H200 fit (benchmarks/results/stripe_gpu_h200.json, random masks): the Triton kernel beats cuDNN only at
-        # C <= 16 (x1.5-1.6), ties at C = 32 in bf16, and is 1.2-4x slower from C = 64 on
-        return 0.65 if in_channels <= 16 else (1.02 if in_channels <= 32 else 1.5)
+        # H200 fit (stripe_gpu_h200_kept_dense.json and stripe_gpu_h200.json, random masks, the dense weight kept as
+        # StripeConv2d keeps it): the Triton kernel beats cuDNN 2.0-2.6x at C <= 16, 1.0-1.35x at C = 32, ties at
+        # C = 64 (0.91-1.15x) and is 1.3-2.3x slower from C = 128 on
+        return 0.4 if in_channels <= 16 else (0.85 if in_channels <= 32 else (1.0 if in_channels <= 64 else 1.5))
     return (num_stripes * in_channels + 150.0 * num_stripes) / (0.75 * max(dense, 1))
 
 
