@@ -10,7 +10,10 @@ measurement behind ``kernels.stripe_triton.default_config``'s DENSE route up to 
 --set vgg16 takes the first layers of the compact CIFAR VGG16s instead (3-128 channels at 8x8-32x32, real and random
 masks) and a wider grid: BLOCK_N 16/32/64 and BLOCK_K 16 or the whole width, at three (BLOCK_M, warps).
 
-    python benchmarks/stripe_tiles_gpu.py [--set narrow|vgg16] [--out results/stripe_tiles_<set>_<gpu>.json]
+--set noskip: the DENSE route with the kept weight over every offset without the per-offset skip ("N", a loop that
+Triton can software-pipeline) at 2-4 stages, against the skipping DENSE route, on 16-80-channel layers.
+
+    python benchmarks/stripe_tiles_gpu.py [--set narrow|vgg16|noskip] [--out results/stripe_tiles_<set>_<gpu>.json]
 """
 
 from __future__ import annotations
@@ -42,13 +45,25 @@ VGG16_SHAPES = [  # (C, N, H, keep): compact VGG16 layers, real masks then rando
     (3, 40, 32, 0.117), (40, 40, 32, 0.142), (40, 64, 16, 0.153), (64, 80, 16, 0.171), (80, 128, 8, 0.155),
     (3, 48, 32, 0.52), (48, 48, 32, 0.52),
 ]
+NOSKIP_SHAPES = [
+    (40, 40, 32, 0.142), (64, 64, 32, 0.15), (48, 48, 32, 0.52), (32, 32, 16, 0.3), (16, 16, 32, 0.1),
+    (64, 64, 8, 0.1), (64, 80, 16, 0.171), (3, 40, 32, 0.117), (8, 16, 32, 0.1),
+]
 TILES = [(64, 2, 2), (64, 4, 2), (128, 4, 1), (128, 4, 2), (128, 4, 3), (128, 8, 2),
          (256, 4, 2), (256, 8, 1), (256, 8, 2), (256, 8, 3)]  # (BLOCK_M, num_warps, num_stages)
 
 
 def grid(C, N, wide):
-    """(name, config) of the tilings to time: DENSE ("D") and one-hot ("O") routes."""
+    """(name, config) of the tilings to time: DENSE ("D"), one-hot ("O") and non-skipping DENSE ("N") routes."""
     bk, bn = stripe_triton._pow2(C, 16, 128), stripe_triton._pow2(N, 16, 64)
+    if wide == "noskip":
+        bn = 16 if C <= 4 else bn
+        return [(f"{'N' if noskip else 'D'} m{bm} w{nw} s{ns}",
+                 dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, CHUNK=16, num_warps=nw, num_stages=ns, DENSE=True,
+                      NOSKIP=noskip))
+                for noskip in (True, False)
+                for bm, nw, ns in [(128, 4, 2), (128, 4, 3), (128, 4, 4), (64, 4, 3), (128, 8, 3), (256, 8, 3)]
+                if noskip or ns == 2]
     if not wide:
         return [(f"{'D' if route else 'O'} m{bm} w{nw} s{ns}",
                  dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, CHUNK=16, num_warps=nw, num_stages=ns, DENSE=route))
@@ -93,15 +108,16 @@ def sweep_layer(C, N, H, keep, gen, dev, wide=False):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--set", choices=("narrow", "vgg16"), default="narrow")
+    ap.add_argument("--set", choices=("narrow", "vgg16", "noskip"), default="narrow")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.backends.cudnn.benchmark = True
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
     rows, t0 = [], time.time()
-    for C, N, H, keep in SHAPES if args.set == "narrow" else VGG16_SHAPES:
-        r = sweep_layer(C, N, H, keep, gen, dev, wide=args.set == "vgg16")
+    shapes = {"narrow": SHAPES, "vgg16": VGG16_SHAPES, "noskip": NOSKIP_SHAPES}[args.set]
+    for C, N, H, keep in shapes:
+        r = sweep_layer(C, N, H, keep, gen, dev, wide={"narrow": False, "vgg16": True, "noskip": "noskip"}[args.set])
         rows.append(r)
         print(f"C{C:3d} N{N:3d} H{H:2d} keep {keep:.2f} S{r['S']:4d} cudnn {r['cudnn_ms']:.4f} (bias+ReLU fused "
               f"{r['cudnn_relu_ms']:.4f}) default {r['default_ms']:.4f} kept {r['default_cached_ms']} "

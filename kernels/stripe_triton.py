@@ -12,8 +12,11 @@ so per-stripe results never leave registers. With GATHER (route b', the default 
 one-hot product is replaced by ``acc[:, o] += P[:, s(k, o) - s0]`` (``tl.gather``; s(k, o) = the stripe of offset
 k and channel o, read from the plan), which costs no tensor-core work: on an H200 (bf16, channels_last, random
 masks, keep 0.3/0.15) it ran 1.07-1.52x faster than the one-hot route on 128-512-channel layers, 0.89-1.08x at
-64 and 0.71-0.74x at 16-32 channels (benchmarks/results/stripe_gather_h200.json). Epilogue: bias, optional ReLU, store in the output's layout
-(NCHW or channels_last; the input is read channels_last, an NCHW input is converted first).
+64 and 0.71-0.74x at 16-32 channels (benchmarks/results/stripe_gather_h200.json). The DENSE route (route (a):
+A_k @ the zero-filled dense weight of offset k, skipping the offsets a tile keeps no stripe of) reads that weight
+from the caller where it is kept (``dense=``); with it, 16-bit data and C >= 16 it runs all offsets in one loop
+without the skip (NOSKIP), which Triton software-pipelines (see ``default_config``). Epilogue: bias, optional
+ReLU, store in the output's layout (NCHW or channels_last; the input is read channels_last, an NCHW input is converted first).
 float32 inputs use TF32 tensor cores with round-to-nearest operands, and P is split into two TF32 parts
 for the one-hot reduction, so the result stays within ~1e-4 relative of float32.
 
@@ -76,6 +79,24 @@ if triton is not None:
         return a
 
     @triton.jit
+    def _dense_offset(acc, x_ptr, w_ptr, k, ih0, iw0, bb, m_ok, n0, ck, cols, C: tl.constexpr, H, W, N: tl.constexpr,
+                      DH: tl.constexpr, DW: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, IS_FP32: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+        # route (a): acc += A_k @ W_k, the exact dense tile of kernel offset k (W: zero-filled dense weight)
+        ih = ih0 + (k // KW) * DH
+        iw = iw0 + (k % KW) * DW
+        a_ok = m_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+        a_row = ((bb * H + ih) * W + iw) * C
+        for c0 in range(0, C, BLOCK_K):
+            a = _load_a(x_ptr, a_row, a_ok, c0 + ck, C, IS_FP32)
+            wt = tl.load(w_ptr + (n0 + cols)[None, :].to(tl.int64) * (KH * KW * C) + (k * C + c0 + ck)[:, None],
+                         mask=((c0 + ck) < C)[:, None] & ((n0 + cols) < N)[None, :], other=0.0)
+            if IS_FP32:
+                wt = _round_tf32(wt)
+            acc = tl.dot(a, wt, acc)
+        return acc
+
+    @triton.jit
     def _stripe_fwd_kernel(
         x_ptr, w_ptr, oi_ptr, plan_ptr, b_ptr, y_ptr,
         M, C: tl.constexpr, H, W, Ho, Wo, N: tl.constexpr, S,
@@ -84,7 +105,7 @@ if triton is not None:
         DH: tl.constexpr, DW: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
         HAS_BIAS: tl.constexpr, RELU: tl.constexpr, IS_FP32: tl.constexpr, OUT_CL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
-        ONE_K: tl.constexpr, DENSE: tl.constexpr, GATHER: tl.constexpr,
+        ONE_K: tl.constexpr, DENSE: tl.constexpr, GATHER: tl.constexpr, NOSKIP: tl.constexpr,
     ):
         # w_ptr: route (b) stripe weight (S, C); DENSE route (a): zero-filled dense weight, channels_last
         # (N, KH, KW, C) in memory, so both routes load weight tiles contiguous along C
@@ -103,28 +124,24 @@ if triton is not None:
         cols = tl.arange(0, BLOCK_N)
         cc = tl.arange(0, CHUNK)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(KH * KW):
+        if NOSKIP:  # DENSE route over every offset, no data-dependent branch: Triton pipelines the loads
+            for k in range(KH * KW):
+                acc = _dense_offset(acc, x_ptr, w_ptr, k, ih0, iw0, bb, m_ok, n0, ck, cols, C, H, W, N, DH, DW, KH,
+                                    KW, IS_FP32, BLOCK_K)
+        for k in range(0 if NOSKIP else KH * KW):
             s_lo = tl.load(plan_ptr + k * (N + 1) + n0)
             s_hi = tl.load(plan_ptr + k * (N + 1) + n1)
             if s_hi > s_lo:
-                ih = ih0 + (k // KW) * DH
-                iw = iw0 + (k % KW) * DW
-                a_ok = m_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-                a_row = ((bb * H + ih) * W + iw) * C
-                if ONE_K:
-                    a = _load_a(x_ptr, a_row, a_ok, ck, C, IS_FP32)
-                if DENSE:
-                    # route (a): exact dense tile for this offset (skipped above when the tile keeps none)
-                    for c0 in range(0, C, BLOCK_K):
-                        c_ok = (c0 + ck) < C
-                        if not ONE_K:
-                            a = _load_a(x_ptr, a_row, a_ok, c0 + ck, C, IS_FP32)
-                        wt = tl.load(w_ptr + (n0 + cols)[None, :].to(tl.int64) * (KH * KW * C) + (k * C + c0 + ck)[:, None],
-                                     mask=c_ok[:, None] & ((n0 + cols) < N)[None, :], other=0.0)
-                        if IS_FP32:
-                            wt = _round_tf32(wt)
-                        acc = tl.dot(a, wt, acc)
+                if DENSE:  # skipped above when the tile keeps no stripe of this offset
+                    acc = _dense_offset(acc, x_ptr, w_ptr, k, ih0, iw0, bb, m_ok, n0, ck, cols, C, H, W, N, DH, DW,
+                                        KH, KW, IS_FP32, BLOCK_K)
                 else:
+                    ih = ih0 + (k // KW) * DH
+                    iw = iw0 + (k % KW) * DW
+                    a_ok = m_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+                    a_row = ((bb * H + ih) * W + iw) * C
+                    if ONE_K:
+                        a = _load_a(x_ptr, a_row, a_ok, ck, C, IS_FP32)
                     if GATHER:
                         # first stripe of (k, o) for each column o of the tile, and whether it exists
                         s_first = tl.load(plan_ptr + k * (N + 1) + n0 + cols, mask=(n0 + cols) < N, other=0)
@@ -198,8 +215,14 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_giv
         return dict(BLOCK_M=128 if wide else 64, BLOCK_N=_pow2(N, 16, 128), BLOCK_K=block_k,
                     CHUNK=32 if S <= 0.2 * K * N else 64, num_warps=8 if wide else 4, num_stages=3 if wide else 2,
                     DENSE=False, GATHER=True)
+    # with the weight kept, C >= 16 and 16-bit data, the DENSE route runs every offset without the per-offset skip
+    # (NOSKIP), a loop Triton software-pipelines (3 stages): in bf16 1.1-1.4x faster on 16-80-channel layers at keep
+    # 0.1-0.5 (H200, stripe_tiles_noskip_h200.json) and 1.2-1.3x on 64x32x32 / 64x56x56 (stripe_gpu_h200_noskip.json);
+    # in fp32 it was 0.88x at 64x56x56 (same file), so fp32, narrower inputs and layers keeping under 3% of their
+    # stripes keep the skip
+    noskip = dense and dense_given and C >= 16 and S >= 0.03 * K * N and dtype != torch.float32
     return dict(BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=block_k, CHUNK=16 if S <= 0.2 * K * N else 32,
-                num_warps=4 if block_n <= 64 else 8, num_stages=2, DENSE=dense)
+                num_warps=4 if block_n <= 64 else 8, num_stages=3 if noskip else 2, DENSE=dense, NOSKIP=noskip)
 
 
 def forward(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding, dilation,
@@ -222,6 +245,7 @@ def forward(x, weight, out_index, offset, bias, plan, out_channels, kernel_size,
     cfg["ONE_K"] = C <= cfg["BLOCK_K"]
     cfg.setdefault("DENSE", False)
     cfg.setdefault("GATHER", False)
+    cfg.setdefault("NOSKIP", False)
     if cfg["DENSE"]:  # the zero-filled dense weight, channels_last: (N, KH, KW, C) in memory, exact
         if dense is None:
             dense = stripe_to_dense(weight, out_index, offset, N, kernel_size, memory_format=torch.channels_last)

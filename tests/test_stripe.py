@@ -188,15 +188,16 @@ def test_dense_mode_cache_follows_weight_edits_casts_and_loads():
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
-def test_stripe_mode_passes_its_cached_dense_weight_to_the_kernel_dense_route(dtype, layout):
-    """A narrow layer (8 input channels: the CUDA kernel's dense route) in eval reads the module's cached
-    channels_last dense weight; outputs follow an in-place weight edit; training builds it per call. Checked
-    against the masked dense conv in float64 (relative error)."""
+@pytest.mark.parametrize("in_channels", [8, 32])
+def test_stripe_mode_passes_its_cached_dense_weight_to_the_kernel_dense_route(dtype, layout, in_channels):
+    """A narrow layer (8 or 32 input channels: the CUDA kernel's dense route, with 32 the non-skipping one) in eval
+    reads the module's cached channels_last dense weight; outputs follow an in-place weight edit; training builds
+    it per call. Checked against the masked dense conv in float64 (relative error)."""
     gen = torch.Generator().manual_seed(21)
-    conv = nn.Conv2d(8, 24, 3, padding=1).double()
+    conv = nn.Conv2d(in_channels, 24, 3, padding=1).double()
     mask = _random_mask(24, 3, 3, keep=0.3, gen=gen)
     s = StripeConv2d.from_dense(conv, mask, mode="stripe").cuda().to(dtype).eval()
-    x = torch.randn(4, 8, 12, 12, generator=gen, dtype=torch.float64)
+    x = torch.randn(4, in_channels, 12, 12, generator=gen, dtype=torch.float64)
     xd = x.cuda().to(dtype).contiguous(memory_format=layout)
     assert kernels.stripe_reads_dense(xd, s.weight, 24, 3)
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-3
