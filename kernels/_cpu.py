@@ -490,7 +490,7 @@ static void predict(const T* pooled, const T* w, T* p, int64_t B, int64_t C, int
 
 // The squeeze's scratch (the group sums, 1/Z of x) is kept per calling thread and reused while it is at most
 // SCRATCH_KEEP bytes: a fresh multi-megabyte malloc comes from new pages, and their first-touch faults cost a
-// 2-thread batch-8 PiX ResNet-50 forward ~8% (~15k faults of 4 KiB; benchmarks/pix_cpu.py --page-faults).
+// 2-thread batch-8 PiX ResNet-50 forward ~15k faults of 4 KiB (benchmarks/pix_cpu.py counts them per forward).
 // Larger requests are allocated and freed per call.
 #define SCRATCH_KEEP ((size_t)128 << 20)
 static thread_local void* kept_scratch = NULL;

@@ -16,7 +16,8 @@ masks, keep 0.3/0.15) it ran 1.07-1.52x faster than the one-hot route on 128-512
 A_k @ the zero-filled dense weight of offset k, skipping the offsets a tile keeps no stripe of) reads that weight
 from the caller where it is kept (``dense=``); with it, 16-bit data and C >= 16 it runs all offsets in one loop
 without the skip (NOSKIP), which Triton software-pipelines (see ``default_config``). Epilogue: bias, optional
-ReLU, store in the output's layout (NCHW or channels_last; the input is read channels_last, an NCHW input is converted first).
+ReLU, store in the output's layout (NCHW or channels_last; the input is read channels_last, an NCHW input is
+converted first).
 float32 inputs use TF32 tensor cores with round-to-nearest operands, and P is split into two TF32 parts
 for the one-hot reduction, so the result stays within ~1e-4 relative of float32.
 
