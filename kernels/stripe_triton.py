@@ -80,14 +80,20 @@ if triton is not None:
         return a
 
     @triton.jit
+    def _offset_rows(k, ih0, iw0, bb, m_ok, C: tl.constexpr, H, W, DH: tl.constexpr, DW: tl.constexpr,
+                     KW: tl.constexpr):
+        # the (channels_last) input row of each output pixel shifted by kernel offset k, and whether it lies inside
+        ih = ih0 + (k // KW) * DH
+        iw = iw0 + (k % KW) * DW
+        a_ok = m_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+        return ((bb * H + ih) * W + iw) * C, a_ok
+
+    @triton.jit
     def _dense_offset(acc, x_ptr, w_ptr, k, ih0, iw0, bb, m_ok, n0, ck, cols, C: tl.constexpr, H, W, N: tl.constexpr,
                       DH: tl.constexpr, DW: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, IS_FP32: tl.constexpr,
                       BLOCK_K: tl.constexpr):
         # route (a): acc += A_k @ W_k, the exact dense tile of kernel offset k (W: zero-filled dense weight)
-        ih = ih0 + (k // KW) * DH
-        iw = iw0 + (k % KW) * DW
-        a_ok = m_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-        a_row = ((bb * H + ih) * W + iw) * C
+        a_row, a_ok = _offset_rows(k, ih0, iw0, bb, m_ok, C, H, W, DH, DW, KW)
         for c0 in range(0, C, BLOCK_K):
             a = _load_a(x_ptr, a_row, a_ok, c0 + ck, C, IS_FP32)
             wt = tl.load(w_ptr + (n0 + cols)[None, :].to(tl.int64) * (KH * KW * C) + (k * C + c0 + ck)[:, None],
@@ -137,10 +143,7 @@ if triton is not None:
                     acc = _dense_offset(acc, x_ptr, w_ptr, k, ih0, iw0, bb, m_ok, n0, ck, cols, C, H, W, N, DH, DW,
                                         KH, KW, IS_FP32, BLOCK_K)
                 else:
-                    ih = ih0 + (k // KW) * DH
-                    iw = iw0 + (k % KW) * DW
-                    a_ok = m_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-                    a_row = ((bb * H + ih) * W + iw) * C
+                    a_row, a_ok = _offset_rows(k, ih0, iw0, bb, m_ok, C, H, W, DH, DW, KW)
                     if ONE_K:
                         a = _load_a(x_ptr, a_row, a_ok, ck, C, IS_FP32)
                     if GATHER:
@@ -203,7 +206,7 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_giv
     weight (kept from before), so the DENSE route costs no per-call weight build. With it, the DENSE route wins
     up to 64 input channels: on an H200 (bf16, channels_last, CUDA graphs, ResNet-56-like layers at batch 256)
     it ran 1.4-2.0x faster than the one-hot route at 24-64 channels and within 5% of the best of 20 tilings
-    (benchmarks/results/stripe_narrow_sweep_h200.json); building the weight per call costs about as much as
+    (benchmarks/results/stripe_tiles_narrow_h200.json); building the weight per call costs about as much as
     such a layer, so without it the DENSE route stays for C <= 16 and mostly-kept layers."""
     block_k = _pow2(C, 16, 64 if dtype == torch.float32 else 128)
     # a first layer (RGB input): 16-channel output tiles, 1.3-1.7x faster than 64 for 40-48 outputs at 32x32
@@ -247,12 +250,12 @@ def forward(x, weight, out_index, offset, bias, plan, out_channels, kernel_size,
     cfg.setdefault("DENSE", False)
     cfg.setdefault("GATHER", False)
     cfg.setdefault("NOSKIP", False)
-    if cfg["DENSE"]:  # the zero-filled dense weight, channels_last: (N, KH, KW, C) in memory, exact
-        if dense is None:
-            dense = stripe_to_dense(weight, out_index, offset, N, kernel_size, memory_format=torch.channels_last)
+    if not cfg["DENSE"]:
+        wop = weight.contiguous()
+    elif dense is not None:  # the zero-filled dense weight, channels_last: (N, KH, KW, C) in memory, exact
         wop = dense
     else:
-        wop = weight.contiguous()
+        wop = stripe_to_dense(weight, out_index, offset, N, kernel_size, memory_format=torch.channels_last)
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
     _stripe_fwd_kernel[grid](
         xc, wop, out_index, plan, bias if bias is not None else y, y,
