@@ -510,23 +510,19 @@ def residual_relu(out: Tensor, identity: Tensor) -> Tensor:
     (a 2-thread batch-8 PiX ResNet-50 forward ~1% faster); no mean is kept there, since the CPU ``pix_squeeze``
     pools in the same read of x that finds the group max and sum. Elsewhere: ``out.add_(identity).relu_()``.
     """
-    if (out.device.type == "cpu" and out.dtype in (torch.float32, torch.float64) and out.dtype == identity.dtype
-            and out.shape == identity.shape and identity.device.type == "cpu"
-            and not (torch.is_grad_enabled() and (out.requires_grad or identity.requires_grad))
-            and _plain_eager(out, identity) and type(identity) is torch.Tensor):
+    plain = (out.dtype == identity.dtype and out.shape == identity.shape and out.device == identity.device
+             and type(identity) is torch.Tensor and _plain_eager(out, identity))
+    recording = torch.is_grad_enabled() and (out.requires_grad or identity.requires_grad)
+    if plain and out.device.type == "cpu" and out.dtype in (torch.float32, torch.float64) and not recording:
         return torch.ops.aten._add_relu_(out, identity)
-    if (out.is_cuda and out.dtype in (torch.float32, torch.float16, torch.bfloat16) and out.dtype == identity.dtype
-            and out.shape == identity.shape and out.dim() == 4 and out.device == identity.device
-            and _plain_eager(out, identity) and type(identity) is torch.Tensor and use_kernel(out)):
+    if (plain and out.is_cuda and out.dtype in (torch.float32, torch.float16, torch.bfloat16) and out.dim() == 4
+            and use_kernel(out)):
         fmt = memory_format(out)
         same_layout = out.is_contiguous(memory_format=fmt) and identity.is_contiguous(memory_format=fmt)
         ext = _ext.load() if same_layout else None
         if ext is not None:
             cl = fmt == torch.channels_last
-            if torch.is_grad_enabled() and (out.requires_grad or identity.requires_grad):
-                y, pooled = _ResidualReluCUDA.apply(out, identity, cl)
-            else:
-                y, pooled = ext.add_relu_pool(out, identity, cl)
+            y, pooled = _ResidualReluCUDA.apply(out, identity, cl) if recording else ext.add_relu_pool(out, identity, cl)
             setattr(y, _MEAN_ATTR, (pooled, y._version))
             return y
     return out.add_(identity).relu_()
