@@ -149,10 +149,6 @@ def _cudnn_bwd(a, g, w, oi, off, N):
     return _backward_dense(g, a, w, oi, off, N, [3, 3], [1, 1], [1, 1], [1, 1], True, True)
 
 
-def _stripe_call(a, w, oi, off, b, plan, N, cfg, kept):
-    return run_stripe(a, w, oi, off, b, plan, N, cfg, kept)
-
-
 def run_case(net, B, C, H, keep, w64, oi, off, x64, gen, rates, bw, rows, fails, mask="random"):
     """Check and time one layer: stripes (w64 (S, C) float64, out_index oi, offset off), output channels N = C."""
     N = C
@@ -195,7 +191,7 @@ def run_case(net, B, C, H, keep, w64, oi, off, x64, gen, rates, bw, rows, fails,
             except Exception as e:  # e.g. a tile config over the shared-memory limit
                 print(f"   skip {cfg}: {type(e).__name__}", flush=True)
                 continue
-            ms = time_rotated(functools.partial(_stripe_call, w=w, oi=oi, off=off, b=b, plan=plan, N=N, cfg=cfg,
+            ms = time_rotated(functools.partial(run_stripe, w=w, oi=oi, off=off, b=b, plan=plan, N=N, cfg=cfg,
                                                 kept=kept), xs)
             if best is None or ms < best[0]:
                 best = (ms, cfg)
@@ -203,7 +199,7 @@ def run_case(net, B, C, H, keep, w64, oi, off, x64, gen, rates, bw, rows, fails,
         err = max(err, ((yb.double() - ref).norm() / ref.norm()).item())
         if not err < tol:
             fails.append((net, C, H, keep, dname, layout, err, best[1]))
-        def_ms = time_rotated(functools.partial(_stripe_call, w=w, oi=oi, off=off, b=b, plan=plan, N=N, cfg=None,
+        def_ms = time_rotated(functools.partial(run_stripe, w=w, oi=oi, off=off, b=b, plan=plan, N=N, cfg=None,
                                                 kept=kept), xs)
         macs = B * H * H * S * C
         esz = xs[0].element_size()

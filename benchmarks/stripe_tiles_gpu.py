@@ -53,10 +53,11 @@ TILES = [(64, 2, 2), (64, 4, 2), (128, 4, 1), (128, 4, 2), (128, 4, 3), (128, 8,
          (256, 4, 2), (256, 8, 1), (256, 8, 2), (256, 8, 3)]  # (BLOCK_M, num_warps, num_stages)
 
 
-def grid(C, N, wide):
-    """(name, config) of the tilings to time: DENSE ("D"), one-hot ("O") and non-skipping DENSE ("N") routes."""
+def grid(C, N, kind):
+    """(name, config) of the tilings `kind` ("narrow", "vgg16", "noskip") times: DENSE ("D"), one-hot ("O") and
+    non-skipping DENSE ("N") routes."""
     bk, bn = stripe_triton._pow2(C, 16, 128), stripe_triton._pow2(N, 16, 64)
-    if wide == "noskip":
+    if kind == "noskip":
         bn = 16 if C <= 4 else bn
         return [(f"{'N' if noskip else 'D'} m{bm} w{nw} s{ns}",
                  dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, CHUNK=16, num_warps=nw, num_stages=ns, DENSE=True,
@@ -64,7 +65,7 @@ def grid(C, N, wide):
                 for noskip in (True, False)
                 for bm, nw, ns in [(128, 4, 2), (128, 4, 3), (128, 4, 4), (64, 4, 3), (128, 8, 3), (256, 8, 3)]
                 if noskip or ns == 2]
-    if not wide:
+    if kind == "narrow":
         return [(f"{'D' if route else 'O'} m{bm} w{nw} s{ns}",
                  dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, CHUNK=16, num_warps=nw, num_stages=ns, DENSE=route))
                 for route in (True, False) for bm, nw, ns in TILES if route or C > 8]
@@ -74,7 +75,7 @@ def grid(C, N, wide):
             for n in sorted({16, min(32, bn), bn}) for k in sorted({16, bk})]
 
 
-def sweep_layer(C, N, H, keep, gen, dev, wide=False):
+def sweep_layer(C, N, H, keep, gen, dev, kind="narrow"):
     w64, oi, off = random_layer(N, C, keep, gen)
     x = torch.randn(BATCH, C, H, H, generator=gen).to(dev, torch.bfloat16).contiguous(memory_format=torch.channels_last)
     w, b = w64.to(torch.bfloat16), torch.randn(N, generator=gen).to(dev, torch.bfloat16)
@@ -84,7 +85,7 @@ def sweep_layer(C, N, H, keep, gen, dev, wide=False):
     cudnn_ms = _graph_ms(lambda: F.conv2d(x, dense, b, 1, 1), dev, 20)
     cudnn_relu_ms = _graph_ms(lambda: torch.cudnn_convolution_relu(x, dense, b, (1, 1), (1, 1), (1, 1), 1), dev, 20)
     default = stripe_triton.default_config(C, N, len(oi), 9, torch.bfloat16)
-    cands = [("default", default)] + grid(C, N, wide)
+    cands = [("default", default)] + grid(C, N, kind)
     res = {}
     for name, cfg in cands:
         for kept in ((False, True) if cfg.get("DENSE") else (False,)):
@@ -117,7 +118,7 @@ def main():
     rows, t0 = [], time.time()
     shapes = {"narrow": SHAPES, "vgg16": VGG16_SHAPES, "noskip": NOSKIP_SHAPES}[args.set]
     for C, N, H, keep in shapes:
-        r = sweep_layer(C, N, H, keep, gen, dev, wide={"narrow": False, "vgg16": True, "noskip": "noskip"}[args.set])
+        r = sweep_layer(C, N, H, keep, gen, dev, kind=args.set)
         rows.append(r)
         print(f"C{C:3d} N{N:3d} H{H:2d} keep {keep:.2f} S{r['S']:4d} cudnn {r['cudnn_ms']:.4f} (bias+ReLU fused "
               f"{r['cudnn_relu_ms']:.4f}) default {r['default_ms']:.4f} kept {r['default_cached_ms']} "
