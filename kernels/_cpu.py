@@ -489,9 +489,9 @@ static void predict(const T* pooled, const T* w, T* p, int64_t B, int64_t C, int
 }
 
 // The squeeze's scratch (the group sums, 1/Z of x) is kept per calling thread and reused while it is at most
-// SCRATCH_KEEP bytes: a fresh multi-megabyte malloc comes from new pages, and their first-touch faults cost a
-// 2-thread batch-8 PiX ResNet-50 forward ~15k faults of 4 KiB (benchmarks/pix_cpu.py counts them per forward).
-// Larger requests are allocated and freed per call.
+// SCRATCH_KEEP bytes: a fresh multi-megabyte malloc may come from new pages, each faulted in on first touch.
+// In whole PiX ResNet-50 forwards the difference is lost in how glibc hands pages to both models (A/B in
+// benchmarks/results/pix_cpu_2threads_b8_scratch_*.json). Larger requests are allocated and freed per call.
 #define SCRATCH_KEEP ((size_t)128 << 20)
 static thread_local void* kept_scratch = NULL;
 static thread_local size_t kept_bytes = 0;

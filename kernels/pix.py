@@ -506,8 +506,8 @@ def residual_relu(out: Tensor, identity: Tensor) -> Tensor:
     of that tensor (while unmodified: its version is checked) then reads x once instead of twice, and the
     separate ReLU pass is gone. Differentiable (the kept mean is a cached statistic, not an autograd output;
     ``pix_squeeze`` routes the pool's gradient through its own dx). CPU inference (float32/64, same shape and
-    dtype, no gradient recorded) is PyTorch's fused ``aten::_add_relu_``: one pass where add + ReLU take two
-    (a 2-thread batch-8 PiX ResNet-50 forward ~1% faster); no mean is kept there, since the CPU ``pix_squeeze``
+    dtype, no gradient recorded) is PyTorch's fused ``aten::_add_relu_``: one pass where add + ReLU take two;
+    no mean is kept there, since the CPU ``pix_squeeze``
     pools in the same read of x that finds the group max and sum. Elsewhere: ``out.add_(identity).relu_()``.
     """
     plain = (out.dtype == identity.dtype and out.shape == identity.shape and out.device == identity.device
