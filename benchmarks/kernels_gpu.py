@@ -328,10 +328,11 @@ def bench_depthwise(bw):
                         kernels.depthwise_conv2d(xr[i], wr, None, s, k // 2), (xr[i], wr), dys[i]) for i in range(n)])
                 extra["kernel_fwd_speedup"] = ref / extra["kernel_fwd_ms"]
                 extra["kernel_fwd_bwd_speedup"] = ref_fb / extra["kernel_fwd_bwd_ms"]
-            if s == 2:  # A/B: the forward without the stride-2 vector loads (COMPRESS_DW_VEC=0)
-                with env(COMPRESS_DW_VEC="0"):
-                    extra["fwd_ms_vec_off"] = bench([lambda i=i: kernels.depthwise_conv2d(xs[i], w, None, s, k // 2)
-                                                     for i in range(n)])
+            if s == 2 and layout == "nchw":  # A/B: without the stride-2 vector loads, with one output row per thread
+                for key, var in (("fwd_ms_vec_off", "COMPRESS_DW_VEC"), ("fwd_ms_rows1", "COMPRESS_DW_ROWS")):
+                    with env(**{var: "0" if var == "COMPRESS_DW_VEC" else "1"}):
+                        extra[key] = bench([lambda i=i: kernels.depthwise_conv2d(xs[i], w, None, s, k // 2)
+                                            for i in range(n)])
             row = {"N": N, "C": C, "H": H, "W": H, "k": k, "stride": s, "dtype": str(dtype).replace("torch.", ""),
                    "layout": layout, "fwd_ms": ours, "cudnn_fwd_ms": ref, "cudnn_fwd_ms_bench_off_on": ref_both,
                    "fwd_bwd_ms": ours_fb, "cudnn_fwd_bwd_ms": ref_fb, "cudnn_fwd_bwd_ms_bench_off_on": ref_fb_both,
@@ -341,7 +342,8 @@ def bench_depthwise(bw):
             print(f"  {N}x{C}x{H}x{H:<8d} {k:2d} {s:2d} {row['dtype']:9s} {layout:6s} {ours:7.4f} {ref:7.4f} "
                   f"{ref / ours:5.2f} | {ours_fb:7.4f} {ref_fb:7.4f} {ref_fb / ours_fb:5.2f}"
                   + (f" | kernel {extra['kernel_fwd_ms']:.4f} {extra['kernel_fwd_bwd_ms']:.4f}" if extra.get("kernel_fwd_ms") else "")
-                  + (f" | vec off {extra['fwd_ms_vec_off']:.4f}" if "fwd_ms_vec_off" in extra else ""), flush=True)
+                  + (f" | vec off {extra['fwd_ms_vec_off']:.4f} 1 row {extra['fwd_ms_rows1']:.4f}"
+                     if "fwd_ms_vec_off" in extra else ""), flush=True)
 
 
 def bench_conv2d():
@@ -383,7 +385,8 @@ def main():
                        "timing": "median of 30 CUDA-event timings of CUDA-graph replays (>=20 calls each, inputs rotated "
                                  "over sets totalling >= 4x L2), per call; conv2d and fwd_eager_ms: eager launches",
                        "floor": "bytes / max(eager memcpy, in-graph copy kernel) bandwidth of a 1 GiB copy",
-                       "ab": "depthwise fwd_ms_vec_off: COMPRESS_DW_VEC=0 (no stride-2 vector loads); pix nchw "
+                       "ab": "depthwise fwd_ms_vec_off: COMPRESS_DW_VEC=0 (no stride-2 vector loads); depthwise "
+                             "fwd_ms_rows1: COMPRESS_DW_ROWS=1 (one output row per thread at stride 2); pix nchw "
                              "fwd/bwd_ms_steps*: COMPRESS_PIX_STEPS; pix cl bwd_ms_gpt1: COMPRESS_PIX_CL_GPT=1; depthwise cl "
                              "rows: fwd_ms "
                              "is the default dispatch (cuDNN), kernel_*: our channels_last kernels forced "

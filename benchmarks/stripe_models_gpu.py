@@ -17,7 +17,8 @@ differs. Times: CUDA events around one forward after a synchronize (eager, launc
 then dense and compact interleaved, median; and the same with each model captured once in a CUDA graph and
 replayed (launch overhead removed). Backward: one training step
 of each model (the same BN-folded models, so no BatchNorm in either; fp32 weights, bf16 autocast,
-channels_last, train mode, StripeConv2d weights trainable), forward and backward timed apart. Correctness: max |compact - skeleton| / max |skeleton| of the outputs in
+channels_last, train mode, StripeConv2d weights trainable), forward and backward timed apart, eager and with the
+forward and the backward each replayed from a CUDA graph (torch.cuda.make_graphed_callables). Correctness: max |compact - skeleton| / max |skeleton| of the outputs in
 fp32 on the device (TF32 off) on a few images, and of the bf16 compact model against the fp32 skeleton model.
 
     python benchmarks/stripe_models_gpu.py                       # on a GPU: all models (meant to take < 3 min on
@@ -229,6 +230,26 @@ def train_times(
     return {k: {f"{p}_ms": round(statistics.median(v), 3) for p, v in t.items()} for k, t in times.items()}
 
 
+def graphed_for_training(model: nn.Module, x: torch.Tensor, amp: torch.dtype | None) -> nn.Module:
+    """`model` (in train mode, changed in place) with its forward and its backward each captured in a CUDA graph
+    (torch.cuda.make_graphed_callables, which warms up on a side stream first): a call replays the forward graph,
+    loss.backward() the backward graph; the loss and the gradient accumulation stay eager."""
+    with torch.autocast("cuda", dtype=amp or torch.float32, enabled=amp is not None, cache_enabled=False):
+        # allow_unused_input: a layer that kept no stripe never reads its weight
+        return torch.cuda.make_graphed_callables(model, (x,), allow_unused_input=True)
+
+
+def train_result(tr: dict, amp: torch.dtype | None, macs_dense: int, macs_small: int) -> dict:
+    d_b, c_b = tr["dense"]["backward_ms"], tr["compact"]["backward_ms"]
+    return {
+        "dtype": "fp32 weights, bf16 autocast" if amp else "fp32",
+        "dense": tr["dense"],
+        "compact": tr["compact"],
+        "backward_speedup": round(d_b / c_b, 3),
+        "backward_time_per_kept_mac_vs_dense": round((c_b / macs_small) / (d_b / macs_dense), 3),
+    }
+
+
 # ---------------------------------------------------------------------------------------------------- bench
 def bench(name: str, variant: str, args, device: torch.device) -> dict | None:
     smoke = args.cpu_smoke
@@ -368,14 +389,15 @@ def bench(name: str, variant: str, args, device: torch.device) -> dict | None:
             args.bwd_repeats,
             amp,
         )
-        d_b, c_b = tr["dense"]["backward_ms"], tr["compact"]["backward_ms"]
-        result["train"] = {
-            "dtype": "fp32 weights, bf16 autocast" if amp else "fp32",
-            "dense": tr["dense"],
-            "compact": tr["compact"],
-            "backward_speedup": round(d_b / c_b, 3),
-            "backward_time_per_kept_mac_vs_dense": round((c_b / p_small.macs) / (d_b / p_dense.macs), 3),
-        }
+        result["train"] = train_result(tr, amp, p_dense.macs, p_small.macs)
+        if args.graphs:  # the same step with each model's forward and backward replayed from CUDA graphs
+            try:
+                graphed = {k: graphed_for_training(m, xt, amp) for k, m in (("dense", dense32), ("compact", small32))}
+                tr = train_times(graphed, xt, yt, clock, max(1, args.warmup // 2), args.bwd_repeats, amp)
+                result["train_graphed"] = train_result(tr, amp, p_dense.macs, p_small.macs)
+            except Exception as err:  # noqa: BLE001 - reported, the eager numbers stand
+                result["train_graphed"] = {"error": f"{type(err).__name__}: {err}"}
+                print(f"   {name}/{variant}: graphed training step failed: {type(err).__name__}: {err}", flush=True)
     del dense32, small32
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -388,11 +410,11 @@ def print_table(results: list[dict]) -> None:
     hdr = (f"{'model':<9} {'masks':<7} {'batch':>5} {'MACs dense':>11} {'compact':>10} {'cut':>6} {'params':>13} "
            f"{'stripe':>7} | {'eager ms dense/compact':>23} {'speedup':>7} {'(cost)':>7} | "
            f"{'graphed ms d/c, stripe':>24} {'speedup':>7} | {'bwd ms dense/compact':>21} {'bwd/MAC':>7} "
-           f"{'err fp32':>8}")  # fmt: skip
+           f"{'graphed bwd ms d/c':>19} {'bwd/MAC':>7} {'err fp32':>8}")  # fmt: skip
     print(hdr)
     print("-" * len(hdr))
     for r in results:
-        e, g, t = r["eager"], r.get("graphed", {}), r.get("train")
+        e, g, t, tg = r["eager"], r.get("graphed", {}), r.get("train"), r.get("train_graphed", {})
         gs = (
             f"{g['dense_ms']:>7.3f}/{g['compact_ms']:<7.3f} {r['stripe_mode_layers_graph']:>3}/{r['stripe_layers']:<3} "
             f"{g['speedup']:>6.2f}x"
@@ -405,17 +427,24 @@ def print_table(results: list[dict]) -> None:
             if t
             else f"{'off':>21} {'':>7}"
         )
+        tgs = (
+            f"{tg['dense']['backward_ms']:>9.3f}/{tg['compact']['backward_ms']:<9.3f} "
+            f"{tg['backward_time_per_kept_mac_vs_dense']:>6.2f}x"
+            if "dense" in tg
+            else f"{'failed' if 'error' in tg else 'off':>19} {'':>7}"
+        )
         params = f"{r['dense_params'] / 1e6:.2f}M/{r['compact_params'] / 1e6:.2f}M"
         print(
             f"{r['model']:<9} {r['variant']:<7} {r['batch']:>5} {r['dense_macs'] / 1e6:>10.1f}M "
             f"{r['compact_macs'] / 1e6:>9.1f}M {r['macs_cut']:>6.1%} {params:>13} "
             f"{r['stripe_mode_layers']:>3}/{r['stripe_layers']:<3} | {e['dense_ms']:>11.3f}/{e['compact_ms']:<11.3f} "
-            f"{e['speedup']:>6.2f}x {e['speedup_cost_model']:>6.2f}x | {gs} | {ts} {r['max_rel_error_fp32']:>8.1e}"
+            f"{e['speedup']:>6.2f}x {e['speedup_cost_model']:>6.2f}x | {gs} | {ts} {tgs} {r['max_rel_error_fp32']:>8.1e}"
         )
     print(
         "stripe = StripeConv2d layers in stripe mode / all with stripes (choose_modes on the device: by eager wall "
         "time for the eager columns, by GPU time for the graphed ones); (cost) = "
-        "eager speedup with the cost model's modes; bwd/MAC = backward time per kept MAC, compact vs dense"
+        "eager speedup with the cost model's modes; bwd/MAC = backward time per kept MAC, compact vs dense (eager, "
+        "then with forward and backward replayed from CUDA graphs)"
     )
     for r in results:
         trained = (
@@ -590,7 +619,8 @@ def main(argv=None) -> dict | None:
             "inference_mode, cudnn.benchmark; choose_modes on the device; eager: CUDA events around one "
             "forward after a synchronize (launch overhead included); graphed: one CUDA graph replay; "
             "dense and compact interleaved, median; train: fp32 weights + bf16 autocast, train mode, "
-            "forward+loss and backward timed apart",
+            "forward+loss and backward timed apart, eager and (train_graphed) with each model's forward and backward "
+            "captured by torch.cuda.make_graphed_callables",
             "total_seconds": total,
         },
         "results": results,

@@ -136,9 +136,12 @@ def test_channels_last_kernel_forced_cuda(cfg, dtype, monkeypatch):
 @pytest.mark.parametrize("cfg", [(8, 16, 16, 3, 1), (8, 17, 15, 3, 1), (4, 28, 28, 5, 2), (4, 14, 13, 5, 2),
                                  (4, 13, 14, 7, 3), (4, 12, 12, 3, 0), (4, 11, 11, 5, 1), (2, 7, 7, 3, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_stride2_fast_paths_cuda(cfg, dtype):
-    """NCHW stride 2, square k 3/5/7: the vectorised forward (even/odd padding, W % 4 and W % 8) and the
-    phase-decomposed input gradient, interior and border columns."""
+@pytest.mark.parametrize("rows", ["2", "1"])
+def test_stride2_fast_paths_cuda(cfg, dtype, rows, monkeypatch):
+    """NCHW stride 2, square k 3/5/7: the vectorised forward (even/odd padding, W % 4 and W % 8; two output rows
+    per thread and one, forced by COMPRESS_DW_ROWS) and the phase-decomposed input gradient, interior and
+    border columns and rows."""
+    monkeypatch.setenv("COMPRESS_DW_ROWS", rows)
     C, H, W, k, p = cfg
     check("cuda", dtype, "contiguous", (C, H, W, (k, k), 2, p, 1), B=3)
 

@@ -1,6 +1,7 @@
 // Depthwise 2-D convolution (groups == channels), forward and backward (CUDA), fp32 accumulation.
 //  * forward, NCHW, square kernel 3/5/7, stride 1/2, dilation 1: each thread computes OPT consecutive outputs of
-//    one row from register row buffers (input reuse through registers and L1), weights in registers;
+//    one row (of two rows for stride 2) from register row buffers (input reuse through registers and L1),
+//    weights in registers;
 //  * forward, channels_last, same geometries, C % 4 == 0: 4-channel vectors, OPT outputs of a row per thread;
 //  * forward, any other case: generic kernel, one output per thread, layout-aware order;
 //  * input grad: for stride 1 / dilation 1 it is the forward with the flipped kernel and padding k-1-p (same
@@ -62,46 +63,60 @@ __device__ __forceinline__ void load_row(float (&r)[RW], const T* row, int col0,
 }
 
 // ------------------------------------------------------------------------------- fast NCHW forward
+// A thread computes an R x OPT tile of outputs (R consecutive rows, OPT consecutive columns) of one channel: its
+// K*K weights are loaded once per tile, and the (R-1)*S+K input rows the tile reads are each loaded once.
 // V > 1 (stride 2): the row segment is read as aligned V-element vectors starting OFF elements before it
 // (OFF = (-pw) mod V, so every thread's segment start wi0 - OFF is V-aligned when OPT*S % V == 0 and W % V == 0):
 // 3-4 wide loads instead of RW scalar ones, whose 32-byte-strided lanes cost L1 wavefronts.
-template <typename T, int K, int S, int OPT, int V = 1, int OFF = 0>
+template <typename T, int K, int S, int OPT, int R, int V = 1, int OFF = 0>
 __global__ void __launch_bounds__(kThreads) dw_fwd_nchw_fast(const T* __restrict__ x, const T* __restrict__ w,
                                                              const T* __restrict__ bias, T* __restrict__ y, Geo g,
-                                                             int wchunks, int total) {
+                                                             int wchunks, int hchunks, int total) {
   constexpr int RW = (OPT - 1) * S + K;
+  constexpr int RH = (R - 1) * S + K;  // input rows of a tile
   for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += gridDim.x * blockDim.x) {
     const int wc = idx % wchunks;
     const int t = idx / wchunks;
-    const int ho = t % g.Ho;
-    const int nc = t / g.Ho;
+    const int ho0 = (t % hchunks) * R;
+    const int nc = t / hchunks;
     const int c = nc % g.C;
     const int wo0 = wc * OPT;
     float wr[K * K];
 #pragma unroll
     for (int i = 0; i < K * K; ++i) wr[i] = to_f(w[c * K * K + i]);
     const float b0 = bias ? to_f(bias[c]) : 0.f;
-    float acc[OPT];
+    float acc[R][OPT];
 #pragma unroll
-    for (int o = 0; o < OPT; ++o) acc[o] = b0;
+    for (int rr = 0; rr < R; ++rr)
+#pragma unroll
+      for (int o = 0; o < OPT; ++o) acc[rr][o] = b0;
     const T* xp = x + (int64_t)nc * g.H * g.W;
-    const int hi0 = ho * S - g.ph;
+    const int hi0 = ho0 * S - g.ph;
     const int wi0 = wo0 * S - g.pw;
 #pragma unroll
-    for (int kh = 0; kh < K; ++kh) {
-      const int hi = hi0 + kh;
+    for (int ir = 0; ir < RH; ++ir) {
+      const int hi = hi0 + ir;
       if (hi < 0 || hi >= g.H) continue;
       float r[RW];
       load_row<T, RW, V, OFF>(r, xp + hi * g.W + wi0, wi0, g.W);
 #pragma unroll
-      for (int o = 0; o < OPT; ++o)
+      for (int rr = 0; rr < R; ++rr) {
+        const int kh = ir - rr * S;  // compile-time after unrolling
+        if (kh < 0 || kh >= K) continue;
 #pragma unroll
-        for (int kw = 0; kw < K; ++kw) acc[o] = fmaf(wr[kh * K + kw], r[o * S + kw], acc[o]);
+        for (int o = 0; o < OPT; ++o)
+#pragma unroll
+          for (int kw = 0; kw < K; ++kw) acc[rr][o] = fmaf(wr[kh * K + kw], r[o * S + kw], acc[rr][o]);
+      }
     }
-    T* yp = y + ((int64_t)nc * g.Ho + ho) * g.Wo + wo0;
 #pragma unroll
-    for (int o = 0; o < OPT; ++o)
-      if (wo0 + o < g.Wo) yp[o] = from_f<T>(acc[o]);
+    for (int rr = 0; rr < R; ++rr) {
+      if (ho0 + rr >= g.Ho) break;
+      T* yp = y + ((int64_t)nc * g.Ho + ho0 + rr) * g.Wo + wo0;
+#pragma unroll
+      for (int o = 0; o < OPT; ++o)
+        if (wo0 + o < g.Wo) yp[o] = from_f<T>(acc[rr][o]);
+    }
   }
 }
 
@@ -463,8 +478,18 @@ void forward_into(const T* x, const T* w, const T* b, T* y, const Geo& g, bool c
   if (fast_case(g, cl)) {
     with_ks(g, [&](auto Kc, auto Sc) {
       constexpr int K = decltype(Kc)::value, S = decltype(Sc)::value;
+      // Stride 2, K >= 5: two output rows per thread (the K*K weights and the shared input rows loaded once for
+      // both) while that grid still has >= 384 threads per SM. H200 A/B (benchmarks/results/kernels_dw_rows_h200.json,
+      // fwd_ms = two rows everywhere, fwd_ms_rows1 = one): k5 on 14x14 and 28x28 planes 1.02-1.22x faster; k3
+      // 0.77-1.06x, k5 on 7x7 planes (36k threads) 0.77-0.87x. COMPRESS_DW_ROWS=1|2 forces one or two (A/B runs).
       const int wchunks = (int)ck::ceil_div(g.Wo, kOPT);
-      const int total = g.N * g.C * g.Ho * wchunks;
+      const char* rows_env = std::getenv("COMPRESS_DW_ROWS");
+      const bool two_rows =
+          S == 2 && (rows_env && (rows_env[0] == '1' || rows_env[0] == '2')
+                         ? rows_env[0] == '2'
+                         : K >= 5 && (int64_t)g.N * g.C * ck::ceil_div(g.Ho, 2) * wchunks >= 384LL * ck::num_sms());
+      const int hchunks = (int)ck::ceil_div(g.Ho, two_rows ? 2 : 1);
+      const int total = g.N * g.C * hchunks * wchunks;
       const unsigned grid = ck::grid_for(total, kThreads, 16);
       // stride 2 with "same" padding (pw = K/2): vector loads (V = 16 bytes, or 8 when W is not a multiple of 16
       // bytes); COMPRESS_DW_VEC=0 turns them off (A/B measurements).
@@ -472,15 +497,22 @@ void forward_into(const T* x, const T* w, const T* b, T* y, const Geo& g, bool c
       constexpr int VH = VF / 2 > 1 ? VF / 2 : 2;                                           // half vector
       const char* env = std::getenv("COMPRESS_DW_VEC");
       const bool vec_ok = S == 2 && g.pw == K / 2 && ck::aligned(x, 16) && !(env && env[0] == '0');
-      if (vec_ok && g.W % VF == 0) {
-        dw_fwd_nchw_fast<T, K, S, kOPT, VF, (VF - (K / 2) % VF) % VF><<<grid, kThreads, 0, stream>>>(x, w, b, y, g,
-                                                                                                     wchunks, total);
-      } else if (vec_ok && VH < VF && g.W % VH == 0) {
-        dw_fwd_nchw_fast<T, K, S, kOPT, VH, (VH - (K / 2) % VH) % VH><<<grid, kThreads, 0, stream>>>(x, w, b, y, g,
-                                                                                                     wchunks, total);
-      } else {
-        dw_fwd_nchw_fast<T, K, S, kOPT><<<grid, kThreads, 0, stream>>>(x, w, b, y, g, wchunks, total);
-      }
+      auto launch = [&](auto Rc) {
+        constexpr int R = decltype(Rc)::value;
+        if (vec_ok && g.W % VF == 0) {
+          dw_fwd_nchw_fast<T, K, S, kOPT, R, VF, (VF - (K / 2) % VF) % VF><<<grid, kThreads, 0, stream>>>(
+              x, w, b, y, g, wchunks, hchunks, total);
+        } else if (vec_ok && VH < VF && g.W % VH == 0) {
+          dw_fwd_nchw_fast<T, K, S, kOPT, R, VH, (VH - (K / 2) % VH) % VH><<<grid, kThreads, 0, stream>>>(
+              x, w, b, y, g, wchunks, hchunks, total);
+        } else {
+          dw_fwd_nchw_fast<T, K, S, kOPT, R><<<grid, kThreads, 0, stream>>>(x, w, b, y, g, wchunks, hchunks, total);
+        }
+      };
+      if (two_rows)
+        launch(std::integral_constant<int, 2>{});
+      else
+        launch(std::integral_constant<int, 1>{});
     });
   } else if (nhwc_case(g, cl) && ck::aligned(x, 4 * sizeof(T)) && ck::aligned(w, 4 * sizeof(T)) &&
              ck::aligned(y, 4 * sizeof(T)) && (b == nullptr || ck::aligned(b, 4 * sizeof(T)))) {
