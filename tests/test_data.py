@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import pickle
+
 import numpy as np
 import pytest
 import torch
@@ -11,7 +14,7 @@ from PIL import Image
 from sklearn.datasets import load_digits
 from torch.utils.data import DistributedSampler
 
-from compress.data import DatasetNotFoundError, build_data
+from compress.data import _CIFAR, IMAGENET_MEAN, IMAGENET_STD, DatasetNotFoundError, build_data
 
 
 def _all(loader):
@@ -150,6 +153,198 @@ def test_imagefolder(tmp_path):
     x_test, y_test = _all(data.test)
     assert data.num_classes == 2 and x_train.shape == (6, 3, 16, 16) and x_test.shape == (4, 3, 16, 16)
     assert sorted(y_test.tolist()) == [0, 0, 1, 1]
+
+
+# What torchvision's CIFAR10/CIFAR100 read (the extracted cifar-*-python.tar.gz): folder, train files,
+# test files, meta file, its class-name key, and the label key of the pickled batches.
+_CIFAR_FILES = {
+    "cifar10": (
+        "cifar-10-batches-py",
+        [f"data_batch_{i}" for i in range(1, 6)],
+        ["test_batch"],
+        "batches.meta",
+        "label_names",
+        "labels",
+    ),
+    "cifar100": ("cifar-100-python", ["train"], ["test"], "meta", "fine_label_names", "fine_labels"),
+}
+
+
+def _write_cifar(root, name, n_train, n_test, seed=0):
+    """A tiny CIFAR in torchvision's on-disk python format: n_train images split evenly over the train
+    files (5 for CIFAR-10, 1 for CIFAR-100), n_test in the test file, random pixels and labels.
+    Returns {split: (uint8 images (N, 3, 32, 32), labels)}."""
+    folder, train_files, test_files, meta, names_key, label_key = _CIFAR_FILES[name]
+    num_classes = _CIFAR[name][2]
+    rng = np.random.default_rng(seed)
+    (root / folder).mkdir(parents=True)
+    written = {}
+    for split, files, n in (
+        ("train", train_files, n_train // len(train_files)),
+        ("test", test_files, n_test),
+    ):
+        images, labels = [], []
+        for fname in files:
+            rows = rng.integers(0, 256, (n, 3 * 32 * 32), dtype=np.uint8)  # R, G, B planes, row-major
+            y = rng.integers(0, num_classes, n).tolist()
+            with open(root / folder / fname, "wb") as f:
+                pickle.dump({"data": rows, label_key: y}, f)
+            images.append(rows.reshape(n, 3, 32, 32))
+            labels += y
+        written[split] = (np.concatenate(images), labels)
+    with open(root / folder / meta, "wb") as f:
+        pickle.dump({names_key: [f"class{i}" for i in range(num_classes)]}, f)
+    return written
+
+
+def _skip_cifar_md5(monkeypatch):
+    """Synthetic files cannot match the MD5s torchvision records for the real CIFAR files, so replace
+    its checksum test by an existence test. Patching CIFAR10._check_integrity alone is not enough:
+    _load_meta checks the meta file with the module's check_integrity too, so patch that function,
+    which both use. Missing files are still reported."""
+    import torchvision.datasets.cifar as tv_cifar
+
+    monkeypatch.setattr(tv_cifar, "check_integrity", lambda fpath, md5=None: os.path.isfile(fpath))
+
+
+def _normalised(images: np.ndarray, mean, std) -> torch.Tensor:
+    """uint8 (N, 3, H, W) -> (x / 255 - mean) / std per channel, computed by hand."""
+    mean, std = torch.tensor(mean).view(3, 1, 1), torch.tensor(std).view(3, 1, 1)
+    return (torch.from_numpy(images).float() / 255 - mean) / std
+
+
+def _is_shifted_or_flipped(view: torch.Tensor, ref: torch.Tensor, pad: int) -> bool:
+    """view equals ref, maybe mirrored left-right, translated by at most `pad` pixels (on the overlap)."""
+    h, w = ref.shape[-2:]
+    for v in (view, view.flip(-1)):
+        for dy in range(-pad, pad + 1):
+            for dx in range(-pad, pad + 1):
+                ya, yb = slice(max(dy, 0), h + min(dy, 0)), slice(max(-dy, 0), h + min(-dy, 0))
+                xa, xb = slice(max(dx, 0), w + min(dx, 0)), slice(max(-dx, 0), w + min(-dx, 0))
+                if torch.allclose(v[:, ya, xa], ref[:, yb, xb], atol=1e-5):
+                    return True
+    return False
+
+
+@pytest.mark.parametrize("name", ["cifar10", "cifar100"])
+def test_cifar_loads_written_files(tmp_path, monkeypatch, name):
+    """build_data reads CIFAR's python files from data.root: test images are the written pixels,
+    unresized at input_size=32 and normalised with the dataset's mean/std, in file order with their
+    labels; train images are random crops (pad 4) / flips of the written ones."""
+    n_train, n_test = 10, 6
+    written = _write_cifar(tmp_path, name, n_train, n_test)
+    cfg = {
+        "name": name,
+        "root": str(tmp_path),
+        "download": False,
+        "batch_size": 4,
+        "eval_batch_size": 4,
+        "num_workers": 0,
+        "input_size": 32,
+    }
+    # torchvision rejects the synthetic files by checksum; build_data reports it.
+    with pytest.raises(DatasetNotFoundError, match="missing or corrupted"):
+        build_data(cfg)
+    _skip_cifar_md5(monkeypatch)
+    data = build_data(cfg)
+    _, _, num_classes, mean, std = _CIFAR[name]
+    assert (data.num_classes, data.input_size, data.in_chans) == (num_classes, 32, 3)
+    assert len(data.train.dataset) == n_train and len(data.test.dataset) == n_test
+    assert len(data.train) == 3 and len(data.test) == 2  # 10 / 4 and 6 / 4 batches, rounded up
+
+    # Test loader: unshuffled, first batch = the first 4 written test images, normalised by hand.
+    assert not any(type(t).__name__ == "Resize" for t in data.test.dataset.transform.transforms)
+    images, labels = written["test"]
+    x, y = next(iter(data.test))
+    assert x.shape == (4, 3, 32, 32) and x.dtype == torch.float32 and y.dtype == torch.int64
+    assert y.tolist() == labels[:4] and 0 <= y.min() and y.max() < num_classes
+    assert torch.allclose(x, _normalised(images[:4], mean, std), atol=1e-5)
+    c, i, j = 1, 7, 20  # one pixel, spelled out
+    by_hand = (images[2, c, i, j] / 255 - mean[c]) / std[c]
+    assert abs(x[2, c, i, j].item() - by_hand) < 1e-5
+    assert _all(data.test)[1].tolist() == labels
+
+    # Train loader: shuffled batches of the written labels; each item a crop/flip of its own image.
+    images, labels = written["train"]
+    x, y = next(iter(data.train))
+    assert x.shape == (4, 3, 32, 32) and x.dtype == torch.float32 and y.dtype == torch.int64
+    assert 0 <= y.min() and y.max() < num_classes
+    assert sorted(_all(data.train)[1].tolist()) == sorted(labels)
+    ds = data.train.dataset
+    assert ds.targets == labels  # train files read in order
+    ref = _normalised(images, mean, std)
+    torch.manual_seed(0)  # augmentation RNG (num_workers=0)
+    views = [ds[k][0] for k in range(n_train)]
+    assert all(_is_shifted_or_flipped(v, ref[k], 4) for k, v in enumerate(views))
+    assert any(not torch.allclose(v, ref[k]) for k, v in enumerate(views))  # augmented, not identity
+
+    # A file gone (here the meta file) is reported as missing.
+    os.remove(tmp_path / _CIFAR_FILES[name][0] / _CIFAR_FILES[name][3])
+    with pytest.raises(DatasetNotFoundError, match="missing or corrupted"):
+        build_data(cfg)
+
+
+@pytest.mark.parametrize("name", ["cifar10", "cifar100"])
+def test_cifar_resized_input(tmp_path, monkeypatch, name):
+    written = _write_cifar(tmp_path, name, 5, 3, seed=1)
+    _skip_cifar_md5(monkeypatch)
+    data = build_data({"name": name, "root": str(tmp_path), "batch_size": 2, "input_size": 40})
+    assert data.input_size == 40
+    x_train, _ = next(iter(data.train))
+    x_test, y_test = next(iter(data.test))
+    assert x_train.shape == (2, 3, 40, 40) and x_test.shape == (2, 3, 40, 40)
+    assert y_test.tolist() == written["test"][1][:2]
+    # Upsampling keeps each image's per-channel mean (within interpolation error).
+    _, _, _, mean, std = _CIFAR[name]
+    want = _normalised(written["test"][0][:2], mean, std).mean((2, 3))
+    assert torch.allclose(x_test.mean((2, 3)), want, atol=0.05)
+
+
+def test_imagenet_folder_loads_written_images(tmp_path):
+    """name: imagenet on train/<class>/*.png and val/<class>/*.png: configured input size, classes
+    indexed in ImageFolder's sorted order, lengths, and every image paired with its own label (class
+    k's images are brightest in channel k, which survives cropping and resizing)."""
+    classes = ["zebra", "cat", "mole"]  # created unsorted; indices follow sorted(): cat, mole, zebra
+    counts = {"train": 3, "val": 2}
+    rng = np.random.default_rng(1)
+    for split, n in counts.items():
+        for cls in classes:
+            k = sorted(classes).index(cls)
+            (tmp_path / split / cls).mkdir(parents=True)
+            for i in range(n):
+                pixels = rng.integers(0, 128, (40, 48, 3), dtype=np.uint8)
+                pixels[..., k] += 128
+                Image.fromarray(pixels).save(tmp_path / split / cls / f"{i}.png")
+    cfg = {
+        "name": "imagenet",
+        "root": str(tmp_path),
+        "batch_size": 4,
+        "eval_batch_size": 6,
+        "num_workers": 0,
+        "input_size": 24,
+    }
+    data = build_data(cfg)
+    assert (data.num_classes, data.input_size, data.in_chans) == (3, 24, 3)
+    for loader in (data.train, data.test):
+        assert loader.dataset.classes == sorted(classes)
+        assert loader.dataset.class_to_idx == {"cat": 0, "mole": 1, "zebra": 2}
+    assert len(data.train.dataset) == 9 and len(data.test.dataset) == 6
+    assert len(data.train) == 3 and len(data.test) == 1
+
+    mean, std = torch.tensor(IMAGENET_MEAN).view(3, 1, 1), torch.tensor(IMAGENET_STD).view(3, 1, 1)
+    x, y = next(iter(data.train))
+    assert x.shape == (4, 3, 24, 24) and x.dtype == torch.float32 and y.dtype == torch.int64
+    x_train, y_train = _all(data.train)
+    assert sorted(y_train.tolist()) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert torch.equal((x_train * std + mean).mean((2, 3)).argmax(1), y_train)
+
+    x_test, y_test = next(iter(data.test))
+    assert x_test.shape == (6, 3, 24, 24) and x_test.dtype == torch.float32
+    assert y_test.tolist() == [0, 0, 1, 1, 2, 2]  # unshuffled: class by class, sorted
+    raw = x_test * std + mean
+    assert torch.equal(raw.mean((2, 3)).argmax(1), y_test)
+    assert raw.min() >= -1e-5 and raw.max() <= 1 + 1e-5  # de-normalised back to [0, 1]
+    assert torch.equal(next(iter(data.test))[0], x_test)  # eval transform is deterministic
 
 
 @pytest.mark.parametrize(
