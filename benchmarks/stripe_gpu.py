@@ -140,13 +140,16 @@ def _dense_bwd(a, g, wd):
 
 
 def _stripe_bwd(a, g, w, oi, off, plan, N):
-    return stripe_triton.backward(g, a, w, oi, off, plan, N, [3, 3], [1, 1], [1, 1], [1, 1], True, True)
+    """The op's backward as the op runs it (Triton pieces where its rule picks them, cuDNN for the rest)."""
+    return torch.ops.compress.stripe_conv2d_backward(g, a, w, oi, off, plan, N, [3, 3], [1, 1], [1, 1], [1, 1],
+                                                     True, True)
 
 
 def _cudnn_bwd(a, g, w, oi, off, N):
     from kernels.stripe import _backward_dense
 
-    return _backward_dense(g, a, w, oi, off, N, [3, 3], [1, 1], [1, 1], [1, 1], True, True)
+    wd = kernels.stripe_to_dense(w, oi, off, N, 3, memory_format=torch.channels_last)
+    return _backward_dense(g, a, wd, oi, off, [1, 1], [1, 1], [1, 1], True, True)
 
 
 def run_case(net, B, C, H, keep, w64, oi, off, x64, gen, rates, bw, rows, fails, mask="random"):
@@ -217,12 +220,12 @@ def run_case(net, B, C, H, keep, w64, oi, off, x64, gen, rates, bw, rows, fails,
             g = torch.randn(B, N, H, H, device="cuda", dtype=dt).contiguous(memory_format=fmt)
             db_ms = time_rotated(functools.partial(_dense_bwd, g=g, wd=wd), xs, reps=10)
             sb_ms = time_rotated(functools.partial(_stripe_bwd, g=g, w=w, oi=oi, off=off, plan=plan, N=N),
-                                 xs, reps=10)  # experimental Triton backward (not used by the op)
+                                 xs, reps=10)
             cb_ms = time_rotated(functools.partial(_cudnn_bwd, g=g, w=w, oi=oi, off=off, N=N), xs, reps=10)
             row.update(dense_bwd_ms=round(db_ms, 4), stripe_bwd_triton_ms=round(sb_ms, 4),
                        stripe_bwd_cudnn_ms=round(cb_ms, 4),
                        bwd_time_per_kept_mac_vs_dense=round(min(sb_ms, cb_ms) / db_ms / (S / (9 * N)), 2))
-            print(f"   backward: dense {db_ms:.4f} ms  stripe triton {sb_ms:.4f} ms  stripe via cudnn "
+            print(f"   backward: dense {db_ms:.4f} ms  stripe op {sb_ms:.4f} ms  stripe via cudnn "
                   f"{cb_ms:.4f} ms", flush=True)
         rows.append(row)
         print(f"{net:8s} B={B:4d} C={C:3d} H={H:2d} keep={keep:.2f} {dname} {layout:4s} "

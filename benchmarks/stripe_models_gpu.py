@@ -18,7 +18,8 @@ then dense and compact interleaved, median; and the same with each model capture
 replayed (launch overhead removed). Backward: one training step
 of each model (the same BN-folded models, so no BatchNorm in either; fp32 weights, bf16 autocast,
 channels_last, train mode, StripeConv2d weights trainable), forward and backward timed apart, eager and with the
-forward and the backward each replayed from a CUDA graph (torch.cuda.make_graphed_callables). Correctness: max |compact - skeleton| / max |skeleton| of the outputs in
+forward and the backward each replayed from a CUDA graph (torch.cuda.make_graphed_callables; the compact model
+in the modes chosen by GPU time, as for the graphed inference). Correctness: max |compact - skeleton| / max |skeleton| of the outputs in
 fp32 on the device (TF32 off) on a few images, and of the bf16 compact model against the fp32 skeleton model.
 
     python benchmarks/stripe_models_gpu.py                       # on a GPU: all models (meant to take < 3 min on
@@ -390,9 +391,11 @@ def bench(name: str, variant: str, args, device: torch.device) -> dict | None:
             amp,
         )
         result["train"] = train_result(tr, amp, p_dense.macs, p_small.macs)
-        if args.graphs:  # the same step with each model's forward and backward replayed from CUDA graphs
+        if args.graphs:  # the same step replayed from CUDA graphs, the compact model in its GPU-time modes
             try:
-                graphed = {k: graphed_for_training(m, xt, amp) for k, m in (("dense", dense32), ("compact", small32))}
+                small_g = copy.deepcopy(small32)
+                set_modes(small_g, graph_modes)
+                graphed = {k: graphed_for_training(m, xt, amp) for k, m in (("dense", dense32), ("compact", small_g))}
                 tr = train_times(graphed, xt, yt, clock, max(1, args.warmup // 2), args.bwd_repeats, amp)
                 result["train_graphed"] = train_result(tr, amp, p_dense.macs, p_small.macs)
             except Exception as err:  # noqa: BLE001 - reported, the eager numbers stand

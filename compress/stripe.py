@@ -270,16 +270,19 @@ class StripeConv2d(nn.Module):
             conv = conv2d_relu if self.relu else F.conv2d
             return conv(x, self._cached_dense_weight(fmt), self.bias, self.stride, self.padding, self.dilation)
         # the kernel's dense route (narrow or dense-ish layers) reads a zero-filled dense weight: in eager inference
-        # it comes from the same cache as the dense mode instead of being rebuilt on every call
+        # it comes from the same cache as the dense mode instead of being rebuilt on every call; in training it is
+        # built once per call here (the op takes no gradient through it), so the route runs as in inference
         dense = None
         if (
             x.is_cuda
-            and not (self.weight.requires_grad and torch.is_grad_enabled())
             and not (torch.jit.is_tracing() or torch.compiler.is_compiling())
-            and self.weight.dtype == x.dtype
             and kernels.stripe_reads_dense(x, self.weight, self.out_channels, self.kernel_size)
         ):
-            dense = self._cached_dense_weight(torch.channels_last)
+            if self.weight.requires_grad and torch.is_grad_enabled():
+                with torch.no_grad():
+                    dense = self.dense_weight(torch.channels_last)
+            elif self.weight.dtype == x.dtype:
+                dense = self._cached_dense_weight(torch.channels_last)
         y = kernels.stripe_conv2d(
             x,
             self.weight,

@@ -21,8 +21,8 @@ dense mode) passes it as ``dense``: the kernel then takes the dense route up to 
 weight on every call (two small kernels, about as long as such a layer on an H200).
 
 CUDA path: the Triton kernel in ``kernels/stripe_triton.py`` (forward); backward by cuDNN's dense backward with the
-zero-filled weight, then the kept stripes of its weight gradient (exact, and faster on an H200 than the
-experimental Triton backward in ``stripe_triton.backward``).
+zero-filled weight, then the kept stripes of its weight gradient, except grad_x of narrow stride-1 layers, which
+``stripe_triton.backward`` computes with the forward kernel (see ``_triton_backward_parts``).
 
 CPU path (also the CUDA fallback and the float64 path): one GEMM of all stripes over the input (a 1x1 conv,
 ``(S, C) @ (C, B*H*W)``) followed by one strided ``index_add_`` per offset into the output channels (a loop over
@@ -32,6 +32,7 @@ each stripe's output gradient placed at its shifted input positions; ``grad_weig
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -314,20 +315,54 @@ def _stripe_backward_op(grad: Tensor, x: Tensor, weight: Tensor, out_index: Tens
 def _stripe_backward_cuda(grad, x, weight, out_index, offset, plan, out_channels, kernel_size, stride, padding,
                           dilation, need_x, need_w):
     _check_grad(grad, x, weight, out_index, offset, plan, out_channels, kernel_size, stride, padding, dilation)
-    if x.dtype != torch.float64:
-        dx, dw = _backward_dense(grad, x, weight, out_index, offset, out_channels, kernel_size, stride, padding,
-                                 dilation, need_x, need_w)
-    else:
+    if x.dtype == torch.float64:
         dx, dw = _backward_torch(grad, x, weight, out_index, offset, plan, out_channels, kernel_size, stride,
                                  padding, dilation, need_x, need_w)
+        return _fill(dx, dw, x, weight)
+    tri_x, tri_w = _triton_backward_parts(x, out_channels, kernel_size, stride, padding, dilation)
+    tri_x, tri_w = tri_x and need_x, tri_w and need_w
+    cud_x, cud_w = need_x and not tri_x, need_w and not tri_w
+    # the zero-filled weight, built once for whichever of cuDNN's backward and the Triton grad_x reads it
+    wd = (stripe_to_dense(weight, out_index, offset, out_channels, kernel_size, memory_format=memory_format(x))
+          if tri_x or cud_x or cud_w else None)
+    dx = dw = None
+    if tri_x or tri_w:
+        from kernels import stripe_triton
+
+        dx, dw = stripe_triton.backward(grad, x, weight, out_index, offset, out_channels, kernel_size, stride,
+                                        padding, dilation, tri_x, tri_w, dense_w=wd)
+    if cud_x or cud_w:
+        cx, cw = _backward_dense(grad, x, wd, out_index, offset, stride, padding, dilation, cud_x, cud_w)
+        dx, dw = (cx if cud_x else dx), (cw if cud_w else dw)
     return _fill(dx, dw, x, weight)
 
 
-def _backward_dense(grad, x, weight, out_index, offset, N, kernel_size, stride, padding, dilation, need_x, need_w):
-    """cuDNN's dense conv backward with the zero-filled weight, then the kept stripes of its weight gradient
-    (exact; on an H200 this beats the Triton backward, see benchmarks/results/stripe_gpu_h200.json)."""
+_BWD_ENV = "COMPRESS_STRIPE_BWD"
+
+
+def _triton_backward_parts(x, out_channels, kernel_size, stride, padding, dilation) -> tuple[bool, bool]:
+    """(grad_x, grad_weight) by the Triton backward rather than cuDNN's dense backward. By default where it was
+    faster on an H200 (benchmarks/stripe_bwd_gpu.py -> stripe_bwd_gpu_h200.json, bf16/fp32, random masks):
+    grad_x of stride-1 layers with at most 16 output channels (1.06-1.91x faster than cuDNN's dgrad; 1.7-3.1x
+    slower from 24); grad_weight nowhere (the Triton wgrad took 0.88-2.8x cuDNN's wgrad time, mostly more).
+    ``COMPRESS_STRIPE_BWD=triton`` takes it wherever it is supported, ``=cudnn`` nowhere (A/B runs)."""
+    from kernels import stripe_triton
+
+    choice = os.environ.get(_BWD_ENV, "auto")
+    if choice not in ("auto", "triton", "cudnn"):
+        raise ValueError(f"{_BWD_ENV} must be 'auto', 'triton' or 'cudnn', got {choice!r}")
+    if choice == "cudnn" or not stripe_triton.available(x):
+        return False, False
+    ok_x, ok_w = stripe_triton.backward_support(x, out_channels, kernel_size, stride, padding, dilation)
+    if choice == "triton":
+        return ok_x, ok_w
+    return ok_x and out_channels <= 16, False
+
+
+def _backward_dense(grad, x, wd, out_index, offset, stride, padding, dilation, need_x, need_w):
+    """cuDNN's dense conv backward with the zero-filled weight wd (``stripe_to_dense`` in x's layout), then the
+    kept stripes of its weight gradient (exact)."""
     fmt = memory_format(x)
-    wd = stripe_to_dense(weight, out_index, offset, N, kernel_size, memory_format=fmt)
     dx, dW, _ = torch.ops.aten.convolution_backward(grad, x, wd, None, stride, padding, dilation, False, [0, 0], 1,
                                                     [need_x, need_w, False])
     dw = dW[out_index, :, offset[:, 0], offset[:, 1]] if need_w else None

@@ -233,8 +233,20 @@ def forward(x, weight, out_index, offset, bias, plan, out_channels, kernel_size,
             relu, config: dict | None = None, dense=None):
     """Launch the fused kernel; arguments as ``compress::stripe_conv2d`` (plan required; ``dense``, the channels_last
     zero-filled dense weight, is built here when the DENSE route needs it and none is given). Returns y."""
+    C, N, KH, KW = x.shape[1], out_channels, *kernel_size
+    cfg = dict(config or default_config(C, N, weight.shape[0], KH * KW, x.dtype, dense_given=dense is not None))
+    if not cfg.get("DENSE", False):
+        wop = weight.contiguous()
+    elif dense is not None:  # the zero-filled dense weight, channels_last: (N, KH, KW, C) in memory, exact
+        wop = dense
+    else:
+        wop = stripe_to_dense(weight, out_index, offset, N, kernel_size, memory_format=torch.channels_last)
+    return _launch(x, wop, out_index, plan, bias, N, weight.shape[0], kernel_size, stride, padding, dilation, relu,
+                   cfg)
+
+
+def _launch(x, wop, out_index, plan, bias, N, S, kernel_size, stride, padding, dilation, relu, cfg):
     B, C, H, W = x.shape
-    N = out_channels
     KH, KW = kernel_size
     Ho = (H + 2 * padding[0] - dilation[0] * (KH - 1) - 1) // stride[0] + 1
     Wo = (W + 2 * padding[1] - dilation[1] * (KW - 1) - 1) // stride[1] + 1
@@ -244,22 +256,15 @@ def forward(x, weight, out_index, offset, bias, plan, out_channels, kernel_size,
     if M == 0:
         return y
     xc = x.contiguous(memory_format=torch.channels_last)
-    cfg = dict(config or default_config(C, N, weight.shape[0], KH * KW, x.dtype, dense_given=dense is not None))
     BM, BN = cfg.pop("BLOCK_M"), cfg["BLOCK_N"]
     cfg["ONE_K"] = C <= cfg["BLOCK_K"]
     cfg.setdefault("DENSE", False)
     cfg.setdefault("GATHER", False)
     cfg.setdefault("NOSKIP", False)
-    if not cfg["DENSE"]:
-        wop = weight.contiguous()
-    elif dense is not None:  # the zero-filled dense weight, channels_last: (N, KH, KW, C) in memory, exact
-        wop = dense
-    else:
-        wop = stripe_to_dense(weight, out_index, offset, N, kernel_size, memory_format=torch.channels_last)
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
     _stripe_fwd_kernel[grid](
         xc, wop, out_index, plan, bias if bias is not None else y, y,
-        M, C, H, W, Ho, Wo, N, weight.shape[0], *y.stride(),
+        M, C, H, W, Ho, Wo, N, S, *y.stride(),
         SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1], DH=dilation[0], DW=dilation[1], KH=KH, KW=KW,
         HAS_BIAS=bias is not None, RELU=relu, IS_FP32=x.dtype == torch.float32, OUT_CL=fmt == torch.channels_last,
         BLOCK_M=BM, **cfg)
@@ -267,137 +272,129 @@ def forward(x, weight, out_index, offset, bias, plan, out_channels, kernel_size,
 
 
 # ----------------------------------------------------------------------------------------------- backward
+# For narrow layers (where cuDNN's backward kernels are far from memory speed) the backward runs here:
+# - grad_x (stride 1): the transposed conv is a stride-1 conv of the output gradient with the flipped, transposed
+#   dense weight, W'[c, o, kh, kw] = W[o, c, KH-1-kh, KW-1-kw], padding d*(K-1) - p: the forward kernel's DENSE
+#   route runs it (every offset: the pruned stripes of the N filters leave no stripe of W' empty in general);
+# - grad_weight: one program per (kernel offset, slice of the output pixels) accumulates the dense
+#   dW[:, :, k] = G^T @ X_k (G: output gradient rows, X_k: input rows shifted by offset k) on tensor cores and
+#   writes it to its own slot of a partial-sum buffer; a sum over the slices (deterministic, no atomics) and a
+#   gather of the kept stripes follow.
+# Both compute dense products (no pruned stripe is skipped). On an H200 the grad_x route beat cuDNN's dgrad only up
+# to 16 output channels (1.06-1.91x; 1.7-3.1x slower from 24), and the grad_weight kernel took 0.88-2.8x cuDNN's
+# wgrad time, mostly more (benchmarks/results/stripe_bwd_gpu_h200.json), so the op takes grad_x here for those
+# narrow layers and grad_weight only when forced (kernels.stripe._triton_backward_parts).
+def backward_support(x, out_channels: int, kernel_size, stride, padding, dilation) -> tuple[bool, bool]:
+    """(grad_x, grad_weight): whether ``backward`` can compute each for this layer (grad_x: stride 1, at most 64
+    output channels; grad_weight: at most 64 input and output channels)."""
+    C, N = x.shape[1], out_channels
+    ok_x = (tuple(stride) == (1, 1) and N <= 64
+            and all(d * (k - 1) >= p for d, k, p in zip(dilation, kernel_size, padding)))
+    return ok_x, C <= 64 and N <= 64
+
+
 if triton is not None:
 
     @triton.jit
-    def _stripe_dx_kernel(
-        g_ptr, w_ptr, oi_ptr, plan_ptr, dx_ptr,
-        Mi, C, H, W, Ho, Wo, N,
-        sx_b, sx_c, sx_h, sx_w,
+    def _wgrad_kernel(
+        g_ptr, x_ptr, part_ptr,
+        m_per, M, H, W, Ho, Wo,
+        C: tl.constexpr, N: tl.constexpr,
         SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
         DH: tl.constexpr, DW: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, IS_FP32: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+        BLOCK_M: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
     ):
-        # dx[b, c, p, q] = sum_s w_s[c] * g[b, o_s, i, j] with p = i*SH - PH + kh_s*DH (likewise q):
-        # a GEMM over the stripes of each offset, the A operand gathered from g's channels (g channels_last)
-        pid_m = tl.program_id(0)
-        pid_c = tl.program_id(1)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < Mi
-        q = offs_m % W
-        t = offs_m // W
-        p = t % H
-        bb = (t // H).to(tl.int64)
-        cs = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-        c_ok = cs < C
-        ss = tl.arange(0, BLOCK_S)
-        acc = tl.zeros((BLOCK_M, BLOCK_C), dtype=tl.float32)
-        for k in range(KH * KW):
-            s_lo = tl.load(plan_ptr + k * (N + 1))
-            s_hi = tl.load(plan_ptr + k * (N + 1) + N)
-            if s_hi > s_lo:
-                ti = p + PH - (k // KW) * DH
-                tj = q + PW - (k % KW) * DW
-                i = ti // SH
-                j = tj // SW
-                ok = m_ok & (ti >= 0) & (tj >= 0) & (i * SH == ti) & (j * SW == tj) & (i < Ho) & (j < Wo)
-                g_row = ((bb * Ho + i) * Wo + j) * N
-                for s0 in range(s_lo, s_hi, BLOCK_S):
-                    st = s0 + ss
-                    s_ok = st < s_hi
-                    oc = tl.load(oi_ptr + st, mask=s_ok, other=0)
-                    a = tl.load(g_ptr + g_row[:, None] + oc[None, :], mask=ok[:, None] & s_ok[None, :], other=0.0)
-                    wv = tl.load(w_ptr + st[:, None].to(tl.int64) * C + cs[None, :], mask=s_ok[:, None] & c_ok[None, :],
-                                 other=0.0)
-                    if IS_FP32:
-                        a = _round_tf32(a)
-                        wv = _round_tf32(wv)
-                    acc = tl.dot(a, wv, acc)
-        off = (bb * sx_b + p * sx_h + q * sx_w)[:, None] + (cs * sx_c)[None, :]
-        tl.store(dx_ptr + off, acc.to(dx_ptr.dtype.element_ty), mask=m_ok[:, None] & c_ok[None, :])
-
-    @triton.jit
-    def _stripe_dw_kernel(
-        g_ptr, x_ptr, oi_ptr, plan_ptr, dw_ptr,
-        M, C, H, W, Ho, Wo, N, m_per_split,
-        SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
-        DH: tl.constexpr, DW: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, IS_FP32: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, CHUNKS: tl.constexpr,
-    ):
-        # dw[s, c] = sum_m g[m, o_s] * x_shift_k(s)[m, c]; program = (offset k, stripe chunk, C tile, M split)
-        pid0 = tl.program_id(0)
-        k = pid0 // CHUNKS
-        s_lo = tl.load(plan_ptr + k * (N + 1)) + (pid0 % CHUNKS) * BLOCK_S
-        s_hi = tl.load(plan_ptr + k * (N + 1) + N)
-        if s_lo < s_hi:
-            cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-            c_ok = cs < C
-            st = s_lo + tl.arange(0, BLOCK_S)
-            s_ok = st < s_hi
-            oc = tl.load(oi_ptr + st, mask=s_ok, other=0)
-            acc = tl.zeros((BLOCK_S, BLOCK_C), dtype=tl.float32)
-            m_start = tl.program_id(2) * m_per_split
-            m_end = tl.minimum(m_start + m_per_split, M)
-            for m0 in range(m_start, m_end, BLOCK_M):
-                offs_m = m0 + tl.arange(0, BLOCK_M)
-                m_ok = offs_m < m_end
-                jw = offs_m % Wo
-                t = offs_m // Wo
-                io = t % Ho
-                bb = (t // Ho).to(tl.int64)
-                ih = io * SH - PH + (k // KW) * DH
-                iw = jw * SW - PW + (k % KW) * DW
-                x_ok = m_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-                gt = tl.load(g_ptr + (offs_m.to(tl.int64) * N)[None, :] + oc[:, None],
-                             mask=s_ok[:, None] & m_ok[None, :], other=0.0)
-                xa = tl.load(x_ptr + (((bb * H + ih) * W + iw) * C)[:, None] + cs[None, :],
-                             mask=x_ok[:, None] & c_ok[None, :], other=0.0)
-                if IS_FP32:
-                    gt = _round_tf32(gt)
-                    xa = _round_tf32(xa)
-                acc = tl.dot(gt, xa, acc)
-            tl.atomic_add(dw_ptr + st[:, None].to(tl.int64) * C + cs[None, :], acc,
-                          mask=s_ok[:, None] & c_ok[None, :])
+        # part[slice, o, k, c] = sum over the slice's output pixels m of g[m, o] * x[m shifted by offset k, c]
+        pid = tl.program_id(0)
+        k = tl.program_id(1)
+        m_start = pid * m_per
+        m_end = tl.minimum(m_start + m_per, M)
+        ns = tl.arange(0, BN)
+        cs = tl.arange(0, BC)
+        acc = tl.zeros((BN, BC), dtype=tl.float32)
+        for m0 in range(m_start, m_end, BLOCK_M):
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            m_ok = offs_m < m_end
+            jw = offs_m % Wo
+            t = offs_m // Wo
+            bb = (t // Ho).to(tl.int64)
+            ih = (t % Ho) * SH - PH + (k // KW) * DH
+            iw = jw * SW - PW + (k % KW) * DW
+            x_ok = m_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+            g = tl.load(g_ptr + (offs_m.to(tl.int64) * N)[:, None] + ns[None, :],
+                        mask=m_ok[:, None] & (ns < N)[None, :], other=0.0)
+            xa = tl.load(x_ptr + (((bb * H + ih) * W + iw) * C)[:, None] + cs[None, :],
+                         mask=x_ok[:, None] & (cs < C)[None, :], other=0.0)
+            if IS_FP32:
+                g = _round_tf32(g)
+                xa = _round_tf32(xa)
+            acc = tl.dot(tl.trans(g), xa, acc)
+        off = ((pid * N + ns[:, None]) * (KH * KW) + k) * C + cs[None, :]
+        tl.store(part_ptr + off, acc, mask=(ns < N)[:, None] & (cs < C)[None, :])
 
 
-def backward(grad, x, weight, out_index, offset, plan, out_channels, kernel_size, stride, padding, dilation,
-             need_x, need_w):
-    """grad_x (transposed stripe conv, gathered GEMM) and grad_weight (split-M GEMM, fp32 atomics).
+_FULL_PLANS: dict = {}
 
-    Not used by the op: correct on an H200 (``pytest -m cuda``, benchmarks/results/stripe_gpu_h200_pytest_cuda.txt)
-    but 2-6x slower there than cuDNN's dense backward with the zero-filled weight, which the op uses
-    (``kernels.stripe._backward_dense``; timings in benchmarks/results/stripe_gpu_h200.log).
-    """
+
+def _full_plan(K: int, N: int, device) -> torch.Tensor:
+    """The plan of a layer keeping every stripe: plan[k, n] = k*N + n (cached per shape and device)."""
+    key = (K, N, str(device))
+    if key not in _FULL_PLANS:
+        _FULL_PLANS[key] = (torch.arange(K, device=device)[:, None] * N
+                            + torch.arange(N + 1, device=device)[None, :]).to(torch.int32)
+    return _FULL_PLANS[key]
+
+
+def _grad_input(grad, dense_w, kernel_size, padding, dilation):
+    """grad_x of a stride-1 conv with the dense weight dense_w (N, C, KH, KW), by the forward kernel's DENSE route."""
+    N, C, KH, KW = dense_w.shape
+    flipped = dense_w.transpose(0, 1).flip((2, 3)).contiguous(memory_format=torch.channels_last)  # (C, KH, KW, N)
+    pad = [d * (k - 1) - p for d, k, p in zip(dilation, kernel_size, padding)]
+    plan = _full_plan(KH * KW, C, grad.device)
+    cfg = default_config(N, C, KH * KW * C, KH * KW, grad.dtype, dense_given=True)
+    cfg["DENSE"] = True
+    return _launch(grad, flipped, plan, plan, None, C, KH * KW * C, kernel_size, (1, 1), pad, dilation, False, cfg)
+
+
+def _grad_weight(grad, x, out_index, offset, N, kernel_size, stride, padding, dilation):
+    """grad of the kept stripes (S, C) in float32: the dense weight gradient by ``_wgrad_kernel``, then a gather."""
     B, C, H, W = x.shape
-    N = out_channels
     KH, KW = kernel_size
     Ho, Wo = grad.shape[2:]
-    S = weight.shape[0]
-    g = grad.contiguous(memory_format=torch.channels_last)
-    common = dict(SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1], DH=dilation[0], DW=dilation[1], KH=KH,
-                  KW=KW, IS_FP32=x.dtype == torch.float32)
+    M = B * Ho * Wo
+    bn, bc = _pow2(N, 16, 64), _pow2(C, 16, 64)
+    block_m = 128 if max(bn, bc) >= 32 else 256
+    # about 4 programs per SM over (pixel slices x offsets), each slice a whole number of BLOCK_M steps
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4  # 4: interpreter
+    slices = max(1, min(triton.cdiv(4 * sms, KH * KW), triton.cdiv(M, block_m)))
+    m_per = triton.cdiv(triton.cdiv(M, slices), block_m) * block_m
+    slices = triton.cdiv(M, m_per)
+    part = torch.empty((slices, N, KH * KW, C), device=x.device, dtype=torch.float32)
+    _wgrad_kernel[(slices, KH * KW)](
+        grad.contiguous(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last), part,
+        m_per, M, H, W, Ho, Wo, C, N, SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1], DH=dilation[0],
+        DW=dilation[1], KH=KH, KW=KW, IS_FP32=x.dtype == torch.float32, BLOCK_M=block_m, BN=bn, BC=bc,
+        num_warps=4, num_stages=3)
+    rows = out_index * (KH * KW) + offset[:, 0] * KW + offset[:, 1]  # = kernels.stripe.stripe_rows
+    return part.sum(0).view(N * KH * KW, C)[rows]
+
+
+def backward(grad, x, weight, out_index, offset, out_channels, kernel_size, stride, padding, dilation, need_x,
+             need_w, dense_w=None):
+    """(grad_x or None, grad_weight or None) for a layer ``backward_support`` allows (each one asked for must be
+    supported); grad_x in x's layout, grad_weight in weight's dtype. ``dense_w``: the zero-filled dense weight
+    (``stripe_to_dense``, any layout) if the caller has it; grad_x reads it."""
+    ok_x, ok_w = backward_support(x, out_channels, kernel_size, stride, padding, dilation)
+    if (need_x and not ok_x) or (need_w and not ok_w):
+        raise ValueError(f"stripe_triton.backward: layer {tuple(x.shape)} -> {out_channels} channels, stride "
+                         f"{list(stride)}: grad_x {'un' * (not ok_x)}supported, grad_weight "
+                         f"{'un' * (not ok_w)}supported here; use the cuDNN backward")
     dx = dw = None
     if need_x:
-        dx = torch.empty_like(x, memory_format=memory_format(x))
-        Mi = B * H * W
-        if Mi > 0:
-            bc = _pow2(C, 16, 128)
-            _stripe_dx_kernel[(triton.cdiv(Mi, 128), triton.cdiv(C, bc))](
-                g, weight.contiguous(), out_index, plan, dx, Mi, C, H, W, Ho, Wo, N, *dx.stride(), **common,
-                BLOCK_M=128, BLOCK_C=bc, BLOCK_S=32, num_warps=4 if bc <= 64 else 8)
+        if dense_w is None:
+            dense_w = stripe_to_dense(weight, out_index, offset, out_channels, kernel_size)
+        dx = _grad_input(grad, dense_w, kernel_size, padding, dilation).contiguous(memory_format=memory_format(x))
     if need_w:
-        dw32 = torch.zeros((S, C), device=x.device, dtype=torch.float32)
-        M = B * Ho * Wo
-        if M > 0 and S > 0:
-            xc = x.contiguous(memory_format=torch.channels_last)
-            bs, bc = 64, _pow2(C, 16, 64)
-            chunks = triton.cdiv(N, bs)
-            tiles = KH * KW * chunks * triton.cdiv(C, bc)
-            split = max(1, min(triton.cdiv(M, 1024), (4 * 132) // max(tiles, 1) + 1))
-            m_per = triton.cdiv(triton.cdiv(M, split), 128) * 128
-            split = triton.cdiv(M, m_per)
-            _stripe_dw_kernel[(KH * KW * chunks, triton.cdiv(C, bc), split)](
-                g, xc, out_index, plan, dw32, M, C, H, W, Ho, Wo, N, m_per, **common,
-                BLOCK_M=128, BLOCK_C=bc, BLOCK_S=bs, CHUNKS=chunks, num_warps=4)
-        dw = dw32.to(weight.dtype)
+        dw = _grad_weight(grad, x, out_index, offset, out_channels, kernel_size, stride, padding, dilation)
+        dw = dw.to(weight.dtype)
     return dx, dw
