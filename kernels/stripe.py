@@ -303,8 +303,10 @@ def _stripe_fake(x, weight, out_index, offset, bias, plan, out_channels, kernel_
 @torch.library.custom_op(BOP, mutates_args=())
 def _stripe_backward_op(grad: Tensor, x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor,
                         plan: Tensor | None, out_channels: int, kernel_size: list[int], stride: list[int],
-                        padding: list[int], dilation: list[int], need_x: bool, need_w: bool
-                        ) -> tuple[Tensor, Tensor]:
+                        padding: list[int], dilation: list[int], need_x: bool, need_w: bool,
+                        dense: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """grad_x and grad_weight (placeholders where not needed). ``dense``: the forward's channels_last zero-filled
+    weight, if it had one (the CUDA path reads it instead of building it again)."""
     _check_grad(grad, x, weight, out_index, offset, plan, out_channels, kernel_size, stride, padding, dilation)
     dx, dw = _backward_torch(grad, x, weight, out_index, offset, plan, out_channels, kernel_size, stride, padding,
                              dilation, need_x, need_w)
@@ -313,8 +315,10 @@ def _stripe_backward_op(grad: Tensor, x: Tensor, weight: Tensor, out_index: Tens
 
 @_stripe_backward_op.register_kernel("cuda")
 def _stripe_backward_cuda(grad, x, weight, out_index, offset, plan, out_channels, kernel_size, stride, padding,
-                          dilation, need_x, need_w):
+                          dilation, need_x, need_w, dense=None):
     _check_grad(grad, x, weight, out_index, offset, plan, out_channels, kernel_size, stride, padding, dilation)
+    if dense is not None:
+        _check_dense(dense, weight, out_channels, kernel_size, BOP)
     if x.dtype == torch.float64:
         dx, dw = _backward_torch(grad, x, weight, out_index, offset, plan, out_channels, kernel_size, stride,
                                  padding, dilation, need_x, need_w)
@@ -322,9 +326,13 @@ def _stripe_backward_cuda(grad, x, weight, out_index, offset, plan, out_channels
     tri_x, tri_w = _triton_backward_parts(x, out_channels, kernel_size, stride, padding, dilation)
     tri_x, tri_w = tri_x and need_x, tri_w and need_w
     cud_x, cud_w = need_x and not tri_x, need_w and not tri_w
-    # the zero-filled weight, built once for whichever of cuDNN's backward and the Triton grad_x reads it
-    wd = (stripe_to_dense(weight, out_index, offset, out_channels, kernel_size, memory_format=memory_format(x))
-          if tri_x or cud_x or cud_w else None)
+    # the zero-filled weight, in x's layout, for whichever of cuDNN's backward and the Triton grad_x reads it: the
+    # forward's where it matches, else built once here
+    wd = None
+    if tri_x or cud_x or cud_w:
+        fmt = memory_format(x)
+        wd = (dense if dense is not None and fmt == torch.channels_last
+              else stripe_to_dense(weight, out_index, offset, out_channels, kernel_size, memory_format=fmt))
     dx = dw = None
     if tri_x or tri_w:
         from kernels import stripe_triton
@@ -390,28 +398,28 @@ def _check_grad(grad, x, weight, out_index, offset, plan, out_channels, kernel_s
 
 @_stripe_backward_op.register_fake
 def _stripe_backward_fake(grad, x, weight, out_index, offset, plan, out_channels, kernel_size, stride, padding,
-                          dilation, need_x, need_w):
+                          dilation, need_x, need_w, dense=None):
     _check_grad(grad, x, weight, out_index, offset, plan, out_channels, kernel_size, stride, padding, dilation)
     return torch.empty_like(x, memory_format=memory_format(x)), torch.empty_like(
         weight, memory_format=torch.contiguous_format)
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, out_index, offset, bias, plan, N, ks, stride, padding, dilation, relu, _dense = inputs
-    ctx.save_for_backward(x, weight, out_index, offset, plan, output if relu else None)
+    x, weight, out_index, offset, bias, plan, N, ks, stride, padding, dilation, relu, dense = inputs
+    ctx.save_for_backward(x, weight, out_index, offset, plan, output if relu else None, dense)
     ctx.conf = (N, ks, stride, padding, dilation)
     ctx.has_bias, ctx.relu = bias is not None, relu
 
 
 def _backward(ctx, grad):
-    x, weight, out_index, offset, plan, y = ctx.saved_tensors
+    x, weight, out_index, offset, plan, y, dense = ctx.saved_tensors
     if ctx.relu:
-        grad = grad * (y > 0)
+        grad = torch.ops.aten.threshold_backward(grad, y, 0)  # grad where y > 0, else 0 (ReLU's backward)
     need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[4]
     dx = dw = db = None
     if need_x or need_w:
         gx, gw = _stripe_backward_op(grad.contiguous(memory_format=memory_format(grad)), x, weight, out_index,
-                                     offset, plan, *ctx.conf, need_x, need_w)
+                                     offset, plan, *ctx.conf, need_x, need_w, dense)
         dx, dw = (gx if need_x else None), (gw if need_w else None)
     if ctx.has_bias and need_b:
         db = grad.sum((0, 2, 3))

@@ -122,6 +122,9 @@ def test_opcheck():
     g = torch.randn(2, 5, 3, 3, generator=gen, dtype=torch.float64)
     torch.library.opcheck(torch.ops.compress.stripe_conv2d_backward.default,
                           (g, x.detach(), w.detach(), oi, off, plan, 5, [3, 3], [2, 2], [1, 1], [1, 1], True, True))
+    torch.library.opcheck(torch.ops.compress.stripe_conv2d_backward.default,
+                          (g, x.detach(), w.detach(), oi, off, plan, 5, [3, 3], [2, 2], [1, 1], [1, 1], True, True,
+                           dense))
 
 
 def test_plan_contents():
@@ -302,6 +305,16 @@ def test_cuda_matches_dense(dtype, tol, layout, monkeypatch):
         got = torch.autograd.grad(y, (xd, wd, bd), g.to(dtype))
         for a, e in zip(got, want):
             assert ((a.double() - e).norm() / e.norm()).item() < tol, case
+        # given the forward's dense weight (as StripeConv2d passes it), the backward reads it: same gradients
+        kept = kernels.stripe_to_dense(wd.detach(), oi, off, N, ks, memory_format=torch.channels_last)
+        y_k = kernels.stripe_conv2d(xd, wd, oi, off, bd, N, ks, st, pd, dl, relu=True, plan=plan, dense=kept)
+        got_k = torch.autograd.grad(y_k, (xd, wd, bd), g.to(dtype))
+        # (its forward may take another route: in 16-bit types its own ReLU mask can differ near 0)
+        xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
+        want_k = torch.autograd.grad(_ref(xr, wr, oi, off, br, N, ks, st, pd, dl), (xr, wr, br),
+                                     g * (y_k.detach() > 0).double())
+        for a, e in zip(got_k, want_k):
+            assert ((a.double() - e).norm() / e.norm()).item() < tol, ("dense given", case)
         # the Triton backward wherever it is supported, and cuDNN's, each forced (the default mixes them)
         from kernels import stripe_triton
 
