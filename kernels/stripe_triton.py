@@ -1,4 +1,5 @@
-"""Triton GPU forward of ``compress::stripe_conv2d``: a fused implicit GEMM on tensor cores.
+"""Triton GPU kernels of ``compress::stripe_conv2d``: the forward, a fused implicit GEMM on tensor cores, and the
+backward pieces for narrow layers (section "backward" below).
 
 Route (b) of DESIGN.md. A program owns BLOCK_M output pixels x BLOCK_N output channels [n0, n0+BLOCK_N).
 For each kernel offset k, the stripes of offset k whose output channel is in the tile are the contiguous
@@ -53,7 +54,7 @@ except ImportError:  # pragma: no cover - triton ships with CUDA torch builds
     triton = None
 
 from kernels._utils import memory_format
-from kernels.stripe import stripe_to_dense
+from kernels.stripe import stripe_rows, stripe_to_dense
 
 
 def available(x: torch.Tensor) -> bool:
@@ -375,8 +376,7 @@ def _grad_weight(grad, x, out_index, offset, N, kernel_size, stride, padding, di
         m_per, M, H, W, Ho, Wo, C, N, SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1], DH=dilation[0],
         DW=dilation[1], KH=KH, KW=KW, IS_FP32=x.dtype == torch.float32, BLOCK_M=block_m, BN=bn, BC=bc,
         num_warps=4, num_stages=3)
-    rows = out_index * (KH * KW) + offset[:, 0] * KW + offset[:, 1]  # = kernels.stripe.stripe_rows
-    return part.sum(0).view(N * KH * KW, C)[rows]
+    return part.sum(0).view(N * KH * KW, C)[stripe_rows(out_index, offset, kernel_size)]
 
 
 def backward(grad, x, weight, out_index, offset, out_channels, kernel_size, stride, padding, dilation, need_x,
