@@ -551,10 +551,13 @@ def stripe_route(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, b
     ks = pair(kernel_size, "kernel_size")
     if plan is None:
         plan = stripe_plan(out_index, offset, out_channels, ks)
-    dense_w = stripe_to_dense(weight, out_index, offset, out_channels, ks, memory_format=memory_format(x))
+    fmt = memory_format(x)
+    dense_w = stripe_to_dense(weight, out_index, offset, out_channels, ks, memory_format=fmt)
     kept = None
     if weight.dtype == x.dtype and stripe_reads_dense(x, weight, out_channels, ks):
-        kept = stripe_to_dense(weight, out_index, offset, out_channels, ks, memory_format=torch.channels_last)
+        # the channels_last weight the kernel reads: dense_w itself for a channels_last x
+        kept = dense_w if fmt == torch.channels_last else stripe_to_dense(
+            weight, out_index, offset, out_channels, ks, memory_format=torch.channels_last)
 
     def run_stripe():
         return stripe_conv2d(x, weight, out_index, offset, bias, out_channels, ks, stride, padding, dilation,
