@@ -52,6 +52,7 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]  # the repo (compress, kernels) and
 from _masks import apply_masks, load_masks, masks_from_checkpoint, save_masks, swp_like  # noqa: E402
 
 import compress  # noqa: E402
+import kernels  # noqa: E402
 from compress.models import create_model  # noqa: E402
 from compress.stripe import StripeConv2d  # noqa: E402
 
@@ -541,6 +542,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fuse-relu", action="store_true",
                    help="compress.compact(fuse_relu=True) for both models: each conv's ReLU in its epilogue")
+    p.add_argument("--eager-op", action="store_true",
+                   help="A/B: run stripe-mode layers through the op (kernels.stripe_conv2d) in eager inference and "
+                        "in choose_modes, as before StripeConv2d kept a prepared launcher")
     p.add_argument("--channel-multiple", type=int, default=8,
                    help="compress.compact(channel_multiple=...): 8 keeps shrunk convs on cuDNN's tensor-core path")
     p.add_argument(
@@ -581,7 +585,10 @@ def main(argv=None) -> dict | None:
         torch.backends.cudnn.benchmark = True
         if args.graphs is None:
             args.graphs = True
+    if args.eager_op:  # no launcher: StripeConv2d and stripe_route fall back to the op
+        kernels.prepare_stripe_conv2d = kernels.stripe.prepare_stripe_conv2d = lambda *a, **k: None
     info = meta_info(device, args)
+    info["eager_op"] = args.eager_op
     print(f"# {info.get('gpu', info.get('cpu'))}, torch {info['torch']}", flush=True)
     if args.cpu_smoke:
         # the smoke checks the flow, not speed: one thread (OpenMP with 2 threads on a busy 2-core machine can

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import kernels
 from compress.surgery import conv_config
+from kernels import stripe_triton
 from kernels._utils import is_channels_last
 
 __all__ = ["StripeConv2d", "Conv2dReLU", "conv2d_relu", "conv_padding", "masked_conv"]
@@ -152,6 +153,7 @@ class StripeConv2d(nn.Module):
         # kernels.stripe_rows of the indices (where dense_weight scatters each stripe), built with the plan
         self.register_buffer("rows", None, persistent=False)
         self._dense_cache: tuple[tuple, torch.Tensor] | None = None
+        self._launch_cache: tuple[tuple, object] | None = None  # (key, kernels.prepare_stripe_conv2d launcher)
 
     @property
     def mode(self) -> str:
@@ -269,38 +271,93 @@ class StripeConv2d(nn.Module):
         if self._mode == "dense":
             conv = conv2d_relu if self.relu else F.conv2d
             return conv(x, self._cached_dense_weight(fmt), self.bias, self.stride, self.padding, self.dilation)
-        # the kernel's dense route (narrow or dense-ish layers) reads a zero-filled dense weight: in eager inference
-        # it comes from the same cache as the dense mode instead of being rebuilt on every call; in training it is
-        # built once per call here (the op takes no gradient through it), so the route runs as in inference
-        dense = None
-        if (
+        launch = self._inference_launch(x)
+        if launch is not None:
+            y = launch(x)
+        else:
+            y = kernels.stripe_conv2d(
+                x,
+                self.weight,
+                self.out_index,
+                self.offset,
+                self.bias,
+                self.out_channels,
+                self.kernel_size,
+                self.stride,
+                self.padding,
+                self.dilation,
+                relu=self.relu,
+                plan=self.plan,
+                dense=self._kernel_dense_weight(x),
+            )
+        if fmt is torch.channels_last and not y.is_contiguous(memory_format=fmt):
+            y = y.contiguous(memory_format=fmt)  # a 1-channel channels_last x counts as NCHW for the op
+        return y
+
+    def _kernel_dense_weight(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The zero-filled channels_last dense weight for the CUDA kernel's dense route (narrow or dense-ish layers),
+        where the route reads it: in inference from the same cache as the dense mode instead of being rebuilt on
+        every call; in training built once per call here (the op takes no gradient through it), so the route runs
+        as in inference. None elsewhere (the op then decides)."""
+        if not (
             x.is_cuda
             and not (torch.jit.is_tracing() or torch.compiler.is_compiling())
             and kernels.stripe_reads_dense(x, self.weight, self.out_channels, self.kernel_size)
         ):
-            if self.weight.requires_grad and torch.is_grad_enabled():
-                with torch.no_grad():
-                    dense = self.dense_weight(torch.channels_last)
-            elif self.weight.dtype == x.dtype:
-                dense = self._cached_dense_weight(torch.channels_last)
-        y = kernels.stripe_conv2d(
-            x,
-            self.weight,
-            self.out_index,
-            self.offset,
-            self.bias,
-            self.out_channels,
-            self.kernel_size,
-            self.stride,
-            self.padding,
-            self.dilation,
-            relu=self.relu,
-            plan=self.plan,
-            dense=dense,
+            return None
+        if self.weight.requires_grad and torch.is_grad_enabled():
+            with torch.no_grad():
+                return self.dense_weight(torch.channels_last)
+        return self._cached_dense_weight(torch.channels_last) if self.weight.dtype == x.dtype else None
+
+    def _inference_launch(self, x: torch.Tensor):
+        """The kernel launcher (`kernels.prepare_stripe_conv2d`) for `x` in eager CUDA inference, kept per input
+        signature and weight version; None where the op must run: autograd recording, autocast to another dtype,
+        tracing or compiling, or no Triton kernel for `x`.
+
+        Why: an eager call through the op spends most of its time on the host (dispatch, argument checks, route
+        choice, Triton's per-call JIT binding), several times the GPU time of a small layer, which made compact
+        CIFAR models slower than dense ones when run eagerly; the launcher does that work once per input shape."""
+        w, b = self.weight, self.bias
+        if not x.is_cuda or torch.jit.is_tracing() or torch.compiler.is_compiling():
+            return None
+        if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
+            return None
+        if w.dtype != x.dtype or (torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") != x.dtype):
+            return None
+        key = (
+            stripe_triton.input_signature(x),
+            self.relu,
+            w.data_ptr(),
+            -1 if w.is_inference() else w._version,
+            self.out_index.data_ptr(),
+            None if self.plan is None else self.plan.data_ptr(),
+            None if b is None else (b.data_ptr(), b.dtype),
         )
-        if fmt is torch.channels_last and not y.is_contiguous(memory_format=fmt):
-            y = y.contiguous(memory_format=fmt)  # a 1-channel channels_last x counts as NCHW for the op
-        return y
+        if self._launch_cache is None or self._launch_cache[0] != key:
+            launch = kernels.prepare_stripe_conv2d(
+                x,
+                w,
+                self.out_index,
+                self.offset,
+                b,
+                self.out_channels,
+                self.kernel_size,
+                self.stride,
+                self.padding,
+                self.dilation,
+                relu=self.relu,
+                plan=self.plan,
+                dense=self._kernel_dense_weight(x),
+            )
+            self._launch_cache = (key, launch)
+        return self._launch_cache[1]
+
+    def __getstate__(self) -> dict:
+        """Copies and pickles drop the kept launcher (it holds a compiled kernel); it is rebuilt on first use."""
+        state = dict(super().__getstate__())
+        state["_launch_cache"] = None
+        return state
 
     def _constant_output(self, x: torch.Tensor, fmt: torch.memory_format) -> torch.Tensor:
         """No stripe kept: the output is the bias (or zeros) at every pixel, computed from x's shape only."""
@@ -349,6 +406,7 @@ class StripeConv2d(nn.Module):
         self.plan = plan
         self.rows = kernels.stripe_rows(self.out_index, self.offset, self.kernel_size)
         self._dense_cache = None
+        self._launch_cache = None
 
     def extra_repr(self) -> str:
         total = self.out_channels * self.kernel_size[0] * self.kernel_size[1]

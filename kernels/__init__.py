@@ -5,6 +5,7 @@ Public functions (thin wrappers over ``torch.ops.compress.*``) and modules:
     residual_relu(out, identity) (a residual tail that hands the next PiX block its pool; eager CUDA fast path)
     depthwise_conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1), DepthwiseConv2d
     conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1), Im2colConv2d
+    stripe_conv2d(...) and its helpers; prepare_stripe_conv2d(...) (an eager inference launcher without dispatch)
 Each op has a CPU path (vectorised PyTorch), a CUDA path (``csrc/``, compiled on first use, see ``_ext``),
 a fake kernel and autograd (the backward is its own op). ``python -m kernels build`` prebuilds the extension.
 """
@@ -13,6 +14,7 @@ from kernels.conv2d import Im2colConv2d, conv2d
 from kernels.depthwise import DepthwiseConv2d, depthwise_conv2d
 from kernels.pix import pix, pix_reference, pix_squeeze, residual_relu
 from kernels.stripe import (
+    prepare_stripe_conv2d,
     stripe_conv2d,
     stripe_cost,
     stripe_plan,
@@ -23,5 +25,5 @@ from kernels.stripe import (
 )
 
 __all__ = ["pix", "pix_squeeze", "pix_reference", "residual_relu", "depthwise_conv2d", "DepthwiseConv2d", "conv2d", "Im2colConv2d",
-           "stripe_conv2d", "stripe_plan", "stripe_to_dense", "stripe_rows", "stripe_reads_dense", "stripe_route",
+           "stripe_conv2d", "prepare_stripe_conv2d", "stripe_plan", "stripe_to_dense", "stripe_rows", "stripe_reads_dense", "stripe_route",
            "stripe_cost"]

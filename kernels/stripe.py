@@ -47,9 +47,10 @@ from kernels._utils import (
     conv_out_size,
     memory_format,
     pair,
+    use_kernel,
 )
 
-__all__ = ["stripe_conv2d", "stripe_plan", "stripe_to_dense", "stripe_rows", "stripe_reads_dense", "stripe_route",
+__all__ = ["stripe_conv2d", "prepare_stripe_conv2d", "stripe_plan", "stripe_to_dense", "stripe_rows", "stripe_reads_dense", "stripe_route",
            "stripe_cost"]
 
 OP = "compress::stripe_conv2d"
@@ -454,6 +455,34 @@ def stripe_conv2d(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, 
                       pair(dilation, "dilation"), bool(relu), dense)
 
 
+def prepare_stripe_conv2d(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, bias: Tensor | None,
+                          out_channels: int, kernel_size, stride=1, padding=0, dilation=1, relu: bool = False,
+                          plan: Tensor | None = None, dense: Tensor | None = None):
+    """An inference launcher of ``stripe_conv2d`` for inputs like ``x``: ``launch = prepare_stripe_conv2d(x, ...)``,
+    then ``launch(x2)`` == ``stripe_conv2d(x2, ...)`` for any x2 with ``launch.signature ==
+    kernels.stripe_triton.input_signature(x2)``. Arguments as ``stripe_conv2d``, checked here once; the tensors are
+    held, so in-place changes to them show in later calls (a new ``dense`` needs a new launcher).
+
+    The launcher skips the op's dispatch, checks, route choice and Triton's per-call JIT binding (see
+    ``kernels.stripe_triton.Launch``), and it records no autograd graph and applies no autocast: a caller uses it
+    only where no gradient is needed, with every tensor already in x's dtype. Returns None where the op would not
+    run the Triton kernel (not CUDA, float64, no Triton, 2^31 or more elements); call ``stripe_conv2d`` then.
+    """
+    from kernels import stripe_triton
+
+    ks, st, pd, dl = (pair(v, nm) for v, nm in ((kernel_size, "kernel_size"), (stride, "stride"),
+                                                 (padding, "padding"), (dilation, "dilation")))
+    _check(x, weight, out_index, offset, bias, plan, int(out_channels), ks, st, pd, dl)
+    if dense is not None:
+        _check_dense(dense, weight, int(out_channels), ks)
+    if not (stripe_triton.available(x) and use_kernel(x)):
+        return None
+    if plan is None:
+        plan = _plan_torch(out_index, offset, int(out_channels), ks)
+    return stripe_triton.prepare(x, weight, out_index, offset, bias, plan, int(out_channels), ks, st, pd, dl,
+                                 bool(relu), dense=dense)
+
+
 def stripe_reads_dense(x: Tensor, weight: Tensor, out_channels: int, kernel_size) -> bool:
     """Whether ``stripe_conv2d`` on ``x``, given the zero-filled dense weight as ``dense``, runs the CUDA kernel's
     dense route, which reads it: CUDA float32/16/bf16 with Triton, up to 64 input channels or with many stripes
@@ -536,10 +565,11 @@ def stripe_route(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, b
 
     timing: "graph" (CUDA only) compares GPU time, replaying each path in a CUDA graph: the cost in a graphed or
     compiled model, where launch overhead is gone; "eager" compares the wall time of one synchronised call,
-    launch overhead included (a Triton launch costs tens of microseconds of Python, more than a small layer's
-    GPU time: the right measure for a model run eagerly); "auto" (default): "graph" on CUDA, else "eager".
-    Call it once per layer (at export/load or on the first batch), not per forward. The stripe op runs as an
-    inference caller like ``StripeConv2d`` runs it: with the dense weight kept (``dense``) where its route reads it.
+    launch overhead included (about 20 us of host time per call even through the kept launcher, more than a small
+    layer's GPU time: the right measure for a model run eagerly); "auto" (default): "graph" on CUDA, else "eager".
+    Call it once per layer (at export/load or on the first batch), not per forward. The stripe op runs as
+    ``StripeConv2d`` runs it in inference: with the dense weight kept (``dense``) where its route reads it, and on
+    CUDA through ``prepare_stripe_conv2d``'s launcher.
     """
     if timing == "auto":
         timing = "graph" if x.is_cuda else "eager"
@@ -559,7 +589,13 @@ def stripe_route(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, b
         kept = dense_w if fmt == torch.channels_last else stripe_to_dense(
             weight, out_index, offset, out_channels, ks, memory_format=torch.channels_last)
 
+    # as StripeConv2d runs it in inference: the prepared launch where the Triton kernel runs, else the op
+    launch = prepare_stripe_conv2d(x, weight, out_index, offset, bias, out_channels, ks, stride, padding, dilation,
+                                   plan=plan, dense=kept)
+
     def run_stripe():
+        if launch is not None:
+            return launch(x)
         return stripe_conv2d(x, weight, out_index, offset, bias, out_channels, ks, stride, padding, dilation,
                              plan=plan, dense=kept)
 

@@ -50,6 +50,7 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from triton.compiler import CompiledKernel
 except ImportError:  # pragma: no cover - triton ships with CUDA torch builds
     triton = None
 
@@ -234,6 +235,14 @@ def forward(x, weight, out_index, offset, bias, plan, out_channels, kernel_size,
             relu, config: dict | None = None, dense=None):
     """Launch the fused kernel; arguments as ``compress::stripe_conv2d`` (plan required; ``dense``, the channels_last
     zero-filled dense weight, is built here when the DENSE route needs it and none is given). Returns y."""
+    return prepare(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding, dilation,
+                   relu, config, dense)(x)
+
+
+def prepare(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding, dilation,
+            relu, config: dict | None = None, dense=None) -> Launch:
+    """The forward's ``Launch`` for inputs like ``x`` (arguments as ``forward``): route, tiles and weight operand
+    chosen here, once."""
     C, N, KH, KW = x.shape[1], out_channels, *kernel_size
     cfg = dict(config or default_config(C, N, weight.shape[0], KH * KW, x.dtype, dense_given=dense is not None))
     if not cfg.get("DENSE", False):
@@ -242,34 +251,78 @@ def forward(x, weight, out_index, offset, bias, plan, out_channels, kernel_size,
         wop = dense
     else:
         wop = stripe_to_dense(weight, out_index, offset, N, kernel_size, memory_format=torch.channels_last)
-    return _launch(x, wop, out_index, plan, bias, N, weight.shape[0], kernel_size, stride, padding, dilation, relu,
-                   cfg)
+    return Launch(x, wop, out_index, plan, bias, N, weight.shape[0], kernel_size, stride, padding, dilation, relu,
+                  cfg)
 
 
-def _launch(x, wop, out_index, plan, bias, N, S, kernel_size, stride, padding, dilation, relu, cfg):
-    B, C, H, W = x.shape
-    KH, KW = kernel_size
-    Ho = (H + 2 * padding[0] - dilation[0] * (KH - 1) - 1) // stride[0] + 1
-    Wo = (W + 2 * padding[1] - dilation[1] * (KW - 1) - 1) // stride[1] + 1
-    fmt = memory_format(x)
-    y = torch.empty((B, N, Ho, Wo), device=x.device, dtype=x.dtype, memory_format=fmt)
-    M = B * Ho * Wo
-    if M == 0:
+def input_signature(x: torch.Tensor) -> tuple:
+    """What a ``Launch`` is specific to: x's shape, dtype, device, strides and 16-byte alignment (Triton
+    specialises the kernel on pointer alignment)."""
+    return tuple(x.shape), x.dtype, x.device, x.stride(), x.data_ptr() % 16 == 0
+
+
+class Launch:
+    """One layer's forward kernel launch for inputs with ``input_signature(x)``: the grid, the output's shape and
+    layout and every kernel argument but the input and the output are fixed here; ``launch(x)`` allocates y and
+    launches.
+
+    The first call goes through Triton's JIT, which compiles or finds the kernel; later calls launch that compiled
+    kernel directly with the same arguments, skipping the JIT's per-call binding, specialisation and cache lookup
+    (much of an eager call's host time; ``StripeConv2d`` keeps one ``Launch`` per input for eager inference).
+    Under ``TRITON_INTERPRET=1`` every call goes through the interpreter.
+    """
+
+    def __init__(self, x, wop, out_index, plan, bias, N, S, kernel_size, stride, padding, dilation, relu, cfg):
+        B, C, H, W = x.shape
+        KH, KW = kernel_size
+        Ho = (H + 2 * padding[0] - dilation[0] * (KH - 1) - 1) // stride[0] + 1
+        Wo = (W + 2 * padding[1] - dilation[1] * (KW - 1) - 1) // stride[1] + 1
+        self.signature = input_signature(x)
+        fmt = memory_format(x)
+        self._x_cl = x.is_contiguous(memory_format=torch.channels_last)
+        self._y_shape = (B, N, Ho, Wo)
+        self._empty_kw = dict(device=x.device, dtype=x.dtype, memory_format=fmt)
+        self._M = M = B * Ho * Wo
+        cfg = dict(cfg)
+        cfg["ONE_K"] = C <= cfg["BLOCK_K"]
+        cfg.setdefault("DENSE", False)
+        cfg.setdefault("GATHER", False)
+        cfg.setdefault("NOSKIP", False)
+        self._grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), 1)  # 3-D for the compiled kernel
+        y_strides = torch.empty(self._y_shape, **self._empty_kw).stride()
+        named = dict(
+            SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1], DH=dilation[0], DW=dilation[1], KH=KH, KW=KW,
+            HAS_BIAS=bias is not None, RELU=relu, IS_FP32=x.dtype == torch.float32,
+            OUT_CL=fmt == torch.channels_last, **cfg)
+        # every kernel argument in signature order; x (slot 0) and y (slot 5, and slot 4 standing in for a missing
+        # bias: the pointer is then unused) are filled per call
+        args = [None, wop, out_index, plan, bias, None, M, C, H, W, Ho, Wo, N, S, *y_strides]
+        names = _stripe_fwd_kernel.arg_names
+        self._args = args + [named.pop(n) for n in names[len(args):]]
+        self._y_slots = (4, 5) if bias is None else (5,)
+        self._launch_options = named  # num_warps, num_stages
+        self._compiled = None  # Triton's compiled kernel, after the first call
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.empty(self._y_shape, **self._empty_kw)
+        if self._M == 0:
+            return y
+        args = self._args
+        args[0] = x if self._x_cl else x.contiguous(memory_format=torch.channels_last)
+        for i in self._y_slots:
+            args[i] = y
+        try:
+            if self._compiled is not None:
+                self._compiled[self._grid](*args)
+            else:
+                kernel = _stripe_fwd_kernel[self._grid](*args, **self._launch_options)
+                if isinstance(kernel, CompiledKernel):  # (the interpreter returns none)
+                    self._compiled = kernel
+        finally:  # hold no activations between calls
+            args[0] = None
+            for i in self._y_slots:
+                args[i] = None
         return y
-    xc = x.contiguous(memory_format=torch.channels_last)
-    BM, BN = cfg.pop("BLOCK_M"), cfg["BLOCK_N"]
-    cfg["ONE_K"] = C <= cfg["BLOCK_K"]
-    cfg.setdefault("DENSE", False)
-    cfg.setdefault("GATHER", False)
-    cfg.setdefault("NOSKIP", False)
-    grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
-    _stripe_fwd_kernel[grid](
-        xc, wop, out_index, plan, bias if bias is not None else y, y,
-        M, C, H, W, Ho, Wo, N, S, *y.stride(),
-        SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1], DH=dilation[0], DW=dilation[1], KH=KH, KW=KW,
-        HAS_BIAS=bias is not None, RELU=relu, IS_FP32=x.dtype == torch.float32, OUT_CL=fmt == torch.channels_last,
-        BLOCK_M=BM, **cfg)
-    return y
 
 
 # ----------------------------------------------------------------------------------------------- backward
@@ -354,7 +407,8 @@ def _grad_input(grad, dense_w, kernel_size, padding, dilation):
     plan = _full_plan(KH * KW, C, grad.device)
     cfg = default_config(N, C, KH * KW * C, KH * KW, grad.dtype, dense_given=True)
     cfg["DENSE"] = True
-    return _launch(grad, flipped, plan, plan, None, C, KH * KW * C, kernel_size, (1, 1), pad, dilation, False, cfg)
+    return Launch(grad, flipped, plan, plan, None, C, KH * KW * C, kernel_size, (1, 1), pad, dilation, False,
+                  cfg)(grad)
 
 
 def _grad_weight(grad, x, out_index, offset, N, kernel_size, stride, padding, dilation):

@@ -195,6 +195,19 @@ def test_dense_argument_is_checked_and_leaves_the_result_unchanged():
         kernels.stripe_conv2d(x, w, oi, off, None, 6, 3, 1, 1, 1, dense=dense[:5])
 
 
+def test_prepare_checks_like_the_op_and_defers_off_cuda():
+    """The eager launcher checks its arguments as the op does, and on CPU (no Triton kernel) returns None, so
+    that the caller runs the op."""
+    gen = torch.Generator().manual_seed(5)
+    w, oi, off = random_layer(6, 4, (3, 3), 0.5, gen, dtype=torch.float32)
+    x = torch.randn(2, 4, 5, 5, generator=gen)
+    assert kernels.prepare_stripe_conv2d(x, w, oi, off, None, 6, 3, 1, 1, 1) is None
+    with pytest.raises(ValueError, match="tensor 'weight' must have shape"):
+        kernels.prepare_stripe_conv2d(x[:, :3], w, oi, off, None, 6, 3, 1, 1, 1)
+    with pytest.raises(TypeError, match="tensor 'bias' has dtype torch.float64"):
+        kernels.prepare_stripe_conv2d(x, w, oi, off, torch.zeros(6, dtype=torch.float64), 6, 3, 1, 1, 1)
+
+
 def test_route_helpers():
     gen = torch.Generator().manual_seed(7)
     w, oi, off = random_layer(8, 8, (3, 3), 0.3, gen, dtype=torch.float32)
@@ -259,6 +272,16 @@ for dt, ks, st, pd, dl, C, N, c, fmt in [
         assert (a is None) != asked
         if asked:
             assert a.shape == e.shape and ((a.double() - e).norm() / e.norm()).item() < 1e-3, (dt, ks, st)
+# a Launch kept and called again refills its input and output slots: a second input of the same signature
+w, oi, off = random_layer(20, 16, (3, 3), 0.4, gen, dtype=torch.float32)
+plan = kernels.stripe_plan(oi, off, 20, (3, 3))
+x1, x2 = (torch.randn(2, 16, 6, 5, generator=gen) for _ in range(2))
+launch = stripe_triton.prepare(x1, w, oi, off, None, plan, 20, [3, 3], [1, 1], [1, 1], [1, 1], False, cfg)
+assert launch.signature == stripe_triton.input_signature(x2)
+for xi in (x1, x2):
+    yr = _ref(xi.double(), w.double(), oi, off, None, 20, (3, 3), (1, 1), (1, 1), (1, 1))
+    y = launch(xi)
+    assert ((y.double() - yr).norm() / yr.norm()).item() < 1e-3
 print("OK")
 """
 

@@ -220,6 +220,59 @@ def test_stripe_mode_passes_its_cached_dense_weight_to_the_kernel_dense_route(dt
     assert rel(xg.grad, xr.grad) < tol
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
+@pytest.mark.parametrize("in_channels", [8, 128])
+def test_eager_inference_launch_matches_the_op_and_follows_changes(dtype, layout, in_channels):
+    """In eval without autograd the module launches the kernel through its kept launcher (8 input channels: the
+    dense route with the cached weight; 128: the gather route on the stripes): the output equals the op's bit for
+    bit on the first (JIT) and later (compiled-kernel) calls, is rebuilt for a new batch size, a misaligned input
+    and an in-place weight edit, is not used while autograd records, and is dropped by deepcopy. Checked against
+    the masked dense conv in float64 (relative error)."""
+    import copy
+
+    gen = torch.Generator().manual_seed(23)
+    conv = nn.Conv2d(in_channels, 24, 3, padding=1).double()
+    mask = _random_mask(24, 3, 3, keep=0.3, gen=gen)
+    s = StripeConv2d.from_dense(conv, mask, mode="stripe").cuda().to(dtype).eval()
+    s.relu = True
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-3
+
+    def rel(a, b):
+        return ((a.double().cpu() - b).norm() / b.norm()).item()
+
+    def op(x):
+        return kernels.stripe_conv2d(x, s.weight, s.out_index, s.offset, s.bias, 24, 3, 1, 1, 1, relu=True,
+                                     plan=s.plan, dense=s._kernel_dense_weight(x))
+
+    x = torch.randn(5, in_channels, 9, 9, generator=gen, dtype=torch.float64)
+    xd = x.cuda().to(dtype).contiguous(memory_format=layout)
+    with torch.no_grad():
+        ys = [s(xd) for _ in range(3)]
+        launch = s._launch_cache[1]
+        assert launch is not None and launch._compiled is not None  # later calls skip the JIT
+        for y in ys:
+            assert torch.equal(y, op(xd)) and y.is_contiguous(memory_format=layout)
+        assert rel(ys[0], torch.relu(_masked_reference(conv, mask, x))) < tol
+        xm = torch.empty(xd.numel() + 1, dtype=dtype, device="cuda")[1:].as_strided(xd.shape, xd.stride())
+        for xi in (xd[:2].clone(memory_format=layout), xm.copy_(xd)):  # a new batch size; a misaligned input
+            yi = s(xi)
+            assert s._launch_cache[1] is not launch and torch.equal(yi, op(xi))
+        s.weight.mul_(-2.0)
+        conv.weight.mul_(-2.0)
+        assert rel(s(xd), torch.relu(_masked_reference(conv, mask, x))) < tol
+    s2 = copy.deepcopy(s)
+    assert s2._launch_cache is None
+    xg = xd.detach().clone().requires_grad_()
+    with torch.no_grad():
+        launch = s._launch_cache[1]
+    y = s(xg)  # autograd records: the op, with its backward
+    assert y.grad_fn is not None and s._launch_cache[1] is launch
+    with torch.no_grad():
+        assert torch.equal(y.detach(), s2(xd))
+
+
 @pytest.mark.parametrize("batch,out_channels", [(1, 4), (3, 1)])
 def test_stripe_output_trains_through_inplace_relu(batch, out_channels):
     # one image or one output channel: the op's output must not be a view (autograd forbids relu_ on it)
