@@ -351,9 +351,11 @@ _BWD_ENV = "COMPRESS_STRIPE_BWD"
 
 def _triton_backward_parts(x, out_channels, kernel_size, stride, padding, dilation) -> tuple[bool, bool]:
     """(grad_x, grad_weight) by the Triton backward rather than cuDNN's dense backward. By default where it was
-    faster on an H200 (benchmarks/stripe_bwd_gpu.py -> stripe_bwd_gpu_h200.json, bf16/fp32, random masks):
-    grad_x of stride-1 layers with at most 16 output channels (1.06-1.91x faster than cuDNN's dgrad; 1.7-3.1x
-    slower from 24); grad_weight nowhere (the Triton wgrad took 0.88-2.8x cuDNN's wgrad time, mostly more).
+    faster on an H200 (benchmarks/stripe_bwd_gpu.py, bf16/fp32, random masks): grad_x of stride-1 layers with at
+    most 16 output channels (1.06-1.91x faster than cuDNN's dgrad; 1.7-3.1x slower from 24;
+    stripe_bwd_gpu_h200.json); grad_weight of layers with at most 32 output channels and 24 input channels in
+    16-bit, 32 in float32 (1.14-1.36x faster than cuDNN's wgrad in bf16 up to 24 channels, 0.88x at 32;
+    1.40-1.82x in fp32 up to 32, 0.45x from 40; stripe_bwd_gpu_h200_wgrad_cat.json).
     ``COMPRESS_STRIPE_BWD=triton`` takes it wherever it is supported, ``=cudnn`` nowhere (A/B runs)."""
     from kernels import stripe_triton
 
@@ -365,7 +367,8 @@ def _triton_backward_parts(x, out_channels, kernel_size, stride, padding, dilati
     ok_x, ok_w = stripe_triton.backward_support(x, out_channels, kernel_size, stride, padding, dilation)
     if choice == "triton":
         return ok_x, ok_w
-    return ok_x and out_channels <= 16, False
+    narrow_w = x.shape[1] <= (32 if x.dtype == torch.float32 else 24) and out_channels <= 32
+    return ok_x and out_channels <= 16, ok_w and narrow_w
 
 
 def _backward_dense(grad, x, wd, out_index, offset, stride, padding, dilation, need_x, need_w):

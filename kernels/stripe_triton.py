@@ -330,14 +330,16 @@ class Launch:
 # - grad_x (stride 1): the transposed conv is a stride-1 conv of the output gradient with the flipped, transposed
 #   dense weight, W'[c, o, kh, kw] = W[o, c, KH-1-kh, KW-1-kw], padding d*(K-1) - p: the forward kernel's DENSE
 #   route runs it (every offset: the pruned stripes of the N filters leave no stripe of W' empty in general);
-# - grad_weight: one program per (kernel offset, slice of the output pixels) accumulates the dense
-#   dW[:, :, k] = G^T @ X_k (G: output gradient rows, X_k: input rows shifted by offset k) on tensor cores and
-#   writes it to its own slot of a partial-sum buffer; a sum over the slices (deterministic, no atomics) and a
-#   gather of the kept stripes follow.
-# Both compute dense products (no pruned stripe is skipped). On an H200 the grad_x route beat cuDNN's dgrad only up
-# to 16 output channels (1.06-1.91x; 1.7-3.1x slower from 24), and the grad_weight kernel took 0.88-2.8x cuDNN's
-# wgrad time, mostly more (benchmarks/results/stripe_bwd_gpu_h200.json), so the op takes grad_x here for those
-# narrow layers and grad_weight only when forced (kernels.stripe._triton_backward_parts).
+# - grad_weight: dW viewed as (N, KH*KW*C) is G^T @ Xcat (G: output gradient rows, Xcat: the im2col rows, column
+#   k*C + c = input channel c at kernel offset k). One program per (slice of the output pixels, chunk of up to 256
+#   columns) accumulates its part on tensor cores, reading G once for all the offsets of its chunk, and writes it
+#   to its own slot of a partial-sum buffer; a sum over the slices (deterministic, no atomics) and a gather of the
+#   kept stripes follow. (A first version, one program per single offset, read G 9 times and took 0.88-2.8x
+#   cuDNN's wgrad time; its per-element index math also made it ALU-bound.)
+# Both compute dense products (no pruned stripe is skipped). On an H200 the grad_x route beats cuDNN's dgrad only
+# up to 16 output channels (1.06-1.91x; 1.7-3.1x slower from 24; benchmarks/results/stripe_bwd_gpu_h200.json), the
+# grad_weight kernel up to 24 channels in bf16 (1.14-1.36x; 0.88x at 32) and 32 in fp32 (1.40-1.82x; 0.3-0.45x
+# from 40; stripe_bwd_gpu_h200_wgrad_cat.json): kernels.stripe._triton_backward_parts takes each there.
 def backward_support(x, out_channels: int, kernel_size, stride, padding, dilation) -> tuple[bool, bool]:
     """(grad_x, grad_weight): whether ``backward`` can compute each for this layer (grad_x: stride 1, at most 64
     output channels; grad_weight: at most 64 input and output channels)."""
@@ -356,35 +358,46 @@ if triton is not None:
         C: tl.constexpr, N: tl.constexpr,
         SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
         DH: tl.constexpr, DW: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, IS_FP32: tl.constexpr,
-        BLOCK_M: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr,
+        BLOCK_M: tl.constexpr, BN: tl.constexpr, KCB: tl.constexpr,
     ):
-        # part[slice, o, k, c] = sum over the slice's output pixels m of g[m, o] * x[m shifted by offset k, c]
+        # part[slice, o, j] = sum over the slice's output pixels m of g[m, o] * xcat[m, j] for the columns
+        # j = k*C + c in [j0, j0 + KCB) of the im2col row xcat[m] (input channel c at kernel offset k of pixel m):
+        # one tensor-core product per pixel block covers KCB / C offsets, so g is read once for all of them and
+        # the shifted input rows of neighbouring offsets come from the same cache lines
         pid = tl.program_id(0)
-        k = tl.program_id(1)
+        j0 = tl.program_id(1) * KCB
         m_start = pid * m_per
         m_end = tl.minimum(m_start + m_per, M)
         ns = tl.arange(0, BN)
-        cs = tl.arange(0, BC)
-        acc = tl.zeros((BN, BC), dtype=tl.float32)
+        js = j0 + tl.arange(0, KCB)
+        kj = js // C
+        j_ok = js < KH * KW * C
+        dh = (kj // KW) * DH
+        dw = (kj % KW) * DW
+        # element (m, j) of xcat sits at pixel m's unshifted row + a column shift that does not depend on m: the
+        # per-element address is one add (the whole index math per element made the kernel ALU-bound)
+        shift = (dh * W + dw) * C + js % C
+        acc = tl.zeros((BN, KCB), dtype=tl.float32)
         for m0 in range(m_start, m_end, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
             m_ok = offs_m < m_end
             jw = offs_m % Wo
             t = offs_m // Wo
-            bb = (t // Ho).to(tl.int64)
-            ih = (t % Ho) * SH - PH + (k // KW) * DH
-            iw = jw * SW - PW + (k % KW) * DW
-            x_ok = m_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+            ih0 = (t % Ho) * SH - PH
+            iw0 = jw * SW - PW
+            row0 = (((t // Ho).to(tl.int64) * H + ih0) * W + iw0) * C
+            ih = ih0[:, None] + dh[None, :]
+            iw = iw0[:, None] + dw[None, :]
+            x_ok = m_ok[:, None] & j_ok[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
             g = tl.load(g_ptr + (offs_m.to(tl.int64) * N)[:, None] + ns[None, :],
                         mask=m_ok[:, None] & (ns < N)[None, :], other=0.0)
-            xa = tl.load(x_ptr + (((bb * H + ih) * W + iw) * C)[:, None] + cs[None, :],
-                         mask=x_ok[:, None] & (cs < C)[None, :], other=0.0)
+            xa = tl.load(x_ptr + row0[:, None] + shift[None, :], mask=x_ok, other=0.0)
             if IS_FP32:
                 g = _round_tf32(g)
                 xa = _round_tf32(xa)
             acc = tl.dot(tl.trans(g), xa, acc)
-        off = ((pid * N + ns[:, None]) * (KH * KW) + k) * C + cs[None, :]
-        tl.store(part_ptr + off, acc, mask=(ns < N)[:, None] & (cs < C)[None, :])
+        off = (pid * N + ns[:, None]) * (KH * KW * C) + js[None, :]
+        tl.store(part_ptr + off, acc, mask=(ns < N)[:, None] & j_ok[None, :])
 
 
 _FULL_PLANS: dict = {}
@@ -417,18 +430,21 @@ def _grad_weight(grad, x, out_index, offset, N, kernel_size, stride, padding, di
     KH, KW = kernel_size
     Ho, Wo = grad.shape[2:]
     M = B * Ho * Wo
-    bn, bc = _pow2(N, 16, 64), _pow2(C, 16, 64)
-    block_m = 128 if max(bn, bc) >= 32 else 256
-    # about 4 programs per SM over (pixel slices x offsets), each slice a whole number of BLOCK_M steps
+    kc = KH * KW * C  # im2col columns
+    kcb = _pow2(kc, 16, 256) if kc <= 256 else 128
+    bn = _pow2(N, 16, 64)
+    block_m = 32
+    chunks = triton.cdiv(kc, kcb)
+    # about 4 programs per SM over (pixel slices x column chunks), each slice a whole number of BLOCK_M steps
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4  # 4: interpreter
-    slices = max(1, min(triton.cdiv(4 * sms, KH * KW), triton.cdiv(M, block_m)))
+    slices = max(1, min(triton.cdiv(4 * sms, chunks), triton.cdiv(M, block_m)))
     m_per = triton.cdiv(triton.cdiv(M, slices), block_m) * block_m
     slices = triton.cdiv(M, m_per)
     part = torch.empty((slices, N, KH * KW, C), device=x.device, dtype=torch.float32)
-    _wgrad_kernel[(slices, KH * KW)](
+    _wgrad_kernel[(slices, chunks)](
         grad.contiguous(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last), part,
         m_per, M, H, W, Ho, Wo, C, N, SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1], DH=dilation[0],
-        DW=dilation[1], KH=KH, KW=KW, IS_FP32=x.dtype == torch.float32, BLOCK_M=block_m, BN=bn, BC=bc,
+        DW=dilation[1], KH=KH, KW=KW, IS_FP32=x.dtype == torch.float32, BLOCK_M=block_m, BN=bn, KCB=kcb,
         num_warps=4, num_stages=3)
     return part.sum(0).view(N * KH * KW, C)[stripe_rows(out_index, offset, kernel_size)]
 
