@@ -119,7 +119,8 @@ class StripeConv2d(nn.Module):
         bias: whether there is a bias (N,).
         mode: "stripe" runs `kernels.stripe_conv2d` on the kept stripes; "dense" runs F.conv2d with the
             zero-filled dense weight (cached in eval). Both give the same output; `compress.compact`
-            picks the faster one per layer.
+            picks the faster one per layer. It is an inference choice: eager training steps on CUDA run dense
+            mode (see `_eager_cuda_training`).
         relu: apply ReLU to the output, in the kernel's epilogue (stripe mode) or cuDNN's (dense mode, see
             `conv2d_relu`); set by `compress.compact(..., fuse_relu=True)` for a conv whose BN is folded and
             whose only consumer is a ReLU.
@@ -154,6 +155,7 @@ class StripeConv2d(nn.Module):
         self.register_buffer("rows", None, persistent=False)
         self._dense_cache: tuple[tuple, torch.Tensor] | None = None
         self._launch_cache: tuple[tuple, object] | None = None  # (key, kernels.prepare_stripe_conv2d launcher)
+        self._op_trained: set[tuple] = set()  # inputs an eager training step ran the op for (_eager_cuda_training)
 
     @property
     def mode(self) -> str:
@@ -268,7 +270,7 @@ class StripeConv2d(nn.Module):
         if self.num_stripes == 0:
             out = self._constant_output(x, fmt)
             return out.relu_() if self.relu else out
-        if self._mode == "dense":
+        if self._mode == "dense" or self._eager_cuda_training(x):
             conv = conv2d_relu if self.relu else F.conv2d
             return conv(x, self._cached_dense_weight(fmt), self.bias, self.stride, self.padding, self.dilation)
         launch = self._inference_launch(x)
@@ -293,6 +295,33 @@ class StripeConv2d(nn.Module):
         if fmt is torch.channels_last and not y.is_contiguous(memory_format=fmt):
             y = y.contiguous(memory_format=fmt)  # a 1-channel channels_last x counts as NCHW for the op
         return y
+
+    def _eager_cuda_training(self, x: torch.Tensor) -> bool:
+        """Whether this call is an eager training step on CUDA (autograd recording, no CUDA graph being captured,
+        not tracing or compiling) that runs as dense mode: cuDNN with the zero-filled weight built for the step.
+
+        `mode` is an inference choice; in an eager training step the op's host cost (dispatch, checks, Triton
+        launches in the forward and the backward: about 200 us per layer and step on an H200 host) exceeds a small
+        layer's GPU time. Measured, a CIFAR ResNet-56 (random masks, 46 of 55 layers in stripe mode) stepped in
+        12.1 + 20.2 ms (forward + backward) through the kernel even with a kept forward launcher, 7.2 + 9.1 ms
+        through cuDNN (benchmarks/results/stripe_models_gpu_h200_train_eager_{kernel,cudnn}.json). Steps captured
+        in CUDA graphs (`torch.cuda.make_graphed_callables`) or compiled keep the kernel and its Triton backward,
+        where only GPU time counts. So that such a capture finds the kernels compiled (Triton cannot load a kernel
+        while a stream captures), the first eager step per input shape and autocast dtype still runs the op: the
+        warm-up steps before a capture do that."""
+        if not (
+            x.is_cuda
+            and torch.is_grad_enabled()
+            and (x.requires_grad or self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad))
+            and not torch.cuda.is_current_stream_capturing()
+            and not (torch.jit.is_tracing() or torch.compiler.is_compiling())
+        ):
+            return False
+        key = (stripe_triton.input_signature(x), torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda"))
+        if key not in self._op_trained:
+            self._op_trained.add(key)
+            return False
+        return True
 
     def _kernel_dense_weight(self, x: torch.Tensor) -> torch.Tensor | None:
         """The zero-filled channels_last dense weight for the CUDA kernel's dense route (narrow or dense-ish layers),

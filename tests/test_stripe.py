@@ -191,8 +191,9 @@ def test_dense_mode_cache_follows_weight_edits_casts_and_loads():
 @pytest.mark.parametrize("in_channels", [8, 32])
 def test_stripe_mode_passes_its_cached_dense_weight_to_the_kernel_dense_route(dtype, layout, in_channels):
     """A narrow layer (8 or 32 input channels: the CUDA kernel's dense route, with 32 the non-skipping one) in eval
-    reads the module's cached channels_last dense weight; outputs follow an in-place weight edit; training builds
-    it per call. Checked against the masked dense conv in float64 (relative error)."""
+    reads the module's cached channels_last dense weight; outputs follow an in-place weight edit; an eager training
+    step (cuDNN, see the next test) gets the same gradients. Checked against the masked dense conv in float64
+    (relative error)."""
     gen = torch.Generator().manual_seed(21)
     conv = nn.Conv2d(in_channels, 24, 3, padding=1).double()
     mask = _random_mask(24, 3, 3, keep=0.3, gen=gen)
@@ -271,6 +272,43 @@ def test_eager_inference_launch_matches_the_op_and_follows_changes(dtype, layout
     assert y.grad_fn is not None and s._launch_cache[1] is launch
     with torch.no_grad():
         assert torch.equal(y.detach(), s2(xd))
+
+
+@pytest.mark.cuda
+def test_eager_cuda_training_runs_cudnn_and_graph_capture_runs_the_kernel(monkeypatch):
+    """A stripe-mode layer's first eager CUDA training step for an input shape runs the op (compiling its
+    kernels), later ones cuDNN with the zero-filled weight (the op is not called); captured with
+    make_graphed_callables it runs the op. Output and input gradient of each against the masked dense conv in
+    float64 (relative error)."""
+    gen = torch.Generator().manual_seed(33)
+    conv = nn.Conv2d(16, 24, 3, padding=1).double()
+    mask = _random_mask(24, 3, 3, keep=0.3, gen=gen)
+    s = StripeConv2d.from_dense(conv, mask, mode="stripe").cuda().float().train()
+    calls = []
+    op = kernels.stripe_conv2d
+    monkeypatch.setattr(kernels, "stripe_conv2d", lambda *a, **k: calls.append(1) or op(*a, **k))
+    x = torch.randn(4, 16, 9, 9, generator=gen, dtype=torch.float64)
+    g = torch.randn(4, 24, 9, 9, generator=gen, dtype=torch.float64)
+    xr = x.clone().requires_grad_()
+    yr = _masked_reference(conv, mask, xr)
+    yr.backward(g)
+
+    def rel(a, b):
+        return ((a.double().cpu() - b).norm() / b.norm()).item()
+
+    for step in range(2):
+        xg = x.cuda().float().requires_grad_()
+        y = s(xg)
+        y.backward(g.cuda().float())
+        assert len(calls) == 1 and rel(y, yr.detach()) < 1e-3 and rel(xg.grad, xr.grad) < 1e-3, step
+    s.weight.grad = s.bias.grad = None
+    del y, xg  # (no autograd graph of an eager step may stay alive into the capture)
+    graphed = torch.cuda.make_graphed_callables(s, (x.cuda().float().requires_grad_(),))
+    assert calls  # the capture ran the op
+    xg = x.cuda().float().requires_grad_()
+    y = graphed(xg)
+    y.backward(g.cuda().float())
+    assert rel(y, yr.detach()) < 1e-3 and rel(xg.grad, xr.grad) < 1e-3
 
 
 @pytest.mark.parametrize("batch,out_channels", [(1, 4), (3, 1)])
