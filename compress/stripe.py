@@ -282,21 +282,8 @@ class StripeConv2d(nn.Module):
         if launch is not None:
             y = launch(x)
         else:
-            y = kernels.stripe_conv2d(
-                x,
-                self.weight,
-                self.out_index,
-                self.offset,
-                self.bias,
-                self.out_channels,
-                self.kernel_size,
-                self.stride,
-                self.padding,
-                self.dilation,
-                relu=self.relu,
-                plan=self.plan,
-                dense=self._kernel_dense_weight(x),
-            )
+            args, kwargs = self._op_arguments(x)
+            y = kernels.stripe_conv2d(*args, **kwargs)
         if fmt is torch.channels_last and not y.is_contiguous(memory_format=fmt):
             y = y.contiguous(memory_format=fmt)  # a 1-channel channels_last x counts as NCHW for the op
         return y
@@ -326,6 +313,12 @@ class StripeConv2d(nn.Module):
             self._op_trained.add(key)
             return False
         return True
+
+    def _op_arguments(self, x: torch.Tensor) -> tuple[tuple, dict]:
+        """(args, kwargs) of `kernels.stripe_conv2d` (and `prepare_stripe_conv2d`) for this layer on `x`."""
+        args = (x, self.weight, self.out_index, self.offset, self.bias, self.out_channels, self.kernel_size,
+                self.stride, self.padding, self.dilation)
+        return args, {"relu": self.relu, "plan": self.plan, "dense": self._kernel_dense_weight(x)}
 
     def _kernel_dense_weight(self, x: torch.Tensor) -> torch.Tensor | None:
         """The zero-filled channels_last dense weight for the CUDA kernel's dense route (narrow or dense-ish layers),
@@ -369,22 +362,8 @@ class StripeConv2d(nn.Module):
             None if b is None else (b.data_ptr(), b.dtype),
         )
         if self._launch_cache is None or self._launch_cache[0] != key:
-            launch = kernels.prepare_stripe_conv2d(
-                x,
-                w,
-                self.out_index,
-                self.offset,
-                b,
-                self.out_channels,
-                self.kernel_size,
-                self.stride,
-                self.padding,
-                self.dilation,
-                relu=self.relu,
-                plan=self.plan,
-                dense=self._kernel_dense_weight(x),
-            )
-            self._launch_cache = (key, launch)
+            args, kwargs = self._op_arguments(x)
+            self._launch_cache = (key, kernels.prepare_stripe_conv2d(*args, **kwargs))
         return self._launch_cache[1]
 
     def __getstate__(self) -> dict:

@@ -50,8 +50,8 @@ from kernels._utils import (
     use_kernel,
 )
 
-__all__ = ["stripe_conv2d", "prepare_stripe_conv2d", "stripe_plan", "stripe_to_dense", "stripe_rows", "stripe_reads_dense", "stripe_route",
-           "stripe_cost"]
+__all__ = ["stripe_conv2d", "prepare_stripe_conv2d", "stripe_plan", "stripe_to_dense", "stripe_rows",
+           "stripe_reads_dense", "stripe_route", "stripe_cost"]
 
 OP = "compress::stripe_conv2d"
 BOP = "compress::stripe_conv2d_backward"
@@ -592,9 +592,12 @@ def stripe_route(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, b
         kept = dense_w if fmt == torch.channels_last else stripe_to_dense(
             weight, out_index, offset, out_channels, ks, memory_format=torch.channels_last)
 
-    # as StripeConv2d runs it in inference: the prepared launch where the Triton kernel runs, else the op
-    launch = prepare_stripe_conv2d(x, weight, out_index, offset, bias, out_channels, ks, stride, padding, dilation,
-                                   plan=plan, dense=kept)
+    # as StripeConv2d runs it in inference: the prepared launch where the Triton kernel runs (every tensor in x's
+    # dtype), else the op
+    launch = None
+    if weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype):
+        launch = prepare_stripe_conv2d(x, weight, out_index, offset, bias, out_channels, ks, stride, padding,
+                                       dilation, plan=plan, dense=kept)
 
     def run_stripe():
         if launch is not None:
