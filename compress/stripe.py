@@ -367,9 +367,11 @@ class StripeConv2d(nn.Module):
         return self._launch_cache[1]
 
     def __getstate__(self) -> dict:
-        """Copies and pickles drop the kept launcher (it holds a compiled kernel); it is rebuilt on first use."""
+        """Copies and pickles drop the kept launcher (it holds a compiled kernel; rebuilt on first use) and forget
+        which inputs an eager training step ran the op for (a copy in another process has compiled nothing)."""
         state = dict(super().__getstate__())
         state["_launch_cache"] = None
+        state["_op_trained"] = set()
         return state
 
     def _constant_output(self, x: torch.Tensor, fmt: torch.memory_format) -> torch.Tensor:

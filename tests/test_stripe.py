@@ -311,6 +311,24 @@ def test_eager_cuda_training_runs_cudnn_and_graph_capture_runs_the_kernel(monkey
     assert rel(y, yr.detach()) < 1e-3 and rel(xg.grad, xr.grad) < 1e-3
 
 
+def test_copies_drop_the_kept_launcher_and_the_trained_inputs():
+    """deepcopy and pickle give a module without the per-process state (a kept launcher, the inputs an eager
+    training step compiled the kernels for) and with the same output."""
+    import copy
+    import pickle
+
+    gen = torch.Generator().manual_seed(34)
+    conv = nn.Conv2d(4, 6, 3, padding=1)
+    s = StripeConv2d.from_dense(conv, _random_mask(6, 3, 3, keep=0.5, gen=gen), mode="stripe").eval()
+    s._launch_cache, s._op_trained = (("key",), object()), {("x", None)}
+    x = torch.randn(2, 4, 5, 5, generator=gen)
+    for c in (copy.deepcopy(s), pickle.loads(pickle.dumps(s))):
+        assert c._launch_cache is None and c._op_trained == set()
+        with torch.no_grad():
+            torch.testing.assert_close(c(x), s(x), rtol=0, atol=0)
+    assert s._op_trained == {("x", None)}  # the original keeps its own
+
+
 @pytest.mark.parametrize("batch,out_channels", [(1, 4), (3, 1)])
 def test_stripe_output_trains_through_inplace_relu(batch, out_channels):
     # one image or one output channel: the op's output must not be a view (autograd forbids relu_ on it)
