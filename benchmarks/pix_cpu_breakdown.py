@@ -1,9 +1,10 @@
 """Where a CPU forward of PiX ResNet-50 and ResNet-50 spends its time (issue 6): the convs both models share, the
-squeeze convs PiX replaces, and the rest (PiX blocks, max-pool, residual tails, head, Python), per forward.
+squeeze convs PiX replaces, the PiX blocks, the max-pool and the rest (residual tails, head, Python), per forward.
 
 Same models and treatment as benchmarks/pix_cpu.py (fp32, BN folded, eval, inference_mode), run interleaved;
 each conv's forward is timed with a perf_counter wrapper (the same wrapper in both models, a few microseconds
-per call), the max-pool likewise, and the totals without wrappers in the same loop. Median over the repeats.
+per call), the max-pool and the PiX blocks (their whole forward: the C++ kernel and the Python around it)
+likewise, and the totals without wrappers in the same loop. Median over the repeats.
 
     python benchmarks/pix_cpu_breakdown.py [--threads 2] [--batch 1] [--layout nchw] [--repeats 20] [--out PATH]
 """
@@ -26,11 +27,13 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pix_cpu import build  # noqa: E402
 
+from compress.pix import PiXBlock  # noqa: E402
+
 
 def time_modules(model: nn.Module, store: dict[str, list[float]]) -> None:
-    """Wrap the forward of every Conv2d and MaxPool2d of `model` to append its seconds to store[name]."""
+    """Wrap the forward of every Conv2d, MaxPool2d and PiXBlock of `model` to append its seconds to store[name]."""
     for name, mod in model.named_modules():
-        if isinstance(mod, (nn.Conv2d, nn.MaxPool2d)):
+        if isinstance(mod, (nn.Conv2d, nn.MaxPool2d, PiXBlock)):
             fwd = mod.forward
 
             def timed(inp, fwd=fwd, name=name):
@@ -75,21 +78,25 @@ def main() -> None:
                 totals[k].append(time.perf_counter() - t0)
                 timed[k](x)
     med = {k: {n: statistics.median(v) * 1e3 for n, v in parts[k].items()} for k in names}
-    shared = [n for n in med["resnet50"] if n in med["pix_resnet50"] and n != "maxpool"]
+    kind = {k: {n: type(timed[k].get_submodule(n)) for n in med[k]} for k in names}
+    shared = [n for n in med["resnet50"] if kind["resnet50"][n] is nn.Conv2d
+              and kind["pix_resnet50"].get(n) is nn.Conv2d]
     rows = {}
     for k in names:
         total = statistics.median(totals[k]) * 1e3
         common = sum(med[k][n] for n in shared)
-        own = sum(v for n, v in med[k].items() if n not in shared and n != "maxpool")
+        own = sum(v for n, v in med[k].items() if n not in shared and issubclass(kind[k][n], nn.Conv2d))
+        pix = sum(v for n, v in med[k].items() if kind[k][n] is PiXBlock)
         rows[k] = {"total_ms": round(total, 2), "shared_convs_ms": round(common, 2),
-                   "own_convs_ms": round(own, 2), "maxpool_ms": round(med[k]["maxpool"], 2),
-                   "rest_ms": round(total - common - own - med[k]["maxpool"], 2)}
+                   "own_convs_ms": round(own, 2), "pix_blocks_ms": round(pix, 2),
+                   "maxpool_ms": round(med[k]["maxpool"], 2),
+                   "rest_ms": round(total - common - own - pix - med[k]["maxpool"], 2)}
     r, p = rows["resnet50"], rows["pix_resnet50"]
     result = {
         "benchmark": "CPU forward breakdown, PiX ResNet-50 (zeta 4) vs ResNet-50 (benchmarks/pix_cpu_breakdown.py)",
         "legend": "shared_convs: the 37 convs both models have; own_convs: ResNet-50's 16 squeeze convs (none in "
-                  "PiX ResNet-50); rest: total - convs - max-pool (PiX blocks, residual tails, head, Python); "
-                  "parts timed with wrappers, totals without, interleaved",
+                  "PiX ResNet-50); pix_blocks: PiX ResNet-50's 16 PiX blocks, whole forward; rest: total - the "
+                  "parts (residual tails, head, Python); parts timed with wrappers, totals without, interleaved",
         "torch": torch.__version__, "threads": torch.get_num_threads(), "batch": args.batch,
         "layout": args.layout, "repeats": args.repeats, "cpu": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(), "rows": rows,
