@@ -335,7 +335,7 @@ class Launch:
 #   columns) accumulates its part on tensor cores, reading G once for all the offsets of its chunk, and writes it
 #   to its own slot of a partial-sum buffer; a sum over the slices (deterministic, no atomics) and a gather of the
 #   kept stripes follow. (A first version, one program per single offset, read G 9 times and took 0.88-2.8x
-#   cuDNN's wgrad time; its per-element index math also made it ALU-bound.)
+#   cuDNN's wgrad time.)
 # Both compute dense products (no pruned stripe is skipped). On an H200 the grad_x route beats cuDNN's dgrad only
 # up to 16 output channels (1.06-1.91x; 1.7-3.1x slower from 24; benchmarks/results/stripe_bwd_gpu_h200.json), the
 # grad_weight kernel up to 24 channels in bf16 (1.14-1.36x; 0.88x at 32) and 32 in fp32 (1.40-1.82x; 0.3-0.45x
@@ -375,7 +375,7 @@ if triton is not None:
         dh = (kj // KW) * DH
         dw = (kj % KW) * DW
         # element (m, j) of xcat sits at pixel m's unshifted row + a column shift that does not depend on m: the
-        # per-element address is one add (the whole index math per element made the kernel ALU-bound)
+        # per-element address is one add (computing the whole index per element was slower)
         shift = (dh * W + dw) * C + js % C
         acc = tl.zeros((BN, KCB), dtype=tl.float32)
         for m0 in range(m_start, m_end, BLOCK_M):
