@@ -37,6 +37,11 @@ def _layout(x: torch.Tensor) -> torch.memory_format:
     return torch.contiguous_format
 
 
+def _tracing_or_compiling() -> bool:
+    """Whether TorchScript traces or torch.compile compiles this call (the op, not an eager shortcut, must run)."""
+    return torch.jit.is_tracing() or torch.compiler.is_compiling()
+
+
 def _recording(*tensors: torch.Tensor | None) -> bool:
     """Whether autograd records an op on `tensors` (grad mode on and one of them requires grad)."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
@@ -54,7 +59,7 @@ def conv2d_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
         and weight.dtype == x.dtype
         and not _recording(x, weight, bias)
-        and not (torch.jit.is_tracing() or torch.compiler.is_compiling() or torch.onnx.is_in_onnx_export())
+        and not (_tracing_or_compiling() or torch.onnx.is_in_onnx_export())
     ):
         return torch.cudnn_convolution_relu(x, weight, bias, _pair(stride), _pair(padding), _pair(dilation), groups)
     return F.relu(F.conv2d(x, weight, bias, stride, padding, dilation, groups))
@@ -305,7 +310,7 @@ class StripeConv2d(nn.Module):
             x.is_cuda
             and _recording(x, self.weight, self.bias)
             and not torch.cuda.is_current_stream_capturing()
-            and not (torch.jit.is_tracing() or torch.compiler.is_compiling())
+            and not _tracing_or_compiling()
         ):
             return False
         key = (stripe_triton.input_signature(x), torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda"))
@@ -327,7 +332,7 @@ class StripeConv2d(nn.Module):
         as in inference. None elsewhere (the op then decides)."""
         if not (
             x.is_cuda
-            and not (torch.jit.is_tracing() or torch.compiler.is_compiling())
+            and not _tracing_or_compiling()
             and kernels.stripe_reads_dense(x, self.weight, self.out_channels, self.kernel_size)
         ):
             return None
@@ -346,7 +351,7 @@ class StripeConv2d(nn.Module):
         work once per input shape (host time per call 103-112 -> 21 us on an H200 host, that of a cuDNN conv;
         benchmarks/results/stripe_eager_gpu_h200.json)."""
         w, b = self.weight, self.bias
-        if not x.is_cuda or torch.jit.is_tracing() or torch.compiler.is_compiling():
+        if not x.is_cuda or _tracing_or_compiling():
             return None
         if _recording(x, w, b):
             return None

@@ -21,8 +21,9 @@ dense mode) passes it as ``dense``: the kernel then takes the dense route up to 
 weight on every call (two small kernels, about as long as such a layer on an H200).
 
 CUDA path: the Triton kernel in ``kernels/stripe_triton.py`` (forward); backward by cuDNN's dense backward with the
-zero-filled weight, then the kept stripes of its weight gradient, except grad_x of narrow stride-1 layers, which
-``stripe_triton.backward`` computes with the forward kernel (see ``_triton_backward_parts``).
+zero-filled weight, then the kept stripes of its weight gradient, except on narrow layers, where
+``stripe_triton.backward`` computes grad_x (stride 1, with the forward kernel) and grad_weight (an im2col product)
+(see ``_triton_backward_parts``).
 
 CPU path (also the CUDA fallback and the float64 path): one GEMM of all stripes over the input (a 1x1 conv,
 ``(S, C) @ (C, B*H*W)``) followed by one strided ``index_add_`` per offset into the output channels (a loop over
@@ -72,7 +73,7 @@ def _check_index(op: str, out_index: Tensor, offset: Tensor, S: int, device) -> 
 
 
 def _check(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, bias: Tensor | None, plan,
-           out_channels: int, kernel_size, stride, padding, dilation, op: str = OP):
+           out_channels: int, kernel_size, stride, padding, dilation, op: str = OP, dense: Tensor | None = None):
     check_4d(op, "x", x)
     check_like(op, "weight", weight, x)
     if weight.dim() != 2 or weight.shape[1] != x.shape[1]:
@@ -103,6 +104,8 @@ def _check(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, bias: T
     if ho < 1 or wo < 1:
         raise ValueError(f"{op}: tensor 'x' of spatial size {(H, W)} is too small for kernel "
                          f"{tuple(kernel_size)} with padding {list(padding)} and dilation {list(dilation)}")
+    if dense is not None:
+        _check_dense(dense, weight, out_channels, kernel_size, op)
     return ho, wo
 
 
@@ -268,9 +271,7 @@ def _stripe_op(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, bia
                plan: Tensor | None, out_channels: int, kernel_size: list[int], stride: list[int],
                padding: list[int], dilation: list[int], relu: bool, dense: Tensor | None = None) -> Tensor:
     # the CPU path does not read `dense` (its GEMM runs on the stripes); it is checked all the same
-    _check(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding, dilation)
-    if dense is not None:
-        _check_dense(dense, weight, out_channels, kernel_size)
+    _check(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding, dilation, dense=dense)
     return _forward_torch(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding,
                           dilation, relu)
 
@@ -278,9 +279,7 @@ def _stripe_op(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, bia
 @_stripe_op.register_kernel("cuda")
 def _stripe_cuda(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding,
                  dilation, relu, dense=None):
-    _check(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding, dilation)
-    if dense is not None:
-        _check_dense(dense, weight, out_channels, kernel_size)
+    _check(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding, dilation, dense=dense)
     from kernels import stripe_triton
 
     if stripe_triton.available(x):
@@ -295,9 +294,8 @@ def _stripe_cuda(x, weight, out_index, offset, bias, plan, out_channels, kernel_
 @_stripe_op.register_fake
 def _stripe_fake(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding, dilation,
                  relu, dense=None):
-    ho, wo = _check(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding, dilation)
-    if dense is not None:
-        _check_dense(dense, weight, out_channels, kernel_size)
+    ho, wo = _check(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding, dilation,
+                    dense=dense)
     return x.new_empty((x.shape[0], out_channels, ho, wo)).contiguous(memory_format=memory_format(x))
 
 
@@ -475,9 +473,7 @@ def prepare_stripe_conv2d(x: Tensor, weight: Tensor, out_index: Tensor, offset: 
 
     ks, st, pd, dl = (pair(v, nm) for v, nm in ((kernel_size, "kernel_size"), (stride, "stride"),
                                                  (padding, "padding"), (dilation, "dilation")))
-    _check(x, weight, out_index, offset, bias, plan, int(out_channels), ks, st, pd, dl)
-    if dense is not None:
-        _check_dense(dense, weight, int(out_channels), ks)
+    _check(x, weight, out_index, offset, bias, plan, int(out_channels), ks, st, pd, dl, dense=dense)
     if not (stripe_triton.available(x) and use_kernel(x)):
         return None
     if plan is None:

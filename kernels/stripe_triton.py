@@ -289,7 +289,7 @@ class Launch:
         cfg.setdefault("GATHER", False)
         cfg.setdefault("NOSKIP", False)
         self._grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), 1)  # 3-D for the compiled kernel
-        y_strides = torch.empty(self._y_shape, **self._empty_kw).stride()
+        y_strides = torch.empty(self._y_shape, dtype=x.dtype, device="meta", memory_format=fmt).stride()  # no memory
         named = dict(
             SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1], DH=dilation[0], DW=dilation[1], KH=KH, KW=KW,
             HAS_BIAS=bias is not None, RELU=relu, IS_FP32=x.dtype == torch.float32,
