@@ -298,10 +298,11 @@ class StripeConv2d(nn.Module):
         not tracing or compiling) that runs as dense mode: cuDNN with the zero-filled weight built for the step.
 
         `mode` is an inference choice; in an eager training step the op's host cost (dispatch, checks, Triton
-        launches in the forward and the backward: about 200 us per layer and step on an H200 host) exceeds a small
-        layer's GPU time. Measured, a CIFAR ResNet-56 (random masks, 46 of 55 layers in stripe mode) stepped in
-        12.1 + 20.2 ms (forward + backward) through the kernel even with a kept forward launcher, 7.2 + 9.1 ms
-        through cuDNN (benchmarks/results/stripe_models_gpu_h200_train_eager_{kernel,cudnn}.json). Steps captured
+        launches in the forward and the backward) exceeds a small layer's GPU time: about 0.35 ms more per stripe
+        layer and step than cuDNN on an H200 host. Measured, a CIFAR ResNet-56 (random masks, 46 of 55 layers in
+        stripe mode) stepped in 12.1 + 20.2 ms (forward + backward) through the kernel even with a kept forward
+        launcher, 7.2 + 9.1 ms through cuDNN (benchmarks/results/stripe_models_gpu_h200_train_eager_{kernel,cudnn}.json).
+        Steps captured
         in CUDA graphs (`torch.cuda.make_graphed_callables`) or compiled keep the kernel and its Triton backward,
         where only GPU time counts. So that such a capture finds the kernels compiled (Triton cannot load a kernel
         while a stream captures), the first eager step per input shape and autocast dtype still runs the op: the
