@@ -14,8 +14,9 @@ torch.inference_mode, cudnn.benchmark on. Each StripeConv2d's stripe/dense mode 
 use the modes chosen by eager wall time (timing="eager", launch overhead included), the CUDA-graph timings those
 chosen by GPU time (timing="graph"); the cost-model default (without choose_modes) is timed too where it
 differs. Times: CUDA events around one forward after a synchronize (eager, launch overhead included), warm-up,
-then dense and compact interleaved, median; and the same with each model captured once in a CUDA graph and
-replayed (launch overhead removed). Backward: one training step
+then dense and compact interleaved, median; and the same with each model captured once in a CUDA graph
+(compress.CUDAGraphModel) and replayed (launch overhead removed; *_call_ms: a whole wrapper call, input copy and
+output clone included, what a user of CUDAGraphModel waits for). Backward: one training step
 of each model (the same BN-folded models, so no BatchNorm in either; fp32 weights, bf16 autocast,
 channels_last, train mode, StripeConv2d weights trainable), forward and backward timed apart, eager and with the
 forward and the backward each replayed from a CUDA graph (torch.cuda.make_graphed_callables; the compact model
@@ -183,24 +184,12 @@ def interleaved(fns: dict, clock: Clock, warmup: int, repeats: int) -> dict[str,
     return times
 
 
-def cuda_graph(model: nn.Module, x: torch.Tensor):
-    """model(x) captured in a CUDA graph (after warm-up on a side stream); returns the replay function."""
-    static_x = x.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            model(static_x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_y = model(static_x)
-    graph.replay()
-    torch.cuda.synchronize()
-    err = rel_err(static_y, model(static_x))
-    if err > 1e-2:  # a replay computes what eager does (up to cuDNN algorithm choice)
-        raise RuntimeError(f"graph replay differs from eager (max rel error {err:.2e})")
-    return graph.replay
+def cuda_graph(model: nn.Module, x: torch.Tensor) -> compress.CUDAGraphModel:
+    """`model` wrapped in compress.CUDAGraphModel with model(x) captured (the wrapper checks a replay against the
+    eager call)."""
+    wrapped = compress.CUDAGraphModel(model)
+    wrapped.capture(x)
+    return wrapped
 
 
 def train_times(
@@ -360,16 +349,21 @@ def bench(name: str, variant: str, args, device: torch.device) -> dict | None:
     if args.graphs:
         try:
             with torch.inference_mode():
-                g_fns = {"dense": cuda_graph(dense, x), "compact": cuda_graph(small_graph, x)}
+                wrapped = {"dense": cuda_graph(dense, x), "compact": cuda_graph(small_graph, x)}
+                g_fns = {k: w.capture(x).replay for k, w in wrapped.items()}
+                g_fns.update({f"{k}_call": partial(w, x) for k, w in wrapped.items()})
                 graphed = interleaved(g_fns, clock, args.warmup, args.repeats)
             g = {k: statistics.median(v) for k, v in graphed.items()}
             result["graphed"] = {
                 "dense_ms": round(g["dense"], 4),
                 "compact_ms": round(g["compact"], 4),
                 "speedup": round(g["dense"] / g["compact"], 3),
+                "dense_call_ms": round(g["dense_call"], 4),
+                "compact_call_ms": round(g["compact_call"], 4),
+                "call_speedup": round(g["dense_call"] / g["compact_call"], 3),
                 "all_ms": {k: [round(t, 4) for t in v] for k, v in graphed.items()},
             }
-            del g_fns
+            del g_fns, wrapped
         except Exception as err:  # report and go on: the eager numbers stand
             result["graphed"] = {"error": f"{type(err).__name__}: {err}"}
             print(f"   {name}/{variant}: CUDA graph failed: {type(err).__name__}: {err}", flush=True)

@@ -10,11 +10,13 @@ The public surface, imported explicitly (submodules stay importable under their 
     PiXBlock, apply_pix, insert_pix, downscale_pix                   compress.pix
     profile, compare                   compress.profile
     save, load                         compress.checkpoint
+    CUDAGraphModel                     compress.graphs
 """
 
 from compress.checkpoint import load, save
 from compress.compaction import choose_modes, compact
 from compress.data import build_data
+from compress.graphs import CUDAGraphModel
 from compress.models import create_model, list_models
 from compress.pix import PiXBlock, apply_pix, downscale_pix, insert_pix
 from compress.profile import compare, profile
@@ -22,6 +24,7 @@ from compress.skeleton import SkeletonConv2d, attach_skeletons, skeleton_stats, 
 from compress.stripe import StripeConv2d
 
 __all__ = [
+    "CUDAGraphModel",
     "PiXBlock",
     "SkeletonConv2d",
     "StripeConv2d",

@@ -372,6 +372,12 @@ class StripeConv2d(nn.Module):
             self._launch_cache = (key, kernels.prepare_stripe_conv2d(*args, **kwargs))
         return self._launch_cache[1]
 
+    def graph_keepalive(self) -> tuple:
+        """What a CUDA graph captured through this module reads besides its parameters and buffers: the kept dense
+        weight and launcher (`compress.CUDAGraphModel` holds them while the graph lives, so a later call with
+        another input layout, which replaces them, cannot free memory the graph reads)."""
+        return self._dense_cache, self._launch_cache
+
     def __getstate__(self) -> dict:
         """Copies and pickles drop the kept launcher (it holds a compiled kernel; rebuilt on first use) and forget
         which inputs an eager training step ran the op for (a copy in another process has compiled nothing)."""
