@@ -35,6 +35,9 @@ def main(cfg: DictConfig) -> None:
         batch_size=cfg.profile.batch_size,
         latency=cfg.profile.latency,
         repeats=cfg.profile.repeats,
+        dtype=cfg.profile.dtype,
+        channels_last=cfg.profile.channels_last,
+        cuda_graphs=cfg.profile.cuda_graphs,
     )
     print(render_markdown(report).split("\n## Per layer")[0])
     print(f"wrote {', '.join(sorted(p.name for p in out.iterdir() if p.is_file()))} to {out}")

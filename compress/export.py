@@ -8,6 +8,7 @@ report.json, report.md and stripes.png, and returns the report dict.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch.nn as nn
 from compress.checkpoint import load
 from compress.checkpoint import save as save_compact
 from compress.compaction import choose_modes, compact
+from compress.graphs import CUDAGraphModel
 from compress.models import create_model
 from compress.onnx_export import check_onnx, export_onnx
 from compress.profile import measure_latencies, profile
@@ -28,6 +30,8 @@ from compress.surgery import replace_module
 __all__ = ["load_training_checkpoint", "load_any", "export_checkpoint", "FILES"]
 
 FILES = ("model.compact.safetensors", "model.onnx", "report.json", "report.md", "stripes.png")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 _KNOWN_CLASSES = {"digits": 10, "cifar10": 10, "cifar100": 100, "imagenet": 1000, "fake": 10}
 
@@ -99,7 +103,7 @@ def export_checkpoint(
     channel_multiple: int = 1,
     fuse_relu: bool = True,
     choose_stripe_modes: bool = True,
-    modes_timing: str = "eager",
+    modes_timing: str = "auto",
     onnx: bool = True,
     stripe_mode: str = "dense",
     opset: int = 17,
@@ -107,6 +111,9 @@ def export_checkpoint(
     batch_size: int = 1,
     latency: bool = True,
     repeats: int = 10,
+    dtype: str = "float32",
+    channels_last: bool = False,
+    cuda_graphs: bool = False,
 ) -> dict:
     """Compact the model in `ckpt` and write FILES into `out_dir`; return the report dict.
 
@@ -120,13 +127,18 @@ def export_checkpoint(
         choose_stripe_modes: time each stripe conv against its dense equivalent on `device` and keep
             the faster (compress.choose_modes); otherwise the cost model's choice stays.
         modes_timing: how choose_modes compares them: "eager" (wall time of an eager call, launch overhead
-            included: what the latency report measures) or "graph" (GPU time, CUDA only: for deployment in CUDA
-            graphs or torch.compile).
+            included), "graph" (GPU time, CUDA only: for deployment in CUDA graphs or torch.compile) or "auto"
+            (graph with `cuda_graphs`, else eager: the way the latency report runs the model).
         onnx, stripe_mode, opset: write model.onnx (see compress.onnx_export) and check it in
             onnxruntime against PyTorch.
         device: where latency is measured (default: cuda when available, else cpu).
         batch_size, latency, repeats: latency measurement (compress.profile).
+        dtype, channels_last, cuda_graphs: how both models run for the modes choice and the latency report
+            ("float32" | "bfloat16" | "float16"; channels_last activations; whole forwards replayed through
+            compress.CUDAGraphModel, CUDA only, for the total latencies); the saved model stays float32.
     """
+    if dtype not in DTYPES:
+        raise ValueError(f"export: profile.dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model, cfg = load_any(ckpt)
@@ -144,9 +156,21 @@ def export_checkpoint(
     if fold_bn:
         dense = compact(dense, fold_bn=True, fuse_relu=fuse_relu)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    small.to(device)
-    if choose_stripe_modes:
-        choose_modes(small, torch.randn(batch_size, *size, device=device), timing=modes_timing)
+    if cuda_graphs and torch.device(device).type != "cuda":
+        raise ValueError(f"export: profile.cuda_graphs needs a CUDA device, got device {device!r}; set "
+                         "profile.device=cuda on a GPU machine or profile.cuda_graphs=false")
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+
+    def deployed(m: nn.Module) -> nn.Module:
+        return m.to(device=device, dtype=DTYPES[dtype], memory_format=memory_format)
+
+    xb = torch.randn(batch_size, *size, device=device, dtype=DTYPES[dtype]).contiguous(memory_format=memory_format)
+    if choose_stripe_modes:  # measured as the report runs the model; the file keeps the float32 weights
+        timing = modes_timing if modes_timing != "auto" else ("graph" if cuda_graphs else "eager")
+        with torch.inference_mode():
+            modes = choose_modes(deployed(copy.deepcopy(small)), xb, timing=timing)
+        for name, mode in modes.items():
+            small.get_submodule(name).mode = mode
 
     save_compact(small, out / FILES[0])
     onnx_info = None
@@ -154,19 +178,22 @@ def export_checkpoint(
         export_onnx(small.cpu(), out / FILES[1], size, stripe_mode=stripe_mode, opset=opset)
         err = check_onnx(out / FILES[1], small, torch.randn(2, *size))
         onnx_info = {"file": FILES[1], "stripe_mode": stripe_mode, "opset": opset, "max_rel_error": err}
+    dense, small = deployed(dense), deployed(small)
     common = {"batch_size": batch_size, "device": device, "latency": latency, "repeats": repeats}
     dense_prof, small_prof = profile(dense, size, **common), profile(small, size, **common)
     if latency:  # the totals again, timed side by side so that machine load hits both alike
+        timed = [CUDAGraphModel(m) for m in (dense, small)] if cuda_graphs else [dense, small]
         with torch.inference_mode():
-            xb = torch.randn(batch_size, *size, device=device)
-            dense_prof.latency_ms, small_prof.latency_ms = measure_latencies([dense, small], xb, repeats=repeats)
+            dense_prof.latency_ms, small_prof.latency_ms = measure_latencies(timed, xb, repeats=repeats)
     report = report_dict(
         dense_prof,
         small_prof,
         threshold=used,
         stripes=stripes_per_layer(model if cfg else small, used),
     )
-    report.update(source=str(ckpt), target_macs=target_macs, fold_bn=fold_bn, onnx=onnx_info)
+    report.update(source=str(ckpt), target_macs=target_macs, fold_bn=fold_bn, onnx=onnx_info,
+                  run={"dtype": dtype, "channels_last": channels_last, "cuda_graphs": cuda_graphs,
+                       "modes": "chosen by " + timing + " timing" if choose_stripe_modes else "cost model"})
     (out / FILES[2]).write_text(json.dumps(report, indent=2) + "\n")
     (out / FILES[3]).write_text(render_markdown(report))
     plot_stripes(report["stripes"], out / FILES[4])

@@ -96,6 +96,13 @@ def render_markdown(report: dict) -> str:
         f"Stripe threshold: {report['threshold']}.",
         "",
     ]
+    run = report.get("run")
+    if run:
+        lines[-1:-1] = [
+            f"Both models ran in {run['dtype']}, {'channels_last' if run['channels_last'] else 'NCHW'}"
+            f"{', total latency through CUDA graphs (compress.CUDAGraphModel)' if run['cuda_graphs'] else ''}; "
+            f"stripe modes: {run['modes']}.",
+        ]
     rows = []
     for row in report["comparison"]:
         label, fmt = _TOTALS[row["metric"]]

@@ -162,6 +162,45 @@ def test_export_script(training_checkpoint, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == sorted(FILES)
 
 
+def _export_deployed(training_checkpoint, tmp_path, device: str, cuda_graphs: bool) -> dict:
+    """export in bf16 channels_last (and through CUDA graphs): the report says how the models ran, the file keeps
+    float32 weights computing the skeleton model's function."""
+    path, skeleton = training_checkpoint
+    report = export_checkpoint(path, tmp_path, onnx=False, device=device, batch_size=4, repeats=2,
+                               dtype="bfloat16", channels_last=True, cuda_graphs=cuda_graphs)  # fmt: skip
+    timing = "graph" if cuda_graphs else "eager"
+    assert report["run"] == {"dtype": "bfloat16", "channels_last": True, "cuda_graphs": cuda_graphs,
+                             "modes": f"chosen by {timing} timing"}  # fmt: skip
+    assert report["dense"]["latency_ms"] > 0 and report["compact"]["latency_ms"] > 0
+    assert report["dense"]["weight_bytes"] == 2 * report["dense"]["params"]  # measured in bf16 (BN folded)
+    text = (tmp_path / "report.md").read_text()
+    assert "Both models ran in bfloat16, channels_last" in text
+    assert ("CUDA graphs" in text) == cuda_graphs
+    small = load(tmp_path / FILES[0])
+    assert all(p.dtype == torch.float32 for p in small.parameters())
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        _assert_same_function(small(x), skeleton(x))
+    return report
+
+
+def test_export_runs_models_as_deployed(training_checkpoint, tmp_path):
+    _export_deployed(training_checkpoint, tmp_path, "cpu", cuda_graphs=False)
+
+
+@pytest.mark.cuda
+def test_export_through_cuda_graphs(training_checkpoint, tmp_path):
+    _export_deployed(training_checkpoint, tmp_path, "cuda", cuda_graphs=True)
+
+
+def test_export_deployment_options_are_checked(training_checkpoint, tmp_path):
+    path, _ = training_checkpoint
+    with pytest.raises(ValueError, match="profile.dtype must be one of"):
+        export_checkpoint(path, tmp_path, dtype="int8")
+    with pytest.raises(ValueError, match="cuda_graphs needs a CUDA device"):
+        export_checkpoint(path, tmp_path, device="cpu", cuda_graphs=True)
+
+
 def test_missing_checkpoint_is_clear(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         export_checkpoint(tmp_path / "nope.pt", tmp_path)
