@@ -16,7 +16,12 @@ masks, keep 0.3/0.15) it ran 1.07-1.52x faster than the one-hot route on 128-512
 64 and 0.71-0.74x at 16-32 channels (benchmarks/results/stripe_gather_h200.json). The DENSE route (route (a):
 A_k @ the zero-filled dense weight of offset k, skipping the offsets a tile keeps no stripe of) reads that weight
 from the caller where it is kept (``dense=``); with it, 16-bit data and C >= 16 it runs all offsets in one loop
-without the skip (NOSKIP), which Triton software-pipelines (see ``default_config``). Epilogue: bias, optional
+without the skip (NOSKIP), which Triton software-pipelines (see ``default_config``). With at most
+``IM2COL_MAX_C`` input channels (a first layer on RGB) the IM2COL route (c) multiplies the dense weight, viewed as
+(N, KH*KW*C), with the im2col rows, BLOCK_K columns k*C + c at a time (the addressing of the weight-gradient kernel
+below): per offset, 3 channels would fill 3 of a tensor-core step's 16 K-lanes. On an H200 (bf16, channels_last)
+it ran the 7x7 stride-2 ImageNet stem (batch 128) 2.0x and the CIFAR VGG16 first conv (batch 256) 4.4x faster than
+cuDNN's dense conv, which pads 3 channels to 8 (benchmarks/results/stripe_stem_gpu_h200.json). Epilogue: bias, optional
 ReLU, store in the output's layout (NCHW or channels_last; the input is read channels_last, an NCHW input is
 converted first).
 float32 inputs use TF32 tensor cores with round-to-nearest operands, and P is split into two TF32 parts
@@ -114,7 +119,7 @@ if triton is not None:
         DH: tl.constexpr, DW: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
         HAS_BIAS: tl.constexpr, RELU: tl.constexpr, IS_FP32: tl.constexpr, OUT_CL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
-        ONE_K: tl.constexpr, DENSE: tl.constexpr, GATHER: tl.constexpr, NOSKIP: tl.constexpr,
+        ONE_K: tl.constexpr, DENSE: tl.constexpr, GATHER: tl.constexpr, NOSKIP: tl.constexpr, IM2COL: tl.constexpr,
     ):
         # w_ptr: route (b) stripe weight (S, C); DENSE route (a): zero-filled dense weight, channels_last
         # (N, KH, KW, C) in memory, so both routes load weight tiles contiguous along C
@@ -133,11 +138,29 @@ if triton is not None:
         cols = tl.arange(0, BLOCK_N)
         cc = tl.arange(0, CHUNK)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if IM2COL:  # route (c), few input channels: the dense weight (N, KH*KW*C) against the im2col rows, BLOCK_K
+            # columns j = k*C + c at a time; element (m, j) sits at pixel m's unshifted row + a shift of column j
+            row0 = ((bb * H + ih0) * W + iw0) * C
+            for j0 in range(0, KH * KW * C, BLOCK_K):
+                js = j0 + ck
+                kj = js // C
+                dh = (kj // KW) * DH
+                dw = (kj % KW) * DW
+                ih = ih0[:, None] + dh[None, :]
+                iw = iw0[:, None] + dw[None, :]
+                a_ok = (m_ok[:, None] & (js < KH * KW * C)[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W))
+                a = tl.load(x_ptr + row0[:, None] + ((dh * W + dw) * C + js % C)[None, :], mask=a_ok, other=0.0)
+                wt = tl.load(w_ptr + (n0 + cols)[None, :].to(tl.int64) * (KH * KW * C) + js[:, None],
+                             mask=(js < KH * KW * C)[:, None] & ((n0 + cols) < N)[None, :], other=0.0)
+                if IS_FP32:
+                    a = _round_tf32(a)
+                    wt = _round_tf32(wt)
+                acc = tl.dot(a, wt, acc)
         if NOSKIP:  # DENSE route over every offset, no data-dependent branch: Triton pipelines the loads
             for k in range(KH * KW):
                 acc = _dense_offset(acc, x_ptr, w_ptr, k, ih0, iw0, bb, m_ok, n0, ck, cols, C, H, W, N, DH, DW, KH,
                                     KW, IS_FP32, BLOCK_K)
-        for k in range(0 if NOSKIP else KH * KW):
+        for k in range(0 if (NOSKIP or IM2COL) else KH * KW):
             s_lo = tl.load(plan_ptr + k * (N + 1) + n0)
             s_hi = tl.load(plan_ptr + k * (N + 1) + n1)
             if s_hi > s_lo:
@@ -196,6 +219,9 @@ if triton is not None:
         tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+IM2COL_MAX_C = 4  # route (c) up to this many input channels
+
+
 def _pow2(v: int, lo: int, hi: int) -> int:
     p = lo
     while p < v and p < hi:
@@ -210,10 +236,14 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_giv
     it ran 1.4-2.0x faster than the one-hot route at 24-64 channels and within 5% of the best of 20 tilings
     (benchmarks/results/stripe_tiles_narrow_h200.json); building the weight per call costs about as much as
     such a layer, so without it the DENSE route stays for C <= 16 and mostly-kept layers."""
+    if C <= IM2COL_MAX_C:  # route (c), a first layer (RGB input): the best of a sweep on an H200, bf16 channels_last
+        # (benchmarks/stripe_stem_gpu.py -> stripe_stem_gpu_h200.json): 3x3 stems (27 columns) 128-pixel tiles;
+        # 7x7 stems (147 columns) 64-pixel tiles, 32 columns per step (1.6x faster than 64 columns)
+        small = K * C <= 32
+        return dict(BLOCK_M=128 if small else 64, BLOCK_N=_pow2(N, 16, 64), BLOCK_K=32, CHUNK=16, num_warps=4,
+                    num_stages=3 if small else 2, IM2COL=True)
     block_k = _pow2(C, 16, 64 if dtype == torch.float32 else 128)
-    # a first layer (RGB input): 16-channel output tiles, 1.3-1.7x faster than 64 for 40-48 outputs at 32x32
-    # (benchmarks/results/stripe_tiles_vgg16_h200.json)
-    block_n = 16 if C <= 4 else _pow2(N, 16, 64 if C <= 64 else 128)
+    block_n = _pow2(N, 16, 64 if C <= 64 else 128)
     dense = (C <= 16 or (dense_given and C <= 64) or S > 0.4 * K * N
              or (dtype == torch.float32 and S > 0.2 * K * N))
     if C >= 128 and not dense:  # gather reduction (the best configs of stripe_gather_h200.json)
@@ -245,7 +275,7 @@ def prepare(x, weight, out_index, offset, bias, plan, out_channels, kernel_size,
     chosen here, once."""
     C, N, KH, KW = x.shape[1], out_channels, *kernel_size
     cfg = dict(config or default_config(C, N, weight.shape[0], KH * KW, x.dtype, dense_given=dense is not None))
-    if not cfg.get("DENSE", False):
+    if not (cfg.get("DENSE", False) or cfg.get("IM2COL", False)):
         wop = weight.contiguous()
     elif dense is not None:  # the zero-filled dense weight, channels_last: (N, KH, KW, C) in memory, exact
         wop = dense
@@ -288,6 +318,7 @@ class Launch:
         cfg.setdefault("DENSE", False)
         cfg.setdefault("GATHER", False)
         cfg.setdefault("NOSKIP", False)
+        cfg.setdefault("IM2COL", False)
         self._grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), 1)  # 3-D for the compiled kernel
         y_strides = torch.empty(self._y_shape, dtype=x.dtype, device="meta", memory_format=fmt).stride()  # no memory
         named = dict(
@@ -419,7 +450,7 @@ def _grad_input(grad, dense_w, kernel_size, padding, dilation):
     pad = [d * (k - 1) - p for d, k, p in zip(dilation, kernel_size, padding)]
     plan = _full_plan(KH * KW, C, grad.device)
     cfg = default_config(N, C, KH * KW * C, KH * KW, grad.dtype, dense_given=True)
-    cfg["DENSE"] = True
+    cfg["DENSE"] = not cfg.get("IM2COL", False)  # route (a), or (c) for at most IM2COL_MAX_C output channels
     return Launch(grad, flipped, plan, plan, None, C, KH * KW * C, kernel_size, (1, 1), pad, dilation, False,
                   cfg)(grad)
 

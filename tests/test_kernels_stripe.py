@@ -235,7 +235,10 @@ cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, CHUNK=16, num_warps=4, num_stages
 gcfg = dict(cfg, CHUNK=8, GATHER=True)
 for dt, ks, st, pd, dl, C, N, c, fmt in [
         (torch.float32, (3, 3), (1, 1), (1, 1), (1, 1), 16, 20, None, torch.contiguous_format),
-        (torch.float32, (3, 3), (1, 1), (1, 1), (1, 1), 3, 40, None, torch.channels_last),  # RGB: 16-wide N tiles
+        (torch.float32, (3, 3), (1, 1), (1, 1), (1, 1), 3, 40, None, torch.channels_last),  # RGB: im2col route
+        (torch.float16, (7, 7), (2, 2), (3, 3), (1, 1), 3, 24, None, torch.contiguous_format),  # a stem, 3 chunks
+        (torch.float32, (3, 3), (1, 1), (2, 2), (2, 2), 3, 20, dict(cfg, IM2COL=True), torch.channels_last),
+        (torch.float32, (3, 3), (1, 1), (1, 1), (1, 1), 16, 4, None, torch.contiguous_format),  # grad_x: im2col
         (torch.float32, (3, 3), (2, 2), (1, 1), (1, 1), 40, 20, cfg, torch.contiguous_format),
         (torch.float32, (3, 3), (2, 2), (1, 1), (1, 1), 40, 20, dict(cfg, DENSE=True, NOSKIP=True), torch.channels_last),
         (torch.float16, (3, 3), (2, 2), (1, 1), (1, 1), 40, 20, dict(cfg, DENSE=True), torch.channels_last),
@@ -253,7 +256,7 @@ for dt, ks, st, pd, dl, C, N, c, fmt in [
     err = ((y.double() - yr).norm() / yr.norm()).item()
     assert y.shape == yr.shape and err < 1e-3, (dt, ks, st, err)
     assert y.is_contiguous(memory_format=fmt)
-    if c is None or c.get("DENSE"):  # with a kept dense weight (the default then may take another route)
+    if c is None or c.get("DENSE") or c.get("IM2COL"):  # with a kept dense weight (the default then may take another route)
         dense = kernels.stripe_to_dense(w.to(dt), oi, off, N, ks, memory_format=torch.channels_last)
         y2 = stripe_triton.forward(x.to(dt), w.to(dt), oi, off, b.to(dt), plan, N, list(ks), list(st), list(pd),
                                    list(dl), True, c, dense=dense)
@@ -287,8 +290,8 @@ print("OK")
 
 
 def test_triton_kernel_interpreted_on_cpu():
-    """The Triton kernel's indexing and its one-hot and gather reductions, run by TRITON_INTERPRET=1 on tiny
-    shapes (CHUNK 8 < the tile's stripes per offset, so a column's stripe may fall in a later chunk)."""
+    """The Triton kernel's indexing, its one-hot and gather reductions and its im2col route, run by
+    TRITON_INTERPRET=1 on tiny shapes (CHUNK 8 < the tile's stripes per offset, so a column's stripe may fall in a later chunk)."""
     import subprocess
     import sys
 
