@@ -104,7 +104,8 @@ def ceilings():
 
 
 def candidates(C, N, dtype):
-    """Route (b) one-hot and gather configs and route (a) dense-tile configs; the best per layer is kept."""
+    """Route (b) one-hot and gather configs, route (a) dense-tile configs and, up to 64 channels, route (c) im2col
+    configs; the best per layer is kept."""
     p2 = stripe_triton._pow2
     bk = p2(C, 16, 64 if dtype == torch.float32 else 128)
     bns = sorted({p2(N, 16, 32), p2(N, 16, 64), p2(N, 16, 128)})
@@ -118,6 +119,10 @@ def candidates(C, N, dtype):
     out.append(dict(BLOCK_M=64, BLOCK_N=bns[0], BLOCK_K=bk, CHUNK=16, num_warps=4, num_stages=3, DENSE=False))
     for bm, bn, nw in ((128, p2(N, 16, 64), 4), (128, p2(N, 16, 128), 8), (256, p2(N, 16, 64), 8)):
         out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, CHUNK=16, num_warps=nw, num_stages=3, DENSE=True))
+    if C <= 64:  # route (c), im2col columns (reads the kept dense weight)
+        for bk, nw in ((32, 4), (32, 8), (64, 4)):
+            out.append(dict(BLOCK_M=128, BLOCK_N=p2(N, 16, 64), BLOCK_K=bk, CHUNK=16, num_warps=nw, num_stages=3,
+                            IM2COL=True))
     if C >= 64:  # route (b) with the gather reduction
         for bm, nw, ns in ((64, 4, 2), (128, 8, 2), (128, 8, 3)):
             for ch in (32, 64):
@@ -126,10 +131,15 @@ def candidates(C, N, dtype):
     return out
 
 
+def route_name(cfg: dict) -> str:
+    return ("c" if cfg.get("IM2COL") else "a" if cfg.get("DENSE") else "b-gather" if cfg.get("GATHER") else "b")
+
+
 def run_stripe(x, w, oi, off, b, plan, N, cfg, kept):
     """The kernel with `cfg` (None: the default), given `kept` (the layer's channels_last dense weight, as
     StripeConv2d keeps it in inference) where that route reads it."""
-    reads = cfg["DENSE"] if cfg is not None else kernels.stripe_reads_dense(x, w, N, 3)
+    reads = (cfg.get("DENSE", False) or cfg.get("IM2COL", False)) if cfg is not None else kernels.stripe_reads_dense(
+        x, w, N, 3)
     return stripe_triton.forward(x, w, oi, off, b, plan, N, [3, 3], [1, 1], [1, 1], [1, 1], True, cfg,
                                  dense=kept if reads else None)
 
@@ -169,7 +179,7 @@ def run_case(net, B, C, H, keep, w64, oi, off, x64, gen, rates, bw, rows, fails,
         cands = candidates(C, N, dt)
         xs8 = x64[:8].to(dt).contiguous(memory_format=fmt)
         errs = []
-        firsts = {("a" if c["DENSE"] else "g" if c.get("GATHER") else "b"): c for c in reversed(cands)}
+        firsts = {route_name(c): c for c in reversed(cands)}
         for cfg in firsts.values():  # the first config of each route
             y = run_stripe(xs8, w, oi, off, b, plan, N, cfg, kept)
             errs.append(((y.double() - ref).norm() / ref.norm()).item())
@@ -212,7 +222,7 @@ def run_case(net, B, C, H, keep, w64, oi, off, x64, gen, rates, bw, rows, fails,
         row = dict(net=net, B=B, C=C, N=N, H=H, keep=keep, mask=mask, stripes=S, dtype=dname, layout=layout,
                    dense_ms=round(dense_ms, 4), stripe_ms=round(best[0], 4),
                    stripe_default_ms=round(def_ms, 4), config=best[1],
-                   route="a" if best[1]["DENSE"] else "b-gather" if best[1].get("GATHER") else "b",
+                   route=route_name(best[1]),
                    speedup=round(sp, 2),
                    floor_ms=round(floor_ms, 4), attainable=round(attain, 2),
                    fraction=round(sp / attain, 2), rel_err=err)

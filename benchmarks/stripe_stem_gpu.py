@@ -8,7 +8,8 @@ batch 256, 32x32); random stripe masks at the keep given; bf16, channels_last, b
 output is checked against the float64 dense conv (relative error). Configs: the route (a) config the kernel used
 before route (c), a sweep of route (c) tilings and the default.
 
-    python benchmarks/stripe_stem_gpu.py [--out benchmarks/results/stripe_stem_gpu_h200.json]
+    python benchmarks/stripe_stem_gpu.py            # -> benchmarks/results/stripe_stem_gpu_h200.json
+    python benchmarks/stripe_stem_gpu.py --narrow   # 16-64 channels -> stripe_narrow_im2col_gpu_h200.json
 """
 
 from __future__ import annotations
@@ -36,11 +37,20 @@ LAYERS = [("imagenet_stem", 128, 3, 224, 64, 7, 2, 3, 0.053), ("imagenet_stem", 
           ("imagenet_stem_24", 128, 3, 224, 24, 7, 2, 3, 0.32), ("vgg_first", 256, 3, 32, 40, 3, 1, 1, 0.12),
           ("vgg_first", 256, 3, 32, 64, 3, 1, 1, 0.5)]  # fmt: skip
 ROUTE_A = dict(BLOCK_M=128, BLOCK_N=16, BLOCK_K=16, CHUNK=16, num_warps=4, num_stages=2, DENSE=True)
+# --narrow: layers of 16-64 input channels, where the default is route (a) with the dense weight kept: does the
+# im2col route pad less and win there too?
+NARROW = [("vgg_40", 256, 40, 32, 40, 3, 1, 1, 0.14), ("vgg_64", 256, 64, 32, 64, 3, 1, 1, 0.3),
+          ("resnet56_16", 256, 16, 32, 16, 3, 1, 1, 0.5), ("resnet56_32", 256, 32, 16, 32, 3, 1, 1, 0.5),
+          ("resnet56_64", 256, 64, 8, 64, 3, 1, 1, 0.5), ("imagenet_64", 128, 64, 56, 64, 3, 1, 1, 0.3)]  # fmt: skip
 
 
-def candidates(N: int, columns: int) -> list[tuple[str, dict | None]]:
-    out = [("route_a_before", ROUTE_A)]
+def candidates(N: int, columns: int, narrow: bool) -> list[tuple[str, dict | None]]:
     bn = stripe_triton._pow2(N, 16, 64)
+    if narrow:
+        out = [(f"route_a_m128_k{bk}_w4_s3", dict(BLOCK_M=128, BLOCK_N=bn, BLOCK_K=bk, CHUNK=16, num_warps=4,
+                                                   num_stages=3, DENSE=True, NOSKIP=True)) for bk in (16, 32)]
+    else:
+        out = [("route_a_before", ROUTE_A)]
     for bm, bk, (nw, ns) in itertools.product((64, 128, 256), (32, 64), ((4, 2), (4, 3), (8, 3))):
         if (bm == 256 and nw == 4) or (bm == 64 and nw == 8) or (bk == 64 and columns <= 32):
             continue
@@ -51,14 +61,17 @@ def candidates(N: int, columns: int) -> list[tuple[str, dict | None]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "stripe_stem_gpu_h200.json"))
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--narrow", action="store_true", help="16-64-channel layers instead of first layers")
     args = ap.parse_args()
+    out = Path(args.out or ROOT / "benchmarks" / "results"
+               / f"stripe_{'narrow_im2col' if args.narrow else 'stem'}_gpu_h200.json")
     from triton.testing import do_bench
 
     torch.backends.cudnn.benchmark = True
     gen = torch.Generator().manual_seed(0)
     rows = []
-    for name, B, C, H, N, k, s, p, keep in LAYERS:
+    for name, B, C, H, N, k, s, p, keep in NARROW if args.narrow else LAYERS:
         dt = torch.bfloat16
         w, oi, off = random_layer(N, C, (k, k), keep, gen, dtype=torch.float32)
         w, oi, off = w.cuda().to(dt), oi.cuda(), off.cuda()
@@ -74,7 +87,7 @@ def main() -> None:
         cudnn = partial(torch.cudnn_convolution_relu, x, dense, b, (s, s), (p, p), (1, 1), 1)
         row = dict(layer=name, B=B, C=C, H=H, N=N, kernel=k, stride=s, keep=keep, dtype="bf16",
                    layout="channels_last", cudnn_ms=round(bench(cudnn), 4), configs=[])  # fmt: skip
-        for label, cfg in candidates(N, k * k * C):
+        for label, cfg in candidates(N, k * k * C, args.narrow):
             launch = stripe_triton.prepare(x, w, oi, off, b, plan, N, [k, k], [s, s], [p, p], [1, 1], True,
                                            config=cfg, dense=dense)  # fmt: skip
             err = ((launch(x).double() - ref).norm() / ref.norm()).item()
@@ -82,14 +95,14 @@ def main() -> None:
         best = min(row["configs"], key=lambda c: c["ms"])
         dflt = row["configs"][-1]
         row.update(best=best["label"], default_speedup_vs_cudnn=round(row["cudnn_ms"] / dflt["ms"], 2))
-        print(f"{name} B{B} {C}->{N} k{k} s{s} keep {keep}: cuDNN {row['cudnn_ms']:.4f} ms | route (a) before "
-              f"{row['configs'][0]['ms']:.4f} | default {dflt['ms']:.4f} ({row['default_speedup_vs_cudnn']}x cuDNN, "
+        print(f"{name} B{B} {C}->{N} k{k} s{s} keep {keep}: cuDNN {row['cudnn_ms']:.4f} ms | "
+              f"{row['configs'][0]['label']} {row['configs'][0]['ms']:.4f} | default {dflt['ms']:.4f} ({row['default_speedup_vs_cudnn']}x cuDNN, "
               f"err {dflt['rel_err']:.1e}) | best {best['label']} {best['ms']:.4f}", flush=True)
         assert all(c["rel_err"] < 1e-2 for c in row["configs"]), "a config computed a wrong result"
         rows.append(row)
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
-    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

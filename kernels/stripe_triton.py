@@ -19,7 +19,8 @@ from the caller where it is kept (``dense=``); with it, 16-bit data and C >= 16 
 without the skip (NOSKIP), which Triton software-pipelines (see ``default_config``). With at most
 ``IM2COL_MAX_C`` input channels (a first layer on RGB) the IM2COL route (c) multiplies the dense weight, viewed as
 (N, KH*KW*C), with the im2col rows, BLOCK_K columns k*C + c at a time (the addressing of the weight-gradient kernel
-below): per offset, 3 channels would fill 3 of a tensor-core step's 16 K-lanes. On an H200 (bf16, channels_last)
+below): per offset, 3 channels would fill 3 of a tensor-core step's 16 K-lanes. It also runs 17-64-channel layers
+in 16-bit when the dense weight is kept (less padding than a per-offset tile). On an H200 (bf16, channels_last)
 it ran the 7x7 stride-2 ImageNet stem (batch 128) 2.0x and the CIFAR VGG16 first conv (batch 256) 4.4x faster than
 cuDNN's dense conv, which pads 3 channels to 8 (benchmarks/results/stripe_stem_gpu_h200.json). Epilogue: bias, optional
 ReLU, store in the output's layout (NCHW or channels_last; the input is read channels_last, an NCHW input is
@@ -242,6 +243,13 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_giv
         small = K * C <= 32
         return dict(BLOCK_M=128 if small else 64, BLOCK_N=_pow2(N, 16, 64), BLOCK_K=32, CHUNK=16, num_warps=4,
                     num_stages=3 if small else 2, IM2COL=True)
+    if dense_given and dtype != torch.float32 and 16 < C <= 64:
+        # route (c) also for 17-64 channels in 16-bit: it pads the channels less than a per-offset tile does
+        # (40 channels: 384 of 360 columns against 9 x 64), and on an H200 (bf16, channels_last) it ran 1.26-1.30x
+        # faster than route (a) at 32-40 channels and 1.13-1.25x at 64 (benchmarks/stripe_stem_gpu.py --narrow ->
+        # stripe_narrow_im2col_gpu_h200.json); 16 channels stay on route (a) (0.0182 against 0.0218 ms)
+        return dict(BLOCK_M=128, BLOCK_N=_pow2(N, 16, 64), BLOCK_K=32 if C <= 32 else 64, CHUNK=16,
+                    num_warps=8 if C <= 32 else 4, num_stages=3, IM2COL=True)
     block_k = _pow2(C, 16, 64 if dtype == torch.float32 else 128)
     block_n = _pow2(N, 16, 64 if C <= 64 else 128)
     dense = (C <= 16 or (dense_given and C <= 64) or S > 0.4 * K * N
