@@ -26,7 +26,7 @@ Outputs never require grad (graphs run under ``torch.no_grad``); for training st
 ``torch.cuda.make_graphed_callables``. Replays run on the current stream; do not call one wrapper from two
 streams or threads at once. Runs eagerly (no graph) where a graph cannot help or cannot be made: an input that is
 not a CUDA tensor, or a model whose capture fails (host synchronisation in its forward, for example; one warning
-naming the error).
+naming the error; the device's CUDA random generator is put back to its state before the capture).
 """
 
 from __future__ import annotations
@@ -153,6 +153,9 @@ class CUDAGraphModel(nn.Module):
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream(device=x.device)
+        rng = torch.cuda.default_generators[x.device.index if x.device.index is not None else
+                                            torch.cuda.current_device()]
+        rng_before = None
         try:
             with torch.no_grad(), torch.autocast(
                 "cuda", dtype=autocast or torch.float16, enabled=autocast is not None, cache_enabled=False
@@ -162,11 +165,16 @@ class CUDAGraphModel(nn.Module):
                     for _ in range(WARMUP_CALLS):
                         eager_out = self.model(static_x)
                 torch.cuda.current_stream(x.device).wait_stream(stream)
+                rng_before = rng.clone_state()
                 with torch.cuda.graph(graph, pool=self._pool):
                     static_out = self.model(static_x)
                 graph.replay()
                 err = _max_rel_diff(static_out, eager_out)
         except Exception as err:  # noqa: BLE001 - any capture failure falls back to eager, with its message
+            if rng_before is not None:
+                # a capture that failed inside leaves the device's CUDA generator in capture mode (every later
+                # random op on the device would raise "Offset increment outside graph capture"): put it back
+                rng.graphsafe_set_state(rng_before)
             warnings.warn(
                 f"CUDAGraphModel: capturing {type(self.model).__name__} for input {tuple(x.shape)} "
                 f"{x.dtype} failed ({type(err).__name__}: {err}); this signature runs eagerly",

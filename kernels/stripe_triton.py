@@ -246,7 +246,7 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_giv
     if dense_given and dtype != torch.float32 and 16 < C <= 64:
         # route (c) also for 17-64 channels in 16-bit: it pads the channels less than a per-offset tile does
         # (40 channels: 384 of 360 columns against 9 x 64), and on an H200 (bf16, channels_last) it ran 1.26-1.30x
-        # faster than route (a) at 32-40 channels and 1.13-1.25x at 64 (benchmarks/stripe_stem_gpu.py --narrow ->
+        # faster than route (a) at 32-40 channels and 1.03-1.25x at 64 (benchmarks/stripe_stem_gpu.py --narrow ->
         # stripe_narrow_im2col_gpu_h200.json); 16 channels stay on route (a) (0.0182 against 0.0218 ms)
         return dict(BLOCK_M=128, BLOCK_N=_pow2(N, 16, 64), BLOCK_K=32 if C <= 32 else 64, CHUNK=16,
                     num_warps=8 if C <= 32 else 4, num_stages=3, IM2COL=True)

@@ -169,3 +169,6 @@ def test_failed_capture_warns_and_runs_eagerly():
         ref = model(x)
     assert torch.allclose(out, ref) and graphed._graphs[next(iter(graphed._graphs))] is None
     assert torch.allclose(graphed(x), ref)  # no second warning needed: remembered as eager
+    # the failed capture left the CUDA random generator usable (it raised on every random op before)
+    a = torch.randn(1000, device="cuda")
+    assert a.std().item() > 0.5 and not torch.equal(a, torch.randn(1000, device="cuda"))
