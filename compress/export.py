@@ -165,8 +165,8 @@ def export_checkpoint(
         return m.to(device=device, dtype=DTYPES[dtype], memory_format=memory_format)
 
     xb = torch.randn(batch_size, *size, device=device, dtype=DTYPES[dtype]).contiguous(memory_format=memory_format)
+    timing = modes_timing if modes_timing != "auto" else ("graph" if cuda_graphs else "eager")
     if choose_stripe_modes:  # measured as the report runs the model; the file keeps the float32 weights
-        timing = modes_timing if modes_timing != "auto" else ("graph" if cuda_graphs else "eager")
         with torch.inference_mode():
             modes = choose_modes(deployed(copy.deepcopy(small)), xb, timing=timing)
         for name, mode in modes.items():
@@ -193,7 +193,7 @@ def export_checkpoint(
     )
     report.update(source=str(ckpt), target_macs=target_macs, fold_bn=fold_bn, onnx=onnx_info,
                   run={"dtype": dtype, "channels_last": channels_last, "cuda_graphs": cuda_graphs,
-                       "modes": "chosen by " + timing + " timing" if choose_stripe_modes else "cost model"})
+                       "modes": f"chosen by {timing} timing" if choose_stripe_modes else "cost model"})
     (out / FILES[2]).write_text(json.dumps(report, indent=2) + "\n")
     (out / FILES[3]).write_text(render_markdown(report))
     plot_stripes(report["stripes"], out / FILES[4])

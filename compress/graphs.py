@@ -112,23 +112,7 @@ class CUDAGraphModel(nn.Module):
             )
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"CUDAGraphModel: expected a tensor, got {type(x).__name__}")
-        if self.model.training:
-            raise RuntimeError(
-                "CUDAGraphModel runs inference only: call .eval() first (in train mode BatchNorm would update "
-                "its running statistics on every replay)"
-            )
-        if not x.is_cuda:
-            with torch.no_grad():
-                return self.model(x)
-        key = _signature(x)
-        captured = self._graphs.get(key, False)
-        if captured is False:
-            captured = self._capture(x)
-            self._graphs[key] = captured
-            if len(self._graphs) > self.max_graphs:
-                self._graphs.popitem(last=False)
-        else:
-            self._graphs.move_to_end(key)
+        captured = self._graph_for(x)
         if captured is None:
             with torch.no_grad():
                 return self.model(x)
@@ -138,16 +122,34 @@ class CUDAGraphModel(nn.Module):
 
     def capture(self, x: torch.Tensor) -> _Captured:
         """Capture model(x) now (kept like a call's) and return it: ``.static_x`` to fill, ``.replay()`` to run."""
-        self.forward(x)
-        captured = self._graphs[_signature(x)]
+        captured = self._graph_for(x)
         if captured is None:
-            raise RuntimeError(f"CUDAGraphModel: capturing {type(self.model).__name__} failed (see the warning)")
+            raise RuntimeError(f"CUDAGraphModel: no graph of {type(self.model).__name__} for this input (not a "
+                               "CUDA tensor, or the capture failed: see the warning)")
         return captured
 
-    def _capture(self, x: torch.Tensor) -> _Captured | None:
-        # Autocast's weight-cast cache must stay off: a cast cached while warming up would be read by the graph at
-        # an address the cache frees when the caller's autocast region ends.
-        autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+    def _graph_for(self, x: torch.Tensor) -> _Captured | None:
+        """The graph for x's signature, captured now if new (least recently used dropped beyond max_graphs); None
+        where x runs eagerly (not CUDA, or its capture failed)."""
+        if self.model.training:
+            raise RuntimeError(
+                "CUDAGraphModel runs inference only: call .eval() first (in train mode BatchNorm would update "
+                "its running statistics on every replay)"
+            )
+        if not x.is_cuda:
+            return None
+        key = _signature(x)
+        if key in self._graphs:
+            self._graphs.move_to_end(key)
+            return self._graphs[key]
+        captured = self._graphs[key] = self._capture(x, autocast=key[-1])
+        if len(self._graphs) > self.max_graphs:
+            self._graphs.popitem(last=False)
+        return captured
+
+    def _capture(self, x: torch.Tensor, autocast: torch.dtype | None) -> _Captured | None:
+        # Autocast (the caller's dtype, None when off) runs with its weight-cast cache off: a cast cached while
+        # warming up would be read by the graph at an address the cache frees when the caller's autocast region ends.
         static_x = x.detach().clone()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -169,7 +171,7 @@ class CUDAGraphModel(nn.Module):
                 with torch.cuda.graph(graph, pool=self._pool):
                     static_out = self.model(static_x)
                 graph.replay()
-                err = _max_rel_diff(static_out, eager_out)
+                diff = _max_rel_diff(static_out, eager_out)
         except Exception as err:  # noqa: BLE001 - any capture failure falls back to eager, with its message
             if rng_before is not None:
                 # a capture that failed inside leaves the device's CUDA generator in capture mode (every later
@@ -178,15 +180,15 @@ class CUDAGraphModel(nn.Module):
             warnings.warn(
                 f"CUDAGraphModel: capturing {type(self.model).__name__} for input {tuple(x.shape)} "
                 f"{x.dtype} failed ({type(err).__name__}: {err}); this signature runs eagerly",
-                stacklevel=3,
+                stacklevel=4,
             )
             return None
-        if not err <= REPLAY_TOLERANCE:
+        if not diff <= REPLAY_TOLERANCE:
             warnings.warn(
                 f"CUDAGraphModel: the graph of {type(self.model).__name__} for input {tuple(x.shape)} {x.dtype} "
-                f"computes something else than the eager model (max relative difference {err:.2e}); this signature "
+                f"computes something else than the eager model (max relative difference {diff:.2e}); this signature "
                 "runs eagerly",
-                stacklevel=3,
+                stacklevel=4,
             )
             return None
         keepalive = [m.graph_keepalive() for m in self.model.modules() if hasattr(m, "graph_keepalive")]

@@ -483,19 +483,18 @@ def prepare_stripe_conv2d(x: Tensor, weight: Tensor, out_index: Tensor, offset: 
 
 
 def stripe_reads_dense(x: Tensor, weight: Tensor, out_channels: int, kernel_size) -> bool:
-    """Whether ``stripe_conv2d`` on ``x``, given the zero-filled dense weight as ``dense``, runs the CUDA kernel's
-    dense route or, with at most 4 input channels, its im2col route, which read it: CUDA float32/16/bf16 with
-    Triton, up to 64 input channels or with many stripes
-    kept (``kernels.stripe_triton.default_config(..., dense_given=True)``). Without ``dense`` the kernel takes
-    that route only for C <= 16 or many stripes, and builds the weight on every call."""
+    """Whether ``stripe_conv2d`` on ``x``, given the zero-filled dense weight as ``dense``, runs a CUDA kernel route
+    that reads it (the dense route, or the im2col route: at most 4 input channels, or 17-64 in 16-bit): CUDA
+    float32/16/bf16 with Triton, up to 64 input channels or with many stripes kept
+    (``kernels.stripe_triton.default_config(..., dense_given=True)``). Without ``dense`` the kernel takes those
+    routes only for C <= 16 or many stripes, and builds the weight on every call."""
     from kernels import stripe_triton
 
     if not stripe_triton.available(x):
         return False
     KH, KW = pair(kernel_size, "kernel_size")
-    cfg = stripe_triton.default_config(x.shape[1], int(out_channels), weight.shape[0], KH * KW, x.dtype,
-                                       dense_given=True)
-    return cfg.get("DENSE", False) or cfg.get("IM2COL", False)
+    return stripe_triton.reads_dense(stripe_triton.default_config(x.shape[1], int(out_channels), weight.shape[0],
+                                                                   KH * KW, x.dtype, dense_given=True))
 
 
 # ----------------------------------------------------------------------------------------------- route choice

@@ -269,6 +269,11 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_giv
                 num_warps=4 if block_n <= 64 else 8, num_stages=3 if noskip else 2, DENSE=dense, NOSKIP=noskip)
 
 
+def reads_dense(cfg: dict) -> bool:
+    """Whether a config's route reads the zero-filled dense weight (route (a), DENSE, or route (c), IM2COL)."""
+    return cfg.get("DENSE", False) or cfg.get("IM2COL", False)
+
+
 def forward(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding, dilation,
             relu, config: dict | None = None, dense=None):
     """Launch the fused kernel; arguments as ``compress::stripe_conv2d`` (plan required; ``dense``, the channels_last
@@ -283,7 +288,7 @@ def prepare(x, weight, out_index, offset, bias, plan, out_channels, kernel_size,
     chosen here, once."""
     C, N, KH, KW = x.shape[1], out_channels, *kernel_size
     cfg = dict(config or default_config(C, N, weight.shape[0], KH * KW, x.dtype, dense_given=dense is not None))
-    if not (cfg.get("DENSE", False) or cfg.get("IM2COL", False)):
+    if not reads_dense(cfg):
         wop = weight.contiguous()
     elif dense is not None:  # the zero-filled dense weight, channels_last: (N, KH, KW, C) in memory, exact
         wop = dense
