@@ -1,8 +1,8 @@
 """CUDAGraphModel: inference replayed from CUDA graphs, one per input signature.
 
 Why: an eager forward pays host time for every layer (Python, dispatch, kernel launch: 19-38 us per conv module
-call on an H200 host, benchmarks/results/stripe_eager_gpu_h200.json), and a compact CIFAR model at batch 256
-does not much more GPU work than that. On an H200 host, bf16 batch 256, a stripe-pruned
+call on an H200 host, benchmarks/results/stripe_eager_gpu_h200.json), so a CIFAR model at batch 256 is
+host-bound. On an H200 host, bf16 batch 256, a stripe-pruned
 ResNet-56 (random masks, 55% of MACs cut) ran eagerly in 4.74 ms against 4.20 ms for the dense model (0.89x, both
 host-bound), and replayed from CUDA graphs in 0.94 ms against 1.64 ms (1.75x; real masks 2.07x)
 (benchmarks/results/stripe_models_gpu_h200_launch.json).
