@@ -10,6 +10,7 @@ before route (c), a sweep of route (c) tilings and the default.
 
     python benchmarks/stripe_stem_gpu.py            # -> benchmarks/results/stripe_stem_gpu_h200.json
     python benchmarks/stripe_stem_gpu.py --narrow   # 16-64 channels -> stripe_narrow_im2col_gpu_h200.json
+    python benchmarks/stripe_stem_gpu.py --narrow --dtype fp32   # -> stripe_narrow_im2col_fp32_gpu_h200.json (TF32)
 """
 
 from __future__ import annotations
@@ -63,16 +64,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--narrow", action="store_true", help="16-64-channel layers instead of first layers")
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="fp32: TF32 tensor cores on both sides")
     args = ap.parse_args()
-    out = Path(args.out or ROOT / "benchmarks" / "results"
-               / f"stripe_{'narrow_im2col' if args.narrow else 'stem'}_gpu_h200.json")
+    kind = ("narrow_im2col" if args.narrow else "stem") + ("_fp32" if args.dtype == "fp32" else "")
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"stripe_{kind}_gpu_h200.json")
     from triton.testing import do_bench
 
     torch.backends.cudnn.benchmark = True
+    torch.backends.cudnn.allow_tf32 = True
+    dt, tol = (torch.bfloat16, 1e-2) if args.dtype == "bf16" else (torch.float32, 1e-3)
     gen = torch.Generator().manual_seed(0)
     rows = []
     for name, B, C, H, N, k, s, p, keep in NARROW if args.narrow else LAYERS:
-        dt = torch.bfloat16
         w, oi, off = random_layer(N, C, (k, k), keep, gen, dtype=torch.float32)
         w, oi, off = w.cuda().to(dt), oi.cuda(), off.cuda()
         x = torch.randn(B, C, H, H, device="cuda", dtype=dt).contiguous(memory_format=torch.channels_last)
@@ -85,11 +88,16 @@ def main() -> None:
             return do_bench(fn, warmup=25, rep=200, return_mode="median")
 
         cudnn = partial(torch.cudnn_convolution_relu, x, dense, b, (s, s), (p, p), (1, 1), 1)
-        row = dict(layer=name, B=B, C=C, H=H, N=N, kernel=k, stride=s, keep=keep, dtype="bf16",
+        row = dict(layer=name, B=B, C=C, H=H, N=N, kernel=k, stride=s, keep=keep, dtype=args.dtype,
                    layout="channels_last", cudnn_ms=round(bench(cudnn), 4), configs=[])  # fmt: skip
         for label, cfg in candidates(N, k * k * C, args.narrow):
             launch = stripe_triton.prepare(x, w, oi, off, b, plan, N, [k, k], [s, s], [p, p], [1, 1], True,
                                            config=cfg, dense=dense)  # fmt: skip
+            try:
+                launch(x)
+            except Exception as e:  # a tiling over the shared-memory limit (fp32 tiles are twice the bytes)
+                print(f"   skip {label}: {type(e).__name__}", flush=True)
+                continue
             err = ((launch(x).double() - ref).norm() / ref.norm()).item()
             row["configs"].append(dict(label=label, ms=round(bench(partial(launch, x)), 4), rel_err=err))
         best = min(row["configs"], key=lambda c: c["ms"])
@@ -98,7 +106,7 @@ def main() -> None:
         print(f"{name} B{B} {C}->{N} k{k} s{s} keep {keep}: cuDNN {row['cudnn_ms']:.4f} ms | "
               f"{row['configs'][0]['label']} {row['configs'][0]['ms']:.4f} | default {dflt['ms']:.4f} ({row['default_speedup_vs_cudnn']}x cuDNN, "
               f"err {dflt['rel_err']:.1e}) | best {best['label']} {best['ms']:.4f}", flush=True)
-        assert all(c["rel_err"] < 1e-2 for c in row["configs"]), "a config computed a wrong result"
+        assert all(c["rel_err"] < tol for c in row["configs"]), "a config computed a wrong result"
         rows.append(row)
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")

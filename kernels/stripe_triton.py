@@ -18,9 +18,9 @@ A_k @ the zero-filled dense weight of offset k, skipping the offsets a tile keep
 from the caller where it is kept (``dense=``); with it, 16-bit data and C >= 16 it runs all offsets in one loop
 without the skip (NOSKIP), which Triton software-pipelines (see ``default_config``). With at most
 ``IM2COL_MAX_C`` input channels (a first layer on RGB) the IM2COL route (c) multiplies the dense weight, viewed as
-(N, KH*KW*C), with the im2col rows, BLOCK_K columns k*C + c at a time (the addressing of the weight-gradient kernel
-below): per offset, 3 channels would fill 3 of a tensor-core step's 16 K-lanes. It also runs 17-64-channel layers
-in 16-bit when the dense weight is kept (less padding than a per-offset tile). On an H200 (bf16, channels_last)
+(N, KH*KW*C), with the im2col rows, BLOCK_K columns k*C + c at a time (``_im2col_columns``/``_im2col_load``,
+shared with the weight-gradient kernel below): per offset, 3 channels would fill 3 of a tensor-core step's 16
+K-lanes. It also runs 17-64-channel layers in 16-bit when the dense weight is kept (less padding than a per-offset tile). On an H200 (bf16, channels_last)
 it ran the 7x7 stride-2 ImageNet stem (batch 128) 2.0x and the CIFAR VGG16 first conv (batch 256) 4.4x faster than
 cuDNN's dense conv, which pads 3 channels to 8 (benchmarks/results/stripe_stem_gpu_h200.json). Epilogue: bias, optional
 ReLU, store in the output's layout (NCHW or channels_last; the input is read channels_last, an NCHW input is
@@ -97,6 +97,25 @@ if triton is not None:
         return ((bb * H + ih) * W + iw) * C, a_ok
 
     @triton.jit
+    def _im2col_columns(js, C: tl.constexpr, W, DH: tl.constexpr, DW: tl.constexpr, KH: tl.constexpr,
+                        KW: tl.constexpr):
+        # im2col column j = k*C + c (input channel c at kernel offset k): the offset's row and column shift (dh, dw),
+        # the element's distance from its pixel's unshifted (channels_last) row, and whether the column exists
+        kj = js // C
+        dh = (kj // KW) * DH
+        dw = (kj % KW) * DW
+        return dh, dw, (dh * W + dw) * C + js % C, js < KH * KW * C
+
+    @triton.jit
+    def _im2col_load(x_ptr, row0, ih0, iw0, m_ok, dh, dw, shift, j_ok, H, W):
+        # the im2col tile (pixels x columns): pixel m's unshifted row row0[m] + the column's shift, 0 where the
+        # shifted position falls outside the input (padding), the pixel is out of range or the column does not exist
+        ih = ih0[:, None] + dh[None, :]
+        iw = iw0[:, None] + dw[None, :]
+        ok = m_ok[:, None] & j_ok[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+        return tl.load(x_ptr + row0[:, None] + shift[None, :], mask=ok, other=0.0)
+
+    @triton.jit
     def _dense_offset(acc, x_ptr, w_ptr, k, ih0, iw0, bb, m_ok, n0, ck, cols, C: tl.constexpr, H, W, N: tl.constexpr,
                       DH: tl.constexpr, DW: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, IS_FP32: tl.constexpr,
                       BLOCK_K: tl.constexpr):
@@ -139,20 +158,14 @@ if triton is not None:
         cols = tl.arange(0, BLOCK_N)
         cc = tl.arange(0, CHUNK)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if IM2COL:  # route (c), few input channels: the dense weight (N, KH*KW*C) against the im2col rows, BLOCK_K
-            # columns j = k*C + c at a time; element (m, j) sits at pixel m's unshifted row + a shift of column j
+        if IM2COL:  # route (c): the dense weight (N, KH*KW*C) against the im2col rows, BLOCK_K columns at a time
             row0 = ((bb * H + ih0) * W + iw0) * C
             for j0 in range(0, KH * KW * C, BLOCK_K):
                 js = j0 + ck
-                kj = js // C
-                dh = (kj // KW) * DH
-                dw = (kj % KW) * DW
-                ih = ih0[:, None] + dh[None, :]
-                iw = iw0[:, None] + dw[None, :]
-                a_ok = (m_ok[:, None] & (js < KH * KW * C)[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W))
-                a = tl.load(x_ptr + row0[:, None] + ((dh * W + dw) * C + js % C)[None, :], mask=a_ok, other=0.0)
+                dh, dw, shift, j_ok = _im2col_columns(js, C, W, DH, DW, KH, KW)
+                a = _im2col_load(x_ptr, row0, ih0, iw0, m_ok, dh, dw, shift, j_ok, H, W)
                 wt = tl.load(w_ptr + (n0 + cols)[None, :].to(tl.int64) * (KH * KW * C) + js[:, None],
-                             mask=(js < KH * KW * C)[:, None] & ((n0 + cols) < N)[None, :], other=0.0)
+                             mask=j_ok[:, None] & ((n0 + cols) < N)[None, :], other=0.0)
                 if IS_FP32:
                     a = _round_tf32(a)
                     wt = _round_tf32(wt)
@@ -413,14 +426,10 @@ if triton is not None:
         m_start = pid * m_per
         m_end = tl.minimum(m_start + m_per, M)
         ns = tl.arange(0, BN)
+        # element (m, j) of xcat sits at pixel m's unshifted row + a column shift that does not depend on m, computed
+        # once here: the per-element address is one add (computing the whole index per element was slower)
         js = j0 + tl.arange(0, KCB)
-        kj = js // C
-        j_ok = js < KH * KW * C
-        dh = (kj // KW) * DH
-        dw = (kj % KW) * DW
-        # element (m, j) of xcat sits at pixel m's unshifted row + a column shift that does not depend on m: the
-        # per-element address is one add (computing the whole index per element was slower)
-        shift = (dh * W + dw) * C + js % C
+        dh, dw, shift, j_ok = _im2col_columns(js, C, W, DH, DW, KH, KW)
         acc = tl.zeros((BN, KCB), dtype=tl.float32)
         for m0 in range(m_start, m_end, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -430,12 +439,9 @@ if triton is not None:
             ih0 = (t % Ho) * SH - PH
             iw0 = jw * SW - PW
             row0 = (((t // Ho).to(tl.int64) * H + ih0) * W + iw0) * C
-            ih = ih0[:, None] + dh[None, :]
-            iw = iw0[:, None] + dw[None, :]
-            x_ok = m_ok[:, None] & j_ok[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
             g = tl.load(g_ptr + (offs_m.to(tl.int64) * N)[:, None] + ns[None, :],
                         mask=m_ok[:, None] & (ns < N)[None, :], other=0.0)
-            xa = tl.load(x_ptr + row0[:, None] + shift[None, :], mask=x_ok, other=0.0)
+            xa = _im2col_load(x_ptr, row0, ih0, iw0, m_ok, dh, dw, shift, j_ok, H, W)
             if IS_FP32:
                 g = _round_tf32(g)
                 xa = _round_tf32(xa)
