@@ -15,13 +15,13 @@ k and channel o, read from the plan), which costs no tensor-core work: on an H20
 masks, keep 0.3/0.15) it ran 1.07-1.52x faster than the one-hot route on 128-512-channel layers, 0.89-1.08x at
 64 and 0.71-0.74x at 16-32 channels (benchmarks/results/stripe_gather_h200.json). The DENSE route (route (a):
 A_k @ the zero-filled dense weight of offset k, skipping the offsets a tile keeps no stripe of) reads that weight
-from the caller where it is kept (``dense=``); with it, 16-bit data and C >= 16 it runs all offsets in one loop
-without the skip (NOSKIP), which Triton software-pipelines (see ``default_config``). With at most
+from the caller where it is kept (``dense=``); with it and C >= 16 in 16-bit (C == 16 in float32) it runs all
+offsets in one loop without the skip (NOSKIP), which Triton software-pipelines (see ``default_config``). With at most
 ``IM2COL_MAX_C`` input channels (a first layer on RGB) the IM2COL route (c) multiplies the dense weight, viewed as
 (N, KH*KW*C), with the im2col rows, BLOCK_K columns k*C + c at a time (``_im2col_columns``/``_im2col_load``,
 shared with the weight-gradient kernel below): per offset, 3 channels would fill 3 of a tensor-core step's 16
-K-lanes. It also runs 17-64-channel layers in 16-bit when the dense weight is kept (less padding than a per-offset tile). On an H200 (bf16, channels_last)
-it ran the 7x7 stride-2 ImageNet stem (batch 128) 2.0x and the CIFAR VGG16 first conv (batch 256) 4.4x faster than
+K-lanes. It also runs 17-64-channel layers when the dense weight is kept (less padding than a per-offset
+tile). On an H200 (bf16, channels_last) it ran the 7x7 stride-2 ImageNet stem (batch 128) 2.0x and the CIFAR VGG16 first conv (batch 256) 4.4x faster than
 cuDNN's dense conv, which pads 3 channels to 8 (benchmarks/results/stripe_stem_gpu_h200.json). Epilogue: bias, optional
 ReLU, store in the output's layout (NCHW or channels_last; the input is read channels_last, an NCHW input is
 converted first).
@@ -256,11 +256,17 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_giv
         small = K * C <= 32
         return dict(BLOCK_M=128 if small else 64, BLOCK_N=_pow2(N, 16, 64), BLOCK_K=32, CHUNK=16, num_warps=4,
                     num_stages=3 if small else 2, IM2COL=True)
-    if dense_given and dtype != torch.float32 and 16 < C <= 64:
-        # route (c) also for 17-64 channels in 16-bit: it pads the channels less than a per-offset tile does
-        # (40 channels: 384 of 360 columns against 9 x 64), and on an H200 (bf16, channels_last) it ran 1.26-1.30x
-        # faster than route (a) at 32-40 channels and 1.03-1.25x at 64 (benchmarks/stripe_stem_gpu.py --narrow ->
-        # stripe_narrow_im2col_gpu_h200.json); 16 channels stay on route (a) (0.0182 against 0.0218 ms)
+    if dense_given and 16 < C <= 64:
+        # route (c) also for 17-64 channels: it pads the channels less than a per-offset tile does (40 channels:
+        # 384 of 360 columns against 9 x 64). On an H200 (channels_last, benchmarks/stripe_stem_gpu.py --narrow) it
+        # ran in bf16 1.26-1.30x faster than route (a) at 32-40 channels and 1.03-1.25x at 64
+        # (stripe_narrow_im2col_gpu_h200.json), in float32 (TF32) 1.23-1.64x faster than the route (a) default
+        # with 128-pixel tiles, 32 columns per step and 8 warps, within 5% of the best of 12 tilings but the
+        # 64-channel 8x8 layer's (0.0190 against 0.0169 ms; stripe_narrow_im2col_fp32_gpu_h200.json).
+        # 16 channels stay on route (a) (bf16 0.0182 against 0.0218 ms, fp32 0.0341 against 0.0398)
+        if dtype == torch.float32:
+            return dict(BLOCK_M=128, BLOCK_N=_pow2(N, 16, 64), BLOCK_K=32, CHUNK=16, num_warps=8, num_stages=3,
+                        IM2COL=True)
         return dict(BLOCK_M=128, BLOCK_N=_pow2(N, 16, 64), BLOCK_K=32 if C <= 32 else 64, CHUNK=16,
                     num_warps=8 if C <= 32 else 4, num_stages=3, IM2COL=True)
     block_k = _pow2(C, 16, 64 if dtype == torch.float32 else 128)
@@ -275,9 +281,11 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_giv
     # with the weight kept, C >= 16 and 16-bit data, the DENSE route runs every offset without the per-offset skip
     # (NOSKIP), a loop Triton software-pipelines (3 stages): in bf16 1.1-1.4x faster on 16-80-channel layers at keep
     # 0.1-0.5 (H200, stripe_tiles_noskip_h200.json) and 1.2-1.3x on 64x32x32 / 64x56x56 (stripe_gpu_h200_noskip.json);
-    # in fp32 it was 0.88x at 64x56x56 (same file), so fp32, narrower inputs and layers keeping under 3% of their
-    # stripes keep the skip
-    noskip = dense and dense_given and C >= 16 and S >= 0.03 * K * N and dtype != torch.float32
+    # in fp32 it was 0.88x at 64x56x56 (same file) but 1.30x at 16x32x32 (0.0341 against 0.0442 ms,
+    # stripe_narrow_im2col_fp32_gpu_h200.json), so fp32 from 17 channels, narrower inputs and layers keeping under
+    # 3% of their stripes keep the skip
+    noskip = (dense and dense_given and C >= 16 and S >= 0.03 * K * N
+              and (dtype != torch.float32 or C == 16))
     return dict(BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=block_k, CHUNK=16 if S <= 0.2 * K * N else 32,
                 num_warps=4 if block_n <= 64 else 8, num_stages=3 if noskip else 2, DENSE=dense, NOSKIP=noskip)
 

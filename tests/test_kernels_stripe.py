@@ -240,6 +240,7 @@ for dt, ks, st, pd, dl, C, N, c, fmt in [
         (torch.float32, (3, 3), (1, 1), (2, 2), (2, 2), 3, 20, dict(cfg, IM2COL=True), torch.channels_last),
         (torch.float32, (3, 3), (1, 1), (1, 1), (1, 1), 16, 4, None, torch.contiguous_format),  # grad_x: im2col
         (torch.float16, (3, 3), (2, 2), (1, 1), (1, 1), 40, 20, None, torch.contiguous_format),  # kept: im2col
+        (torch.float32, (3, 3), (1, 1), (1, 1), (1, 1), 24, 20, None, torch.channels_last),  # kept: im2col (TF32)
         (torch.float32, (3, 3), (2, 2), (1, 1), (1, 1), 40, 20, cfg, torch.contiguous_format),
         (torch.float32, (3, 3), (2, 2), (1, 1), (1, 1), 40, 20, dict(cfg, DENSE=True, NOSKIP=True), torch.channels_last),
         (torch.float16, (3, 3), (2, 2), (1, 1), (1, 1), 40, 20, dict(cfg, DENSE=True), torch.channels_last),
