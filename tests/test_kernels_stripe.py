@@ -315,7 +315,7 @@ def test_cuda_matches_dense(dtype, tol, layout, monkeypatch):
                          (2, 128, 96, 9, 9, (3, 3), (2, 2), (1, 1), (1, 1)),
                          (2, 256, 160, 7, 7, (3, 3), (1, 1), (1, 1), (1, 1)),  # the default configs by width
                          (2, 3, 24, 20, 18, (7, 7), (2, 2), (3, 3), (1, 1)),  # a 7x7 stem: route (c)
-                         (2, 40, 36, 9, 10, (3, 3), (2, 2), (1, 1), (1, 1))]:  # 16-bit, dense given: route (c)
+                         (2, 40, 36, 9, 10, (3, 3), (2, 2), (1, 1), (1, 1))]:  # dense given: route (c)
         B, C, N, H, W, ks, st, pd, dl = case
         w, oi, off = random_layer(N, C, ks, 0.3, gen, device="cuda")
         x = torch.randn(B, C, H, W, generator=gen, dtype=torch.float64).cuda()
