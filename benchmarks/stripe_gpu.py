@@ -6,12 +6,13 @@
    (on the first 8 images of the batch), with bias and fused ReLU.
 3. Median times (CUDA events, warm-up, 3 rotated input sets) of cuDNN dense (cudnn.benchmark on, zero-filled
    dense weight; the faster of conv + bias + ReLU as one call, ``torch.cudnn_convolution_relu``, and F.conv2d
-   followed by an in-place ReLU, both recorded) and of the stripe kernel (a few tile configs per layer, best kept), at keep 0.5/0.3/0.15 with
-   random stripe masks, and with the masks of a real SWP run (ResNet-56 on digits, on the CIFAR shapes: rows
-   `mask = real:<layer>`); the floor = max(kept MACs at the measured tensor-core rate, in+out bytes at the
-   copy bandwidth) and the fraction of the attainable speedup min(1/keep, dense/floor). The stripe kernel runs
-   as a compact model's layer runs it in inference: the DENSE route (``kernels.stripe_reads_dense``) reads the
-   dense weight kept with the layer (``dense=``) instead of building it per call.
+   followed by an in-place ReLU, both recorded) and of the stripe kernel (a few tile configs per layer, best
+   kept), at keep 0.5/0.3/0.15 with random stripe masks, and with the masks of a real SWP run (ResNet-56 on
+   digits, on the CIFAR shapes: rows `mask = real:<layer>`); the floor = max(kept MACs at the measured
+   tensor-core rate, in+out bytes at the copy bandwidth) and the fraction of the attainable speedup min(1/keep,
+   dense/floor). The stripe kernel runs as a compact model's layer runs it in inference: the DENSE route
+   (``kernels.stripe_reads_dense``) reads the dense weight kept with the layer (``dense=``) instead of building
+   it per call.
 
     python benchmarks/stripe_gpu.py [--quick] [--real-only] [--channels 16 32 64] [--out results/stripe_gpu_h200.json]
 """
@@ -223,8 +224,8 @@ def run_case(net, B, C, H, keep, w64, oi, off, x64, gen, rates, bw, rows, fails,
         attain = min(1 / keep, dense_ms / floor_ms)
         sp = dense_ms / best[0]
         row = dict(net=net, B=B, C=C, N=N, H=H, keep=keep, mask=mask, stripes=S, dtype=dname, layout=layout,
-                   dense_ms=round(dense_ms, 4), dense_unfused_ms=round(unfused_ms, 4), dense_fused_ms=round(fused_ms, 4),
-                   stripe_ms=round(best[0], 4),
+                   dense_ms=round(dense_ms, 4), dense_unfused_ms=round(unfused_ms, 4),
+                   dense_fused_ms=round(fused_ms, 4), stripe_ms=round(best[0], 4),
                    stripe_default_ms=round(def_ms, 4), config=best[1],
                    route=route_name(best[1]),
                    speedup=round(sp, 2),

@@ -33,6 +33,7 @@ import compress  # noqa: E402
 import kernels  # noqa: E402
 from compress.stripe import StripeConv2d  # noqa: E402
 from kernels import stripe_triton  # noqa: E402
+from kernels._utils import conv_out_size  # noqa: E402
 from kernels.stripe import _graph_ms  # noqa: E402
 
 
@@ -50,6 +51,12 @@ def grid(C: int, N: int) -> list[tuple[str, dict]]:
         out.append((f"G m{bm} n{bn} c{ch}", dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, CHUNK=ch, num_warps=4,
                                                  num_stages=2, DENSE=False, GATHER=True)))
     return out
+
+
+def out_pixels(layer: StripeConv2d, x: torch.Tensor) -> int:
+    """Output pixels (batch x height x width) of `layer` on `x`."""
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = layer.kernel_size, layer.stride, layer.padding, layer.dilation
+    return x.shape[0] * conv_out_size(x.shape[2], kh, sh, ph, dh) * conv_out_size(x.shape[3], kw, sw, pw, dw)
 
 
 def layer_inputs(model: torch.nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -87,7 +94,7 @@ def sweep(layer: StripeConv2d, x: torch.Tensor, dev: torch.device) -> dict:
     best = min(ok, key=lambda k: ok[k]["ms"])
     B, C, H, W = x.shape
     return dict(B=B, C=C, N=N, H=H, W=W, keep=round(len(oi) / (N * ks[0] * ks[1]), 3), S=len(oi),
-                pixels=B * H * W // (st[0] * st[1]), cudnn_relu_ms=round(cudnn_ms, 5),
+                pixels=out_pixels(layer, x), cudnn_relu_ms=round(cudnn_ms, 5),
                 default=stripe_triton.default_config(C, N, len(oi), ks[0] * ks[1], x.dtype, dense_given=True),
                 default_ms=ok["default"]["ms"], best=best, best_ms=ok[best]["ms"], all=res)
 
@@ -114,9 +121,7 @@ def main() -> None:
             inputs = layer_inputs(model, x.contiguous(memory_format=torch.channels_last))
             for lname, xin in inputs.items():
                 layer = model.get_submodule(lname)
-                Ho = (xin.shape[2] + 2 * layer.padding[0] - layer.dilation[0] * (layer.kernel_size[0] - 1) - 1) \
-                    // layer.stride[0] + 1
-                if xin.shape[0] * Ho * Ho > args.max_pixels:
+                if out_pixels(layer, xin) > args.max_pixels:
                     continue
                 r = dict(model=name, variant=variant, layer=lname, **sweep(layer, xin, dev))
                 rows.append(r)

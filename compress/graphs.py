@@ -39,6 +39,8 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from kernels._utils import autocast_dtype
+
 __all__ = ["CUDAGraphModel"]
 
 WARMUP_CALLS = 3
@@ -48,8 +50,7 @@ REPLAY_TOLERANCE = 1e-2
 
 
 def _signature(x: torch.Tensor) -> tuple:
-    autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
-    return tuple(x.shape), x.stride(), x.dtype, x.device, autocast
+    return tuple(x.shape), x.stride(), x.dtype, x.device, autocast_dtype("cuda")
 
 
 def _max_rel_diff(out, ref) -> float:

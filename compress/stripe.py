@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import kernels
 from compress.surgery import conv_config
 from kernels import stripe_triton
-from kernels._utils import is_channels_last
+from kernels._utils import autocast_dtype, is_channels_last
 
 __all__ = ["StripeConv2d", "Conv2dReLU", "conv2d_relu", "conv_padding", "masked_conv"]
 
@@ -314,7 +314,7 @@ class StripeConv2d(nn.Module):
             and not _tracing_or_compiling()
         ):
             return False
-        key = (stripe_triton.input_signature(x), torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda"))
+        key = (stripe_triton.input_signature(x), autocast_dtype("cuda"))
         if key not in self._op_trained:
             self._op_trained.add(key)
             return False
@@ -356,7 +356,7 @@ class StripeConv2d(nn.Module):
             return None
         if _recording(x, w, b):
             return None
-        if w.dtype != x.dtype or (torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") != x.dtype):
+        if w.dtype != x.dtype or autocast_dtype("cuda") not in (None, x.dtype):
             return None
         key = (
             stripe_triton.input_signature(x),

@@ -71,13 +71,18 @@ def use_kernel(t: torch.Tensor) -> bool:
     return t.dtype in KERNEL_DTYPES and t.numel() < 2**31 - 1
 
 
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast casts to on `device_type` ("cuda", "cpu"), None where autocast is off."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
 def autocast_inputs(*ts):
     """Under autocast, cast floating tensors to the autocast dtype (like F.conv2d); otherwise unchanged."""
     ref = next((t for t in ts if isinstance(t, torch.Tensor)), None)
     if ref is None:
         return ts
     dev = ref.device.type
-    if dev not in ("cuda", "cpu") or not torch.is_autocast_enabled(dev):
+    dt = autocast_dtype(dev) if dev in ("cuda", "cpu") else None
+    if dt is None:
         return ts
-    dt = torch.get_autocast_dtype(dev)
     return tuple(t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in ts)

@@ -21,8 +21,9 @@ offsets in one loop without the skip (NOSKIP), which Triton software-pipelines (
 (N, KH*KW*C), with the im2col rows, BLOCK_K columns k*C + c at a time (``_im2col_columns``/``_im2col_load``,
 shared with the weight-gradient kernel below): per offset, 3 channels would fill 3 of a tensor-core step's 16
 K-lanes. It also runs 17-64-channel layers when the dense weight is kept (less padding than a per-offset
-tile). On an H200 (bf16, channels_last) it ran the 7x7 stride-2 ImageNet stem (batch 128) 2.0x and the CIFAR VGG16 first conv (batch 256) 4.4x faster than
-cuDNN's dense conv, which pads 3 channels to 8 (benchmarks/results/stripe_stem_gpu_h200.json). Epilogue: bias, optional
+tile). On an H200 (bf16, channels_last) it ran the 7x7 stride-2 ImageNet stem (batch 128) 2.0x and the CIFAR
+VGG16 first conv (batch 256) 4.4x faster than cuDNN's dense conv, which pads 3 channels to 8
+(benchmarks/results/stripe_stem_gpu_h200.json). Epilogue: bias, optional
 ReLU, store in the output's layout (NCHW or channels_last; the input is read channels_last, an NCHW input is
 converted first).
 float32 inputs use TF32 tensor cores with round-to-nearest operands, and P is split into two TF32 parts
@@ -60,7 +61,7 @@ try:
 except ImportError:  # pragma: no cover - triton ships with CUDA torch builds
     triton = None
 
-from kernels._utils import memory_format
+from kernels._utils import conv_out_size, memory_format
 from kernels.stripe import stripe_rows, stripe_to_dense
 
 
@@ -339,8 +340,8 @@ class Launch:
     def __init__(self, x, wop, out_index, plan, bias, N, S, kernel_size, stride, padding, dilation, relu, cfg):
         B, C, H, W = x.shape
         KH, KW = kernel_size
-        Ho = (H + 2 * padding[0] - dilation[0] * (KH - 1) - 1) // stride[0] + 1
-        Wo = (W + 2 * padding[1] - dilation[1] * (KW - 1) - 1) // stride[1] + 1
+        Ho = conv_out_size(H, KH, stride[0], padding[0], dilation[0])
+        Wo = conv_out_size(W, KW, stride[1], padding[1], dilation[1])
         self.signature = input_signature(x)
         fmt = memory_format(x)
         self._x_cl = x.is_contiguous(memory_format=torch.channels_last)
