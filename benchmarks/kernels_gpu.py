@@ -229,12 +229,14 @@ def correctness():
 
 
 # ------------------------------------------------------------------------------------------------- PiX
-def bench_pix(bw):
+def bench_pix(bw, sizes=(56, 28, 14, 7)):
     print("== PiX (B=64, zeta=4), ms; floor = bytes / measured copy bandwidth")
     print(f"  {'shape':18s} {'dtype':9s} {'layout':6s} {'fwd':>7s} {'floor':>7s} {'x':>5s} {'torch':>7s} {'spd':>5s} | "
           f"{'bwd':>7s} {'floor':>7s} {'x':>5s} {'torch':>7s} {'spd':>5s}")
     ops = torch.ops.compress
     for C, H in ((256, 56), (512, 28), (1024, 14), (2048, 7)):
+        if H not in sizes:
+            continue
         for dtype in (torch.float32, torch.bfloat16):
             for layout in ("nchw", "cl"):
                 fmt = torch.channels_last if layout == "cl" else torch.contiguous_format
@@ -265,6 +267,15 @@ def bench_pix(bw):
                             ab[f"fwd_ms_steps{st}"] = bench([lambda i=i: ops.pix(xs[i], ps[i], z, 0.5) for i in range(k)])
                             ab[f"bwd_ms_steps{st}"] = bench([lambda i=i: ops.pix_backward(dys[i], xs[i], ps[i], z, 0.5)
                                                              for i in range(k)])
+                if layout == "nchw" and H % 2 == 1:  # odd planes: the warp-staged kernels (16-bit) off
+                    with env(COMPRESS_PIX_STAGE="0"):
+                        ab["fwd_ms_stage_off"] = bench([lambda i=i: ops.pix(xs[i], ps[i], z, 0.5) for i in range(k)])
+                        ab["bwd_ms_stage_off"] = bench([lambda i=i: ops.pix_backward(dys[i], xs[i], ps[i], z, 0.5)
+                                                        for i in range(k)])
+                if layout == "cl" and H * H <= 64:  # small planes: dp written by the backward kernel itself, off
+                    with env(COMPRESS_PIX_CL_DIRECT="0"):
+                        ab["bwd_ms_direct_off"] = bench([lambda i=i: ops.pix_backward(dys[i], xs[i], ps[i], z, 0.5)
+                                                         for i in range(k)])
                 if layout == "cl":
                     with env(COMPRESS_PIX_CL_GPT="1"):
                         ab["bwd_ms_gpt1"] = bench([lambda i=i: ops.pix_backward(dys[i], xs[i], ps[i], z, 0.5)
@@ -374,6 +385,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results/kernels_gpu.json")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: correctness,pix,depthwise,conv2d")
+    ap.add_argument("--pix-sizes", default="56,28,14,7", help="comma list of the PiX rows' plane sizes to time")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     assert torch.cuda.is_available(), "needs a CUDA GPU"
@@ -387,7 +399,10 @@ def main():
                        "floor": "bytes / max(eager memcpy, in-graph copy kernel) bandwidth of a 1 GiB copy",
                        "ab": "depthwise fwd_ms_vec_off: COMPRESS_DW_VEC=0 (no stride-2 vector loads); depthwise "
                              "fwd_ms_rows1: COMPRESS_DW_ROWS=1 (one output row per thread at stride 2); pix nchw "
-                             "fwd/bwd_ms_steps*: COMPRESS_PIX_STEPS; pix cl bwd_ms_gpt1: COMPRESS_PIX_CL_GPT=1; depthwise cl "
+                             "fwd/bwd_ms_steps*: COMPRESS_PIX_STEPS; pix nchw fwd/bwd_ms_stage_off: COMPRESS_PIX_STAGE=0 "
+                             "(no warp-staged kernels for odd planes); pix cl bwd_ms_direct_off: "
+                             "COMPRESS_PIX_CL_DIRECT=0 (chunk partials + a second launch for dp); pix cl "
+                             "bwd_ms_gpt1: COMPRESS_PIX_CL_GPT=1; depthwise cl "
                              "rows: fwd_ms "
                              "is the default dispatch (cuDNN), kernel_*: our channels_last kernels forced "
                              "(COMPRESS_DW_CL_KERNEL=1)"}
@@ -396,7 +411,7 @@ def main():
         correctness()
     bw = copy_bandwidth()
     print(f"== copy bandwidth: {bw / 1e12:.2f} TB/s (bytes read + written)")
-    for name, fn in (("pix", lambda: bench_pix(bw)), ("depthwise", lambda: bench_depthwise(bw)), ("conv2d", bench_conv2d)):
+    for name, fn in (("pix", lambda: bench_pix(bw, [int(v) for v in args.pix_sizes.split(",")])), ("depthwise", lambda: bench_depthwise(bw)), ("conv2d", bench_conv2d)):
         if name not in skip:
             try:
                 fn()

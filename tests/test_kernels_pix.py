@@ -195,6 +195,35 @@ def test_cuda_shapes(shape, zeta, layout):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(2, 64, 7, 7, 4), (3, 32, 5, 5, 2), (2, 36, 7, 7, 4), (1, 32, 3, 7, 1)])
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_cuda_staged_and_direct_paths(monkeypatch, dtype, shape, switch):
+    """16-bit odd planes in whole 8-plane chunks take the warp-staged NCHW kernels; channels_last planes of at
+    most 64 positions with a batch that fills the device write dp without a second launch. Both, and what they
+    replace (switch "0"; and (2, 36, 7, 7, 4): 18 planes, not whole chunks), match the reference in pix (dx + dp)
+    and in pix_squeeze (its dp-only and dx-with-pooling-gradient backward passes)."""
+    assert _ext.load() is not None, "CUDA extension failed to build"
+    monkeypatch.setenv("COMPRESS_PIX_STAGE", switch)
+    monkeypatch.setenv("COMPRESS_PIX_CL_DIRECT", switch)
+    B, C, H, W, zeta = shape
+    big = 2 * torch.cuda.get_device_properties(0).multi_processor_count + 1
+    for layout, b in (("contiguous", B), ("channels_last", big)):
+        for ties in (False, True):
+            x, p = make(b, C, H, W, zeta, dtype, "cuda", layout, ties=ties, seed=2)
+            x.requires_grad_(True)
+            p.requires_grad_(True)
+            y = kernels.pix(x, p, zeta)
+            yr, _ = ref_pix(x.detach().cpu(), p.detach().cpu(), zeta, 0.5)
+            assert rel_err(y.cpu(), yr) < TOL[dtype]
+            dy = torch.randn(y.shape, dtype=torch.float64).to("cuda", dtype)
+            dx, dp = torch.autograd.grad(y, (x, p), dy)
+            dxr, dpr = ref_pix_backward(dy.cpu(), x.detach().cpu(), p.detach().cpu(), zeta, 0.5)
+            assert rel_err(dx.cpu(), dxr) < TOL[dtype] and rel_err(dp.cpu(), dpr) < TOL[dtype]
+        check_squeeze(b, C, H, W, zeta, dtype, "cuda", layout, TOL[dtype])
+
+
+@pytest.mark.cuda
 def test_opcheck_cuda():
     x, p = make(device="cuda")
     for xx in (x, x.contiguous(memory_format=torch.channels_last)):

@@ -171,6 +171,125 @@ __global__ void __launch_bounds__(kThreads) pix_bwd_nchw(const T* __restrict__ d
   for (int i = threadIdx.x; i < np; i += blockDim.x) dp[plane0 + i] = from_f<DpT<T, MODE>>(red[i]);
 }
 
+// ------------------------------------------------------------------------- NCHW, odd planes, 16-bit types
+// A plane of odd HW in a 16-bit type allows no vector loads along HW, but 8 consecutive (b, g) planes always
+// do: their x span is 8*ZETA*HW elements = 16*ZETA*HW bytes and their y / dy span 16*HW bytes. Each warp owns
+// one such chunk: it copies the chunk's x (and dy) into its own shared memory with 16-byte loads (kStageLoads
+// in flight per lane), computes from there (lane = 4 lanes per plane x 8 planes, each lane every 4th position),
+// stages its outputs in shared memory and writes them with 16-byte stores. Needs planes % 8 == 0 and 16-byte
+// aligned pointers (stage_ok); COMPRESS_PIX_STAGE=0 turns it off, for A/B runs.
+constexpr int kStagePlanes = 8;
+constexpr int kStageLoads = 8;
+constexpr int kStageWarps = kThreads / 32;
+
+// Copy n 16-byte words from global src to shared dst, lanes strided, kStageLoads loads issued before any store.
+__device__ __forceinline__ void warp_copy16(uint4* dst, const uint4* __restrict__ src, int n, int lane) {
+  for (int base = 0; base < n; base += 32 * kStageLoads) {
+    uint4 r[kStageLoads];
+#pragma unroll
+    for (int j = 0; j < kStageLoads; ++j) {
+      const int i = base + j * 32 + lane;
+      if (i < n) r[j] = src[i];
+    }
+#pragma unroll
+    for (int j = 0; j < kStageLoads; ++j) {
+      const int i = base + j * 32 + lane;
+      if (i < n) dst[i] = r[j];
+    }
+  }
+}
+
+__device__ __forceinline__ void warp_store16(uint4* __restrict__ dst, const uint4* src, int n, int lane) {
+  for (int i = lane; i < n; i += 32) dst[i] = src[i];
+}
+
+// Shared memory of one warp, in 16-byte words: x (ZETA*HW) then y or dy (HW).
+template <int ZETA>
+constexpr int stage_words(int HW) { return ZETA * HW + HW; }
+
+template <typename T, int ZETA>
+__global__ void __launch_bounds__(kThreads) pix_fwd_nchw_staged(const T* __restrict__ x, const T* __restrict__ p,
+                                                                T* __restrict__ y, int chunks, int HW, float tau) {
+  extern __shared__ uint4 smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int chunk = blockIdx.x * kStageWarps + warp;
+  if (chunk >= chunks) return;  // whole warps
+  uint4* xs4 = smem + warp * stage_words<ZETA>(HW);
+  uint4* ys4 = xs4 + ZETA * HW;
+  warp_copy16(xs4, reinterpret_cast<const uint4*>(x) + (int64_t)chunk * ZETA * HW, ZETA * HW, lane);
+  __syncwarp();
+  const T* xs = reinterpret_cast<const T*>(xs4);
+  T* ys = reinterpret_cast<T*>(ys4);
+  const int lp = lane >> 2;  // plane of the chunk
+  const float pv = to_f(p[(int64_t)chunk * kStagePlanes + lp]);
+  const bool use_max = pv < tau;
+  const T* xp = xs + lp * ZETA * HW;
+  for (int i = lane & 3; i < HW; i += 4) {
+    float acc = to_f(xp[i]);
+#pragma unroll
+    for (int k = 1; k < ZETA; ++k) {
+      const float f = to_f(xp[k * HW + i]);
+      acc = use_max ? (f > acc ? f : acc) : acc + f;
+    }
+    ys[lp * HW + i] = from_f<T>(use_max ? pv * acc : pv * (acc / (float)ZETA));
+  }
+  __syncwarp();
+  warp_store16(reinterpret_cast<uint4*>(y) + (int64_t)chunk * HW, ys4, HW, lane);
+}
+
+template <typename T, int ZETA, int MODE>
+__global__ void __launch_bounds__(kThreads) pix_bwd_nchw_staged(const T* __restrict__ dy, const T* __restrict__ x,
+                                                                const T* __restrict__ p,
+                                                                const float* __restrict__ add, T* __restrict__ dx,
+                                                                DpT<T, MODE>* __restrict__ dp, int chunks, int HW,
+                                                                float tau) {
+  extern __shared__ uint4 smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int chunk = blockIdx.x * kStageWarps + warp;
+  if (chunk >= chunks) return;  // whole warps
+  uint4* xs4 = smem + warp * stage_words<ZETA>(HW);
+  uint4* gs4 = xs4 + ZETA * HW;
+  warp_copy16(xs4, reinterpret_cast<const uint4*>(x) + (int64_t)chunk * ZETA * HW, ZETA * HW, lane);
+  warp_copy16(gs4, reinterpret_cast<const uint4*>(dy) + (int64_t)chunk * HW, HW, lane);
+  __syncwarp();
+  T* xs = reinterpret_cast<T*>(xs4);  // dx overwrites x in place: each position is read and written by one lane
+  const T* gs = reinterpret_cast<const T*>(gs4);
+  const int lp = lane >> 2;
+  const int64_t plane = (int64_t)chunk * kStagePlanes + lp;
+  const float pv = to_f(p[plane]);
+  const bool use_max = pv < tau;
+  float a[ZETA];
+#pragma unroll
+  for (int k = 0; k < ZETA; ++k) a[k] = MODE == kDx ? add[plane * ZETA + k] : 0.f;
+  T* xp = xs + lp * ZETA * HW;
+  float part = 0.f;
+  for (int i = lane & 3; i < HW; i += 4) {
+    const float gv = to_f(gs[lp * HW + i]);
+    float best = to_f(xp[i]), sum = best;
+    int arg = 0;
+#pragma unroll
+    for (int k = 1; k < ZETA; ++k) {
+      const float f = to_f(xp[k * HW + i]);
+      if (f > best) { best = f; arg = k; }
+      sum += f;
+    }
+    part += (use_max ? best : sum / (float)ZETA) * gv;
+    if (MODE != kDp) {
+#pragma unroll
+      for (int k = 0; k < ZETA; ++k)
+        xp[k * HW + i] = from_f<T>((use_max ? (arg == k ? pv * gv : 0.f) : (pv * gv) / (float)ZETA) + a[k]);
+    }
+  }
+  if (MODE != kDx) {
+    part += __shfl_xor_sync(0xffffffffu, part, 1);
+    part += __shfl_xor_sync(0xffffffffu, part, 2);
+    if ((lane & 3) == 0) dp[plane] = from_f<DpT<T, MODE>>(part);
+  }
+  if (MODE == kDp) return;
+  __syncwarp();
+  warp_store16(reinterpret_cast<uint4*>(dx) + (int64_t)chunk * ZETA * HW, xs4, ZETA * HW, lane);
+}
+
 // ---------------------------------------------------------------------------------------- channels_last
 // Thread per GPT consecutive groups of one position (b, hw): their GPT*zeta channels are contiguous, so a thread
 // loads them as one (GPT*zeta)-element vector and stores GPT outputs as one vector (16 bytes when GPT > 1;
@@ -218,11 +337,12 @@ __global__ void pix_fwd_cl(const T* __restrict__ x, const T* __restrict__ p, T* 
 
 // Block (32 threads) x (8 rows of positions), a thread owning GPT consecutive groups (GPT > 1: compile-time zeta,
 // G % GPT == 0, aligned pointers; one GPT*zeta-element vector of x and dx, GPT of dy per position); grid (G tiles
-// of 32*GPT, position chunks, B). Partials (B, chunks, G).
+// of 32*GPT, position chunks, B). Partials (B, chunks, G), or with one chunk dp itself (dp_direct non-null: no
+// second launch to sum the chunks).
 template <typename T, int ZETA, int MODE, int GPT>
 __global__ void pix_bwd_cl(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ p,
-                           const float* __restrict__ add, T* __restrict__ dx, float* __restrict__ partial, int G,
-                           int zeta_rt, int HW, int chunk, float tau) {
+                           const float* __restrict__ add, T* __restrict__ dx, float* __restrict__ partial,
+                           DpT<T, MODE>* __restrict__ dp_direct, int G, int zeta_rt, int HW, int chunk, float tau) {
   static_assert(GPT == 1 || ZETA > 0, "GPT > 1 needs a compile-time zeta");
   constexpr int ZN = ZETA > 0 ? ZETA : 1;
   const int zeta = ZETA > 0 ? ZETA : zeta_rt;
@@ -297,7 +417,10 @@ __global__ void pix_bwd_cl(const T* __restrict__ dy, const T* __restrict__ x, co
       float s = 0.f;
 #pragma unroll
       for (int r = 0; r < 8; ++r) s += red[r][threadIdx.x * GPT + j];
-      partial[((int64_t)b * gridDim.y + blockIdx.y) * G + g0 + j] = s;
+      if (dp_direct != nullptr)
+        dp_direct[(int64_t)b * G + g0 + j] = from_f<DpT<T, MODE>>(s);
+      else
+        partial[((int64_t)b * gridDim.y + blockIdx.y) * G + g0 + j] = s;
     }
   }
 }
@@ -447,6 +570,23 @@ bool cl_bwd_pairs(int64_t G, int zv, int elem, std::initializer_list<const void*
   return true;
 }
 
+// Whether the warp-staged NCHW kernels take this call: 16-bit type, odd planes (no vector loads along HW), a
+// compile-time zeta, whole 8-plane chunks, 16-byte aligned tensors and the block's stage within 48 KiB. H200,
+// bf16 64x2048x7x7: see kernels_pix_stage_h200.json (fwd/bwd_ms_stage_off = COMPRESS_PIX_STAGE=0).
+template <typename T, int VV, int ZV>
+bool stage_ok(int64_t planes, int64_t HW, std::initializer_list<const void*> ptrs) {
+  if (sizeof(T) != 2 || VV != 1 || ZV == 0 || planes % kStagePlanes != 0) return false;
+  if ((int64_t)kStageWarps * stage_words<ZV == 0 ? 1 : ZV>((int)HW) * 16 > 48 * 1024) return false;
+  const char* env = std::getenv("COMPRESS_PIX_STAGE");
+  if (env && env[0] == '0') return false;
+  for (const void* q : ptrs)
+    if (q != nullptr && !ck::aligned(q, 16)) return false;
+  return true;
+}
+
+template <int ZV>
+size_t stage_bytes(int64_t HW) { return (size_t)kStageWarps * stage_words<ZV == 0 ? 1 : ZV>((int)HW) * 16; }
+
 }  // namespace
 
 at::Tensor pix_forward(const at::Tensor& x, const at::Tensor& p, int64_t zeta, double tau, bool cl) {
@@ -491,6 +631,15 @@ at::Tensor pix_forward(const at::Tensor& x, const at::Tensor& p, int64_t zeta, d
         with_zeta(zeta, [&](auto Z) {
           constexpr int ZV = decltype(Z)::value;
           const int planes = (int)(B * G);
+          if constexpr (ZV > 0) {
+            if (stage_ok<scalar_t, VV, ZV>(planes, HW, {xp, yp})) {
+              const int chunks = planes / kStagePlanes;
+              pix_fwd_nchw_staged<scalar_t, ZV><<<(unsigned)ck::ceil_div(chunks, kStageWarps), kThreads,
+                                                  stage_bytes<ZV>(HW), stream>>>(xp, pp, yp, chunks, (int)HW, ftau);
+              C10_CUDA_KERNEL_LAUNCH_CHECK();
+              return;
+            }
+          }
           const int ppb = planes_per_block(HW / VV, VV * (int)sizeof(scalar_t));
           const unsigned grid = (unsigned)ck::ceil_div(planes, ppb);
           pix_fwd_nchw<scalar_t, VV, ZV><<<grid, kThreads, 0, stream>>>(xp, pp, yp, planes, (int)zeta, (int)HW, ftau, ppb);
@@ -509,6 +658,17 @@ int64_t cl_chunks(int64_t tiles, int64_t B, int64_t HW) {
   int64_t chunks = ck::ceil_div((int64_t)ck::num_sms() * 8, tiles * B);
   chunks = std::max<int64_t>(1, std::min<int64_t>(chunks, ck::ceil_div(HW, 32)));
   return ck::ceil_div(HW, ck::ceil_div(HW, chunks));
+}
+
+// Position chunks of the channels_last backward: one when the planes are small (HW <= 64) and (tiles x B) alone
+// fills the device twice over, so the kernel writes dp itself and no second launch sums chunk partials (the
+// launch is a sizeable part of a 7x7 backward: kernels_pix_stage_h200.json, bwd_ms_direct_off =
+// COMPRESS_PIX_CL_DIRECT=0); else cl_chunks.
+int64_t cl_bwd_chunks(int64_t tiles, int64_t B, int64_t HW) {
+  const char* env = std::getenv("COMPRESS_PIX_CL_DIRECT");
+  const bool off = env && env[0] == '0';
+  if (!off && HW <= 64 && tiles * B >= 2 * (int64_t)ck::num_sms()) return 1;
+  return cl_chunks(tiles, B, HW);
 }
 
 // The three backward modes (BwdMode). Returns {dx, dp}; the one a mode does not compute is undefined.
@@ -550,49 +710,44 @@ std::vector<at::Tensor> pix_backward_impl(const at::Tensor& dy, const at::Tensor
       else f(std::integral_constant<int, kDx>{});
     };
     if (cl) {
-      at::Tensor partial;
-      int64_t n_chunks = 1;
       with_zeta(zeta, [&](auto Z) {
         constexpr int ZV = decltype(Z)::value;
         const bool vec_ok = ZV > 0 && ck::aligned(xp, sizeof(scalar_t) * (ZV > 0 ? ZV : 1)) &&
                             (dxp == nullptr || ck::aligned(dxp, sizeof(scalar_t) * (ZV > 0 ? ZV : 1)));
         const int gpt = vec_ok && cl_bwd_pairs(G, ZV, (int)sizeof(scalar_t), {xp, dxp}, {gp, pp}) ? 2 : 1;
         const int gt = (int)ck::ceil_div(G, 32 * gpt);
-        const int64_t chunks = cl_chunks(gt, B, HW), chunk = ck::ceil_div(HW, chunks);
-        if (mode != kDx) partial = at::empty({B, chunks, G}, x.options().dtype(at::kFloat));
+        const int64_t chunks = cl_bwd_chunks(gt, B, HW), chunk = ck::ceil_div(HW, chunks);
+        at::Tensor partial;
+        if (mode != kDx && chunks > 1) partial = at::empty({B, chunks, G}, x.options().dtype(at::kFloat));
         float* part = partial.defined() ? partial.data_ptr<float>() : nullptr;
-        n_chunks = chunks;
         dim3 grid(gt, (unsigned)chunks, (unsigned)B), block(32, 8);
         with_mode([&](auto M) {
           constexpr int MV = decltype(M)::value;
+          auto* direct = mode != kDx && chunks == 1 ? static_cast<DpT<scalar_t, MV>*>(dp.data_ptr()) : nullptr;
+          auto launch = [&](auto kernel) {
+            kernel<<<grid, block, 0, stream>>>(gp, xp, pp, ap, dxp, part, direct, (int)G, (int)zeta, (int)HW,
+                                               (int)chunk, ftau);
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+          };
           if constexpr (ZV > 0) {
-            if (gpt == 2) {
-              pix_bwd_cl<scalar_t, ZV, MV, 2><<<grid, block, 0, stream>>>(gp, xp, pp, ap, dxp, part, (int)G, (int)zeta,
-                                                                          (int)HW, (int)chunk, ftau);
-              C10_CUDA_KERNEL_LAUNCH_CHECK();
-              return;
-            }
+            if (gpt == 2) return launch(pix_bwd_cl<scalar_t, ZV, MV, 2>);
           }
           if (vec_ok)
-            pix_bwd_cl<scalar_t, ZV, MV, 1><<<grid, block, 0, stream>>>(gp, xp, pp, ap, dxp, part, (int)G, (int)zeta,
-                                                                        (int)HW, (int)chunk, ftau);
+            launch(pix_bwd_cl<scalar_t, ZV, MV, 1>);
           else
-            pix_bwd_cl<scalar_t, 0, MV, 1><<<grid, block, 0, stream>>>(gp, xp, pp, ap, dxp, part, (int)G, (int)zeta,
-                                                                       (int)HW, (int)chunk, ftau);
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
+            launch(pix_bwd_cl<scalar_t, 0, MV, 1>);
         });
+        if (partial.defined()) {
+          const unsigned g2 = ck::grid_for(B * G, kThreads);
+          if (mode == kDp)
+            sum_chunks<float><<<g2, kThreads, 0, stream>>>(part, dp.data_ptr<float>(), (int)(B * G), (int)G,
+                                                           (int)chunks, 1.f);
+          else
+            sum_chunks<scalar_t><<<g2, kThreads, 0, stream>>>(part, dp.data_ptr<scalar_t>(), (int)(B * G), (int)G,
+                                                              (int)chunks, 1.f);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        }
       });
-      if (mode != kDx) {
-        float* part = partial.data_ptr<float>();
-        const int64_t chunks = n_chunks;
-        const unsigned g2 = ck::grid_for(B * G, kThreads);
-        if (mode == kDp)
-          sum_chunks<float><<<g2, kThreads, 0, stream>>>(part, dp.data_ptr<float>(), (int)(B * G), (int)G, (int)chunks, 1.f);
-        else
-          sum_chunks<scalar_t><<<g2, kThreads, 0, stream>>>(part, dp.data_ptr<scalar_t>(), (int)(B * G), (int)G,
-                                                            (int)chunks, 1.f);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      }
     } else {
       with_vec<scalar_t>(HW, {xp, dxp, gp}, [&](auto V) {
         constexpr int VV = decltype(V)::value;
@@ -604,6 +759,16 @@ std::vector<at::Tensor> pix_backward_impl(const at::Tensor& dy, const at::Tensor
           with_mode([&](auto M) {
             constexpr int MV = decltype(M)::value;
             auto* dpp = dp.defined() ? static_cast<DpT<scalar_t, MV>*>(dp.data_ptr()) : nullptr;
+            if constexpr (ZV > 0) {
+              if (stage_ok<scalar_t, VV, ZV>(planes, HW, {xp, dxp, gp})) {
+                const int chunks = planes / kStagePlanes;
+                pix_bwd_nchw_staged<scalar_t, ZV, MV><<<(unsigned)ck::ceil_div(chunks, kStageWarps), kThreads,
+                                                        stage_bytes<ZV>(HW), stream>>>(gp, xp, pp, ap, dxp, dpp, chunks,
+                                                                                       (int)HW, ftau);
+                C10_CUDA_KERNEL_LAUNCH_CHECK();
+                return;
+              }
+            }
             pix_bwd_nchw<scalar_t, VV, ZV, MV><<<grid, kThreads, 0, stream>>>(gp, xp, pp, ap, dxp, dpp, planes,
                                                                               (int)zeta, (int)HW, ftau, ppb);
             C10_CUDA_KERNEL_LAUNCH_CHECK();
