@@ -212,16 +212,16 @@ __global__ void __launch_bounds__(kThreads) pix_fwd_nchw_staged(const T* __restr
                                                                 T* __restrict__ y, int chunks, int HW, float tau) {
   extern __shared__ uint4 smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int chunk = blockIdx.x * kStageWarps + warp;
+  const int chunk = blockIdx.x * (blockDim.x >> 5) + warp;
   if (chunk >= chunks) return;  // whole warps
   uint4* xs4 = smem + warp * stage_words<ZETA>(HW);
   uint4* ys4 = xs4 + ZETA * HW;
+  const int lp = lane >> 2;  // plane of the chunk
+  const float pv = to_f(p[(int64_t)chunk * kStagePlanes + lp]);  // issued before the copy: its latency overlaps
   warp_copy16(xs4, reinterpret_cast<const uint4*>(x) + (int64_t)chunk * ZETA * HW, ZETA * HW, lane);
   __syncwarp();
   const T* xs = reinterpret_cast<const T*>(xs4);
   T* ys = reinterpret_cast<T*>(ys4);
-  const int lp = lane >> 2;  // plane of the chunk
-  const float pv = to_f(p[(int64_t)chunk * kStagePlanes + lp]);
   const bool use_max = pv < tau;
   const T* xp = xs + lp * ZETA * HW;
   for (int i = lane & 3; i < HW; i += 4) {
@@ -245,22 +245,22 @@ __global__ void __launch_bounds__(kThreads) pix_bwd_nchw_staged(const T* __restr
                                                                 float tau) {
   extern __shared__ uint4 smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int chunk = blockIdx.x * kStageWarps + warp;
+  const int chunk = blockIdx.x * (blockDim.x >> 5) + warp;
   if (chunk >= chunks) return;  // whole warps
   uint4* xs4 = smem + warp * stage_words<ZETA>(HW);
   uint4* gs4 = xs4 + ZETA * HW;
+  const int lp = lane >> 2;
+  const int64_t plane = (int64_t)chunk * kStagePlanes + lp;
+  const float pv = to_f(p[plane]);  // p and add are issued before the copies: their latency overlaps
+  float a[ZETA];
+#pragma unroll
+  for (int k = 0; k < ZETA; ++k) a[k] = MODE == kDx ? add[plane * ZETA + k] : 0.f;
   warp_copy16(xs4, reinterpret_cast<const uint4*>(x) + (int64_t)chunk * ZETA * HW, ZETA * HW, lane);
   warp_copy16(gs4, reinterpret_cast<const uint4*>(dy) + (int64_t)chunk * HW, HW, lane);
   __syncwarp();
   T* xs = reinterpret_cast<T*>(xs4);  // dx overwrites x in place: each position is read and written by one lane
   const T* gs = reinterpret_cast<const T*>(gs4);
-  const int lp = lane >> 2;
-  const int64_t plane = (int64_t)chunk * kStagePlanes + lp;
-  const float pv = to_f(p[plane]);
   const bool use_max = pv < tau;
-  float a[ZETA];
-#pragma unroll
-  for (int k = 0; k < ZETA; ++k) a[k] = MODE == kDx ? add[plane * ZETA + k] : 0.f;
   T* xp = xs + lp * ZETA * HW;
   float part = 0.f;
   for (int i = lane & 3; i < HW; i += 4) {
@@ -585,7 +585,14 @@ bool stage_ok(int64_t planes, int64_t HW, std::initializer_list<const void*> ptr
 }
 
 template <int ZV>
-size_t stage_bytes(int64_t HW) { return (size_t)kStageWarps * stage_words<ZV == 0 ? 1 : ZV>((int)HW) * 16; }
+size_t stage_bytes(int64_t HW, int warps) { return (size_t)warps * stage_words<ZV == 0 ? 1 : ZV>((int)HW) * 16; }
+
+// Warps per block of the staged kernels (COMPRESS_PIX_STAGE_WARPS=2|4|8 for A/B runs; default kStageWarps).
+int stage_warps() {
+  const char* env = std::getenv("COMPRESS_PIX_STAGE_WARPS");
+  if (env && (env[0] == '2' || env[0] == '4')) return env[0] - '0';
+  return kStageWarps;
+}
 
 }  // namespace
 
@@ -633,9 +640,9 @@ at::Tensor pix_forward(const at::Tensor& x, const at::Tensor& p, int64_t zeta, d
           const int planes = (int)(B * G);
           if constexpr (ZV > 0) {
             if (stage_ok<scalar_t, VV, ZV>(planes, HW, {xp, yp})) {
-              const int chunks = planes / kStagePlanes;
-              pix_fwd_nchw_staged<scalar_t, ZV><<<(unsigned)ck::ceil_div(chunks, kStageWarps), kThreads,
-                                                  stage_bytes<ZV>(HW), stream>>>(xp, pp, yp, chunks, (int)HW, ftau);
+              const int chunks = planes / kStagePlanes, warps = stage_warps();
+              pix_fwd_nchw_staged<scalar_t, ZV><<<(unsigned)ck::ceil_div(chunks, warps), warps * 32,
+                                                  stage_bytes<ZV>(HW, warps), stream>>>(xp, pp, yp, chunks, (int)HW, ftau);
               C10_CUDA_KERNEL_LAUNCH_CHECK();
               return;
             }
@@ -761,9 +768,9 @@ std::vector<at::Tensor> pix_backward_impl(const at::Tensor& dy, const at::Tensor
             auto* dpp = dp.defined() ? static_cast<DpT<scalar_t, MV>*>(dp.data_ptr()) : nullptr;
             if constexpr (ZV > 0) {
               if (stage_ok<scalar_t, VV, ZV>(planes, HW, {xp, dxp, gp})) {
-                const int chunks = planes / kStagePlanes;
-                pix_bwd_nchw_staged<scalar_t, ZV, MV><<<(unsigned)ck::ceil_div(chunks, kStageWarps), kThreads,
-                                                        stage_bytes<ZV>(HW), stream>>>(gp, xp, pp, ap, dxp, dpp, chunks,
+                const int chunks = planes / kStagePlanes, warps = stage_warps();
+                pix_bwd_nchw_staged<scalar_t, ZV, MV><<<(unsigned)ck::ceil_div(chunks, warps), warps * 32,
+                                                        stage_bytes<ZV>(HW, warps), stream>>>(gp, xp, pp, ap, dxp, dpp, chunks,
                                                                                        (int)HW, ftau);
                 C10_CUDA_KERNEL_LAUNCH_CHECK();
                 return;
