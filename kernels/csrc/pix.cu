@@ -174,12 +174,13 @@ __global__ void __launch_bounds__(kThreads) pix_bwd_nchw(const T* __restrict__ d
 // ------------------------------------------------------------------------- NCHW, odd planes, 16-bit types
 // A plane of odd HW in a 16-bit type allows no vector loads along HW, but 8 consecutive (b, g) planes always
 // do: their x span is 8*ZETA*HW elements = 16*ZETA*HW bytes and their y / dy span 16*HW bytes. Each warp owns
-// a chunk of PLANES (8 or 16) planes: it copies the chunk's x (and dy) into its own shared memory with 16-byte
-// loads (kStageLoads in flight per lane), computes from there (32 / PLANES lanes per plane, each taking every
-// (32 / PLANES)-th position), stages its outputs in shared memory and writes them with 16-byte stores. With 16
-// planes the y span (32*HW bytes) is whole 32-byte sectors. Needs planes % PLANES == 0 and 16-byte aligned
-// pointers (stage_for); COMPRESS_PIX_STAGE=0 turns it off, for A/B runs.
+// one such chunk: it copies the chunk's x (and dy) into its own shared memory with 16-byte loads (kStageLoads
+// in flight per lane), computes from there (lane = 4 lanes per plane x 8 planes, each lane every 4th position),
+// stages its outputs in shared memory and writes them with 16-byte stores. Needs planes % 8 == 0 and 16-byte
+// aligned pointers (stage_ok); COMPRESS_PIX_STAGE=0 turns it off, for A/B runs.
+constexpr int kStagePlanes = 8;
 constexpr int kStageLoads = 8;
+constexpr int kStageWarps = kThreads / 32;
 
 // Copy n 16-byte words from global src to shared dst, lanes strided, kStageLoads loads issued before any store.
 __device__ __forceinline__ void warp_copy16(uint4* dst, const uint4* __restrict__ src, int n, int lane) {
@@ -202,30 +203,28 @@ __device__ __forceinline__ void warp_store16(uint4* __restrict__ dst, const uint
   for (int i = lane; i < n; i += 32) dst[i] = src[i];
 }
 
-// 16-byte words of one warp's chunk: x is ZETA * (PLANES / 8) * HW, y or dy (PLANES / 8) * HW.
-template <int PLANES>
-__host__ __device__ constexpr int plane_words(int HW) { return PLANES / 8 * HW; }
+// Shared memory of one warp, in 16-byte words: x (ZETA*HW) then y or dy (HW).
+template <int ZETA>
+constexpr int stage_words(int HW) { return ZETA * HW + HW; }
 
-template <typename T, int ZETA, int PLANES>
+template <typename T, int ZETA>
 __global__ void __launch_bounds__(kThreads) pix_fwd_nchw_staged(const T* __restrict__ x, const T* __restrict__ p,
                                                                 T* __restrict__ y, int chunks, int HW, float tau) {
-  constexpr int LPP = 32 / PLANES;  // lanes per plane
   extern __shared__ uint4 smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int chunk = blockIdx.x * (blockDim.x >> 5) + warp;
   if (chunk >= chunks) return;  // whole warps
-  const int yw = plane_words<PLANES>(HW);
-  uint4* xs4 = smem + warp * (ZETA + 1) * yw;
-  uint4* ys4 = xs4 + ZETA * yw;
-  const int lp = lane / LPP;  // plane of the chunk
-  const float pv = to_f(p[(int64_t)chunk * PLANES + lp]);  // issued before the copy: its latency overlaps
-  warp_copy16(xs4, reinterpret_cast<const uint4*>(x) + (int64_t)chunk * ZETA * yw, ZETA * yw, lane);
+  uint4* xs4 = smem + warp * stage_words<ZETA>(HW);
+  uint4* ys4 = xs4 + ZETA * HW;
+  const int lp = lane >> 2;  // plane of the chunk
+  const float pv = to_f(p[(int64_t)chunk * kStagePlanes + lp]);  // issued before the copy: its latency overlaps
+  warp_copy16(xs4, reinterpret_cast<const uint4*>(x) + (int64_t)chunk * ZETA * HW, ZETA * HW, lane);
   __syncwarp();
   const T* xs = reinterpret_cast<const T*>(xs4);
   T* ys = reinterpret_cast<T*>(ys4);
   const bool use_max = pv < tau;
   const T* xp = xs + lp * ZETA * HW;
-  for (int i = lane % LPP; i < HW; i += LPP) {
+  for (int i = lane & 3; i < HW; i += 4) {
     float acc = to_f(xp[i]);
 #pragma unroll
     for (int k = 1; k < ZETA; ++k) {
@@ -235,38 +234,36 @@ __global__ void __launch_bounds__(kThreads) pix_fwd_nchw_staged(const T* __restr
     ys[lp * HW + i] = from_f<T>(use_max ? pv * acc : pv * (acc / (float)ZETA));
   }
   __syncwarp();
-  warp_store16(reinterpret_cast<uint4*>(y) + (int64_t)chunk * yw, ys4, yw, lane);
+  warp_store16(reinterpret_cast<uint4*>(y) + (int64_t)chunk * HW, ys4, HW, lane);
 }
 
-template <typename T, int ZETA, int PLANES, int MODE>
+template <typename T, int ZETA, int MODE>
 __global__ void __launch_bounds__(kThreads) pix_bwd_nchw_staged(const T* __restrict__ dy, const T* __restrict__ x,
                                                                 const T* __restrict__ p,
                                                                 const float* __restrict__ add, T* __restrict__ dx,
                                                                 DpT<T, MODE>* __restrict__ dp, int chunks, int HW,
                                                                 float tau) {
-  constexpr int LPP = 32 / PLANES;
   extern __shared__ uint4 smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int chunk = blockIdx.x * (blockDim.x >> 5) + warp;
   if (chunk >= chunks) return;  // whole warps
-  const int yw = plane_words<PLANES>(HW);
-  uint4* xs4 = smem + warp * (ZETA + 1) * yw;
-  uint4* gs4 = xs4 + ZETA * yw;
-  const int lp = lane / LPP;
-  const int64_t plane = (int64_t)chunk * PLANES + lp;
+  uint4* xs4 = smem + warp * stage_words<ZETA>(HW);
+  uint4* gs4 = xs4 + ZETA * HW;
+  const int lp = lane >> 2;
+  const int64_t plane = (int64_t)chunk * kStagePlanes + lp;
   const float pv = to_f(p[plane]);  // p and add are issued before the copies: their latency overlaps
   float a[ZETA];
 #pragma unroll
   for (int k = 0; k < ZETA; ++k) a[k] = MODE == kDx ? add[plane * ZETA + k] : 0.f;
-  warp_copy16(xs4, reinterpret_cast<const uint4*>(x) + (int64_t)chunk * ZETA * yw, ZETA * yw, lane);
-  warp_copy16(gs4, reinterpret_cast<const uint4*>(dy) + (int64_t)chunk * yw, yw, lane);
+  warp_copy16(xs4, reinterpret_cast<const uint4*>(x) + (int64_t)chunk * ZETA * HW, ZETA * HW, lane);
+  warp_copy16(gs4, reinterpret_cast<const uint4*>(dy) + (int64_t)chunk * HW, HW, lane);
   __syncwarp();
   T* xs = reinterpret_cast<T*>(xs4);  // dx overwrites x in place: each position is read and written by one lane
   const T* gs = reinterpret_cast<const T*>(gs4);
   const bool use_max = pv < tau;
   T* xp = xs + lp * ZETA * HW;
   float part = 0.f;
-  for (int i = lane % LPP; i < HW; i += LPP) {
+  for (int i = lane & 3; i < HW; i += 4) {
     const float gv = to_f(gs[lp * HW + i]);
     float best = to_f(xp[i]), sum = best;
     int arg = 0;
@@ -284,13 +281,13 @@ __global__ void __launch_bounds__(kThreads) pix_bwd_nchw_staged(const T* __restr
     }
   }
   if (MODE != kDx) {
-#pragma unroll
-    for (int off = 1; off < LPP; off <<= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
-    if (lane % LPP == 0) dp[plane] = from_f<DpT<T, MODE>>(part);
+    part += __shfl_xor_sync(0xffffffffu, part, 1);
+    part += __shfl_xor_sync(0xffffffffu, part, 2);
+    if ((lane & 3) == 0) dp[plane] = from_f<DpT<T, MODE>>(part);
   }
   if (MODE == kDp) return;
   __syncwarp();
-  warp_store16(reinterpret_cast<uint4*>(dx) + (int64_t)chunk * ZETA * yw, xs4, ZETA * yw, lane);
+  warp_store16(reinterpret_cast<uint4*>(dx) + (int64_t)chunk * ZETA * HW, xs4, ZETA * HW, lane);
 }
 
 // ---------------------------------------------------------------------------------------- channels_last
@@ -573,30 +570,28 @@ bool cl_bwd_pairs(int64_t G, int zv, int elem, std::initializer_list<const void*
   return true;
 }
 
-// The warp-staged NCHW kernels' launch for this call (planes per warp, warps per block), or planes = 0 when
-// they do not take it: they need a 16-bit type, odd planes (no vector loads along HW), a compile-time zeta, whole
-// chunks, 16-byte aligned tensors and a block stage within 48 KiB. 16 planes per warp where the planes allow,
-// else 8. H200, bf16 64x2048x7x7: kernels_pix_stage_h200.json (fwd/bwd_ms_stage_off = COMPRESS_PIX_STAGE=0);
-// COMPRESS_PIX_STAGE_PLANES=8|16 forces the chunk size (A/B runs).
-struct Stage {
-  int planes = 0, warps = 0;
-};
-
+// Whether the warp-staged NCHW kernels take this call: 16-bit type, odd planes (no vector loads along HW), a
+// compile-time zeta, whole 8-plane chunks, 16-byte aligned tensors and the block's stage within 48 KiB. H200,
+// bf16 64x2048x7x7: see kernels_pix_stage_h200.json (fwd/bwd_ms_stage_off = COMPRESS_PIX_STAGE=0).
 template <typename T, int VV, int ZV>
-Stage stage_for(int64_t planes, int64_t HW, std::initializer_list<const void*> ptrs) {
+bool stage_ok(int64_t planes, int64_t HW, std::initializer_list<const void*> ptrs) {
+  if (sizeof(T) != 2 || VV != 1 || ZV == 0 || planes % kStagePlanes != 0) return false;
+  if ((int64_t)kStageWarps * stage_words<ZV == 0 ? 1 : ZV>((int)HW) * 16 > 48 * 1024) return false;
   const char* env = std::getenv("COMPRESS_PIX_STAGE");
-  if (sizeof(T) != 2 || VV != 1 || ZV == 0 || (env && env[0] == '0')) return {};
+  if (env && env[0] == '0') return false;
   for (const void* q : ptrs)
-    if (q != nullptr && !ck::aligned(q, 16)) return {};
-  const char* penv = std::getenv("COMPRESS_PIX_STAGE_PLANES");
-  const int want = penv && penv[0] == '8' ? 8 : 16;
-  for (int chunk : {16, 8}) {
-    if (chunk > want || planes % chunk != 0) continue;
-    const int64_t warp_bytes = (int64_t)(ZV + 1) * (chunk / 8) * HW * 16;
-    const int warps = (int)std::min<int64_t>(8, 48 * 1024 / warp_bytes);
-    if (warps >= 2) return {chunk, warps};
-  }
-  return {};
+    if (q != nullptr && !ck::aligned(q, 16)) return false;
+  return true;
+}
+
+template <int ZV>
+size_t stage_bytes(int64_t HW, int warps) { return (size_t)warps * stage_words<ZV == 0 ? 1 : ZV>((int)HW) * 16; }
+
+// Warps per block of the staged kernels (COMPRESS_PIX_STAGE_WARPS=2|4|8 for A/B runs; default kStageWarps).
+int stage_warps() {
+  const char* env = std::getenv("COMPRESS_PIX_STAGE_WARPS");
+  if (env && (env[0] == '2' || env[0] == '4')) return env[0] - '0';
+  return kStageWarps;
 }
 
 }  // namespace
@@ -644,13 +639,10 @@ at::Tensor pix_forward(const at::Tensor& x, const at::Tensor& p, int64_t zeta, d
           constexpr int ZV = decltype(Z)::value;
           const int planes = (int)(B * G);
           if constexpr (ZV > 0) {
-            const Stage st = stage_for<scalar_t, VV, ZV>(planes, HW, {xp, yp});
-            if (st.planes > 0) {
-              const int chunks = planes / st.planes;
-              const unsigned grid = (unsigned)ck::ceil_div(chunks, st.warps);
-              const size_t smem = (size_t)st.warps * (ZV + 1) * (st.planes / 8) * HW * 16;
-              auto kernel = st.planes == 16 ? pix_fwd_nchw_staged<scalar_t, ZV, 16> : pix_fwd_nchw_staged<scalar_t, ZV, 8>;
-              kernel<<<grid, st.warps * 32, smem, stream>>>(xp, pp, yp, chunks, (int)HW, ftau);
+            if (stage_ok<scalar_t, VV, ZV>(planes, HW, {xp, yp})) {
+              const int chunks = planes / kStagePlanes, warps = stage_warps();
+              pix_fwd_nchw_staged<scalar_t, ZV><<<(unsigned)ck::ceil_div(chunks, warps), warps * 32,
+                                                  stage_bytes<ZV>(HW, warps), stream>>>(xp, pp, yp, chunks, (int)HW, ftau);
               C10_CUDA_KERNEL_LAUNCH_CHECK();
               return;
             }
@@ -775,14 +767,11 @@ std::vector<at::Tensor> pix_backward_impl(const at::Tensor& dy, const at::Tensor
             constexpr int MV = decltype(M)::value;
             auto* dpp = dp.defined() ? static_cast<DpT<scalar_t, MV>*>(dp.data_ptr()) : nullptr;
             if constexpr (ZV > 0) {
-              const Stage st = stage_for<scalar_t, VV, ZV>(planes, HW, {xp, dxp, gp});
-              if (st.planes > 0) {
-                const int chunks = planes / st.planes;
-                const unsigned grid = (unsigned)ck::ceil_div(chunks, st.warps);
-                const size_t smem = (size_t)st.warps * (ZV + 1) * (st.planes / 8) * HW * 16;
-                auto kernel = st.planes == 16 ? pix_bwd_nchw_staged<scalar_t, ZV, 16, MV>
-                                              : pix_bwd_nchw_staged<scalar_t, ZV, 8, MV>;
-                kernel<<<grid, st.warps * 32, smem, stream>>>(gp, xp, pp, ap, dxp, dpp, chunks, (int)HW, ftau);
+              if (stage_ok<scalar_t, VV, ZV>(planes, HW, {xp, dxp, gp})) {
+                const int chunks = planes / kStagePlanes, warps = stage_warps();
+                pix_bwd_nchw_staged<scalar_t, ZV, MV><<<(unsigned)ck::ceil_div(chunks, warps), warps * 32,
+                                                        stage_bytes<ZV>(HW, warps), stream>>>(gp, xp, pp, ap, dxp, dpp, chunks,
+                                                                                       (int)HW, ftau);
                 C10_CUDA_KERNEL_LAUNCH_CHECK();
                 return;
               }
