@@ -572,7 +572,9 @@ bool cl_bwd_pairs(int64_t G, int zv, int elem, std::initializer_list<const void*
 
 // Whether the warp-staged NCHW kernels take this call: 16-bit type, odd planes (no vector loads along HW), a
 // compile-time zeta, whole 8-plane chunks, 16-byte aligned tensors and the block's stage within 48 KiB. H200,
-// bf16 64x2048x7x7: see kernels_pix_stage_h200.json (fwd/bwd_ms_stage_off = COMPRESS_PIX_STAGE=0).
+// bf16 64x2048x7x7: see kernels_pix_stage_h200.json (fwd/bwd_ms_stage_off = COMPRESS_PIX_STAGE=0). Tried: 2 or
+// 4 warps per block instead of 8 (same times) and 16 planes per warp, whose y span is whole 32-byte sectors
+// (1.1x slower: kernels_pix_stage16_reverted_h200.json, where the default is 16 and *_stage8 this kernel).
 template <typename T, int VV, int ZV>
 bool stage_ok(int64_t planes, int64_t HW, std::initializer_list<const void*> ptrs) {
   if (sizeof(T) != 2 || VV != 1 || ZV == 0 || planes % kStagePlanes != 0) return false;
@@ -585,14 +587,7 @@ bool stage_ok(int64_t planes, int64_t HW, std::initializer_list<const void*> ptr
 }
 
 template <int ZV>
-size_t stage_bytes(int64_t HW, int warps) { return (size_t)warps * stage_words<ZV == 0 ? 1 : ZV>((int)HW) * 16; }
-
-// Warps per block of the staged kernels (COMPRESS_PIX_STAGE_WARPS=2|4|8 for A/B runs; default kStageWarps).
-int stage_warps() {
-  const char* env = std::getenv("COMPRESS_PIX_STAGE_WARPS");
-  if (env && (env[0] == '2' || env[0] == '4')) return env[0] - '0';
-  return kStageWarps;
-}
+size_t stage_bytes(int64_t HW) { return (size_t)kStageWarps * stage_words<ZV == 0 ? 1 : ZV>((int)HW) * 16; }
 
 }  // namespace
 
@@ -640,9 +635,9 @@ at::Tensor pix_forward(const at::Tensor& x, const at::Tensor& p, int64_t zeta, d
           const int planes = (int)(B * G);
           if constexpr (ZV > 0) {
             if (stage_ok<scalar_t, VV, ZV>(planes, HW, {xp, yp})) {
-              const int chunks = planes / kStagePlanes, warps = stage_warps();
-              pix_fwd_nchw_staged<scalar_t, ZV><<<(unsigned)ck::ceil_div(chunks, warps), warps * 32,
-                                                  stage_bytes<ZV>(HW, warps), stream>>>(xp, pp, yp, chunks, (int)HW, ftau);
+              const int chunks = planes / kStagePlanes;
+              pix_fwd_nchw_staged<scalar_t, ZV><<<(unsigned)ck::ceil_div(chunks, kStageWarps), kThreads,
+                                                  stage_bytes<ZV>(HW), stream>>>(xp, pp, yp, chunks, (int)HW, ftau);
               C10_CUDA_KERNEL_LAUNCH_CHECK();
               return;
             }
@@ -768,9 +763,9 @@ std::vector<at::Tensor> pix_backward_impl(const at::Tensor& dy, const at::Tensor
             auto* dpp = dp.defined() ? static_cast<DpT<scalar_t, MV>*>(dp.data_ptr()) : nullptr;
             if constexpr (ZV > 0) {
               if (stage_ok<scalar_t, VV, ZV>(planes, HW, {xp, dxp, gp})) {
-                const int chunks = planes / kStagePlanes, warps = stage_warps();
-                pix_bwd_nchw_staged<scalar_t, ZV, MV><<<(unsigned)ck::ceil_div(chunks, warps), warps * 32,
-                                                        stage_bytes<ZV>(HW, warps), stream>>>(gp, xp, pp, ap, dxp, dpp, chunks,
+                const int chunks = planes / kStagePlanes;
+                pix_bwd_nchw_staged<scalar_t, ZV, MV><<<(unsigned)ck::ceil_div(chunks, kStageWarps), kThreads,
+                                                        stage_bytes<ZV>(HW), stream>>>(gp, xp, pp, ap, dxp, dpp, chunks,
                                                                                        (int)HW, ftau);
                 C10_CUDA_KERNEL_LAUNCH_CHECK();
                 return;
