@@ -7,12 +7,15 @@
 // planes_per_block, else 1 plane looped), with vector loads along HW (the widest of 16/8/4/2 bytes that divides
 // HW); dp is reduced in shared memory
 // (segmented warp scans keyed by plane + one shared atomic per warp and plane) and written once per plane: no
-// global atomics, no full-size intermediate.
+// global atomics, no full-size intermediate. Odd planes in 16-bit types (no vector loads along HW): each warp
+// stages 8 planes through its shared memory with 16-byte loads and stores instead (pix_*_nchw_staged).
 // channels_last: a group's zeta channels are contiguous, so each thread loads one group (two in the backward
-// for 16-bit types) as one vector; dp via per-block partial sums (B, chunks, G) and a tiny finalize kernel.
-// Tried and dropped (H200, 2026-11-21): staging a block's planes in shared memory with 16-byte loads for small
-// planes (7x7, 14x14 bf16) ran slower than this mapping (bf16 64x1024x14x14 fwd 0.0150 vs 0.0094 ms, bwd 0.0289
-// vs 0.0164 ms; benchmarks/results/kernels_h200.json, meta.ab).
+// for 16-bit types) as one vector; dp via per-block partial sums (B, chunks, G) and a tiny finalize kernel, or,
+// for small planes on a full grid, written by the backward kernel itself (cl_bwd_chunks).
+// Tried and dropped (H200, 2026-11-21): staging a whole block's planes in shared memory (block-wide, with
+// __syncthreads) for 14x14 bf16 planes, which have 8-byte vector loads anyway, ran slower than this mapping
+// (bf16 64x1024x14x14 fwd 0.0150 vs 0.0094 ms, bwd 0.0289 vs 0.0164 ms; benchmarks/results/kernels_h200.json,
+// meta.ab).
 // Unrolling the channels_last backward's position loop 4x changed no timing (H200, 2026-11-21:
 // benchmarks/results/kernels_pix_h200_unroll_reverted.json vs kernels_pix_h200.json). Issuing the loads of 2 or 4
 // small-plane elements per thread before any use (each with its own index division) was 1-60% slower than one
