@@ -325,6 +325,7 @@ def bench(name: str, variant: str, args, device: torch.device) -> dict | None:
         "dense_params": p_dense.params,
         "compact_params": p_small.params,
         "stripe_layers": len(stripe_layers(small)),
+        "pool_fused": small.compress_compaction["pool_fused"],
         "stripe_mode_layers": sum(m == "stripe" for m in modes.values()),
         "stripe_mode_layers_graph": sum(m == "stripe" for m in graph_modes.values()) if graph_modes else None,
         "stripe_mode_layers_cost_model": sum(m == "stripe" for m in cost_modes.values()),
@@ -536,7 +537,8 @@ def parse_args(argv=None):
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fuse-relu", action="store_true",
-                   help="compress.compact(fuse_relu=True) for both models: each conv's ReLU in its epilogue")
+                   help="compress.compact(fuse_relu=True) for both models: each conv's ReLU in its epilogue "
+                        "(and in the compact model a 2x2 max-pool after a stripe conv's ReLU)")
     p.add_argument("--eager-op", action="store_true",
                    help="A/B: run stripe-mode layers through the op (kernels.stripe_conv2d) in eager inference and "
                         "in choose_modes, as before StripeConv2d kept a prepared launcher")

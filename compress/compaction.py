@@ -29,6 +29,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
+from torch.nn.modules.utils import _pair
 
 import kernels
 from compress.skeleton import SkeletonConv2d
@@ -77,7 +78,8 @@ def compact(
             (8 for GPU tensor cores), using channels that change nothing; 1 = remove all removable.
         fuse_relu: with fold_bn, a conv (plain or stripe) whose output goes only, through folded BNs, to a ReLU
             module that runs once takes that ReLU into its epilogue (`Conv2dReLU`, `StripeConv2d(relu=True)`;
-            on CUDA one cuDNN call or the stripe kernel) and the ReLU becomes nn.Identity. Inference only.
+            on CUDA one cuDNN call or the stripe kernel) and the ReLU becomes nn.Identity; a StripeConv2d also
+            takes a 2x2 stride-2 max-pool that only reads that ReLU (`StripeConv2d(pool=True)`). Inference only.
 
     Returns:
         The compact model (same training mode, device and dtype, `compress_arch` kept) with
@@ -99,6 +101,7 @@ def compact(
         "threshold": base,
         "fold_bn": bool(fold_bn),
         "relu_fused": len(fused),
+        "pool_fused": sum(isinstance(m, StripeConv2d) and m.pool for m in out.modules()),
         "channel_multiple": channel_multiple,
         "target_macs": target_macs,
         "macs": macs,
@@ -177,7 +180,8 @@ def _fuse_relu(model: nn.Module) -> list[str]:
 
     A conv qualifies when torch.fx shows it called once, its output going through nothing but once-called
     nn.Identity modules (folded BNs) to a once-called nn.ReLU (a module shared by several call sites, as
-    torchvision's Bottleneck ReLU, is left alone)."""
+    torchvision's Bottleneck ReLU, is left alone). A StripeConv2d also takes the 2x2 max-pool that is that ReLU's
+    only consumer (`_pool_after`; VGG's pools), which its kernel computes in the epilogue."""
     graph = trace(model)
     if graph is None:
         return []
@@ -189,7 +193,7 @@ def _fuse_relu(model: nn.Module) -> list[str]:
         conv = get_module(model, node.target)
         if type(conv) is not nn.Conv2d and not isinstance(conv, StripeConv2d):
             continue
-        nxt, relu = node, None
+        nxt, relu, relu_node = node, None, None
         while len(nxt.users) == 1:
             (nxt,) = nxt.users
             if nxt.op != "call_module" or calls[nxt.target] != 1:
@@ -197,17 +201,38 @@ def _fuse_relu(model: nn.Module) -> list[str]:
             mod = get_module(model, nxt.target)
             if type(mod) is nn.Identity:
                 continue
-            relu = nxt.target if type(mod) is nn.ReLU else None
+            relu, relu_node = (nxt.target, nxt) if type(mod) is nn.ReLU else (None, None)
             break
         if relu is None:
             continue
         if isinstance(conv, StripeConv2d):
             conv.relu = True
+            pool = _pool_after(model, relu_node, calls)
+            if pool is not None:
+                conv.pool, conv.pool_ceil = True, get_module(model, pool).ceil_mode
+                replace_module(model, pool, nn.Identity())
         else:
             replace_module(model, node.target, Conv2dReLU.from_conv(conv))
         replace_module(model, relu, nn.Identity())
         fused.append(node.target)
     return fused
+
+
+def _pool_after(model: nn.Module, node, calls: Counter) -> str | None:
+    """The once-called nn.MaxPool2d (2x2, stride 2, no padding or dilation, either ceil mode) that is, through
+    once-called nn.Identity modules, the only consumer of fx node `node`; None if there is none."""
+    while len(node.users) == 1:
+        (node,) = node.users
+        if node.op != "call_module" or calls[node.target] != 1:
+            return None
+        mod = get_module(model, node.target)
+        if type(mod) is nn.Identity:
+            continue
+        if type(mod) is nn.MaxPool2d and _pair(mod.kernel_size) == (2, 2) and _pair(mod.stride) == (2, 2) \
+                and _pair(mod.padding) == (0, 0) and _pair(mod.dilation) == (1, 1) and not mod.return_indices:
+            return node.target
+        return None
+    return None
 
 
 def _cost_model_mode(m: StripeConv2d) -> str:
@@ -243,7 +268,8 @@ def choose_modes(model: nn.Module, x: torch.Tensor, repeats: int = 5, timing: st
         m = layers[name]
         route = kernels.stripe_route(
             inp, m.weight, m.out_index, m.offset, m.bias, m.out_channels, m.kernel_size,
-            m.stride, m.padding, m.dilation, plan=m.plan, repeats=repeats, timing=timing,
+            m.stride, m.padding, m.dilation, plan=m.plan, repeats=repeats, timing=timing, relu=m.relu, pool=m.pool,
+            pool_ceil=m.pool_ceil,
         )  # fmt: skip
         m.mode = "stripe" if route["use_stripe"] else "dense"
         if report is not None:

@@ -33,12 +33,14 @@ STRIPE_MODES = ("dense", "shift")
 
 
 class ShiftAddConv2d(nn.Module):
-    """A StripeConv2d as a 1x1 conv plus shifted adds: x (B, C, H, W) -> (B, N, Ho, Wo), same output."""
+    """A StripeConv2d as a 1x1 conv plus shifted adds: x (B, C, H, W) -> (B, N, Ho, Wo) (pooled if the stripe conv
+    pools), same output."""
 
     def __init__(self, stripe: StripeConv2d):
         super().__init__()
         self.stride, self.padding, self.dilation = stripe.stride, stripe.padding, stripe.dilation
         self.kernel_size, self.out_channels, self.relu = stripe.kernel_size, stripe.out_channels, stripe.relu
+        self.pool, self.pool_ceil = stripe.pool, stripe.pool_ceil
         self.weight = nn.Parameter(stripe.weight.detach().clone()[:, :, None, None])  # (S, C, 1, 1)
         self.bias = None if stripe.bias is None else nn.Parameter(stripe.bias.detach().clone())
         # per offset: (kh, kw, first stripe, last stripe + 1, gather index (N,) into [its stripes, zero])
@@ -67,7 +69,8 @@ class ShiftAddConv2d(nn.Module):
             part = torch.cat([part, part.new_zeros(part.shape[0], 1, ho, wo)], dim=1)
             y = y + part.index_select(1, getattr(self, f"gather{g}"))
         y = y if self.bias is None else y + self.bias[:, None, None]
-        return y.relu() if self.relu else y
+        y = y.relu() if self.relu else y
+        return F.max_pool2d(y, 2, ceil_mode=self.pool_ceil) if self.pool else y
 
 
 def onnx_ready(model: nn.Module, stripe_mode: str = "dense") -> nn.Module:

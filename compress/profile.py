@@ -79,7 +79,8 @@ _PAPER_EXTRA: dict[type[nn.Module], MacsHandler] = {
     nn.ReLU: _per_output(1), nn.ReLU6: _per_output(1), nn.LeakyReLU: _per_output(1), nn.PReLU: _per_output(1),
     # a ReLU fused into its conv (compact(fuse_relu=True)) counts as it did as a module
     Conv2dReLU: lambda m, inp, out: _bias(m, inp, out) + out.numel(),
-    StripeConv2d: lambda m, inp, out: out.numel() if m.relu else 0,
+    # and a pool fused into a StripeConv2d as nn.MaxPool2d (per input: the conv's output, 4x the pooled one)
+    StripeConv2d: lambda m, inp, out: out.numel() * (4 if m.pool else 1) * m.relu + out.numel() * 4 * m.pool,
     nn.MaxPool1d: _per_input, nn.MaxPool2d: _per_input, nn.MaxPool3d: _per_input,
     nn.AvgPool1d: _per_input, nn.AvgPool2d: _per_input, nn.AvgPool3d: _per_input,
     nn.AdaptiveAvgPool1d: _per_input, nn.AdaptiveAvgPool2d: _per_input, nn.AdaptiveAvgPool3d: _per_input,

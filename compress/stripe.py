@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import kernels
 from compress.surgery import conv_config
 from kernels import stripe_triton
-from kernels._utils import autocast_dtype, is_channels_last
+from kernels._utils import autocast_dtype, conv_out_size, is_channels_last
 
 __all__ = ["StripeConv2d", "Conv2dReLU", "conv2d_relu", "conv_padding", "masked_conv"]
 
@@ -134,6 +134,12 @@ class StripeConv2d(nn.Module):
         relu: apply ReLU to the output, in the kernel's epilogue (stripe mode) or cuDNN's (dense mode, see
             `conv2d_relu`); set by `compress.compact(..., fuse_relu=True)` for a conv whose BN is folded and
             whose only consumer is a ReLU.
+        pool: then a 2x2 max-pool, stride 2 (`F.max_pool2d(y, 2, ceil_mode=pool_ceil)`): in the kernel's epilogue
+            where its tiles allow (`kernels.prepare_stripe_conv2d`; even Ho and Wo, where both ceil modes agree),
+            so the full-size output is never written, else `F.max_pool2d` after; set by
+            `compress.compact(..., fuse_relu=True)` where such a pool module is the fused ReLU's only consumer
+            (VGG). cuDNN has no pooling epilogue: dense mode pools after.
+        pool_ceil: the pool's ceil_mode (odd sizes keep their last row and column).
     """
 
     def __init__(
@@ -148,9 +154,12 @@ class StripeConv2d(nn.Module):
         bias: bool = False,
         mode: str = "stripe",
         relu: bool = False,
+        pool: bool = False,
+        pool_ceil: bool = False,
     ):
         super().__init__()
         self.relu = bool(relu)
+        self.pool, self.pool_ceil = bool(pool), bool(pool_ceil)
         self.in_channels, self.out_channels = int(in_channels), int(out_channels)
         self.kernel_size, self.stride = _pair(kernel_size), _pair(stride)
         self.padding, self.dilation = _pair(padding), _pair(dilation)
@@ -229,8 +238,9 @@ class StripeConv2d(nn.Module):
             rows=self.rows,
         )
 
-    def to_dense(self) -> nn.Conv2d:
-        """An nn.Conv2d (a Conv2dReLU if `relu`) with the same output: dropped stripes are zeros."""
+    def to_dense(self) -> nn.Module:
+        """An nn.Conv2d (a Conv2dReLU if `relu`; in nn.Sequential with its nn.MaxPool2d if `pool`) with the same
+        output: dropped stripes are zeros."""
         conv = (Conv2dReLU if self.relu else nn.Conv2d)(
             self.in_channels,
             self.out_channels,
@@ -247,7 +257,7 @@ class StripeConv2d(nn.Module):
             if self.bias is not None:
                 conv.bias.copy_(self.bias)
         conv.train(self.training)
-        return conv
+        return nn.Sequential(conv, nn.MaxPool2d(2, ceil_mode=self.pool_ceil)).train(self.training) if self.pool else conv
 
     def stripe_mask(self) -> torch.Tensor:
         """Bool (N, kh, kw): True where a stripe is kept."""
@@ -279,19 +289,23 @@ class StripeConv2d(nn.Module):
         fmt = _layout(x)
         if self.num_stripes == 0:
             out = self._constant_output(x, fmt)
-            return out.relu_() if self.relu else out
+            return self._pooled(out.relu_() if self.relu else out)
         if self._mode == "dense" or self._eager_cuda_training(x):
             conv = conv2d_relu if self.relu else F.conv2d
-            return conv(x, self._cached_dense_weight(fmt), self.bias, self.stride, self.padding, self.dilation)
+            return self._pooled(conv(x, self._cached_dense_weight(fmt), self.bias, self.stride, self.padding,
+                                     self.dilation))
         launch = self._inference_launch(x)
         if launch is not None:
-            y = launch(x)
+            y = launch(x)  # pooled by the launcher
         else:
             args, kwargs = self._op_arguments(x)
-            y = kernels.stripe_conv2d(*args, **kwargs)
+            y = self._pooled(kernels.stripe_conv2d(*args, **kwargs))
         if fmt is torch.channels_last and not y.is_contiguous(memory_format=fmt):
             y = y.contiguous(memory_format=fmt)  # a 1-channel channels_last x counts as NCHW for the op
         return y
+
+    def _pooled(self, y: torch.Tensor) -> torch.Tensor:
+        return F.max_pool2d(y, 2, ceil_mode=self.pool_ceil) if self.pool else y
 
     def _eager_cuda_training(self, x: torch.Tensor) -> bool:
         """Whether this call is an eager training step on CUDA (autograd recording, no CUDA graph being captured,
@@ -361,6 +375,8 @@ class StripeConv2d(nn.Module):
         key = (
             stripe_triton.input_signature(x),
             self.relu,
+            self.pool,
+            self.pool_ceil,
             w.data_ptr(),
             -1 if w.is_inference() else w._version,
             self.out_index.data_ptr(),
@@ -369,7 +385,8 @@ class StripeConv2d(nn.Module):
         )
         if self._launch_cache is None or self._launch_cache[0] != key:
             args, kwargs = self._op_arguments(x)
-            self._launch_cache = (key, kernels.prepare_stripe_conv2d(*args, **kwargs))
+            self._launch_cache = (key, kernels.prepare_stripe_conv2d(*args, **kwargs, pool=self.pool,
+                                                                      pool_ceil=self.pool_ceil))
         return self._launch_cache[1]
 
     def graph_keepalive(self) -> tuple:
@@ -388,19 +405,20 @@ class StripeConv2d(nn.Module):
 
     def _constant_output(self, x: torch.Tensor, fmt: torch.memory_format) -> torch.Tensor:
         """No stripe kept: the output is the bias (or zeros) at every pixel, computed from x's shape only."""
-        ho, wo = (
-            (n + 2 * p - d * (k - 1) - 1) // s + 1
-            for n, k, s, p, d in zip(x.shape[2:], self.kernel_size, self.stride, self.padding, self.dilation)
-        )
+        ho, wo = self.conv_out_size(x.shape[2:])
         out = torch.empty((x.shape[0], self.out_channels, ho, wo), dtype=x.dtype, device=x.device, memory_format=fmt)
         out.zero_()
         return out if self.bias is None else out + self.bias[:, None, None]
 
     # ---- extension protocol (compress.profile, compress.checkpoint) -----------------------------
     def macs(self, inp: torch.Tensor, out: torch.Tensor) -> int:
-        """Multiply-adds of the kept stripes: B * Ho * Wo * S * C."""
-        b, _, ho, wo = out.shape
+        """Multiply-adds of the kept stripes: B * Ho * Wo * S * C (Ho, Wo: the conv's output, before any pool)."""
+        b, ho, wo = inp.shape[0], *self.conv_out_size(inp.shape[2:])
         return b * ho * wo * self.num_stripes * self.in_channels
+
+    def conv_out_size(self, hw) -> tuple[int, int]:
+        """The conv's output (Ho, Wo) for an input of spatial size hw = (H, W), before `pool`."""
+        return tuple(conv_out_size(*a) for a in zip(hw, self.kernel_size, self.stride, self.padding, self.dilation))
 
     def config(self) -> dict:
         """JSON-serialisable constructor kwargs: `StripeConv2d(**m.config())` has the same shapes."""
@@ -415,6 +433,8 @@ class StripeConv2d(nn.Module):
             "bias": self.bias is not None,
             "mode": self._mode,
             "relu": self.relu,
+            "pool": self.pool,
+            "pool_ceil": self.pool_ceil,
         }
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
@@ -441,4 +461,5 @@ class StripeConv2d(nn.Module):
             f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
             f"padding={self.padding}, dilation={self.dilation}, stripes={self.num_stripes}/{total}"
         )
-        return s + f", bias={self.bias is not None}, mode={self._mode}" + (", relu=True" if self.relu else "")
+        return (s + f", bias={self.bias is not None}, mode={self._mode}" + (", relu=True" if self.relu else "")
+                + (f", pool=True, pool_ceil={self.pool_ceil}" if self.pool else ""))

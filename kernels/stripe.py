@@ -458,11 +458,15 @@ def stripe_conv2d(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, 
 
 def prepare_stripe_conv2d(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, bias: Tensor | None,
                           out_channels: int, kernel_size, stride=1, padding=0, dilation=1, relu: bool = False,
-                          plan: Tensor | None = None, dense: Tensor | None = None):
+                          plan: Tensor | None = None, dense: Tensor | None = None, pool: bool = False,
+                          pool_ceil: bool = False):
     """An inference launcher of ``stripe_conv2d`` for inputs like ``x``: ``launch = prepare_stripe_conv2d(x, ...)``,
     then ``launch(x2)`` == ``stripe_conv2d(x2, ...)`` for any x2 with ``launch.signature ==
     kernels.stripe_triton.input_signature(x2)``. Arguments as ``stripe_conv2d``, checked here once; the tensors are
-    held, so in-place changes to them show in later calls (a new ``dense`` needs a new launcher).
+    held, so in-place changes to them show in later calls (a new ``dense`` needs a new launcher). ``pool``: the
+    launcher returns ``F.max_pool2d(y, 2, ceil_mode=pool_ceil)`` instead, pooled in the kernel's epilogue where the
+    tiles allow (``kernels.stripe_triton.pool_fusable``: even output sizes, a power-of-two output width that
+    divides the tile).
 
     The launcher skips the op's dispatch, checks, route choice and Triton's per-call JIT binding (see
     ``kernels.stripe_triton.Launch``), and it records no autograd graph and applies no autocast: a caller uses it
@@ -479,7 +483,7 @@ def prepare_stripe_conv2d(x: Tensor, weight: Tensor, out_index: Tensor, offset: 
     if plan is None:
         plan = _plan_torch(out_index, offset, int(out_channels), ks)
     return stripe_triton.prepare(x, weight, out_index, offset, bias, plan, int(out_channels), ks, st, pd, dl,
-                                 bool(relu), dense=dense)
+                                 bool(relu), dense=dense, pool=bool(pool), pool_ceil=bool(pool_ceil))
 
 
 def stripe_reads_dense(x: Tensor, weight: Tensor, out_channels: int, kernel_size) -> bool:
@@ -559,9 +563,12 @@ def _graph_ms(fn, device: torch.device, repeats: int, calls: int = 10) -> float:
 @torch.no_grad()
 def stripe_route(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, bias: Tensor | None,
                  out_channels: int, kernel_size, stride=1, padding=0, dilation=1, plan: Tensor | None = None,
-                 repeats: int = 5, timing: str = "auto") -> dict:
+                 repeats: int = 5, timing: str = "auto", relu: bool = False, pool: bool = False,
+                 pool_ceil: bool = False) -> dict:
     """Measure once whether the stripe op beats ``F.conv2d`` with the zero-filled dense weight on ``x``'s device,
     shape, dtype and layout (like ``cudnn.benchmark``). Returns ``{"use_stripe": bool, "stripe_ms", "dense_ms"}``.
+    ``relu``, ``pool``, ``pool_ceil``: the layer's epilogue (``StripeConv2d.relu``, ``.pool``, ``.pool_ceil``), timed on both paths as the module
+    runs them: the kernel's epilogue against cuDNN's conv + bias + ReLU call then ``F.max_pool2d``.
 
     timing: "graph" (CUDA only) compares GPU time, replaying each path in a CUDA graph: the cost in a graphed or
     compiled model, where launch overhead is gone; "eager" compares the wall time of one synchronised call,
@@ -594,16 +601,23 @@ def stripe_route(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, b
     launch = None
     if weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype):
         launch = prepare_stripe_conv2d(x, weight, out_index, offset, bias, out_channels, ks, stride, padding,
-                                       dilation, plan=plan, dense=kept)
+                                       dilation, relu=relu, plan=plan, dense=kept, pool=pool, pool_ceil=pool_ceil)
+
+    def pooled(y):
+        return F.max_pool2d(y, 2, ceil_mode=pool_ceil) if pool else y
 
     def run_stripe():
         if launch is not None:
             return launch(x)
-        return stripe_conv2d(x, weight, out_index, offset, bias, out_channels, ks, stride, padding, dilation,
-                             plan=plan, dense=kept)
+        return pooled(stripe_conv2d(x, weight, out_index, offset, bias, out_channels, ks, stride, padding, dilation,
+                                    relu=relu, plan=plan, dense=kept))
 
     def run_dense():
-        return F.conv2d(x, dense_w, bias, pair(stride), pair(padding), pair(dilation))
+        if relu and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32):  # conv2d_relu's call
+            return pooled(torch.cudnn_convolution_relu(x, dense_w, bias, pair(stride), pair(padding), pair(dilation),
+                                                       1))
+        y = F.conv2d(x, dense_w, bias, pair(stride), pair(padding), pair(dilation))
+        return pooled(y.relu_() if relu else y)
 
     clock = _graph_ms if timing == "graph" else _eager_ms
     s_ms, d_ms = clock(run_stripe, x.device, repeats), clock(run_dense, x.device, repeats)

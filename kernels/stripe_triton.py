@@ -53,6 +53,7 @@ stripe_models_gpu_h200_gpu_modes*.json "layers") and left the multiple-of-16 one
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 try:
     import triton
@@ -141,6 +142,7 @@ if triton is not None:
         HAS_BIAS: tl.constexpr, RELU: tl.constexpr, IS_FP32: tl.constexpr, OUT_CL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
         ONE_K: tl.constexpr, DENSE: tl.constexpr, GATHER: tl.constexpr, NOSKIP: tl.constexpr, IM2COL: tl.constexpr,
+        POOL: tl.constexpr, POOL_W: tl.constexpr,
     ):
         # w_ptr: route (b) stripe weight (S, C); DENSE route (a): zero-filled dense weight, channels_last
         # (N, KH, KW, C) in memory, so both routes load weight tiles contiguous along C
@@ -227,11 +229,25 @@ if triton is not None:
             acc += bias[None, :]
         if RELU:
             acc = tl.maximum(acc, 0.0)
-        if OUT_CL:  # pixel rows of N channels: with N a compile-time constant the stores vectorise
-            y_off = (offs_m.to(tl.int64) * N)[:, None] + (n0 + cols)[None, :]
+        if POOL:  # 2x2 max-pool, stride 2: the tile is whole pairs of output rows of width POOL_W (Launch checks)
+            acc = tl.reshape(acc, (BLOCK_M // (2 * POOL_W), 2, POOL_W // 2, 2, BLOCK_N))
+            acc = tl.reshape(tl.max(tl.max(acc, axis=3), axis=1), (BLOCK_M // 4, BLOCK_N))
+            offs_q = pid_m * (BLOCK_M // 4) + tl.arange(0, BLOCK_M // 4)  # pooled pixels, (b, ho // 2, wo // 2)
+            q_ok = offs_q < M // 4
+            if OUT_CL:
+                y_off = (offs_q.to(tl.int64) * N)[:, None] + (n0 + cols)[None, :]
+            else:
+                qw = offs_q % (POOL_W // 2)
+                qt = offs_q // (POOL_W // 2)
+                y_off = ((qt // (Ho // 2)).to(tl.int64) * sy_b + (qt % (Ho // 2)) * sy_h + qw * sy_w)[:, None] \
+                    + ((n0 + cols) * sy_c)[None, :]
+            tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=q_ok[:, None] & n_ok[None, :])
         else:
-            y_off = (bb * sy_b + (t % Ho) * sy_h + jw * sy_w)[:, None] + ((n0 + cols) * sy_c)[None, :]
-        tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+            if OUT_CL:  # pixel rows of N channels: with N a compile-time constant the stores vectorise
+                y_off = (offs_m.to(tl.int64) * N)[:, None] + (n0 + cols)[None, :]
+            else:
+                y_off = (bb * sy_b + (t % Ho) * sy_h + jw * sy_w)[:, None] + ((n0 + cols) * sy_c)[None, :]
+            tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 IM2COL_MAX_C = 4  # route (c) up to this many input channels
@@ -297,15 +313,16 @@ def reads_dense(cfg: dict) -> bool:
 
 
 def forward(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding, dilation,
-            relu, config: dict | None = None, dense=None):
+            relu, config: dict | None = None, dense=None, pool: bool = False, pool_ceil: bool = False):
     """Launch the fused kernel; arguments as ``compress::stripe_conv2d`` (plan required; ``dense``, the channels_last
-    zero-filled dense weight, is built here when the DENSE route needs it and none is given). Returns y."""
+    zero-filled dense weight, is built here when the DENSE route needs it and none is given; ``pool``,
+    ``pool_ceil``: a 2x2 stride-2 max-pool of the result, see ``Launch``). Returns y."""
     return prepare(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding, dilation,
-                   relu, config, dense)(x)
+                   relu, config, dense, pool, pool_ceil)(x)
 
 
 def prepare(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding, dilation,
-            relu, config: dict | None = None, dense=None) -> Launch:
+            relu, config: dict | None = None, dense=None, pool: bool = False, pool_ceil: bool = False) -> Launch:
     """The forward's ``Launch`` for inputs like ``x`` (arguments as ``forward``): route, tiles and weight operand
     chosen here, once."""
     C, N, KH, KW = x.shape[1], out_channels, *kernel_size
@@ -317,7 +334,13 @@ def prepare(x, weight, out_index, offset, bias, plan, out_channels, kernel_size,
     else:
         wop = stripe_to_dense(weight, out_index, offset, N, kernel_size, memory_format=torch.channels_last)
     return Launch(x, wop, out_index, plan, bias, N, weight.shape[0], kernel_size, stride, padding, dilation, relu,
-                  cfg)
+                  cfg, pool, pool_ceil)
+
+
+def pool_fusable(Ho: int, Wo: int, block_m: int) -> bool:
+    """Whether the kernel's epilogue can max-pool (2x2, stride 2) an Ho x Wo output with BLOCK_M-pixel tiles:
+    every tile must hold whole pairs of output rows, and the row width be a power of two (a tile dimension)."""
+    return Ho % 2 == 0 and Wo % 2 == 0 and Wo & (Wo - 1) == 0 and block_m % (2 * Wo) == 0
 
 
 def input_signature(x: torch.Tensor) -> tuple:
@@ -335,9 +358,14 @@ class Launch:
     kernel directly with the same arguments, skipping the JIT's per-call binding, specialisation and cache lookup
     (much of an eager call's host time; ``StripeConv2d`` keeps one ``Launch`` per input for eager inference).
     Under ``TRITON_INTERPRET=1`` every call goes through the interpreter.
+
+    ``pool``: the output is ``F.max_pool2d(y, 2, ceil_mode=pool_ceil)`` (after the bias and the ReLU), computed in
+    the kernel's epilogue where ``pool_fusable`` (even sizes, where both ceil modes agree; the conv's full-size
+    output is then never written), else by PyTorch after it.
     """
 
-    def __init__(self, x, wop, out_index, plan, bias, N, S, kernel_size, stride, padding, dilation, relu, cfg):
+    def __init__(self, x, wop, out_index, plan, bias, N, S, kernel_size, stride, padding, dilation, relu, cfg,
+                 pool=False, pool_ceil=False):
         B, C, H, W = x.shape
         KH, KW = kernel_size
         Ho = conv_out_size(H, KH, stride[0], padding[0], dilation[0])
@@ -345,7 +373,10 @@ class Launch:
         self.signature = input_signature(x)
         fmt = memory_format(x)
         self._x_cl = x.is_contiguous(memory_format=torch.channels_last)
-        self._y_shape = (B, N, Ho, Wo)
+        self.pool_fused = bool(pool) and pool_fusable(Ho, Wo, cfg["BLOCK_M"])
+        self._pool_after = bool(pool) and not self.pool_fused
+        self._pool_ceil = bool(pool_ceil)
+        self._y_shape = (B, N, Ho // 2, Wo // 2) if self.pool_fused else (B, N, Ho, Wo)
         self._empty_kw = dict(device=x.device, dtype=x.dtype, memory_format=fmt)
         self._M = M = B * Ho * Wo
         cfg = dict(cfg)
@@ -359,7 +390,7 @@ class Launch:
         named = dict(
             SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1], DH=dilation[0], DW=dilation[1], KH=KH, KW=KW,
             HAS_BIAS=bias is not None, RELU=relu, IS_FP32=x.dtype == torch.float32,
-            OUT_CL=fmt == torch.channels_last, **cfg)
+            OUT_CL=fmt == torch.channels_last, POOL=self.pool_fused, POOL_W=Wo if self.pool_fused else 1, **cfg)
         # every kernel argument in signature order; x (slot 0) and y (slot 5, and slot 4 standing in for a missing
         # bias: the pointer is then unused) are filled per call
         args = [None, wop, out_index, plan, bias, None, M, C, H, W, Ho, Wo, N, S, *y_strides]
@@ -372,7 +403,7 @@ class Launch:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.empty(self._y_shape, **self._empty_kw)
         if self._M == 0:
-            return y
+            return F.max_pool2d(y, 2, ceil_mode=self._pool_ceil) if self._pool_after else y
         args = self._args
         args[0] = x if self._x_cl else x.contiguous(memory_format=torch.channels_last)
         for i in self._y_slots:
@@ -388,7 +419,7 @@ class Launch:
             args[0] = None
             for i in self._y_slots:
                 args[i] = None
-        return y
+        return F.max_pool2d(y, 2, ceil_mode=self._pool_ceil) if self._pool_after else y
 
 
 # ----------------------------------------------------------------------------------------------- backward

@@ -104,11 +104,13 @@ def test_compact_equals_skeleton_model(name, tmp_path):
     assert all(torch.equal(before[k], after[k]) for k in before), "compact changed the caller's model"
 
 
-@pytest.mark.parametrize("name, size, fused", [("vgg11", 32, 8), ("resnet20", 32, 10), ("resnet18", 32, 1)])
-def test_fuse_relu_takes_each_conv_relu_into_the_conv(name, size, fused, tmp_path):
+@pytest.mark.parametrize("name, size, fused, pools", [("vgg11", 32, 8, 5), ("resnet20", 32, 10, 0),
+                                                     ("resnet18", 32, 1, 0)])
+def test_fuse_relu_takes_each_conv_relu_into_the_conv(name, size, fused, pools, tmp_path):
     """compact(fold_bn=True, fuse_relu=True): a conv whose only consumer is a ReLU (through folded BNs) runs it
-    in its epilogue; shared ReLU modules (torchvision's blocks: only the stem qualifies) stay. Same output,
-    also after save/load and as ONNX (dense and shift stripe modes), and the same paper-convention MACs."""
+    in its epilogue; shared ReLU modules (torchvision's blocks: only the stem qualifies) stay; a stripe conv also
+    takes the 2x2 max-pool after its ReLU (VGG11: all five, each after a pruned conv). Same output, also after
+    save/load and as ONNX (dense and shift stripe modes), and the same MACs in both conventions."""
     from compress.onnx_export import check_onnx, export_onnx
     from compress.stripe import Conv2dReLU
 
@@ -117,6 +119,9 @@ def test_fuse_relu_takes_each_conv_relu_into_the_conv(name, size, fused, tmp_pat
     plain = compact(model, fold_bn=True)
     out = compact(model, fold_bn=True, fuse_relu=True)
     assert out.compress_compaction["relu_fused"] == fused
+    assert out.compress_compaction["pool_fused"] == pools
+    assert sum(type(m) is nn.MaxPool2d for m in out.modules()) == sum(
+        type(m) is nn.MaxPool2d for m in plain.modules()) - pools
     convs = [m for m in out.modules() if isinstance(m, Conv2dReLU) or getattr(m, "relu", False) is True]
     assert len(convs) == fused
     n_relu = sum(type(m) is nn.ReLU for m in out.modules())
@@ -128,8 +133,9 @@ def test_fuse_relu_takes_each_conv_relu_into_the_conv(name, size, fused, tmp_pat
                           plain, x)
         path = export_onnx(out, tmp_path / f"fused-{mode}.onnx", (3, size, size), stripe_mode=mode)
         assert check_onnx(path, plain, x) <= max(1e-4, 1.01 * base)
-    macs = [profile(m, (3, size, size), latency=False, convention="paper").macs for m in (plain, out)]
-    assert macs[0] == macs[1]
+    for convention in ("layers", "paper"):
+        macs = [profile(m, (3, size, size), latency=False, convention=convention).macs for m in (plain, out)]
+        assert macs[0] == macs[1], convention
     with pytest.raises(ValueError, match="fuse_relu=True needs fold_bn=True"):
         compact(model, fuse_relu=True)
 

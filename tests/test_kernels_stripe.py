@@ -287,13 +287,35 @@ for xi in (x1, x2):
     yr = _ref(xi.double(), w.double(), oi, off, None, 20, (3, 3), (1, 1), (1, 1), (1, 1))
     y = launch(xi)
     assert ((y.double() - yr).norm() / yr.norm()).item() < 1e-3
+# the 2x2 max-pool epilogue (pool=True): BLOCK_M 16 = two rows of an 8-wide output, on every route and layout;
+# a 6-wide output (not a power of two) and a 5-high one take the launcher's unfused pool (ceil mode: 3 x 3)
+import torch.nn.functional as F
+for (H, W), fused in (((8, 8), True), ((6, 8), True), ((8, 6), False), ((5, 8), False)):
+    for c, fmt, dt in ((cfg, torch.contiguous_format, torch.float32), (gcfg, torch.channels_last, torch.float16),
+                       (dict(cfg, DENSE=True), torch.channels_last, torch.float32),
+                       (dict(cfg, DENSE=True, NOSKIP=True), torch.contiguous_format, torch.float16),
+                       (dict(cfg, IM2COL=True), torch.channels_last, torch.float32)):
+        w, oi, off = random_layer(20, 24, (3, 3), 0.4, gen, dtype=torch.float32)
+        plan = kernels.stripe_plan(oi, off, 20, (3, 3))
+        x = torch.randn(2, 24, H, W, generator=gen).contiguous(memory_format=fmt)
+        b = torch.randn(20, generator=gen)
+        dense = kernels.stripe_to_dense(w.to(dt), oi, off, 20, (3, 3), memory_format=torch.channels_last)
+        launch = stripe_triton.prepare(x.to(dt), w.to(dt), oi, off, b.to(dt), plan, 20, [3, 3], [1, 1], [1, 1],
+                                       [1, 1], True, c, dense=dense, pool=True, pool_ceil=True)
+        assert launch.pool_fused == fused, (H, W)
+        y = launch(x.to(dt))
+        yr = F.max_pool2d(_ref(x.double(), w.double(), oi, off, b.double(), 20, (3, 3), (1, 1), (1, 1), (1, 1),
+                               relu=True), 2, ceil_mode=True)
+        assert y.shape == yr.shape and y.is_contiguous(memory_format=fmt), (H, W, c)
+        assert ((y.double() - yr).norm() / yr.norm()).item() < 1e-3, (H, W, c)
 print("OK")
 """
 
 
 def test_triton_kernel_interpreted_on_cpu():
-    """The Triton kernel's indexing, its one-hot and gather reductions and its im2col route, run by
-    TRITON_INTERPRET=1 on tiny shapes (CHUNK 8 < the tile's stripes per offset, so a column's stripe may fall in a later chunk)."""
+    """The Triton kernel's indexing, its one-hot and gather reductions, its im2col route and its max-pool epilogue,
+    run by TRITON_INTERPRET=1 on tiny shapes (CHUNK 8 < the tile's stripes per offset, so a column's stripe may fall
+    in a later chunk)."""
     import subprocess
     import sys
 

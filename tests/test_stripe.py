@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 
 import pytest
 import torch
@@ -342,3 +343,70 @@ def test_stripe_output_trains_through_inplace_relu(batch, out_channels):
     x2 = x.detach().clone().requires_grad_(True)
     torch.relu(_masked_reference(conv, mask, x2)).sum().backward()
     torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
+@pytest.mark.parametrize("in_channels", [8, 40, 128])
+def test_pool_epilogue_matches_conv_relu_then_max_pool(dtype, layout, in_channels):
+    """StripeConv2d(relu=True, pool=True) in eager CUDA inference: a 16x16 output is pooled in the kernel's
+    epilogue (8 channels: the dense route; 40: im2col; 128: gather), a 12-wide one and an odd 9x9 one (ceil mode)
+    by the launcher after the kernel; all equal max_pool2d(relu(masked dense conv)) in float64 (relative error),
+    as does an eager training step (cuDNN, then the pool) with its input gradient."""
+    gen = torch.Generator().manual_seed(29)
+    conv = nn.Conv2d(in_channels, 24, 3, padding=1).double()
+    mask = _random_mask(24, 3, 3, keep=0.3, gen=gen)
+    s = StripeConv2d.from_dense(conv, mask, mode="stripe").cuda().to(dtype).eval()
+    s.relu, s.pool, s.pool_ceil = True, True, True
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-3
+
+    def ref(x):
+        return F.max_pool2d(torch.relu(_masked_reference(conv, mask, x)), 2, ceil_mode=True)
+
+    def rel(a, b):
+        return ((a.double().cpu() - b).norm() / b.norm()).item()
+
+    for hw, fused in ((16, True), (12, False), (9, False)):
+        x = torch.randn(3, in_channels, hw, hw, generator=gen, dtype=torch.float64)
+        xd = x.cuda().to(dtype).contiguous(memory_format=layout)
+        with torch.no_grad():
+            y = s(xd)
+            assert s._launch_cache[1].pool_fused == fused, hw
+        assert y.shape == (3, 24, (hw + 1) // 2, (hw + 1) // 2) and y.is_contiguous(memory_format=layout)
+        assert rel(y, ref(x)) < tol, hw
+    s.train()
+    xg = xd.detach().clone().requires_grad_()
+    g = torch.randn(3, 24, 5, 5, generator=gen, dtype=torch.float64)
+    for _ in range(2):  # the first step runs the op (compiling for a later capture), the second cuDNN
+        xg.grad = None
+        s(xg).backward(g.cuda().to(dtype))
+    xr = x.clone().requires_grad_()
+    ref(xr).backward(g)
+    assert rel(xg.grad, xr.grad) < tol
+
+
+@pytest.mark.cuda
+def test_compact_vgg_with_fused_pools_on_cuda(tmp_path):
+    """A compact VGG11 with ReLUs and pools fused (compact(fuse_relu=True)) on CUDA, modes chosen by
+    choose_modes (which times each layer's ReLU and pool on both paths): same output as without the fusion,
+    float32 and bfloat16 channels_last."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_compact import skeleton_model
+
+    from compress import choose_modes, compact
+
+    model = skeleton_model("vgg11", 32)
+    plain = compact(model, fold_bn=True).cuda().eval()
+    fused = compact(model, fold_bn=True, fuse_relu=True).cuda().eval()
+    assert fused.compress_compaction["pool_fused"] == 5
+    x = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(3)).cuda()
+    for dtype, tol in ((torch.float32, 1e-3), (torch.bfloat16, 2e-2)):
+        p, f = plain.to(dtype), fused.to(dtype)
+        xd = x.to(dtype).contiguous(memory_format=torch.channels_last)
+        with torch.no_grad():
+            choose_modes(f, xd, repeats=2)
+            a, b = p(xd).double(), f(xd).double()
+        assert ((a - b).norm() / a.norm()).item() < tol, dtype
