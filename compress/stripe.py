@@ -135,8 +135,8 @@ class StripeConv2d(nn.Module):
             `conv2d_relu`); set by `compress.compact(..., fuse_relu=True)` for a conv whose BN is folded and
             whose only consumer is a ReLU.
         pool: then a 2x2 max-pool, stride 2 (`F.max_pool2d(y, 2, ceil_mode=pool_ceil)`): in the kernel's epilogue
-            where its tiles allow (`kernels.prepare_stripe_conv2d`; even Ho and Wo, where both ceil modes agree),
-            so the full-size output is never written, else `F.max_pool2d` after; set by
+            for even Ho and Wo (`kernels.prepare_stripe_conv2d`), so the full-size output is never written, else
+            `F.max_pool2d` after; set by
             `compress.compact(..., fuse_relu=True)` where such a pool module is the fused ReLU's only consumer
             (VGG). cuDNN has no pooling epilogue: dense mode pools after.
         pool_ceil: the pool's ceil_mode (odd sizes keep their last row and column).

@@ -464,9 +464,8 @@ def prepare_stripe_conv2d(x: Tensor, weight: Tensor, out_index: Tensor, offset: 
     then ``launch(x2)`` == ``stripe_conv2d(x2, ...)`` for any x2 with ``launch.signature ==
     kernels.stripe_triton.input_signature(x2)``. Arguments as ``stripe_conv2d``, checked here once; the tensors are
     held, so in-place changes to them show in later calls (a new ``dense`` needs a new launcher). ``pool``: the
-    launcher returns ``F.max_pool2d(y, 2, ceil_mode=pool_ceil)`` instead, pooled in the kernel's epilogue where the
-    tiles allow (``kernels.stripe_triton.pool_fusable``: even output sizes, a power-of-two output width that
-    divides the tile).
+    launcher returns ``F.max_pool2d(y, 2, ceil_mode=pool_ceil)`` instead, pooled in the kernel's epilogue for even
+    output sizes (``kernels.stripe_triton.pool_fusable``), else after it.
 
     The launcher skips the op's dispatch, checks, route choice and Triton's per-call JIT binding (see
     ``kernels.stripe_triton.Launch``), and it records no autograd graph and applies no autocast: a caller uses it

@@ -287,10 +287,11 @@ for xi in (x1, x2):
     yr = _ref(xi.double(), w.double(), oi, off, None, 20, (3, 3), (1, 1), (1, 1), (1, 1))
     y = launch(xi)
     assert ((y.double() - yr).norm() / yr.norm()).item() < 1e-3
-# the 2x2 max-pool epilogue (pool=True): BLOCK_M 16 = two rows of an 8-wide output, on every route and layout;
-# a 6-wide output (not a power of two) and a 5-high one take the launcher's unfused pool (ceil mode: 3 x 3)
+# the 2x2 max-pool epilogue (pool=True) on every route and layout, tiles of 4 windows (BLOCK_M 16) over 8x8,
+# 6x10 (a tile's windows span rows) and 2x2 (a tile spans images) outputs; a 5-high one takes the launcher's
+# pool after the kernel (ceil mode: 3 rows)
 import torch.nn.functional as F
-for (H, W), fused in (((8, 8), True), ((6, 8), True), ((8, 6), False), ((5, 8), False)):
+for (H, W), fused in (((8, 8), True), ((6, 10), True), ((2, 2), True), ((5, 8), False)):
     for c, fmt, dt in ((cfg, torch.contiguous_format, torch.float32), (gcfg, torch.channels_last, torch.float16),
                        (dict(cfg, DENSE=True), torch.channels_last, torch.float32),
                        (dict(cfg, DENSE=True, NOSKIP=True), torch.contiguous_format, torch.float16),

@@ -367,13 +367,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
 @pytest.mark.parametrize("in_channels", [8, 40, 128])
 def test_pool_epilogue_matches_conv_relu_then_max_pool(dtype, layout, in_channels):
-    """StripeConv2d(relu=True, pool=True) in eager CUDA inference: a 16x16 output is pooled in the kernel's
-    epilogue (8 channels: the dense route; 40: im2col; 128: gather), a 12-wide one and an odd 9x9 one (ceil mode)
-    by the launcher after the kernel; all equal max_pool2d(relu(masked dense conv)) in float64 (relative error)."""
+    """StripeConv2d(relu=True, pool=True) in eager CUDA inference: 16x16 and 12x12 outputs are pooled in the
+    kernel's epilogue (8 channels: the dense route; 40: im2col; 128: gather), an odd 9x9 one (ceil mode) by the
+    launcher after the kernel; all equal max_pool2d(relu(masked dense conv)) in float64 (relative error)."""
     gen = torch.Generator().manual_seed(29)
     s, conv, mask = _pool_layer(in_channels, dtype, gen)
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-3
-    for hw, fused in ((16, True), (12, False), (9, False)):
+    for hw, fused in ((16, True), (12, True), (9, False)):
         x = torch.randn(3, in_channels, hw, hw, generator=gen, dtype=torch.float64)
         xd = x.cuda().to(dtype).contiguous(memory_format=layout)
         with torch.no_grad():
