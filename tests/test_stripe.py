@@ -135,6 +135,32 @@ def test_macs_counts_kept_stripes():
     assert s.macs(x, s(x)) == 2 * 4 * 4 * int(mask.sum()) * 5
 
 
+@pytest.mark.parametrize("mode", ["stripe", "dense"])
+@pytest.mark.parametrize("hw, ceil", [(8, False), (9, True), (9, False)])
+def test_pool_is_relu_then_max_pool_and_survives_config_and_to_dense(mode, hw, ceil):
+    """StripeConv2d(relu=True, pool=True) on CPU equals max_pool2d(relu(masked conv)) with its ceil mode (odd
+    sizes: 5 or 4 rows); the module rebuilt from config() + state dict, and to_dense(), give the same output; MACs
+    count the conv's pixels, not the pooled ones; a layer with no stripe pools its constant output."""
+    gen = torch.Generator().manual_seed(37)
+    conv = nn.Conv2d(6, 10, 3, padding=1).double()
+    mask = _random_mask(10, 3, 3, keep=0.4, gen=gen)
+    s = StripeConv2d.from_dense(conv, mask, mode=mode).double()
+    s.relu, s.pool, s.pool_ceil = True, True, ceil
+    x = torch.randn(2, 6, hw, hw, generator=gen, dtype=torch.float64)
+    want = F.max_pool2d(torch.relu(_masked_reference(conv, mask, x)), 2, ceil_mode=ceil)
+    torch.testing.assert_close(s(x), want)
+    rebuilt = StripeConv2d(**s.config()).double()
+    rebuilt.load_state_dict(s.state_dict())
+    torch.testing.assert_close(rebuilt(x), want)
+    torch.testing.assert_close(s.to_dense()(x), want)
+    assert s.macs(x, want) == 2 * hw * hw * s.num_stripes * 6
+    empty = StripeConv2d(6, 10, 3, padding=1, bias=True, relu=True, pool=True, pool_ceil=ceil).double()
+    with torch.no_grad():
+        empty.bias.copy_(torch.linspace(-1, 1, 10, dtype=torch.float64))
+    side = (hw + 1) // 2 if ceil else hw // 2
+    torch.testing.assert_close(empty(x), torch.relu(empty.bias)[None, :, None, None].expand(2, 10, side, side))
+
+
 def test_bad_mode_and_grouped_conv_errors():
     with pytest.raises(ValueError, match="mode must be one of"):
         StripeConv2d(3, 4, 3, mode="fast")
