@@ -72,6 +72,12 @@ def _per_input(m: nn.Module, inp: torch.Tensor, out: torch.Tensor) -> int:
     return inp.numel()
 
 
+def _stripe_conv_outputs(m: StripeConv2d, inp: torch.Tensor) -> int:
+    """Elements of a StripeConv2d's conv output, before its pool (4x the pooled output only for even sizes)."""
+    ho, wo = m.conv_out_size(inp.shape[2:])
+    return inp.shape[0] * m.out_channels * ho * wo
+
+
 # Extra MACs of the "paper" convention (ptflops style), added to the layer's own count.
 _PAPER_EXTRA: dict[type[nn.Module], MacsHandler] = {
     nn.Conv1d: _bias, nn.Conv2d: _bias, nn.Conv3d: _bias, nn.Linear: _bias,
@@ -79,8 +85,8 @@ _PAPER_EXTRA: dict[type[nn.Module], MacsHandler] = {
     nn.ReLU: _per_output(1), nn.ReLU6: _per_output(1), nn.LeakyReLU: _per_output(1), nn.PReLU: _per_output(1),
     # a ReLU fused into its conv (compact(fuse_relu=True)) counts as it did as a module
     Conv2dReLU: lambda m, inp, out: _bias(m, inp, out) + out.numel(),
-    # and a pool fused into a StripeConv2d as nn.MaxPool2d (per input: the conv's output, 4x the pooled one)
-    StripeConv2d: lambda m, inp, out: out.numel() * (4 if m.pool else 1) * m.relu + out.numel() * 4 * m.pool,
+    # and a pool fused into a StripeConv2d as nn.MaxPool2d (per input: the conv's output)
+    StripeConv2d: lambda m, inp, out: _stripe_conv_outputs(m, inp) * (int(m.relu) + int(m.pool)),
     nn.MaxPool1d: _per_input, nn.MaxPool2d: _per_input, nn.MaxPool3d: _per_input,
     nn.AvgPool1d: _per_input, nn.AvgPool2d: _per_input, nn.AvgPool3d: _per_input,
     nn.AdaptiveAvgPool1d: _per_input, nn.AdaptiveAvgPool2d: _per_input, nn.AdaptiveAvgPool3d: _per_input,
