@@ -181,7 +181,7 @@ def _fuse_relu(model: nn.Module) -> list[str]:
     A conv qualifies when torch.fx shows it called once, its output going through nothing but once-called
     nn.Identity modules (folded BNs) to a once-called nn.ReLU (a module shared by several call sites, as
     torchvision's Bottleneck ReLU, is left alone). A StripeConv2d also takes the 2x2 max-pool that is that ReLU's
-    only consumer (`_pool_after`; VGG's pools), which its kernel computes in the epilogue."""
+    only consumer (`_is_pool2x2`; VGG's pools), which its kernel computes in the epilogue."""
     graph = trace(model)
     if graph is None:
         return []
@@ -193,46 +193,38 @@ def _fuse_relu(model: nn.Module) -> list[str]:
         conv = get_module(model, node.target)
         if type(conv) is not nn.Conv2d and not isinstance(conv, StripeConv2d):
             continue
-        nxt, relu, relu_node = node, None, None
-        while len(nxt.users) == 1:
-            (nxt,) = nxt.users
-            if nxt.op != "call_module" or calls[nxt.target] != 1:
-                break
-            mod = get_module(model, nxt.target)
-            if type(mod) is nn.Identity:
-                continue
-            relu, relu_node = (nxt.target, nxt) if type(mod) is nn.ReLU else (None, None)
-            break
-        if relu is None:
+        relu = _sole_consumer(model, node, calls)
+        if relu is None or type(get_module(model, relu.target)) is not nn.ReLU:
             continue
         if isinstance(conv, StripeConv2d):
             conv.relu = True
-            pool = _pool_after(model, relu_node, calls)
-            if pool is not None:
-                conv.pool, conv.pool_ceil = True, get_module(model, pool).ceil_mode
-                replace_module(model, pool, nn.Identity())
+            pool = _sole_consumer(model, relu, calls)
+            if pool is not None and _is_pool2x2(get_module(model, pool.target)):
+                conv.pool, conv.pool_ceil = True, get_module(model, pool.target).ceil_mode
+                replace_module(model, pool.target, nn.Identity())
         else:
             replace_module(model, node.target, Conv2dReLU.from_conv(conv))
-        replace_module(model, relu, nn.Identity())
+        replace_module(model, relu.target, nn.Identity())
         fused.append(node.target)
     return fused
 
 
-def _pool_after(model: nn.Module, node, calls: Counter) -> str | None:
-    """The once-called nn.MaxPool2d (2x2, stride 2, no padding or dilation, either ceil mode) that is, through
-    once-called nn.Identity modules, the only consumer of fx node `node`; None if there is none."""
+def _sole_consumer(model: nn.Module, node, calls: Counter):
+    """The fx node of the once-called module, not an nn.Identity, that is the only consumer of fx node `node`
+    through once-called nn.Identity modules (folded BNs, fused ReLUs); None if there is none."""
     while len(node.users) == 1:
         (node,) = node.users
         if node.op != "call_module" or calls[node.target] != 1:
             return None
-        mod = get_module(model, node.target)
-        if type(mod) is nn.Identity:
-            continue
-        if type(mod) is nn.MaxPool2d and _pair(mod.kernel_size) == (2, 2) and _pair(mod.stride) == (2, 2) \
-                and _pair(mod.padding) == (0, 0) and _pair(mod.dilation) == (1, 1) and not mod.return_indices:
-            return node.target
-        return None
+        if type(get_module(model, node.target)) is not nn.Identity:
+            return node
     return None
+
+
+def _is_pool2x2(mod: nn.Module) -> bool:
+    """A 2x2 stride-2 max-pool without padding, dilation or indices (either ceil mode): `StripeConv2d.pool`."""
+    return (type(mod) is nn.MaxPool2d and _pair(mod.kernel_size) == (2, 2) and _pair(mod.stride) == (2, 2)
+            and _pair(mod.padding) == (0, 0) and _pair(mod.dilation) == (1, 1) and not mod.return_indices)
 
 
 def _cost_model_mode(m: StripeConv2d) -> str:

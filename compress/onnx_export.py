@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from compress.stripe import StripeConv2d
+from kernels._utils import max_pool2x2
 
 __all__ = ["ShiftAddConv2d", "onnx_ready", "export_onnx", "check_onnx", "STRIPE_MODES"]
 
@@ -70,7 +71,7 @@ class ShiftAddConv2d(nn.Module):
             y = y + part.index_select(1, getattr(self, f"gather{g}"))
         y = y if self.bias is None else y + self.bias[:, None, None]
         y = y.relu() if self.relu else y
-        return F.max_pool2d(y, 2, ceil_mode=self.pool_ceil) if self.pool else y
+        return max_pool2x2(y, self.pool_ceil) if self.pool else y
 
 
 def onnx_ready(model: nn.Module, stripe_mode: str = "dense") -> nn.Module:

@@ -15,7 +15,15 @@ import torch.nn.functional as F
 import kernels
 from compress.surgery import conv_config
 from kernels import stripe_triton
-from kernels._utils import autocast_dtype, conv_out_size, is_channels_last
+from kernels._utils import (
+    autocast_dtype,
+    conv2d_relu,
+    conv_out_size,
+    is_channels_last,
+    max_pool2x2,
+    recording,
+    tracing_or_compiling,
+)
 
 __all__ = ["StripeConv2d", "Conv2dReLU", "conv2d_relu", "conv_padding", "masked_conv"]
 
@@ -35,34 +43,6 @@ def _layout(x: torch.Tensor) -> torch.memory_format:
     if is_channels_last(x) or (x.shape[1] == 1 and x.stride(1) == 1 and x.shape[2] * x.shape[3] > 1):
         return torch.channels_last
     return torch.contiguous_format
-
-
-def _tracing_or_compiling() -> bool:
-    """Whether TorchScript traces or torch.compile compiles this call (the op, not an eager shortcut, must run)."""
-    return torch.jit.is_tracing() or torch.compiler.is_compiling()
-
-
-def _recording(*tensors: torch.Tensor | None) -> bool:
-    """Whether autograd records an op on `tensors` (grad mode on and one of them requires grad)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
-def conv2d_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride, padding, dilation,
-                groups: int = 1) -> torch.Tensor:
-    """relu(conv2d(x, weight, bias)) for int/pair `padding`. On CUDA in plain inference (autograd not recording,
-    no tracing, compiling or ONNX export) one cuDNN call, `torch.cudnn_convolution_relu`, with the bias add and
-    the ReLU in the conv's epilogue: PyTorch's conv adds a bias in a separate elementwise kernel, and in a
-    compact VGG16 at batch 256 those adds and the ReLUs were 30% of the forward on an H200
-    (benchmarks/results/compact_profile_vgg16_real_h200.txt). Elsewhere F.conv2d then ReLU."""
-    if (
-        x.is_cuda
-        and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
-        and weight.dtype == x.dtype
-        and not _recording(x, weight, bias)
-        and not (_tracing_or_compiling() or torch.onnx.is_in_onnx_export())
-    ):
-        return torch.cudnn_convolution_relu(x, weight, bias, _pair(stride), _pair(padding), _pair(dilation), groups)
-    return F.relu(F.conv2d(x, weight, bias, stride, padding, dilation, groups))
 
 
 class Conv2dReLU(nn.Conv2d):
@@ -274,7 +254,7 @@ class StripeConv2d(nn.Module):
         layout is ambiguous by shape), cached in eval / without grad; built anew (two small kernels for
         channels_last) while training."""
         w = self.weight
-        if _recording(w):
+        if recording(w):
             return self.dense_weight(fmt)
         # cheap key (this runs on every eager call): the weight's storage and version (a move or cast makes a new
         # tensor), the indices' storage; _build_plan (new indices from a state dict) clears the cache
@@ -305,7 +285,7 @@ class StripeConv2d(nn.Module):
         return y
 
     def _pooled(self, y: torch.Tensor) -> torch.Tensor:
-        return F.max_pool2d(y, 2, ceil_mode=self.pool_ceil) if self.pool else y
+        return max_pool2x2(y, self.pool_ceil) if self.pool else y
 
     def _eager_cuda_training(self, x: torch.Tensor) -> bool:
         """Whether this call is an eager training step on CUDA (autograd recording, no CUDA graph being captured,
@@ -323,9 +303,9 @@ class StripeConv2d(nn.Module):
         warm-up steps before a capture do that."""
         if not (
             x.is_cuda
-            and _recording(x, self.weight, self.bias)
+            and recording(x, self.weight, self.bias)
             and not torch.cuda.is_current_stream_capturing()
-            and not _tracing_or_compiling()
+            and not tracing_or_compiling()
         ):
             return False
         key = (stripe_triton.input_signature(x), autocast_dtype("cuda"))
@@ -347,11 +327,11 @@ class StripeConv2d(nn.Module):
         as in inference. None elsewhere (the op then decides)."""
         if not (
             x.is_cuda
-            and not _tracing_or_compiling()
+            and not tracing_or_compiling()
             and kernels.stripe_reads_dense(x, self.weight, self.out_channels, self.kernel_size)
         ):
             return None
-        if _recording(self.weight):
+        if recording(self.weight):
             with torch.no_grad():
                 return self.dense_weight(torch.channels_last)
         return self._cached_dense_weight(torch.channels_last) if self.weight.dtype == x.dtype else None
@@ -366,9 +346,9 @@ class StripeConv2d(nn.Module):
         work once per input shape (host time per call 103-112 -> 21 us on an H200 host, that of a cuDNN conv;
         benchmarks/results/stripe_eager_gpu_h200.json)."""
         w, b = self.weight, self.bias
-        if not x.is_cuda or _tracing_or_compiling():
+        if not x.is_cuda or tracing_or_compiling():
             return None
-        if _recording(x, w, b):
+        if recording(x, w, b):
             return None
         if w.dtype != x.dtype or autocast_dtype("cuda") not in (None, x.dtype):
             return None

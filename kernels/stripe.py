@@ -45,7 +45,9 @@ from kernels._utils import (
     check_4d,
     check_conv_params,
     check_like,
+    conv2d_relu,
     conv_out_size,
+    max_pool2x2,
     memory_format,
     pair,
     use_kernel,
@@ -603,7 +605,7 @@ def stripe_route(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, b
                                        dilation, relu=relu, plan=plan, dense=kept, pool=pool, pool_ceil=pool_ceil)
 
     def pooled(y):
-        return F.max_pool2d(y, 2, ceil_mode=pool_ceil) if pool else y
+        return max_pool2x2(y, pool_ceil) if pool else y
 
     def run_stripe():
         if launch is not None:
@@ -611,12 +613,9 @@ def stripe_route(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, b
         return pooled(stripe_conv2d(x, weight, out_index, offset, bias, out_channels, ks, stride, padding, dilation,
                                     relu=relu, plan=plan, dense=kept))
 
-    def run_dense():
-        if relu and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32):  # conv2d_relu's call
-            return pooled(torch.cudnn_convolution_relu(x, dense_w, bias, pair(stride), pair(padding), pair(dilation),
-                                                       1))
-        y = F.conv2d(x, dense_w, bias, pair(stride), pair(padding), pair(dilation))
-        return pooled(y.relu_() if relu else y)
+    def run_dense():  # as StripeConv2d's dense mode
+        conv = conv2d_relu if relu else F.conv2d
+        return pooled(conv(x, dense_w, bias, pair(stride), pair(padding), pair(dilation)))
 
     clock = _graph_ms if timing == "graph" else _eager_ms
     s_ms, d_ms = clock(run_stripe, x.device, repeats), clock(run_dense, x.device, repeats)

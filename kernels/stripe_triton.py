@@ -53,7 +53,6 @@ stripe_models_gpu_h200_gpu_modes*.json "layers") and left the multiple-of-16 one
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 try:
     import triton
@@ -62,7 +61,7 @@ try:
 except ImportError:  # pragma: no cover - triton ships with CUDA torch builds
     triton = None
 
-from kernels._utils import conv_out_size, memory_format
+from kernels._utils import conv_out_size, max_pool2x2, memory_format
 from kernels.stripe import stripe_rows, stripe_to_dense
 
 
@@ -411,8 +410,11 @@ class Launch:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.empty(self._y_shape, **self._empty_kw)
-        if self._M == 0:
-            return F.max_pool2d(y, 2, ceil_mode=self._pool_ceil) if self._pool_after else y
+        if self._M:
+            self._run(x, y)
+        return max_pool2x2(y, self._pool_ceil) if self._pool_after else y
+
+    def _run(self, x: torch.Tensor, y: torch.Tensor) -> None:
         args = self._args
         args[0] = x if self._x_cl else x.contiguous(memory_format=torch.channels_last)
         for i in self._y_slots:
@@ -428,7 +430,6 @@ class Launch:
             args[0] = None
             for i in self._y_slots:
                 args[i] = None
-        return F.max_pool2d(y, 2, ceil_mode=self._pool_ceil) if self._pool_after else y
 
 
 # ----------------------------------------------------------------------------------------------- backward
