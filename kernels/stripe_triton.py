@@ -346,8 +346,9 @@ def prepare(x, weight, out_index, offset, bias, plan, out_channels, kernel_size,
 def pool_fusable(Ho: int, Wo: int) -> bool:
     """Whether the kernel's epilogue max-pools (2x2, stride 2) an Ho x Wo output: with even sizes (where both
     ceil modes agree) a tile takes the 4 pixels of each of BLOCK_M / 4 windows as consecutive rows and reduces
-    them in registers. (Whole row pairs per tile, reduced through a 5-D reshape, cost 2.5x more on an H200: the
-    compact VGG16's 40-channel 32x32 layer took 0.0711 ms, 0.0588 ms unpooled; stripe_models_gpu_h200_pool.json.)"""
+    them in registers. (Whole row pairs per tile, reduced through a 5-D reshape, were slower on an H200: the
+    compact VGG16's 40-channel 32x32 layer with its pool took 0.0711 ms against 0.0617 ms this way, 0.0588 ms
+    unpooled; stripe_models_gpu_h200_pool.json, stripe_models_gpu_h200_pool_windows.json.)"""
     return Ho % 2 == 0 and Wo % 2 == 0
 
 
