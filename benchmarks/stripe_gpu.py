@@ -140,7 +140,7 @@ def route_name(cfg: dict) -> str:
 def run_stripe(x, w, oi, off, b, plan, N, cfg, kept):
     """The kernel with `cfg` (None: the default), given `kept` (the layer's channels_last dense weight, as
     StripeConv2d keeps it in inference) where that route reads it."""
-    reads = stripe_triton.reads_dense(cfg) if cfg is not None else kernels.stripe_reads_dense(x, w, N, 3)
+    reads = stripe_triton.reads_dense(cfg) if cfg is not None else kernels.stripe_reads_dense(x, w, N, 3, 1, 1)
     return stripe_triton.forward(x, w, oi, off, b, plan, N, [3, 3], [1, 1], [1, 1], [1, 1], True, cfg,
                                  dense=kept if reads else None)
 

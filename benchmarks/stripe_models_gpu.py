@@ -131,6 +131,11 @@ def set_modes(model: nn.Module, modes: dict[str, str]) -> None:
         model.get_submodule(n).mode = mode
 
 
+def _route_ms(route: dict) -> dict[str, float]:
+    """The timings (ms) of a kernels.stripe_route result, rounded; modes it did not offer left out."""
+    return {k: round(v, 4) for k, v in route.items() if k.endswith("_ms") and v is not None}
+
+
 def layer_rows(model: nn.Module, eager: dict, graph: dict) -> dict[str, dict]:
     """Per stripe layer: shape, keep ratio and choose_modes' measurements (ms), eager and GPU time."""
     rows = {}
@@ -139,9 +144,9 @@ def layer_rows(model: nn.Module, eager: dict, graph: dict) -> dict[str, dict]:
             continue
         kh, kw = m.kernel_size
         rows[name] = {"C": m.in_channels, "N": m.out_channels, "keep": round(m.num_stripes / (m.out_channels * kh * kw), 3),
-                      "eager_ms": {k: round(v, 4) for k, v in eager[name].items() if k != "use_stripe"}}
+                      "eager_ms": _route_ms(eager[name])}
         if name in graph:
-            rows[name]["gpu_ms"] = {k: round(v, 4) for k, v in graph[name].items() if k != "use_stripe"}
+            rows[name]["gpu_ms"] = _route_ms(graph[name])
     return rows
 
 
@@ -329,6 +334,8 @@ def bench(name: str, variant: str, args, device: torch.device) -> dict | None:
         "stripe_mode_layers": sum(m == "stripe" for m in modes.values()),
         "stripe_mode_layers_graph": sum(m == "stripe" for m in graph_modes.values()) if graph_modes else None,
         "stripe_mode_layers_cost_model": sum(m == "stripe" for m in cost_modes.values()),
+        "gemm_mode_layers": sum(m == "gemm" for m in modes.values()),
+        "gemm_mode_layers_graph": sum(m == "gemm" for m in graph_modes.values()) if graph_modes else None,
         "max_rel_error_fp32": err32,
         "max_rel_error_timed_vs_fp32_skeleton": err_lp,  # the timed (bf16 on a GPU) compact model
         "eager": {

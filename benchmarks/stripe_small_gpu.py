@@ -8,7 +8,8 @@ the compact model (as `stripe_models_gpu.py` builds it: fold_bn, channel_multipl
 channels_last, its real input from one forward) with at most `--max-pixels` output pixels and times, in CUDA graphs
 (GPU time, as `choose_modes` measures): cuDNN's fused conv + bias + ReLU on the zero-filled weight, the kernel's
 default config and a grid of small tilings of route (a) (dense tiles, skipping offsets no channel of the tile
-keeps: "D"), route (b) one-hot ("O") and gather ("G"); each output checked against the float64 conv.
+keeps: "D"; over every offset, pipelined: "N"), route (b) one-hot ("O") and gather ("G"); each output checked
+against the float64 conv.
 
     python benchmarks/stripe_small_gpu.py [--models vgg16] [--variants real random] [--out results/...json]
 """
@@ -38,9 +39,14 @@ from kernels.stripe import _graph_ms  # noqa: E402
 
 
 def grid(C: int, N: int) -> list[tuple[str, dict]]:
-    """(name, config): small tiles of routes (a) "D", (b) one-hot "O" and (b) gather "G"."""
+    """(name, config): small tiles of routes (a) "D", (b) one-hot "O" and (b) gather "G", and route (a) over every
+    offset without the skip, software-pipelined ("N", NOSKIP)."""
     bk = stripe_triton._pow2(C, 16, 128)
     out = []
+    for bm, bn in ((64, 32), (64, 64), (128, 64), (128, 128)):
+        out.append((f"N m{bm} n{bn}", dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, CHUNK=16,
+                                           num_warps=8 if bm * bn > 8192 else 4, num_stages=3, DENSE=True,
+                                           NOSKIP=True)))
     for bm, bn in ((16, 16), (32, 16), (32, 32), (64, 16), (64, 32)):
         out.append((f"D m{bm} n{bn}", dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, CHUNK=16, num_warps=4, num_stages=2,
                                            DENSE=True)))
@@ -95,7 +101,8 @@ def sweep(layer: StripeConv2d, x: torch.Tensor, dev: torch.device) -> dict:
     B, C, H, W = x.shape
     return dict(B=B, C=C, N=N, H=H, W=W, keep=round(len(oi) / (N * ks[0] * ks[1]), 3), S=len(oi),
                 pixels=out_pixels(layer, x), cudnn_relu_ms=round(cudnn_ms, 5),
-                default=stripe_triton.default_config(C, N, len(oi), ks[0] * ks[1], x.dtype, dense_given=True),
+                default=stripe_triton.default_config(C, N, len(oi), ks[0] * ks[1], x.dtype, dense_given=True,
+                                                     pixels=out_pixels(layer, x)),
                 default_ms=ok["default"]["ms"], best=best, best_ms=ok[best]["ms"], all=res)
 
 

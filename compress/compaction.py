@@ -238,13 +238,13 @@ def _cost_model_mode(m: StripeConv2d) -> str:
 def choose_modes(model: nn.Module, x: torch.Tensor, repeats: int = 5, timing: str = "auto",
                  report: dict | None = None) -> dict[str, str]:
     """Time each StripeConv2d of `model` on its real input for one forward of `x` (stripe op against
-    F.conv2d with the zero-filled weight, kernels.stripe_route) and set the faster mode, like
-    cudnn.benchmark. Call once, with a representative batch, in eval mode; returns {name: mode}.
+    F.conv2d with the zero-filled weight and, on tiny feature maps, the unrolled GEMM: kernels.stripe_route) and
+    set the fastest mode, like cudnn.benchmark. Call once, with a representative batch, in eval mode; returns {name: mode}.
 
     timing (see kernels.stripe_route): "graph" compares GPU time (the default on CUDA: for models run in CUDA
     graphs or compiled), "eager" the wall time of an eager call, launch overhead included (the default on CPU;
     choose it on CUDA for a model that will run eagerly). `report`, if given, receives each layer's
-    measurement: {name: {"use_stripe", "stripe_ms", "dense_ms"}}."""
+    measurement: {name: kernels.stripe_route's dict}."""
     layers = {n: m for n, m in model.named_modules() if isinstance(m, StripeConv2d) and m.num_stripes}
     inputs: dict[str, torch.Tensor] = {}
     hooks = [
@@ -263,7 +263,7 @@ def choose_modes(model: nn.Module, x: torch.Tensor, repeats: int = 5, timing: st
             m.stride, m.padding, m.dilation, plan=m.plan, repeats=repeats, timing=timing, relu=m.relu, pool=m.pool,
             pool_ceil=m.pool_ceil,
         )  # fmt: skip
-        m.mode = "stripe" if route["use_stripe"] else "dense"
+        m.mode = route["mode"]
         if report is not None:
             report[name] = route
     return {name: layers[name].mode for name in inputs}

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import kernels
 from compress.surgery import conv_config
-from kernels import stripe_triton
+from kernels import stripe_triton, unrolled
 from kernels._utils import (
     autocast_dtype,
     conv2d_relu,
@@ -27,7 +27,7 @@ from kernels._utils import (
 
 __all__ = ["StripeConv2d", "Conv2dReLU", "conv2d_relu", "conv_padding", "masked_conv"]
 
-MODES = ("stripe", "dense")
+MODES = ("stripe", "dense", "gemm")
 
 
 def _pair(v) -> tuple[int, int]:
@@ -108,9 +108,12 @@ class StripeConv2d(nn.Module):
             fill it with `from_skeleton`/`from_dense` or `load_state_dict`).
         bias: whether there is a bias (N,).
         mode: "stripe" runs `kernels.stripe_conv2d` on the kept stripes; "dense" runs F.conv2d with the
-            zero-filled dense weight (cached in eval). Both give the same output; `compress.compact`
-            picks the faster one per layer. It is an inference choice: eager training steps on CUDA run dense
-            mode (see `_eager_cuda_training`).
+            zero-filled dense weight (cached in eval); "gemm" runs the conv as one GEMM with the weight unrolled
+            over the whole input image (`kernels.unrolled`, cached per input size), for tiny feature maps (a
+            VGG's 2x2 and 4x4 layers), and dense mode where `kernels.unrolled.fits` rules it out for the input
+            or autograd records. All give the same output; `compress.compact` sets a cost-model choice and
+            `compress.choose_modes` the fastest measured. It is an inference choice: eager training steps on
+            CUDA run dense mode (see `_eager_cuda_training`).
         relu: apply ReLU to the output, in the kernel's epilogue (stripe mode) or cuDNN's (dense mode, see
             `conv2d_relu`); set by `compress.compact(..., fuse_relu=True)` for a conv whose BN is folded and
             whose only consumer is a ReLU.
@@ -153,6 +156,7 @@ class StripeConv2d(nn.Module):
         # kernels.stripe_rows of the indices (where dense_weight scatters each stripe), built with the plan
         self.register_buffer("rows", None, persistent=False)
         self._dense_cache: tuple[tuple, torch.Tensor] | None = None
+        self._gemm_cache: tuple[tuple, tuple] | None = None  # (key, (unrolled weight, bias rows, (Ho, Wo)))
         self._launch_cache: tuple[tuple, object] | None = None  # (key, kernels.prepare_stripe_conv2d launcher)
         self._op_trained: set[tuple] = set()  # inputs an eager training step ran the op for (_eager_cuda_training)
 
@@ -270,7 +274,10 @@ class StripeConv2d(nn.Module):
         if self.num_stripes == 0:
             out = self._constant_output(x, fmt)
             return self._pooled(out.relu_() if self.relu else out)
-        if self._mode == "dense" or self._eager_cuda_training(x):
+        if self._mode == "gemm" and self._gemm_fits(x):
+            y = unrolled.unrolled_conv2d(x, *self._cached_unrolled(x), relu=self.relu)
+            return self._pooled(y if fmt is torch.channels_last else y.contiguous())
+        if self._mode != "stripe" or self._eager_cuda_training(x):
             conv = conv2d_relu if self.relu else F.conv2d
             return self._pooled(conv(x, self._cached_dense_weight(fmt), self.bias, self.stride, self.padding,
                                      self.dilation))
@@ -283,6 +290,27 @@ class StripeConv2d(nn.Module):
         if fmt is torch.channels_last and not y.is_contiguous(memory_format=fmt):
             y = y.contiguous(memory_format=fmt)  # a 1-channel channels_last x counts as NCHW for the op
         return y
+
+    def _gemm_fits(self, x: torch.Tensor) -> bool:
+        """Whether gemm mode runs its GEMM on `x`: the unrolled weight fits (`kernels.unrolled.fits`) and autograd
+        does not record (the weight is unrolled without grad; a training step runs dense mode)."""
+        return not recording(x, self.weight, self.bias) and unrolled.fits(
+            self.in_channels, self.out_channels, x.shape[2:], self.kernel_size, self.stride, self.padding,
+            self.dilation, x.element_size())
+
+    def _cached_unrolled(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, int]]:
+        """(unrolled weight, bias per output row or None, (Ho, Wo)) for inputs of x's size, dtype and device, kept
+        until the weight or the input size changes (`kernels.unrolled`)."""
+        key = (tuple(x.shape[2:]), x.dtype, x.device, self.out_index.data_ptr()) + tuple(
+            None if t is None else (t.data_ptr(), -1 if t.is_inference() else t._version)
+            for t in (self.weight, self.bias))
+        if self._gemm_cache is None or self._gemm_cache[0] != key:
+            with torch.no_grad():
+                u, out_hw = unrolled.unrolled_weight(self.dense_weight().to(x.dtype), x.shape[2:], self.stride,
+                                                     self.padding, self.dilation)
+                b = None if self.bias is None else self.bias.to(x.dtype).repeat(out_hw[0] * out_hw[1])
+            self._gemm_cache = (key, (u, b, out_hw))
+        return self._gemm_cache[1]
 
     def _pooled(self, y: torch.Tensor) -> torch.Tensor:
         return max_pool2x2(y, self.pool_ceil) if self.pool else y
@@ -328,7 +356,8 @@ class StripeConv2d(nn.Module):
         if not (
             x.is_cuda
             and not tracing_or_compiling()
-            and kernels.stripe_reads_dense(x, self.weight, self.out_channels, self.kernel_size)
+            and kernels.stripe_reads_dense(x, self.weight, self.out_channels, self.kernel_size, self.stride,
+                                           self.padding, self.dilation)
         ):
             return None
         if recording(self.weight):
@@ -371,9 +400,10 @@ class StripeConv2d(nn.Module):
 
     def graph_keepalive(self) -> tuple:
         """What a CUDA graph captured through this module reads besides its parameters and buffers: the kept dense
-        weight and launcher (`compress.CUDAGraphModel` holds them while the graph lives, so a later call with
-        another input layout, which replaces them, cannot free memory the graph reads)."""
-        return self._dense_cache, self._launch_cache
+        weight, the unrolled weight (gemm mode) and the launcher (`compress.CUDAGraphModel` holds them while the
+        graph lives, so a later call with another input layout or size, which replaces them, cannot free memory
+        the graph reads)."""
+        return self._dense_cache, self._gemm_cache, self._launch_cache
 
     def __getstate__(self) -> dict:
         """Copies and pickles drop the kept launcher (it holds a compiled kernel; rebuilt on first use) and forget
@@ -433,6 +463,7 @@ class StripeConv2d(nn.Module):
         self.plan = plan
         self.rows = kernels.stripe_rows(self.out_index, self.offset, self.kernel_size)
         self._dense_cache = None
+        self._gemm_cache = None
         self._launch_cache = None
 
     def extra_repr(self) -> str:

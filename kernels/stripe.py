@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels import unrolled
 from kernels._utils import (
     autocast_inputs,
     check_4d,
@@ -487,19 +488,22 @@ def prepare_stripe_conv2d(x: Tensor, weight: Tensor, out_index: Tensor, offset: 
                                  bool(relu), dense=dense, pool=bool(pool), pool_ceil=bool(pool_ceil))
 
 
-def stripe_reads_dense(x: Tensor, weight: Tensor, out_channels: int, kernel_size) -> bool:
+def stripe_reads_dense(x: Tensor, weight: Tensor, out_channels: int, kernel_size, stride=1, padding=0,
+                       dilation=1) -> bool:
     """Whether ``stripe_conv2d`` on ``x``, given the zero-filled dense weight as ``dense``, runs a CUDA kernel route
     that reads it (the dense route, or the im2col route: at most 4 input channels, or 17-64): CUDA
-    float32/16/bf16 with Triton, up to 64 input channels or with many stripes kept
-    (``kernels.stripe_triton.default_config(..., dense_given=True)``). Without ``dense`` the kernel takes those
-    routes only for C <= 16 or many stripes, and builds the weight on every call."""
+    float32/16/bf16 with Triton, up to 64 input channels, wide layers on small maps in 16-bit types, or with many
+    stripes kept (``kernels.stripe_triton.default_config(..., dense_given=True)``). Without ``dense`` the kernel
+    takes those routes only for C <= 16 or many stripes, and builds the weight on every call."""
     from kernels import stripe_triton
 
     if not stripe_triton.available(x):
         return False
-    KH, KW = pair(kernel_size, "kernel_size")
-    return stripe_triton.reads_dense(stripe_triton.default_config(x.shape[1], int(out_channels), weight.shape[0],
-                                                                   KH * KW, x.dtype, dense_given=True))
+    ks, st, pd, dl = (pair(v, nm) for v, nm in ((kernel_size, "kernel_size"), (stride, "stride"),
+                                                 (padding, "padding"), (dilation, "dilation")))
+    cfg = stripe_triton.default_config(x.shape[1], int(out_channels), weight.shape[0], ks[0] * ks[1], x.dtype,
+                                       dense_given=True, pixels=stripe_triton.out_pixels(x, ks, st, pd, dl))
+    return stripe_triton.reads_dense(cfg)
 
 
 # ----------------------------------------------------------------------------------------------- route choice
@@ -566,8 +570,11 @@ def stripe_route(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, b
                  out_channels: int, kernel_size, stride=1, padding=0, dilation=1, plan: Tensor | None = None,
                  repeats: int = 5, timing: str = "auto", relu: bool = False, pool: bool = False,
                  pool_ceil: bool = False) -> dict:
-    """Measure once whether the stripe op beats ``F.conv2d`` with the zero-filled dense weight on ``x``'s device,
-    shape, dtype and layout (like ``cudnn.benchmark``). Returns ``{"use_stripe": bool, "stripe_ms", "dense_ms"}``.
+    """Measure once which way of running the layer is fastest on ``x``'s device, shape, dtype and layout (like
+    ``cudnn.benchmark``): the stripe op, ``F.conv2d`` with the zero-filled dense weight, and, where
+    ``kernels.unrolled.fits`` offers it (tiny feature maps), one GEMM with the unrolled weight. Returns
+    ``{"mode": "stripe" | "dense" | "gemm", "use_stripe": bool, "stripe_ms", "dense_ms", "gemm_ms"}``
+    (``gemm_ms`` None where not offered), the modes named as ``StripeConv2d.mode``.
     ``relu``, ``pool``, ``pool_ceil``: the layer's epilogue (``StripeConv2d.relu``, ``.pool``, ``.pool_ceil``), timed on both paths as the module
     runs them: the kernel's epilogue against cuDNN's conv + bias + ReLU call then ``F.max_pool2d``.
 
@@ -592,7 +599,7 @@ def stripe_route(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, b
     fmt = memory_format(x)
     dense_w = stripe_to_dense(weight, out_index, offset, out_channels, ks, memory_format=fmt)
     kept = None
-    if weight.dtype == x.dtype and stripe_reads_dense(x, weight, out_channels, ks):
+    if weight.dtype == x.dtype and stripe_reads_dense(x, weight, out_channels, ks, stride, padding, dilation):
         # the channels_last weight the kernel reads: dense_w itself for a channels_last x
         kept = dense_w if fmt == torch.channels_last else stripe_to_dense(
             weight, out_index, offset, out_channels, ks, memory_format=torch.channels_last)
@@ -618,5 +625,17 @@ def stripe_route(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, b
         return pooled(conv(x, dense_w, bias, pair(stride), pair(padding), pair(dilation)))
 
     clock = _graph_ms if timing == "graph" else _eager_ms
-    s_ms, d_ms = clock(run_stripe, x.device, repeats), clock(run_dense, x.device, repeats)
-    return {"use_stripe": s_ms < d_ms, "stripe_ms": s_ms, "dense_ms": d_ms}
+    ms = {"stripe": clock(run_stripe, x.device, repeats), "dense": clock(run_dense, x.device, repeats)}
+    st, pd, dl = pair(stride), pair(padding), pair(dilation)
+    if unrolled.fits(x.shape[1], out_channels, x.shape[2:], ks, st, pd, dl, x.element_size()):
+        u, out_hw = unrolled.unrolled_weight(dense_w.to(x.dtype), x.shape[2:], st, pd, dl)
+        bias_rows = None if bias is None else bias.to(x.dtype).repeat(out_hw[0] * out_hw[1])
+
+        def run_gemm():  # as StripeConv2d's gemm mode
+            y = unrolled.unrolled_conv2d(x, u, bias_rows, out_hw, relu)
+            return pooled(y if fmt == torch.channels_last else y.contiguous())
+
+        ms["gemm"] = clock(run_gemm, x.device, repeats)
+    mode = min(ms, key=ms.get)
+    return {"mode": mode, "use_stripe": mode == "stripe", "stripe_ms": ms["stripe"], "dense_ms": ms["dense"],
+            "gemm_ms": ms.get("gemm")}

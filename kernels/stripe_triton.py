@@ -52,6 +52,8 @@ stripe_models_gpu_h200_gpu_modes*.json "layers") and left the multiple-of-16 one
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 try:
@@ -266,9 +268,14 @@ def _pow2(v: int, lo: int, hi: int) -> int:
     return p
 
 
-def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_given: bool = False) -> dict:
+SMALL_PIXELS = 16384  # output pixels up to which a wide layer takes the DENSE route with the weight kept
+
+
+def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_given: bool = False,
+                   pixels: int | None = None) -> dict:
     """Heuristic tile choice (tuned in benchmarks/stripe_gpu.py). ``dense_given``: the caller passes the dense
-    weight (kept from before), so the DENSE route costs no per-call weight build. With it, the DENSE route wins
+    weight (kept from before), so the DENSE route costs no per-call weight build. ``pixels``: the output pixels
+    B*Ho*Wo (None: unknown, taken as many). With it, the DENSE route wins
     up to 64 input channels: on an H200 (bf16, channels_last, CUDA graphs, ResNet-56-like layers at batch 256)
     it ran 1.4-2.0x faster than the one-hot route at 24-64 channels and within 5% of the best of 20 tilings
     (benchmarks/results/stripe_tiles_narrow_h200.json); building the weight per call costs about as much as
@@ -287,11 +294,25 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_giv
         # with 128-pixel tiles, 32 columns per step and 8 warps, within 5% of the best of 12 tilings but the
         # 64-channel 8x8 layer's (0.0190 against 0.0169 ms; stripe_narrow_im2col_fp32_gpu_h200.json).
         # 16 channels stay on route (a) (bf16 0.0182 against 0.0218 ms, fp32 0.0341 against 0.0398)
+        # In 16-bit types up to 40 channels, without software pipelining (num_stages 1: plain loads, cached in L1,
+        # and a third of the shared memory) and 4 warps: 1.35-1.38x faster on 24 -> 32 and 40 -> 64 channels at
+        # 16x16, within 4% either way on 32 -> 24 at 16x16 and 40 -> 40 at 32x32 (H200, CUDA graphs,
+        # stripe_narrow_stages_h200.json); 1.2-2x slower from 48 channels.
         if dtype == torch.float32:
             return dict(BLOCK_M=128, BLOCK_N=_pow2(N, 16, 64), BLOCK_K=32, CHUNK=16, num_warps=8, num_stages=3,
                         IM2COL=True)
         return dict(BLOCK_M=128, BLOCK_N=_pow2(N, 16, 64), BLOCK_K=32 if C <= 32 else 64, CHUNK=16,
-                    num_warps=8 if C <= 32 else 4, num_stages=3, IM2COL=True)
+                    num_warps=4, num_stages=1 if C <= 40 else 3, IM2COL=True)
+    if dense_given and C > 64 and dtype != torch.float32 and pixels is not None and pixels <= SMALL_PIXELS:
+        # wide layers on small maps (a CIFAR VGG16's 8x8, 4x4 and 2x2 layers at batch 256): few output pixels make
+        # a small grid, and every route runs a long serial chain per tile. The DENSE route over every offset
+        # (NOSKIP, software-pipelined) with the tile sizes below ran 1.3-2.5x faster than the sparse routes' default
+        # on the real-mask VGG16's nine such layers (bf16, H200, CUDA graphs; stripe_small_gpu_h200_noskip.json),
+        # at keep 0.14-0.21: the serial chain, not the multiply-adds, sets the time there
+        bm = 128 if pixels > 4096 else 64
+        bn = 128 if pixels > 4096 else (32 if pixels <= 1024 and N <= 256 else 64)
+        return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=_pow2(C, 16, 128), CHUNK=16, num_warps=8 if bm * bn > 8192 else 4,
+                    num_stages=3, DENSE=True, NOSKIP=True)
     block_k = _pow2(C, 16, 64 if dtype == torch.float32 else 128)
     block_n = _pow2(N, 16, 64 if C <= 64 else 128)
     dense = (C <= 16 or (dense_given and C <= 64) or S > 0.4 * K * N
@@ -313,6 +334,11 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_giv
                 num_warps=4 if block_n <= 64 else 8, num_stages=3 if noskip else 2, DENSE=dense, NOSKIP=noskip)
 
 
+def out_pixels(x: torch.Tensor, kernel_size, stride, padding, dilation) -> int:
+    """The conv's output pixels B*Ho*Wo for input x (pairs of ints for the conv's parameters)."""
+    return x.shape[0] * math.prod(conv_out_size(*a) for a in zip(x.shape[2:], kernel_size, stride, padding, dilation))
+
+
 def reads_dense(cfg: dict) -> bool:
     """Whether a config's route reads the zero-filled dense weight (route (a), DENSE, or route (c), IM2COL)."""
     return cfg.get("DENSE", False) or cfg.get("IM2COL", False)
@@ -332,7 +358,8 @@ def prepare(x, weight, out_index, offset, bias, plan, out_channels, kernel_size,
     """The forward's ``Launch`` for inputs like ``x`` (arguments as ``forward``): route, tiles and weight operand
     chosen here, once."""
     C, N, KH, KW = x.shape[1], out_channels, *kernel_size
-    cfg = dict(config or default_config(C, N, weight.shape[0], KH * KW, x.dtype, dense_given=dense is not None))
+    cfg = dict(config or default_config(C, N, weight.shape[0], KH * KW, x.dtype, dense_given=dense is not None,
+                                        pixels=out_pixels(x, kernel_size, stride, padding, dilation)))
     if not reads_dense(cfg):
         wop = weight.contiguous()
     elif dense is not None:  # the zero-filled dense weight, channels_last: (N, KH, KW, C) in memory, exact

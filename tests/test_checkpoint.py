@@ -79,6 +79,21 @@ def test_stripe_and_shrunk_channels_round_trip(tmp_path):
     torch.testing.assert_close(loaded.get_submodule(names[2]).out_index, model.get_submodule(names[2]).out_index)
 
 
+def test_gemm_mode_round_trip(tmp_path):
+    """A compact VGG whose 2x2 stripe convs run as unrolled GEMMs (mode "gemm", the last one with its pool fused)
+    loads with those modes and the same output."""
+    model = create_model("vgg11")
+    attach_skeletons(model)
+    small = compact(_randomise(model, keep=0.4), fold_bn=True, fuse_relu=True)
+    gemm = ["features.22", "features.25"]  # at 2x2 for 32x32 inputs
+    assert all(isinstance(small.get_submodule(n), StripeConv2d) for n in gemm)
+    for n in gemm:
+        small.get_submodule(n).mode = "gemm"
+    loaded = _round_trip(small, tmp_path)
+    assert [n for n, m in loaded.named_modules() if getattr(m, "mode", None) == "gemm"] == gemm
+    assert all(loaded.get_submodule(n)._gemm_cache is not None for n in gemm)  # the GEMM ran
+
+
 @pytest.mark.parametrize("fold_bn", [False, True])
 def test_compact_model_round_trip(tmp_path, fold_bn):
     """compress.compact output: stripe convs, dead filters removed, an empty residual branch, folded BN."""

@@ -212,9 +212,14 @@ def test_route_helpers():
     gen = torch.Generator().manual_seed(7)
     w, oi, off = random_layer(8, 8, (3, 3), 0.3, gen, dtype=torch.float32)
     x = torch.randn(2, 8, 8, 8, generator=gen)
-    r = kernels.stripe_route(x, w, oi, off, None, 8, 3, 1, 1, 1, repeats=1)
-    assert set(r) == {"use_stripe", "stripe_ms", "dense_ms"} and r["stripe_ms"] > 0 and r["dense_ms"] > 0
-    assert r["use_stripe"] == (r["stripe_ms"] < r["dense_ms"])
+    r = kernels.stripe_route(x, w, oi, off, None, 8, 3, 1, 1, 1, repeats=1)  # 8x8: no gemm (64 > 2 * 9 pixels)
+    assert set(r) == {"mode", "use_stripe", "stripe_ms", "dense_ms", "gemm_ms"} and r["gemm_ms"] is None
+    assert r["stripe_ms"] > 0 and r["dense_ms"] > 0
+    assert r["mode"] == ("stripe" if r["stripe_ms"] < r["dense_ms"] else "dense") and r["use_stripe"] == (
+        r["mode"] == "stripe")
+    r = kernels.stripe_route(x[:, :, :4, :4].contiguous(), w, oi, off, None, 8, 3, 1, 1, 1, repeats=1)  # 4x4: gemm
+    times = {m: r[f"{m}_ms"] for m in ("stripe", "dense", "gemm")}
+    assert all(t > 0 for t in times.values()) and r["mode"] == min(times, key=times.get)
     with pytest.raises(ValueError, match="timing='graph' times CUDA graphs and needs a CUDA input"):
         kernels.stripe_route(x, w, oi, off, None, 8, 3, 1, 1, 1, repeats=1, timing="graph")
     with pytest.raises(ValueError, match="timing must be 'auto', 'graph' or 'eager'"):

@@ -1,0 +1,117 @@
+"""The unrolled-GEMM form of a conv on tiny feature maps (kernels.unrolled) and StripeConv2d's "gemm" mode."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import compress
+from compress.stripe import StripeConv2d
+from kernels import unrolled
+
+# (C, N, H, W, kernel, stride, padding, dilation)
+SHAPES = [(5, 7, 2, 2, 3, 1, 1, 1), (4, 6, 4, 4, 3, 1, 1, 1), (3, 5, 5, 3, 3, 2, 1, 1), (6, 4, 4, 5, 3, 1, 2, 2),
+          (3, 4, 3, 3, (3, 1), 1, (1, 0), 1), (4, 3, 4, 4, 3, 1, 0, 1)]  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_unrolled_conv_matches_conv2d(shape, relu, with_bias):
+    C, N, H, W, k, s, p, d = shape
+    k, s, p, d = (v if isinstance(v, tuple) else (v, v) for v in (k, s, p, d))
+    gen = torch.Generator().manual_seed(hash((shape, relu, with_bias)) % 2**31)
+    w = torch.randn(N, C, *k, generator=gen, dtype=torch.float64)
+    b = torch.randn(N, generator=gen, dtype=torch.float64) if with_bias else None
+    x = torch.randn(3, C, H, W, generator=gen, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+    u, out_hw = unrolled.unrolled_weight(w, (H, W), s, p, d)
+    assert u.shape == (out_hw[0] * out_hw[1] * N, H * W * C)
+    bias_rows = None if b is None else b.repeat(out_hw[0] * out_hw[1])
+    got = unrolled.unrolled_conv2d(x, u, bias_rows, out_hw, relu)
+    want = F.conv2d(x, w, b, s, p, d)
+    want = want.relu() if relu else want
+    assert got.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_fits_bounds():
+    # 3x3 kernel: inputs of up to 18 pixels, a weight of at most MAX_BYTES, and an output of at least one pixel
+    assert unrolled.fits(64, 64, (4, 4), (3, 3), (1, 1), (1, 1), (1, 1), 2)
+    assert not unrolled.fits(64, 64, (8, 8), (3, 3), (1, 1), (1, 1), (1, 1), 2)
+    assert not unrolled.fits(2048, 2048, (4, 4), (3, 3), (1, 1), (1, 1), (1, 1), 2)  # 2 GiB of weight
+    assert not unrolled.fits(4, 4, (2, 2), (3, 3), (1, 1), (0, 0), (1, 1), 2)  # no output pixel
+
+
+def _layer(C=6, N=5, keep=0.5, relu=True, pool=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    conv = torch.nn.Conv2d(C, N, 3, padding=1, bias=True).double()
+    with torch.no_grad():
+        conv.weight.copy_(torch.randn(conv.weight.shape, generator=gen, dtype=torch.float64))
+        conv.bias.copy_(torch.randn(N, generator=gen, dtype=torch.float64))
+    mask = torch.rand(N, 3, 3, generator=gen) < keep
+    mask[0, 1, 1] = True
+    m = StripeConv2d.from_dense(conv, mask)
+    m.relu, m.pool = relu, pool
+    return m.eval()
+
+
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+@pytest.mark.parametrize("pool", [False, True])
+def test_gemm_mode_matches_dense_mode(layout, pool):
+    m = _layer(pool=pool)
+    x = torch.randn(4, 6, 4, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    want = F.conv2d(x, m.dense_weight(), m.bias, 1, 1).relu()
+    want = F.max_pool2d(want, 2) if pool else want
+    m.mode = "gemm"
+    with torch.no_grad():
+        got = m(x)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert got.is_contiguous(memory_format=torch.channels_last if layout == "channels_last" else torch.contiguous_format)
+    assert m._gemm_cache is not None  # the unrolled weight is kept ...
+    with torch.no_grad():
+        m.weight.mul_(2)  # ... until the weight changes
+        torch.testing.assert_close(m(x), F.max_pool2d(F.conv2d(x, m.dense_weight(), m.bias, 1, 1).relu(), 2)
+                                   if pool else F.conv2d(x, m.dense_weight(), m.bias, 1, 1).relu())
+
+
+def test_gemm_mode_falls_back_to_dense_on_large_maps_and_in_training():
+    m = _layer()
+    m.mode = "gemm"
+    x = torch.randn(2, 6, 9, 9, generator=torch.Generator().manual_seed(2), dtype=torch.float64)  # 81 > 18 pixels
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), F.conv2d(x, m.dense_weight(), m.bias, 1, 1).relu())
+    assert m._gemm_cache is None
+    # autograd records: dense mode, gradients reach the stripes
+    xs = torch.randn(2, 6, 4, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    m(xs).square().sum().backward()
+    ref = _layer()
+    ref.mode = "dense"
+    ref(xs).square().sum().backward()
+    assert m._gemm_cache is None
+    torch.testing.assert_close(m.weight.grad, ref.weight.grad)
+
+
+def test_choose_modes_picks_the_fastest_measured():
+    model = torch.nn.Sequential(_layer().float())
+    x = torch.randn(8, 6, 4, 4, generator=torch.Generator().manual_seed(5))
+    report = {}
+    with torch.no_grad():
+        modes = compress.choose_modes(model, x, repeats=2, timing="eager", report=report)
+    r = report["0"]
+    times = {k: r[f"{k}_ms"] for k in ("stripe", "dense", "gemm")}
+    assert modes == {"0": min(times, key=times.get)} and model[0].mode == modes["0"]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemm_mode_cuda(dtype):
+    m = _layer(C=40, N=48, keep=0.2, pool=True).to("cuda")
+    x = torch.randn(16, 40, 4, 4, generator=torch.Generator().manual_seed(6), dtype=torch.float64).cuda()
+    want = F.max_pool2d(F.conv2d(x, m.dense_weight(), m.bias, 1, 1).relu(), 2)
+    m.to(dtype)
+    m.mode = "gemm"
+    with torch.no_grad():
+        got = m(x.to(dtype).contiguous(memory_format=torch.channels_last)).double()
+    err = ((got - want).norm() / want.norm()).item()
+    assert err < (1e-2 if dtype == torch.bfloat16 else 1e-3), err
