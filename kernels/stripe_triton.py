@@ -295,9 +295,10 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_giv
         # 64-channel 8x8 layer's (0.0190 against 0.0169 ms; stripe_narrow_im2col_fp32_gpu_h200.json).
         # 16 channels stay on route (a) (bf16 0.0182 against 0.0218 ms, fp32 0.0341 against 0.0398)
         # In 16-bit types up to 40 channels, without software pipelining (num_stages 1: plain loads, cached in L1,
-        # and a third of the shared memory) and 4 warps: 1.35-1.38x faster on 24 -> 32 and 40 -> 64 channels at
-        # 16x16, within 4% either way on 32 -> 24 at 16x16 and 40 -> 40 at 32x32 (H200, CUDA graphs,
-        # stripe_narrow_stages_h200.json); 1.2-2x slower from 48 channels.
+        # and a third of the shared memory) and 4 warps: 1.40x and 1.37x faster on 24 -> 32 and 40 -> 64 channels
+        # at 16x16, 1.03x on 40 -> 40 at 32x32 and 0.98x on 32 -> 24 at 16x16 than the 3-stage config (H200, bf16,
+        # CUDA graphs, benchmarks/stripe_narrow_stages_gpu.py -> stripe_narrow_stages_h200.json); 1 stage was
+        # 1.1-1.5x slower from 48 channels (the scratch sweep before it).
         if dtype == torch.float32:
             return dict(BLOCK_M=128, BLOCK_N=_pow2(N, 16, 64), BLOCK_K=32, CHUNK=16, num_warps=8, num_stages=3,
                         IM2COL=True)

@@ -11,9 +11,11 @@ its epilogue (``torch._addmm_activation``), one kernel.
 
 U has H*W / (KH*KW) times the conv's multiply-adds (for a 3x3 conv with padding 1: 4/9 at 2x2, where the conv's
 per-offset form computes 9 offsets of which only 4 fall inside, and 16/9 at 4x4). Why: at these sizes the dense
-conv is latency-bound. On an H200 (bf16, channels_last, batch 256, the real-mask VGG16's 2x2 and 4x4 layers,
-CUDA graphs) the product took 0.0037-0.0072 ms where cuDNN's conv + bias + ReLU took 0.0089-0.0110 ms
-(benchmarks/results/unroll_probe_h200.json); at 8x8 (64/9 the MACs) it was 1.9-2.8x slower than cuDNN.
+conv is latency-bound. On an H200 (bf16, channels_last, batch 256, the real-mask VGG16's unpooled 2x2 and 4x4
+layers, CUDA graphs) the product took 0.0038-0.0071 ms where cuDNN's conv + bias + ReLU took 0.0093-0.0110 ms
+(benchmarks/unroll_probe_gpu.py -> unroll_probe_h200.json); at 8x8 (64/9 the MACs) it was 1.3-3.1x slower than
+cuDNN. A pooling layer pools after the product (F.max_pool2d, about 4 us there; one reduction over a view of the
+rows was no faster).
 ``fits`` bounds it to H*W <= 2*KH*KW and a weight of at most ``MAX_BYTES``.
 """
 
