@@ -294,16 +294,21 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_giv
         # with 128-pixel tiles, 32 columns per step and 8 warps, within 5% of the best of 12 tilings but the
         # 64-channel 8x8 layer's (0.0190 against 0.0169 ms; stripe_narrow_im2col_fp32_gpu_h200.json).
         # 16 channels stay on route (a) (bf16 0.0182 against 0.0218 ms, fp32 0.0341 against 0.0398)
-        # In 16-bit types up to 40 channels, without software pipelining (num_stages 1: plain loads, cached in L1,
-        # and a third of the shared memory) and 4 warps: 1.40x and 1.37x faster on 24 -> 32 and 40 -> 64 channels
-        # at 16x16, 1.03x on 40 -> 40 at 32x32 and 0.98x on 32 -> 24 at 16x16 than the 3-stage config (H200, bf16,
-        # CUDA graphs, benchmarks/stripe_narrow_stages_gpu.py -> stripe_narrow_stages_h200.json); 1 stage was
-        # 1.1-1.5x slower from 48 channels (the scratch sweep before it).
+        # In 16-bit types up to 40 channels on mid-sized grids (16384-65536 output pixels: 1-4 waves of 128-pixel
+        # tiles on 132 SMs), without software pipelining (num_stages 1: plain loads, cached in L1, and a third of
+        # the shared memory per program) and 4 warps: 1.40x and 1.37x faster on 24 -> 32 and 40 -> 64 channels at
+        # 16x16 (batch 256), 0.98x on 32 -> 24 there, than the 3-stage config (H200, bf16, CUDA graphs,
+        # benchmarks/stripe_narrow_stages_gpu.py -> stripe_narrow_stages_h200.json). Outside that range the
+        # pipeline paid: 0.0071 against 0.0046 ms on ResNet-56's stride-2 32 -> 48 layer (16384 pixels) and 0.0645
+        # against 0.0606 ms on VGG16's pooled 40 -> 40 32x32 layer (stripe_models_gpu_h200_gemm.json against
+        # _session10.json); 1 stage was 1.1-1.5x slower from 48 channels.
         if dtype == torch.float32:
             return dict(BLOCK_M=128, BLOCK_N=_pow2(N, 16, 64), BLOCK_K=32, CHUNK=16, num_warps=8, num_stages=3,
                         IM2COL=True)
+        one_stage = C <= 40 and pixels is not None and SMALL_PIXELS < pixels <= 4 * SMALL_PIXELS
         return dict(BLOCK_M=128, BLOCK_N=_pow2(N, 16, 64), BLOCK_K=32 if C <= 32 else 64, CHUNK=16,
-                    num_warps=4, num_stages=1 if C <= 40 else 3, IM2COL=True)
+                    num_warps=4 if one_stage else (8 if C <= 32 else 4), num_stages=1 if one_stage else 3,
+                    IM2COL=True)
     if dense_given and C > 64 and dtype != torch.float32 and pixels is not None and pixels <= SMALL_PIXELS:
         # wide layers on small maps (a CIFAR VGG16's 8x8, 4x4 and 2x2 layers at batch 256): few output pixels make
         # a small grid, and every route runs a long serial chain per tile. The DENSE route over every offset
