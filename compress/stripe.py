@@ -292,9 +292,10 @@ class StripeConv2d(nn.Module):
         return y
 
     def _gemm_fits(self, x: torch.Tensor) -> bool:
-        """Whether gemm mode runs its GEMM on `x`: the unrolled weight fits (`kernels.unrolled.fits`) and autograd
-        does not record (the weight is unrolled without grad; a training step runs dense mode)."""
-        return not recording(x, self.weight, self.bias) and unrolled.fits(
+        """Whether gemm mode runs its GEMM on `x`: the unrolled weight fits (`kernels.unrolled.fits`), autograd
+        does not record (the weight is unrolled without grad; a training step runs dense mode) and no tracer or
+        compiler is looking (they get dense mode, not the unrolling loop)."""
+        return not (recording(x, self.weight, self.bias) or tracing_or_compiling()) and unrolled.fits(
             self.in_channels, self.out_channels, x.shape[2:], self.kernel_size, self.stride, self.padding,
             self.dilation, x.element_size())
 
