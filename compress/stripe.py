@@ -108,7 +108,8 @@ class StripeConv2d(nn.Module):
             fill it with `from_skeleton`/`from_dense` or `load_state_dict`).
         bias: whether there is a bias (N,).
         mode: "stripe" runs `kernels.stripe_conv2d` on the kept stripes; "dense" runs F.conv2d with the
-            zero-filled dense weight (cached in eval); "gemm" runs the conv as one GEMM with the weight unrolled
+            zero-filled dense weight (cached in eval; cut to the centred window of offsets that holds every kept
+            stripe, so a 3x3 layer left with centre stripes only runs as a 1x1 conv); "gemm" runs the conv as one GEMM with the weight unrolled
             over the whole input image (`kernels.unrolled`, cached per input size), for tiny feature maps (a
             VGG's 2x2 and 4x4 layers), and dense mode where `kernels.unrolled.fits` rules it out for the input
             or autograd records. All give the same output; `compress.compact` sets a cost-model choice and
@@ -157,6 +158,8 @@ class StripeConv2d(nn.Module):
         self.register_buffer("rows", None, persistent=False)
         self._dense_cache: tuple[tuple, torch.Tensor] | None = None
         self._gemm_cache: tuple[tuple, tuple] | None = None  # (key, (unrolled weight, bias rows, (Ho, Wo)))
+        self._trim = (0, 0)  # kernels.dense_trim of the indices: rings of offsets dense mode leaves out
+        self._trim_cache: tuple | None = None  # (the dense weight it was cut from, (cut weight, padding))
         self._launch_cache: tuple[tuple, object] | None = None  # (key, kernels.prepare_stripe_conv2d launcher)
         self._op_trained: set[tuple] = set()  # inputs an eager training step ran the op for (_eager_cuda_training)
 
@@ -268,6 +271,19 @@ class StripeConv2d(nn.Module):
                 self._dense_cache = (key, self.dense_weight(fmt))
         return self._dense_cache[1]
 
+    def _dense_mode_weight(self, fmt: torch.memory_format) -> tuple[torch.Tensor, tuple[int, int]]:
+        """(weight, padding) of dense mode: the zero-filled weight cut to the centred window of offsets that holds
+        every kept stripe (`kernels.dense_trim`, e.g. a 3x3 layer with only centre stripes runs as a 1x1 conv),
+        the padding reduced to match; kept with the dense weight in eval."""
+        w = self._cached_dense_weight(fmt)
+        if not any(self._trim):
+            return w, self.padding
+        if recording(self.weight):
+            return kernels.trimmed_dense(w, self._trim, self.padding, self.dilation, fmt)
+        if self._trim_cache is None or self._trim_cache[0] is not w:
+            self._trim_cache = (w, kernels.trimmed_dense(w, self._trim, self.padding, self.dilation, fmt))
+        return self._trim_cache[1]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, C, H, W) -> (B, N, Ho, Wo), in x's layout (see `_layout`)."""
         fmt = _layout(x)
@@ -279,8 +295,8 @@ class StripeConv2d(nn.Module):
             return self._pooled(y if fmt is torch.channels_last else y.contiguous())
         if self._mode != "stripe" or self._eager_cuda_training(x):
             conv = conv2d_relu if self.relu else F.conv2d
-            return self._pooled(conv(x, self._cached_dense_weight(fmt), self.bias, self.stride, self.padding,
-                                     self.dilation))
+            w, pad = self._dense_mode_weight(fmt)
+            return self._pooled(conv(x, w, self.bias, self.stride, pad, self.dilation))
         launch = self._inference_launch(x)
         if launch is not None:
             y = launch(x)  # pooled by the launcher
@@ -401,10 +417,10 @@ class StripeConv2d(nn.Module):
 
     def graph_keepalive(self) -> tuple:
         """What a CUDA graph captured through this module reads besides its parameters and buffers: the kept dense
-        weight, the unrolled weight (gemm mode) and the launcher (`compress.CUDAGraphModel` holds them while the
+        weight (and its cut window, dense mode), the unrolled weight (gemm mode) and the launcher (`compress.CUDAGraphModel` holds them while the
         graph lives, so a later call with another input layout or size, which replaces them, cannot free memory
         the graph reads)."""
-        return self._dense_cache, self._gemm_cache, self._launch_cache
+        return self._dense_cache, self._trim_cache, self._gemm_cache, self._launch_cache
 
     def __getstate__(self) -> dict:
         """Copies and pickles drop the kept launcher (it holds a compiled kernel; rebuilt on first use) and forget
@@ -463,7 +479,9 @@ class StripeConv2d(nn.Module):
             ) from None
         self.plan = plan
         self.rows = kernels.stripe_rows(self.out_index, self.offset, self.kernel_size)
+        self._trim = kernels.dense_trim(self.offset, self.kernel_size, self.padding, self.dilation)
         self._dense_cache = None
+        self._trim_cache = None
         self._gemm_cache = None
         self._launch_cache = None
 

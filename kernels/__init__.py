@@ -14,6 +14,7 @@ from kernels.conv2d import Im2colConv2d, conv2d
 from kernels.depthwise import DepthwiseConv2d, depthwise_conv2d
 from kernels.pix import pix, pix_reference, pix_squeeze, residual_relu
 from kernels.stripe import (
+    dense_trim,
     prepare_stripe_conv2d,
     stripe_conv2d,
     stripe_cost,
@@ -22,8 +23,9 @@ from kernels.stripe import (
     stripe_route,
     stripe_rows,
     stripe_to_dense,
+    trimmed_dense,
 )
 
 __all__ = ["pix", "pix_squeeze", "pix_reference", "residual_relu", "depthwise_conv2d", "DepthwiseConv2d", "conv2d", "Im2colConv2d",
            "stripe_conv2d", "prepare_stripe_conv2d", "stripe_plan", "stripe_to_dense", "stripe_rows", "stripe_reads_dense", "stripe_route",
-           "stripe_cost"]
+           "stripe_cost", "dense_trim", "trimmed_dense"]

@@ -55,7 +55,7 @@ from kernels._utils import (
 )
 
 __all__ = ["stripe_conv2d", "prepare_stripe_conv2d", "stripe_plan", "stripe_to_dense", "stripe_rows",
-           "stripe_reads_dense", "stripe_route", "stripe_cost"]
+           "stripe_reads_dense", "stripe_route", "stripe_cost", "dense_trim", "trimmed_dense"]
 
 OP = "compress::stripe_conv2d"
 BOP = "compress::stripe_conv2d_backward"
@@ -182,6 +182,30 @@ def stripe_to_dense(weight: Tensor, out_index: Tensor, offset: Tensor, out_chann
     # clone, not contiguous(): with C == 1 the view already counts as contiguous but has channels_last strides,
     # which would make a conv return channels_last output for an NCHW input
     return dense if memory_format == torch.channels_last else dense.clone(memory_format=memory_format)
+
+
+def dense_trim(offset: Tensor, kernel_size, padding, dilation) -> tuple[int, int]:
+    """(rows, cols) of kernel-offset rings, from the outside in, that no stripe uses and the padding covers
+    (``padding // dilation``): a dense conv with the weight cut to ``[r:KH-r, c:KW-c]`` and padding ``p - r*d``
+    gives the same output (same size: the window stays centred). For example a 3x3 layer that kept only centre
+    stripes, common in the deep layers of SWP models, is a 1x1 conv. ``offset`` (S, 2) on any device; S = 0
+    trims nothing."""
+    KH, KW = pair(kernel_size, "kernel_size")
+    if offset.numel() == 0:
+        return 0, 0
+    kh, kw = offset[:, 0], offset[:, 1]
+    r = min(int(torch.minimum(kh, KH - 1 - kh).min()), pair(padding)[0] // pair(dilation)[0])
+    c = min(int(torch.minimum(kw, KW - 1 - kw).min()), pair(padding)[1] // pair(dilation)[1])
+    return r, c
+
+
+def trimmed_dense(dense: Tensor, trim: tuple[int, int], padding, dilation,
+                  memory_format: torch.memory_format) -> tuple[Tensor, list[int]]:
+    """(weight, padding) of the dense conv cut by ``trim`` (``dense_trim``): the centred window of ``dense``
+    (N, C, KH, KW) laid out as ``memory_format`` (a copy; differentiable), and the padding reduced to match."""
+    (r, c), (ph, pw), (dh, dw) = trim, pair(padding), pair(dilation)
+    KH, KW = dense.shape[2:]
+    return dense[:, :, r:KH - r, c:KW - c].clone(memory_format=memory_format), [ph - r * dh, pw - c * dw]
 
 
 def _segments(plan: Tensor | None, out_index, offset, N, kernel_size):
@@ -620,9 +644,12 @@ def stripe_route(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, b
         return pooled(stripe_conv2d(x, weight, out_index, offset, bias, out_channels, ks, stride, padding, dilation,
                                     relu=relu, plan=plan, dense=kept))
 
+    trim = dense_trim(offset, ks, padding, dilation)
+    dense_mode_w, dense_pad = trimmed_dense(dense_w, trim, padding, dilation, fmt) if any(trim) else (dense_w, padding)
+
     def run_dense():  # as StripeConv2d's dense mode
         conv = conv2d_relu if relu else F.conv2d
-        return pooled(conv(x, dense_w, bias, pair(stride), pair(padding), pair(dilation)))
+        return pooled(conv(x, dense_mode_w, bias, pair(stride), pair(dense_pad), pair(dilation)))
 
     clock = _graph_ms if timing == "graph" else _eager_ms
     ms = {"stripe": clock(run_stripe, x.device, repeats), "dense": clock(run_dense, x.device, repeats)}

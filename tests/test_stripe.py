@@ -460,3 +460,53 @@ def test_compact_vgg_with_fused_pools_on_cuda(tmp_path):
             choose_modes(f, xd, repeats=2)
             a, b = p(xd).double(), f(xd).double()
         assert ((a - b).norm() / a.norm()).item() < tol, dtype
+
+
+def test_dense_trim():
+    """Rings of offsets no stripe uses, limited by what the padding covers."""
+    centre = torch.tensor([[1, 1], [1, 1]])
+    assert kernels.dense_trim(centre, 3, 1, 1) == (1, 1)
+    assert kernels.dense_trim(torch.tensor([[1, 1], [0, 2]]), 3, 1, 1) == (0, 0)
+    assert kernels.dense_trim(torch.tensor([[1, 0], [1, 2]]), 3, 1, 1) == (1, 0)  # middle row only
+    assert kernels.dense_trim(torch.tensor([[1, 2], [3, 3]]), 5, 2, 1) == (1, 1)  # the inner 3x3 of a 5x5
+    assert kernels.dense_trim(centre, 3, 0, 1) == (0, 0)  # no padding to take back
+    assert kernels.dense_trim(centre, 3, 2, 2) == (1, 1) and kernels.dense_trim(centre, 3, 1, 2) == (0, 0)
+    assert kernels.dense_trim(torch.zeros(0, 2, dtype=torch.long), 3, 1, 1) == (0, 0)
+
+
+@pytest.mark.parametrize("case", [(3, 1, 1, 1), (3, 2, 1, 1), (5, 1, 2, 1), (3, 1, 2, 2), (3, 1, 0, 1)])
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_dense_mode_runs_the_trimmed_kernel(case, layout):
+    """A layer whose stripes all sit in the kernel's centre (the deep layers of SWP models) runs dense mode as the
+    smaller conv: same output and gradients as the full zero-filled conv (float64), in x's layout."""
+    k, s, p, d = case
+    gen = torch.Generator().manual_seed(hash((case, layout)) % 2**31)
+    conv = nn.Conv2d(5, 6, k, stride=s, padding=p, dilation=d, bias=True).double()
+    mask = torch.zeros(6, k, k, dtype=torch.bool)
+    mask[:, k // 2, k // 2] = torch.rand(6, generator=gen) < 0.7
+    mask[0, k // 2, k // 2] = True
+    if k == 5:
+        mask[1, 1, 3] = True  # inside the inner 3x3 window
+    m = StripeConv2d.from_dense(conv, mask, mode="dense").train()
+    x = torch.randn(2, 5, 9, 8, generator=gen, dtype=torch.float64)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    want_trim = (0, 0) if p < d else (1, 1)
+    assert m._trim == want_trim
+    xr, wr = x.clone().requires_grad_(), m.weight.detach().clone().requires_grad_()
+    ref = F.conv2d(xr, kernels.stripe_to_dense(wr, m.out_index, m.offset, 6, k), m.bias.detach(), s, p, d)
+    xm = x.clone().requires_grad_()
+    y = m(xm)
+    torch.testing.assert_close(y, ref)
+    g = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    gx, gw = torch.autograd.grad((ref * g).sum(), (xr, wr))
+    (y * g).sum().backward()
+    torch.testing.assert_close(xm.grad, gx)
+    torch.testing.assert_close(m.weight.grad, gw)
+    m.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), ref.detach())
+        assert y.is_contiguous(memory_format=torch.channels_last if layout == "channels_last" else
+                               torch.contiguous_format)
+    if any(want_trim):
+        assert m._trim_cache[1][0].shape[2:] == (k - 2, k - 2)
