@@ -38,6 +38,11 @@ nothing either (within 5% both ways; benchmarks/results/stripe_preload_reverted_
 kernel (mma.m16n8k16 per offset, cp.async double buffering, a per-warp scatter of P into an fp32 shared-memory
 tile; commit b317148, reverted) was correct but 0.21-0.37x cuDNN, slower than this kernel everywhere
 (benchmarks/results/stripe_cuda_mma_v{1,2}_h200.json): it waits on one 64-pixel step of loads at a time.
+An input-stationary kernel (commit f509906, reverted): a program owns whole output rows, loads the input rows
+they read (with the halo) once instead of once per offset, multiplies them by a chunk of stripes and picks each
+output pixel's shifted value with tl.gather (lowered to warp shuffles) before the one-hot sum. Correct, but 2-6x
+slower than this kernel on every narrow layer measured (H200, bf16; stripe_halo_reverted_h200.json): the gather
+and the doubled pixel count of the halo product cost more than the loads it saves.
 Route (a) with the output channels permuted (greedily, so that each 16/32-channel tile's channels share kernel
 offsets and fewer (offset, tile) blocks are computed) was slower than without on the layers of the real-mask
 VGG16/ResNet-18/ResNet-56 (a permuted channel store does not vectorise; stripe_perm_dense_reverted_h200.json).
