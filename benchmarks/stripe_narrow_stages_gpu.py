@@ -1,12 +1,12 @@
-"""Software pipelining or not on the stripe kernel's im2col route (c) for 17-64-channel layers (issue 5).
+"""Software pipelining or not on the stripe kernel's im2col route (c) for 8-64-channel layers (issue 5).
 
 Route (c) loads its im2col tiles with cp.async into a 3-stage shared-memory ring (num_stages 3, L2 only); with
 num_stages 1 the loads are plain, L1-cached global loads and each program holds a third of the shared memory.
 Layers: CIFAR VGG16 / ResNet-56 shapes (batch 256, 3x3, stride 1, random stripe masks at the keep given), bf16,
 channels_last, bias + ReLU fused on both sides. Times: GPU time per call in CUDA graphs (``kernels.stripe._graph_ms``,
 as ``choose_modes`` measures; L2 warm, as inside a model), against cuDNN's fused conv + bias + ReLU. Configs: the
-kernel's default, the 3-stage config it used before ("s3_before") and a grid of 1-stage tilings; each output checked
-against the float64 conv.
+kernel's default, the config it used before ("s3_before": route (c) with 3 stages, or route (a) up to 16 channels)
+and a grid of 1-stage route (c) tilings; each output checked against the float64 conv.
 
     python benchmarks/stripe_narrow_stages_gpu.py [--out benchmarks/results/stripe_narrow_stages_h200.json]
 """
@@ -35,13 +35,19 @@ from kernels.stripe import _graph_ms  # noqa: E402
 LAYERS = [("vgg_40_40_32x32", 256, 40, 32, 40, 0.14), ("vgg_40_64_16x16", 256, 40, 16, 64, 0.15),
           ("vgg_64_80_16x16", 256, 64, 16, 80, 0.17), ("r56_24_32_16x16", 256, 24, 16, 32, 0.55),
           ("r56_32_24_16x16", 256, 32, 16, 24, 0.55), ("r56_48_64_8x8", 256, 48, 8, 64, 0.55),
-          ("r56_64_48_8x8", 256, 64, 8, 48, 0.55), ("vgg_64_64_32x32", 256, 64, 32, 64, 0.3)]  # fmt: skip
+          ("r56_64_48_8x8", 256, 64, 8, 48, 0.55), ("vgg_64_64_32x32", 256, 64, 32, 64, 0.3),
+          ("r56_8_16_32x32", 256, 8, 32, 16, 0.3), ("r56_16_16_32x32", 256, 16, 32, 16, 0.5)]  # fmt: skip
 
 
 def candidates(C: int, N: int) -> list[tuple[str, dict | None]]:
     bn = stripe_triton._pow2(N, 16, 64)
-    out = [("default", None), ("s3_before", dict(BLOCK_M=128, BLOCK_N=bn, BLOCK_K=32 if C <= 32 else 64, CHUNK=16,
-                                                  num_warps=8 if C <= 32 else 4, num_stages=3, IM2COL=True))]
+    before = (dict(BLOCK_M=128, BLOCK_N=bn, BLOCK_K=16, CHUNK=16, num_warps=4, num_stages=3, DENSE=True, NOSKIP=True)
+              if C <= 16 else dict(BLOCK_M=128, BLOCK_N=bn, BLOCK_K=32 if C <= 32 else 64, CHUNK=16,
+                                   num_warps=8 if C <= 32 else 4, num_stages=3, IM2COL=True))
+    out = [("default", None), ("s3_before", before)]
+    if C <= 16:  # route (c) pipelined, against the 1-stage grid below
+        out.append(("s3_k32_w4", dict(BLOCK_M=128, BLOCK_N=bn, BLOCK_K=32, CHUNK=16, num_warps=4, num_stages=3,
+                                      IM2COL=True)))
     for bm, bk, nw in ((64, 32, 4), (64, 64, 4), (128, 32, 4), (128, 32, 8), (128, 64, 4), (128, 64, 8)):
         out.append((f"s1_m{bm}_k{bk}_w{nw}", dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, CHUNK=16, num_warps=nw,
                                                   num_stages=1, IM2COL=True)))

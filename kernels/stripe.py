@@ -515,10 +515,10 @@ def prepare_stripe_conv2d(x: Tensor, weight: Tensor, out_index: Tensor, offset: 
 def stripe_reads_dense(x: Tensor, weight: Tensor, out_channels: int, kernel_size, stride=1, padding=0,
                        dilation=1) -> bool:
     """Whether ``stripe_conv2d`` on ``x``, given the zero-filled dense weight as ``dense``, runs a CUDA kernel route
-    that reads it (the dense route, or the im2col route: at most 4 input channels, or 17-64): CUDA
-    float32/16/bf16 with Triton, up to 64 input channels, wide layers on small maps in 16-bit types, or with many
-    stripes kept (``kernels.stripe_triton.default_config(..., dense_given=True)``). Without ``dense`` the kernel
-    takes those routes only for C <= 16 or many stripes, and builds the weight on every call."""
+    that reads it (the dense route, or the im2col route: at most 4 input channels, 5-8 in 16-bit types, or
+    17-64): CUDA float32/16/bf16 with Triton, up to 64 input channels, wide layers on small maps in 16-bit types,
+    or with many stripes kept (``kernels.stripe_triton.default_config(..., dense_given=True)``). Without ``dense``
+    the kernel takes those routes only for C <= 16 or many stripes, and builds the weight on every call."""
     from kernels import stripe_triton
 
     if not stripe_triton.available(x):

@@ -20,8 +20,8 @@ offsets in one loop without the skip (NOSKIP), which Triton software-pipelines (
 ``IM2COL_MAX_C`` input channels (a first layer on RGB) the IM2COL route (c) multiplies the dense weight, viewed as
 (N, KH*KW*C), with the im2col rows, BLOCK_K columns k*C + c at a time (``_im2col_columns``/``_im2col_load``,
 shared with the weight-gradient kernel below): per offset, 3 channels would fill 3 of a tensor-core step's 16
-K-lanes. It also runs 17-64-channel layers when the dense weight is kept (less padding than a per-offset
-tile). On an H200 (bf16, channels_last) it ran the 7x7 stride-2 ImageNet stem (batch 128) 2.0x and the CIFAR
+K-lanes. It also runs 17-64-channel (and in 16-bit types 5-8-channel) layers when the dense weight is kept
+(less padding than a per-offset tile). On an H200 (bf16, channels_last) it ran the 7x7 stride-2 ImageNet stem (batch 128) 2.0x and the CIFAR
 VGG16 first conv (batch 256) 4.4x faster than cuDNN's dense conv, which pads 3 channels to 8
 (benchmarks/results/stripe_stem_gpu_h200.json). Epilogue: bias, optional
 ReLU, store in the output's layout (NCHW or channels_last; the input is read channels_last, an NCHW input is
@@ -291,6 +291,12 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_giv
         small = K * C <= 32
         return dict(BLOCK_M=128 if small else 64, BLOCK_N=_pow2(N, 16, 64), BLOCK_K=32, CHUNK=16, num_warps=4,
                     num_stages=3 if small else 2, IM2COL=True)
+    if dense_given and 4 < C <= 8 and dtype != torch.float32:
+        # 5-8 channels in 16-bit types: route (c) too, 32 columns per step, 4 warps, no software pipelining
+        # (L1-cached plain loads): 8 -> 16 channels at 32x32 (batch 256, H200) 0.0129 ms against 0.0174 for route
+        # (a), whose 16-channel steps are half padding, and 0.0183 pipelined (stripe_narrow_stages_h200.json)
+        return dict(BLOCK_M=128, BLOCK_N=_pow2(N, 16, 64), BLOCK_K=32, CHUNK=16, num_warps=4, num_stages=1,
+                    IM2COL=True)
     if dense_given and 16 < C <= 64:
         # route (c) also for 17-64 channels: it pads the channels less than a per-offset tile does (40 channels:
         # 384 of 360 columns against 9 x 64). On an H200 (channels_last, benchmarks/stripe_stem_gpu.py --narrow) it
