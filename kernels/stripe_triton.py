@@ -293,8 +293,8 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_giv
                     num_stages=3 if small else 2, IM2COL=True)
     if dense_given and 4 < C <= 8 and dtype != torch.float32:
         # 5-8 channels in 16-bit types: route (c) too, 32 columns per step, 4 warps, no software pipelining
-        # (L1-cached plain loads): 8 -> 16 channels at 32x32 (batch 256, H200) 0.0129 ms against 0.0174 for route
-        # (a), whose 16-channel steps are half padding, and 0.0183 pipelined (stripe_narrow_stages_h200.json)
+        # (L1-cached plain loads): 8 -> 16 channels at 32x32 (batch 256, H200) 0.0125 ms against 0.0205 for route
+        # (a), whose 16-channel steps are half padding, and 0.0186 pipelined (stripe_narrow_stages_h200.json)
         return dict(BLOCK_M=128, BLOCK_N=_pow2(N, 16, 64), BLOCK_K=32, CHUNK=16, num_warps=4, num_stages=1,
                     IM2COL=True)
     if dense_given and 16 < C <= 64:
@@ -307,7 +307,7 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_giv
         # 16 channels stay on route (a) (bf16 0.0182 against 0.0218 ms, fp32 0.0341 against 0.0398)
         # In 16-bit types up to 40 channels on mid-sized grids (16384-65536 output pixels: 1-4 waves of 128-pixel
         # tiles on 132 SMs), without software pipelining (num_stages 1: plain loads, cached in L1, and a third of
-        # the shared memory per program) and 4 warps: 1.41x and 1.35x faster on 24 -> 32 and 40 -> 64 channels at
+        # the shared memory per program) and 4 warps: 1.38x and 1.35x faster on 24 -> 32 and 40 -> 64 channels at
         # 16x16 (batch 256), 0.98x on 32 -> 24 there, than the 3-stage config (H200, bf16, CUDA graphs,
         # benchmarks/stripe_narrow_stages_gpu.py -> stripe_narrow_stages_h200.json). Outside that range the
         # pipeline paid: 0.0071 against 0.0046 ms on ResNet-56's stride-2 32 -> 48 layer (16384 pixels) and 0.0645
