@@ -264,6 +264,10 @@ if triton is not None:
 
 
 IM2COL_MAX_C = 4  # route (c) up to this many input channels
+# route (c) pads narrower inputs (RGB) to this many channels in memory: a pixel's 4 channels are one aligned 8-byte
+# (16-bit) or 16-byte (float32) vector, so the im2col tiles load as vectors through cp.async; 3 channels load as
+# single elements, synchronously (PTX of the 7x7 stem config: 16 cp.async of 8 bytes against 32 ld.global.b16)
+IM2COL_PAD_C = 4
 
 
 def _pow2(v: int, lo: int, hi: int) -> int:
@@ -421,6 +425,13 @@ class Launch:
                  pool=False, pool_ceil=False):
         B, C, H, W = x.shape
         KH, KW = kernel_size
+        # route (c) on fewer than IM2COL_PAD_C channels: x is copied into a zero-padded channels_last buffer per
+        # call (_run), the weight padded once here
+        self._pad_c = IM2COL_PAD_C if cfg.get("IM2COL", False) and C < IM2COL_PAD_C else 0
+        if self._pad_c:
+            padded = wop.new_zeros(wop.shape[0], KH, KW, self._pad_c)
+            padded[..., :C] = wop.permute(0, 2, 3, 1)
+            wop = padded.permute(0, 3, 1, 2)
         Ho = conv_out_size(H, KH, stride[0], padding[0], dilation[0])
         Wo = conv_out_size(W, KW, stride[1], padding[1], dilation[1])
         self.signature = input_signature(x)
@@ -446,7 +457,7 @@ class Launch:
             OUT_CL=fmt == torch.channels_last, POOL=self.pool_fused, **cfg)
         # every kernel argument in signature order; x (slot 0) and y (slot 5, and slot 4 standing in for a missing
         # bias: the pointer is then unused) are filled per call
-        args = [None, wop, out_index, plan, bias, None, M, C, H, W, Ho, Wo, N, S, *y_strides]
+        args = [None, wop, out_index, plan, bias, None, M, self._pad_c or C, H, W, Ho, Wo, N, S, *y_strides]
         names = _stripe_fwd_kernel.arg_names
         self._args = args + [named.pop(n) for n in names[len(args):]]
         self._y_slots = (4, 5) if bias is None else (5,)
@@ -461,7 +472,14 @@ class Launch:
 
     def _run(self, x: torch.Tensor, y: torch.Tensor) -> None:
         args = self._args
-        args[0] = x if self._x_cl else x.contiguous(memory_format=torch.channels_last)
+        if self._pad_c:
+            B, C, H, W = x.shape
+            xp = torch.empty((B, H, W, self._pad_c), dtype=x.dtype, device=x.device)
+            xp[..., :C] = x.permute(0, 2, 3, 1)
+            xp[..., C:] = 0
+            args[0] = xp
+        else:
+            args[0] = x if self._x_cl else x.contiguous(memory_format=torch.channels_last)
         for i in self._y_slots:
             args[i] = y
         try:
