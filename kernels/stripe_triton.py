@@ -264,9 +264,10 @@ if triton is not None:
 
 
 IM2COL_MAX_C = 4  # route (c) up to this many input channels
-# route (c) pads narrower inputs (RGB) to this many channels in memory: a pixel's 4 channels are one aligned 8-byte
-# (16-bit) or 16-byte (float32) vector, so the im2col tiles load as vectors through cp.async; 3 channels load as
-# single elements, synchronously (PTX of the 7x7 stem config: 16 cp.async of 8 bytes against 32 ld.global.b16)
+# route (c) pads narrower inputs (RGB) of large kernels to this many channels in memory (config key PAD_C): a
+# pixel's 4 channels are one aligned 8-byte (16-bit) or 16-byte (float32) vector, so the im2col tiles load as
+# vectors through cp.async; 3 channels load as single elements, synchronously (PTX of the 7x7 stem config: 16
+# cp.async of 8 bytes against 32 ld.global.b16 per step)
 IM2COL_PAD_C = 4
 
 
@@ -292,7 +293,15 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_giv
     if C <= IM2COL_MAX_C:  # route (c), a first layer (RGB input): the best of a sweep on an H200, bf16 channels_last
         # (benchmarks/stripe_stem_gpu.py -> stripe_stem_gpu_h200.json): 3x3 stems (27 columns) 128-pixel tiles;
         # 7x7 stems (147 columns) 64-pixel tiles, 32 columns per step (1.6x faster than 64 columns)
+        # With more than 64 columns (the 7x7 stem: 147) the input is padded to IM2COL_PAD_C channels (PAD_C): on
+        # an H200 (bf16) the ImageNet stem at batch 128 took 0.35-0.37 ms against 0.47-0.49 unpadded, 128-pixel
+        # tiles and 3 stages then the best of 12 tilings (stripe_stem_gpu_h200_pad4.json against
+        # stripe_stem_gpu_h200.json); the 3x3 first conv (27 columns, one step; 36 padded, two) got 2x slower
+        # padded (same files), so it is not. 5x5 (75 columns) was not measured.
         small = K * C <= 32
+        if K * C > 64 and C < IM2COL_PAD_C:
+            return dict(BLOCK_M=128, BLOCK_N=_pow2(N, 16, 64), BLOCK_K=32, CHUNK=16, num_warps=4, num_stages=3,
+                        IM2COL=True, PAD_C=IM2COL_PAD_C)
         return dict(BLOCK_M=128 if small else 64, BLOCK_N=_pow2(N, 16, 64), BLOCK_K=32, CHUNK=16, num_warps=4,
                     num_stages=3 if small else 2, IM2COL=True)
     if dense_given and 4 < C <= 8 and dtype != torch.float32:
@@ -425,9 +434,13 @@ class Launch:
                  pool=False, pool_ceil=False):
         B, C, H, W = x.shape
         KH, KW = kernel_size
-        # route (c) on fewer than IM2COL_PAD_C channels: x is copied into a zero-padded channels_last buffer per
-        # call (_run), the weight padded once here
-        self._pad_c = IM2COL_PAD_C if cfg.get("IM2COL", False) and C < IM2COL_PAD_C else 0
+        # PAD_C (route (c), see IM2COL_PAD_C): x is copied into a zero-padded channels_last buffer of PAD_C channels
+        # per call (_run), the weight padded once here
+        cfg = dict(cfg)
+        self._pad_c = cfg.pop("PAD_C", 0)
+        if self._pad_c and not (cfg.get("IM2COL", False) and C < self._pad_c):
+            raise ValueError(f"stripe_triton.Launch: PAD_C={self._pad_c} needs the IM2COL route and fewer input "
+                             f"channels, got {C} channels and config {cfg}")
         if self._pad_c:
             padded = wop.new_zeros(wop.shape[0], KH, KW, self._pad_c)
             padded[..., :C] = wop.permute(0, 2, 3, 1)
@@ -443,7 +456,6 @@ class Launch:
         self._y_shape = (B, N, Ho // 2, Wo // 2) if self.pool_fused else (B, N, Ho, Wo)
         self._empty_kw = dict(device=x.device, dtype=x.dtype, memory_format=fmt)
         self._M = M = B * Ho * Wo
-        cfg = dict(cfg)
         cfg["ONE_K"] = C <= cfg["BLOCK_K"]
         cfg.setdefault("DENSE", False)
         cfg.setdefault("GATHER", False)

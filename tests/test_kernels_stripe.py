@@ -241,7 +241,7 @@ gcfg = dict(cfg, CHUNK=8, GATHER=True)
 for dt, ks, st, pd, dl, C, N, c, fmt in [
         (torch.float32, (3, 3), (1, 1), (1, 1), (1, 1), 16, 20, None, torch.contiguous_format),
         (torch.float32, (3, 3), (1, 1), (1, 1), (1, 1), 3, 40, None, torch.channels_last),  # RGB: im2col route
-        (torch.float32, (3, 3), (1, 1), (1, 1), (1, 1), 2, 12, None, torch.contiguous_format),  # padded to 4
+        (torch.float32, (3, 3), (1, 1), (1, 1), (1, 1), 2, 12, None, torch.contiguous_format),  # im2col, 2 ch
         (torch.float16, (3, 3), (1, 1), (1, 1), (1, 1), 8, 20, None, torch.channels_last),  # kept: im2col, 8 ch
         (torch.float16, (7, 7), (2, 2), (3, 3), (1, 1), 3, 24, None, torch.contiguous_format),  # a stem, 3 chunks
         (torch.float32, (3, 3), (1, 1), (2, 2), (2, 2), 3, 20, dict(cfg, IM2COL=True), torch.channels_last),
