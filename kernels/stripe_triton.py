@@ -294,10 +294,11 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_giv
         # (benchmarks/stripe_stem_gpu.py -> stripe_stem_gpu_h200.json): 3x3 stems (27 columns) 128-pixel tiles;
         # 7x7 stems (147 columns) 64-pixel tiles, 32 columns per step (1.6x faster than 64 columns)
         # With more than 64 columns (the 7x7 stem: 147) the input is padded to IM2COL_PAD_C channels (PAD_C): on
-        # an H200 (bf16) the ImageNet stem at batch 128 took 0.35-0.37 ms against 0.47-0.49 unpadded, 128-pixel
-        # tiles and 3 stages then the best of 12 tilings (stripe_stem_gpu_h200_pad4.json against
-        # stripe_stem_gpu_h200.json); the 3x3 first conv (27 columns, one step; 36 padded, two) got 2x slower
-        # padded (same files), so it is not. 5x5 (75 columns) was not measured.
+        # an H200 (bf16) the ImageNet stem at batch 128 took 0.30-0.35 ms against 0.45-0.49 ms for the best
+        # unpadded tiling in the same run (stripe_stem_gpu_h200_pad4_final.json; padded, 128-pixel tiles and 3
+        # stages were the best of 12 tilings, stripe_stem_gpu_h200_pad4.json); the 3x3 first conv (27 columns, one
+        # step; 36 padded, two) took 0.032 ms padded against 0.016 (same files), so it stays unpadded. 5x5 (75
+        # columns) was not measured.
         small = K * C <= 32
         if K * C > 64 and C < IM2COL_PAD_C:
             return dict(BLOCK_M=128, BLOCK_N=_pow2(N, 16, 64), BLOCK_K=32, CHUNK=16, num_warps=4, num_stages=3,
