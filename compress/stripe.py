@@ -109,12 +109,12 @@ class StripeConv2d(nn.Module):
         bias: whether there is a bias (N,).
         mode: "stripe" runs `kernels.stripe_conv2d` on the kept stripes; "dense" runs F.conv2d with the
             zero-filled dense weight (cached in eval; cut to the centred window of offsets that holds every kept
-            stripe, so a 3x3 layer left with centre stripes only runs as a 1x1 conv); "gemm" runs the conv as one GEMM with the weight unrolled
-            over the whole input image (`kernels.unrolled`, cached per input size), for tiny feature maps (a
-            VGG's 2x2 and 4x4 layers), and dense mode where `kernels.unrolled.fits` rules it out for the input
-            or autograd records. All give the same output; `compress.compact` sets a cost-model choice and
-            `compress.choose_modes` the fastest measured. It is an inference choice: eager training steps on
-            CUDA run dense mode (see `_eager_cuda_training`).
+            stripe, so a 3x3 layer left with centre stripes only runs as a 1x1 conv); "gemm" runs the conv as
+            one GEMM with the weight unrolled over the whole input image (`kernels.unrolled`, cached per input
+            size), for tiny feature maps (a VGG's 2x2 and 4x4 layers), and dense mode where
+            `kernels.unrolled.fits` rules it out for the input or autograd records. All give the same output;
+            `compress.compact` sets a cost-model choice and `compress.choose_modes` the fastest measured. It is
+            an inference choice: eager training steps on CUDA run dense mode (see `_eager_cuda_training`).
         relu: apply ReLU to the output, in the kernel's epilogue (stripe mode) or cuDNN's (dense mode, see
             `conv2d_relu`); set by `compress.compact(..., fuse_relu=True)` for a conv whose BN is folded and
             whose only consumer is a ReLU.

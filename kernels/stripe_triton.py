@@ -21,9 +21,10 @@ offsets in one loop without the skip (NOSKIP), which Triton software-pipelines (
 (N, KH*KW*C), with the im2col rows, BLOCK_K columns k*C + c at a time (``_im2col_columns``/``_im2col_load``,
 shared with the weight-gradient kernel below): per offset, 3 channels would fill 3 of a tensor-core step's 16
 K-lanes. It also runs 17-64-channel (and in 16-bit types 5-8-channel) layers when the dense weight is kept
-(less padding than a per-offset tile). On an H200 (bf16, channels_last) it ran the 7x7 stride-2 ImageNet stem (batch 128) 2.0x and the CIFAR
-VGG16 first conv (batch 256) 4.4x faster than cuDNN's dense conv, which pads 3 channels to 8
-(benchmarks/results/stripe_stem_gpu_h200.json). Epilogue: bias, optional
+(less padding than a per-offset tile). On an H200 (bf16, channels_last) it ran the 7x7 stride-2 ImageNet stem
+(batch 128) 2.0x (2.6-2.8x with the input padded to 4 channels, see IM2COL_PAD_C) and the CIFAR VGG16 first conv
+(batch 256) 4.4x faster than cuDNN's dense conv, which pads 3 channels to 8
+(benchmarks/results/stripe_stem_gpu_h200{,_pad4_final}.json). Epilogue: bias, optional
 ReLU, store in the output's layout (NCHW or channels_last; the input is read channels_last, an NCHW input is
 converted first).
 float32 inputs use TF32 tensor cores with round-to-nearest operands, and P is split into two TF32 parts
@@ -292,7 +293,7 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_giv
     such a layer, so without it the DENSE route stays for C <= 16 and mostly-kept layers."""
     if C <= IM2COL_MAX_C:  # route (c), a first layer (RGB input): the best of a sweep on an H200, bf16 channels_last
         # (benchmarks/stripe_stem_gpu.py -> stripe_stem_gpu_h200.json): 3x3 stems (27 columns) 128-pixel tiles;
-        # 7x7 stems (147 columns) 64-pixel tiles, 32 columns per step (1.6x faster than 64 columns)
+        # unpadded 7x7 stems (147 columns) 64-pixel tiles, 32 columns per step (1.6x faster than 64 columns).
         # With more than 64 columns (the 7x7 stem: 147) the input is padded to IM2COL_PAD_C channels (PAD_C): on
         # an H200 (bf16) the ImageNet stem at batch 128 took 0.30-0.35 ms against 0.45-0.49 ms for the best
         # unpadded tiling in the same run (stripe_stem_gpu_h200_pad4_final.json; padded, 128-pixel tiles and 3
@@ -344,9 +345,10 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_giv
     if dense_given and C > 64 and dtype != torch.float32 and pixels is not None and pixels <= SMALL_PIXELS:
         # wide layers on small maps (a CIFAR VGG16's 8x8, 4x4 and 2x2 layers at batch 256): few output pixels make
         # a small grid, and every route runs a long serial chain per tile. The DENSE route over every offset
-        # (NOSKIP, software-pipelined) with the tile sizes below ran 1.3-2.5x faster than the sparse routes' default
-        # on the real-mask VGG16's nine such layers (bf16, H200, CUDA graphs; stripe_small_gpu_h200_noskip.json),
-        # at keep 0.14-0.21: the serial chain, not the multiply-adds, sets the time there
+        # (NOSKIP, software-pipelined) with the tile sizes below ran 1.25-2.4x faster than the sparse routes' default
+        # on the real-mask VGG16's nine such layers (bf16, H200, CUDA graphs; stripe_small_gpu_h200_noskip.json
+        # against the earlier default in stripe_small_gpu_h200.json, another run), at keep 0.14-0.21: the serial
+        # chain, not the multiply-adds, sets the time there
         bm = 128 if pixels > 4096 else 64
         bn = 128 if pixels > 4096 else (32 if pixels <= 1024 and N <= 256 else 64)
         return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=_pow2(C, 16, 128), CHUNK=16, num_warps=8 if bm * bn > 8192 else 4,
