@@ -291,8 +291,8 @@ class StripeConv2d(nn.Module):
             out = self._constant_output(x, fmt)
             return self._pooled(out.relu_() if self.relu else out)
         if self._mode == "gemm" and self._gemm_fits(x):
-            y = unrolled.unrolled_conv2d(x, *self._cached_unrolled(x), relu=self.relu)
-            return self._pooled(y if fmt is torch.channels_last else y.contiguous())
+            return self._pooled(unrolled.unrolled_conv2d(x, *self._cached_unrolled(x), relu=self.relu,
+                                                         memory_format=fmt))
         if self._mode != "stripe" or self._eager_cuda_training(x):
             conv = conv2d_relu if self.relu else F.conv2d
             w, pad = self._dense_mode_weight(fmt)
@@ -323,10 +323,8 @@ class StripeConv2d(nn.Module):
             for t in (self.weight, self.bias))
         if self._gemm_cache is None or self._gemm_cache[0] != key:
             with torch.no_grad():
-                u, out_hw = unrolled.unrolled_weight(self.dense_weight().to(x.dtype), x.shape[2:], self.stride,
-                                                     self.padding, self.dilation)
-                b = None if self.bias is None else self.bias.to(x.dtype).repeat(out_hw[0] * out_hw[1])
-            self._gemm_cache = (key, (u, b, out_hw))
+                self._gemm_cache = (key, unrolled.unrolled_operands(
+                    self.dense_weight().to(x.dtype), self.bias, x.shape[2:], self.stride, self.padding, self.dilation))
         return self._gemm_cache[1]
 
     def _pooled(self, y: torch.Tensor) -> torch.Tensor:
@@ -417,9 +415,9 @@ class StripeConv2d(nn.Module):
 
     def graph_keepalive(self) -> tuple:
         """What a CUDA graph captured through this module reads besides its parameters and buffers: the kept dense
-        weight (and its cut window, dense mode), the unrolled weight (gemm mode) and the launcher (`compress.CUDAGraphModel` holds them while the
-        graph lives, so a later call with another input layout or size, which replaces them, cannot free memory
-        the graph reads)."""
+        weight (and its cut window, dense mode), the unrolled weight (gemm mode) and the launcher
+        (`compress.CUDAGraphModel` holds them while the graph lives, so a later call with another input layout or
+        size, which replaces them, cannot free memory the graph reads)."""
         return self._dense_cache, self._trim_cache, self._gemm_cache, self._launch_cache
 
     def __getstate__(self) -> dict:

@@ -202,8 +202,11 @@ def dense_trim(offset: Tensor, kernel_size, padding, dilation) -> tuple[int, int
 def trimmed_dense(dense: Tensor, trim: tuple[int, int], padding, dilation,
                   memory_format: torch.memory_format) -> tuple[Tensor, list[int]]:
     """(weight, padding) of the dense conv cut by ``trim`` (``dense_trim``): the centred window of ``dense``
-    (N, C, KH, KW) laid out as ``memory_format`` (a copy; differentiable), and the padding reduced to match."""
+    (N, C, KH, KW) laid out as ``memory_format`` (a copy; differentiable), and the padding reduced to match;
+    ``dense`` itself where nothing is cut."""
     (r, c), (ph, pw), (dh, dw) = trim, pair(padding), pair(dilation)
+    if not (r or c):
+        return dense, [ph, pw]
     KH, KW = dense.shape[2:]
     return dense[:, :, r:KH - r, c:KW - c].clone(memory_format=memory_format), [ph - r * dh, pw - c * dw]
 
@@ -599,8 +602,9 @@ def stripe_route(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, b
     ``kernels.unrolled.fits`` offers it (tiny feature maps), one GEMM with the unrolled weight. Returns
     ``{"mode": "stripe" | "dense" | "gemm", "use_stripe": bool, "stripe_ms", "dense_ms", "gemm_ms"}``
     (``gemm_ms`` None where not offered), the modes named as ``StripeConv2d.mode``.
-    ``relu``, ``pool``, ``pool_ceil``: the layer's epilogue (``StripeConv2d.relu``, ``.pool``, ``.pool_ceil``), timed on both paths as the module
-    runs them: the kernel's epilogue against cuDNN's conv + bias + ReLU call then ``F.max_pool2d``.
+    ``relu``, ``pool``, ``pool_ceil``: the layer's epilogue (``StripeConv2d.relu``, ``.pool``, ``.pool_ceil``),
+    timed on every path as the module runs them: the kernel's epilogue against cuDNN's conv + bias + ReLU call (or
+    the GEMM with cuBLASLt's), then ``F.max_pool2d``.
 
     timing: "graph" (CUDA only) compares GPU time, replaying each path in a CUDA graph: the cost in a graphed or
     compiled model, where launch overhead is gone; "eager" compares the wall time of one synchronised call,
@@ -644,23 +648,21 @@ def stripe_route(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, b
         return pooled(stripe_conv2d(x, weight, out_index, offset, bias, out_channels, ks, stride, padding, dilation,
                                     relu=relu, plan=plan, dense=kept))
 
-    trim = dense_trim(offset, ks, padding, dilation)
-    dense_mode_w, dense_pad = trimmed_dense(dense_w, trim, padding, dilation, fmt) if any(trim) else (dense_w, padding)
+    dense_mode_w, dense_pad = trimmed_dense(dense_w, dense_trim(offset, ks, padding, dilation), padding, dilation,
+                                            fmt)
 
     def run_dense():  # as StripeConv2d's dense mode
         conv = conv2d_relu if relu else F.conv2d
-        return pooled(conv(x, dense_mode_w, bias, pair(stride), pair(dense_pad), pair(dilation)))
+        return pooled(conv(x, dense_mode_w, bias, pair(stride), dense_pad, pair(dilation)))
 
     clock = _graph_ms if timing == "graph" else _eager_ms
     ms = {"stripe": clock(run_stripe, x.device, repeats), "dense": clock(run_dense, x.device, repeats)}
     st, pd, dl = pair(stride), pair(padding), pair(dilation)
     if unrolled.fits(x.shape[1], out_channels, x.shape[2:], ks, st, pd, dl, x.element_size()):
-        u, out_hw = unrolled.unrolled_weight(dense_w.to(x.dtype), x.shape[2:], st, pd, dl)
-        bias_rows = None if bias is None else bias.to(x.dtype).repeat(out_hw[0] * out_hw[1])
+        operands = unrolled.unrolled_operands(dense_w.to(x.dtype), bias, x.shape[2:], st, pd, dl)
 
         def run_gemm():  # as StripeConv2d's gemm mode
-            y = unrolled.unrolled_conv2d(x, u, bias_rows, out_hw, relu)
-            return pooled(y if fmt == torch.channels_last else y.contiguous())
+            return pooled(unrolled.unrolled_conv2d(x, *operands, relu=relu, memory_format=fmt))
 
         ms["gemm"] = clock(run_gemm, x.device, repeats)
     mode = min(ms, key=ms.get)

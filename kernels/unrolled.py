@@ -59,9 +59,19 @@ def unrolled_weight(dense: Tensor, in_hw, stride, padding, dilation) -> tuple[Te
     return u.view(Ho * Wo * N, H * W * C), (Ho, Wo)
 
 
-def unrolled_conv2d(x: Tensor, u: Tensor, bias_rows: Tensor | None, out_hw, relu: bool) -> Tensor:
+def unrolled_operands(dense: Tensor, bias: Tensor | None, in_hw, stride, padding,
+                      dilation) -> tuple[Tensor, Tensor | None, tuple[int, int]]:
+    """(U, bias rows, (Ho, Wo)) for ``unrolled_conv2d``: ``unrolled_weight(dense, ...)`` and the bias (N,) repeated
+    per output pixel (Ho*Wo*N,) in dense's dtype, or None without a bias."""
+    u, out_hw = unrolled_weight(dense, in_hw, stride, padding, dilation)
+    return u, None if bias is None else bias.to(dense.dtype).repeat(out_hw[0] * out_hw[1]), out_hw
+
+
+def unrolled_conv2d(x: Tensor, u: Tensor, bias_rows: Tensor | None, out_hw, relu: bool,
+                    memory_format: torch.memory_format = torch.channels_last) -> Tensor:
     """The conv of x (B, C, H, W) through its unrolled weight u (``unrolled_weight``); ``bias_rows``: the bias
-    repeated per output pixel (Ho*Wo*N,) or None. Returns (B, N, Ho, Wo) channels_last (a view of the product)."""
+    repeated per output pixel (Ho*Wo*N,) or None. Returns (B, N, Ho, Wo) laid out as ``memory_format``
+    (channels_last: a view of the product; otherwise a copy)."""
     B, C, H, W = x.shape
     Ho, Wo = out_hw
     rows = x.permute(0, 2, 3, 1).reshape(B, H * W * C)  # a view for channels_last x
@@ -71,4 +81,5 @@ def unrolled_conv2d(x: Tensor, u: Tensor, bias_rows: Tensor | None, out_hw, relu
         y = rows @ u.t() if bias_rows is None else torch.addmm(bias_rows, rows, u.t())
         if relu:
             y = y.relu_()
-    return y.view(B, Ho, Wo, -1).permute(0, 3, 1, 2)
+    y = y.view(B, Ho, Wo, -1).permute(0, 3, 1, 2)
+    return y if memory_format == torch.channels_last else y.contiguous(memory_format=memory_format)
