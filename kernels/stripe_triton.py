@@ -335,7 +335,7 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_giv
         if 32 < C <= 40 and pixels is not None and pixels > 4 * SMALL_PIXELS:
             # larger grids of 33-40 channels: 1 stage with 32 columns per step; VGG16's 40 -> 40 32x32 layer
             # (batch 256) took 0.0567 ms against 0.0636 for the 3-stage default (stripe_narrow_stages_h200.json),
-            # with its pool in the model 0.0583 ms against 0.0596-0.0606 in earlier runs
+            # with its pool in the model 0.0583 ms against 0.0606-0.0607 in earlier runs
             # (stripe_models_gpu_h200_vgg_k32.json against _session11_final.json and _session10.json)
             return dict(BLOCK_M=128, BLOCK_N=_pow2(N, 16, 64), BLOCK_K=32, CHUNK=16, num_warps=4, num_stages=1,
                         IM2COL=True)
