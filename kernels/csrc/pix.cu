@@ -22,6 +22,10 @@
 // element per step (kernels_pix_unroll2_reverted_h200.json; fwd_ms_u1/u4 are the A/B rows).
 #include "common.cuh"
 
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+
 namespace {
 
 using ck::from_f;
@@ -210,34 +214,102 @@ __device__ __forceinline__ void warp_store16(uint4* __restrict__ dst, const uint
 template <int ZETA>
 constexpr int stage_words(int HW) { return ZETA * HW + HW; }
 
-template <typename T, int ZETA>
+// TMA 1-D bulk copies (sm_90+): one lane starts the copy of a whole chunk into shared memory, completing on an
+// mbarrier the warp waits on (phase parity: each buffer's barrier completes once per chunk it receives).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define PIX_BULK_COPY 1
+__device__ __forceinline__ void bar_init(uint64_t* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"((uint32_t)__cvta_generic_to_shared(bar)) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// Before the copy engine overwrites a buffer that lanes read with ordinary loads (cross-proxy WAR), after a
+// __syncwarp.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar, bool reuse) {
+  const uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
+  if (reuse) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   (uint32_t)__cvta_generic_to_shared(dst)),
+               "l"(src), "r"(bytes), "r"(b)
+               : "memory");
+}
+
+__device__ __forceinline__ void bar_wait(uint64_t* bar, uint32_t parity) {
+  const uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
+  uint32_t done = 0;
+  while (!done)
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done)
+                 : "r"(b), "r"(parity)
+                 : "memory");
+}
+#endif
+
+// Warp-staged forward: a warp computes `cpw` consecutive chunks. DEPTH = 0: lane loads into one buffer, a chunk
+// at a time. DEPTH > 0 (sm_90+): TMA bulk copies into DEPTH buffers, up to DEPTH chunks in flight: a warp computes
+// one chunk while the next ones arrive, so with cpw > DEPTH the loads of an SM are spread over the kernel instead
+// of all landing at its end (blocks of kStageWarps / max(DEPTH, 1) warps: the same stage bytes per block).
+template <typename T, int ZETA, int DEPTH>
 __global__ void __launch_bounds__(kThreads) pix_fwd_nchw_staged(const T* __restrict__ x, const T* __restrict__ p,
-                                                                T* __restrict__ y, int chunks, int HW, float tau) {
+                                                                T* __restrict__ y, int chunks, int HW, float tau,
+                                                                int cpw) {
   extern __shared__ uint4 smem[];
+  constexpr int NB = DEPTH > 0 ? DEPTH : 1;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int chunk = blockIdx.x * (blockDim.x >> 5) + warp;
-  if (chunk >= chunks) return;  // whole warps
-  uint4* xs4 = smem + warp * stage_words<ZETA>(HW);
-  uint4* ys4 = xs4 + ZETA * HW;
+  const int chunk0 = (blockIdx.x * (blockDim.x >> 5) + warp) * cpw;
+  if (chunk0 >= chunks) return;  // whole warps
+  const int n = min(cpw, chunks - chunk0);
+  const int words = stage_words<ZETA>(HW);
+  uint4* stage = smem + warp * NB * words;
   const int lp = lane >> 2;  // plane of the chunk
-  const float pv = to_f(p[(int64_t)chunk * kStagePlanes + lp]);  // issued before the copy: its latency overlaps
-  warp_copy16(xs4, reinterpret_cast<const uint4*>(x) + (int64_t)chunk * ZETA * HW, ZETA * HW, lane);
-  __syncwarp();
-  const T* xs = reinterpret_cast<const T*>(xs4);
-  T* ys = reinterpret_cast<T*>(ys4);
-  const bool use_max = pv < tau;
-  const T* xp = xs + lp * ZETA * HW;
-  for (int i = lane & 3; i < HW; i += 4) {
-    float acc = to_f(xp[i]);
-#pragma unroll
-    for (int k = 1; k < ZETA; ++k) {
-      const float f = to_f(xp[k * HW + i]);
-      acc = use_max ? (f > acc ? f : acc) : acc + f;
-    }
-    ys[lp * HW + i] = from_f<T>(use_max ? pv * acc : pv * (acc / (float)ZETA));
+  const uint4* x4 = reinterpret_cast<const uint4*>(x);
+#ifdef PIX_BULK_COPY
+  __shared__ uint64_t bars[kStageWarps];
+  if (DEPTH > 0) {
+    if (lane == 0)
+      for (int j = 0; j < NB && j < n; ++j) {
+        bar_init(&bars[warp * NB + j]);
+        bulk_load(stage + j * words, x4 + (int64_t)(chunk0 + j) * ZETA * HW, (uint32_t)(ZETA * HW * 16),
+                  &bars[warp * NB + j], false);
+      }
+    __syncwarp();
   }
-  __syncwarp();
-  warp_store16(reinterpret_cast<uint4*>(y) + (int64_t)chunk * HW, ys4, HW, lane);
+#endif
+  for (int j = 0; j < n; ++j) {
+    const int chunk = chunk0 + j;
+    const float pv = to_f(p[(int64_t)chunk * kStagePlanes + lp]);
+    uint4* xs4 = stage + (j % NB) * words;
+    uint4* ys4 = xs4 + ZETA * HW;
+#ifdef PIX_BULK_COPY
+    if (DEPTH > 0)
+      bar_wait(&bars[warp * NB + j % NB], (uint32_t)((j / NB) & 1));
+    else
+#endif
+      warp_copy16(xs4, x4 + (int64_t)chunk * ZETA * HW, ZETA * HW, lane);
+    __syncwarp();
+    const T* xs = reinterpret_cast<const T*>(xs4);
+    T* ys = reinterpret_cast<T*>(ys4);
+    const bool use_max = pv < tau;
+    const T* xp = xs + lp * ZETA * HW;
+    for (int i = lane & 3; i < HW; i += 4) {
+      float acc = to_f(xp[i]);
+#pragma unroll
+      for (int k = 1; k < ZETA; ++k) {
+        const float f = to_f(xp[k * HW + i]);
+        acc = use_max ? (f > acc ? f : acc) : acc + f;
+      }
+      ys[lp * HW + i] = from_f<T>(use_max ? pv * acc : pv * (acc / (float)ZETA));
+    }
+    __syncwarp();
+#ifdef PIX_BULK_COPY
+    if (DEPTH > 0 && lane == 0 && j + NB < n)  // this buffer's x is read: refill it with chunk j + NB
+      bulk_load(xs4, x4 + (int64_t)(chunk + NB) * ZETA * HW, (uint32_t)(ZETA * HW * 16), &bars[warp * NB + j % NB],
+                true);
+#endif
+    warp_store16(reinterpret_cast<uint4*>(y) + (int64_t)chunk * HW, ys4, HW, lane);
+    __syncwarp();  // ys is rewritten by the next chunk in this buffer
+  }
 }
 
 template <typename T, int ZETA, int MODE>
@@ -589,6 +661,23 @@ bool stage_ok(int64_t planes, int64_t HW, std::initializer_list<const void*> ptr
   return true;
 }
 
+// How the staged forward copies: depth 0 = lane loads; 1 or 2 = TMA bulk copies with that many chunks in flight
+// per warp (sm_90+ only), cpw chunks per warp. Default: depth 1, one chunk per warp. COMPRESS_PIX_BULK=D:C sets
+// depth D and C chunks per warp (A/B runs).
+struct StageCopy {
+  int depth, cpw;
+};
+
+StageCopy stage_copy() {
+  if (at::cuda::getCurrentDeviceProperties()->major < 9) return {0, 1};
+  const char* env = std::getenv("COMPRESS_PIX_BULK");
+  int d = 1, c = 1;
+  if (env && std::sscanf(env, "%d:%d", &d, &c) < 1) d = 1;
+  d = std::min(std::max(d, 0), 2);
+  c = std::min(std::max(c, 1), 64);
+  return {d, c};
+}
+
 template <int ZV>
 size_t stage_bytes(int64_t HW) { return (size_t)kStageWarps * stage_words<ZV == 0 ? 1 : ZV>((int)HW) * 16; }
 
@@ -639,8 +728,18 @@ at::Tensor pix_forward(const at::Tensor& x, const at::Tensor& p, int64_t zeta, d
           if constexpr (ZV > 0) {
             if (stage_ok<scalar_t, VV, ZV>(planes, HW, {xp, yp})) {
               const int chunks = planes / kStagePlanes;
-              pix_fwd_nchw_staged<scalar_t, ZV><<<(unsigned)ck::ceil_div(chunks, kStageWarps), kThreads,
-                                                  stage_bytes<ZV>(HW), stream>>>(xp, pp, yp, chunks, (int)HW, ftau);
+              const StageCopy sc = stage_copy();
+              auto launch = [&](auto kernel, int depth) {
+                const int warps = kStageWarps / std::max(depth, 1);
+                kernel<<<(unsigned)ck::ceil_div(chunks, (int64_t)warps * sc.cpw), warps * 32, stage_bytes<ZV>(HW),
+                         stream>>>(xp, pp, yp, chunks, (int)HW, ftau, sc.cpw);
+              };
+              if (sc.depth == 0)
+                launch(pix_fwd_nchw_staged<scalar_t, ZV, 0>, 0);
+              else if (sc.depth == 1)
+                launch(pix_fwd_nchw_staged<scalar_t, ZV, 1>, 1);
+              else
+                launch(pix_fwd_nchw_staged<scalar_t, ZV, 2>, 2);
               C10_CUDA_KERNEL_LAUNCH_CHECK();
               return;
             }
