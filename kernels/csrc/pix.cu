@@ -246,6 +246,18 @@ __device__ __forceinline__ void bar_wait(uint64_t* bar, uint32_t parity) {
 }
 #endif
 
+// p * max or p * mean of one group's ZETA values (fp32), as the forward defines it.
+template <int ZETA>
+__device__ __forceinline__ float fuse_group(const float (&v)[ZETA], bool use_max, float pv) {
+  float mx = v[0], sum = v[0];  // both, then one select: no branch per value
+#pragma unroll
+  for (int k = 1; k < ZETA; ++k) {
+    mx = v[k] > mx ? v[k] : mx;
+    sum += v[k];
+  }
+  return use_max ? pv * mx : pv * (sum / (float)ZETA);
+}
+
 // Warp-staged forward: a warp computes `cpw` consecutive chunks. DEPTH = 0: lane loads into one buffer, a chunk
 // at a time. DEPTH > 0 (sm_90+): TMA bulk copies into DEPTH buffers, up to DEPTH chunks in flight: a warp computes
 // one chunk while the next ones arrive, so with cpw > DEPTH the loads of an SM are spread over the kernel instead
@@ -288,18 +300,26 @@ __global__ void __launch_bounds__(kThreads) pix_fwd_nchw_staged(const T* __restr
 #endif
       warp_copy16(xs4, x4 + (int64_t)chunk * ZETA * HW, ZETA * HW, lane);
     __syncwarp();
-    const T* xs = reinterpret_cast<const T*>(xs4);
-    T* ys = reinterpret_cast<T*>(ys4);
+    T* ys = reinterpret_cast<T*>(ys4) + lp * HW;
+    const T* xp = reinterpret_cast<const T*>(xs4) + lp * ZETA * HW;
     const bool use_max = pv < tau;
-    const T* xp = xs + lp * ZETA * HW;
-    for (int i = lane & 3; i < HW; i += 4) {
-      float acc = to_f(xp[i]);
+    // 4 positions a step, all loads before any store (the compiler keeps shared loads after earlier shared stores,
+    // so one position a step waits out the load latency every time)
+    int i = lane & 3;
+    for (; i + 12 < HW; i += 16) {
+      float v[4][ZETA];
 #pragma unroll
-      for (int k = 1; k < ZETA; ++k) {
-        const float f = to_f(xp[k * HW + i]);
-        acc = use_max ? (f > acc ? f : acc) : acc + f;
-      }
-      ys[lp * HW + i] = from_f<T>(use_max ? pv * acc : pv * (acc / (float)ZETA));
+      for (int u = 0; u < 4; ++u)
+#pragma unroll
+        for (int k = 0; k < ZETA; ++k) v[u][k] = to_f(xp[k * HW + i + 4 * u]);
+#pragma unroll
+      for (int u = 0; u < 4; ++u) ys[i + 4 * u] = from_f<T>(fuse_group<ZETA>(v[u], use_max, pv));
+    }
+    for (; i < HW; i += 4) {
+      float v[ZETA];
+#pragma unroll
+      for (int k = 0; k < ZETA; ++k) v[k] = to_f(xp[k * HW + i]);
+      ys[i] = from_f<T>(fuse_group<ZETA>(v, use_max, pv));
     }
     __syncwarp();
 #ifdef PIX_BULK_COPY
