@@ -8,7 +8,7 @@
 // HW); dp is reduced in shared memory
 // (segmented warp scans keyed by plane + one shared atomic per warp and plane) and written once per plane: no
 // global atomics, no full-size intermediate. Odd planes in 16-bit types (no vector loads along HW): each warp
-// stages 8 planes through its shared memory with 16-byte loads and stores instead (pix_*_nchw_staged).
+// stages 8 planes through its shared memory with 16-byte (or TMA bulk) copies instead (pix_*_nchw_staged).
 // channels_last: a group's zeta channels are contiguous, so each thread loads one group (two in the backward
 // for 16-bit types) as one vector; dp via per-block partial sums (B, chunks, G) and a tiny finalize kernel, or,
 // for small planes on a full grid, written by the backward kernel itself (cl_bwd_chunks).
@@ -22,8 +22,6 @@
 // element per step (kernels_pix_unroll2_reverted_h200.json; fwd_ms_u1/u4 are the A/B rows).
 #include "common.cuh"
 
-#include <algorithm>
-#include <cstdio>
 #include <cstdlib>
 
 namespace {
@@ -181,8 +179,8 @@ __global__ void __launch_bounds__(kThreads) pix_bwd_nchw(const T* __restrict__ d
 // ------------------------------------------------------------------------- NCHW, odd planes, 16-bit types
 // A plane of odd HW in a 16-bit type allows no vector loads along HW, but 8 consecutive (b, g) planes always
 // do: their x span is 8*ZETA*HW elements = 16*ZETA*HW bytes and their y / dy span 16*HW bytes. Each warp owns
-// one such chunk: it copies the chunk's x (and dy) into its own shared memory with 16-byte loads (kStageLoads
-// in flight per lane), computes from there (lane = 4 lanes per plane x 8 planes, each lane every 4th position),
+// one such chunk: it copies the chunk's x (and dy) into its own shared memory (the forward's x by one TMA bulk
+// copy on sm_90+, else 16-byte loads, kStageLoads in flight per lane), computes from there (lane = 4 lanes per plane x 8 planes, each lane every 4th position),
 // stages its outputs in shared memory and writes them with 16-byte stores. Needs planes % 8 == 0 and 16-byte
 // aligned pointers (stage_ok); COMPRESS_PIX_STAGE=0 turns it off, for A/B runs.
 constexpr int kStagePlanes = 8;
@@ -214,20 +212,14 @@ __device__ __forceinline__ void warp_store16(uint4* __restrict__ dst, const uint
 template <int ZETA>
 constexpr int stage_words(int HW) { return ZETA * HW + HW; }
 
-// TMA 1-D bulk copies (sm_90+): one lane starts the copy of a whole chunk into shared memory, completing on an
-// mbarrier the warp waits on (phase parity: each buffer's barrier completes once per chunk it receives).
+// TMA 1-D bulk copy (sm_90+): one lane starts the copy of a whole chunk into shared memory, completing on an
+// mbarrier that the warp then waits on.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define PIX_BULK_COPY 1
-__device__ __forceinline__ void bar_init(uint64_t* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"((uint32_t)__cvta_generic_to_shared(bar)) : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-
-// Before the copy engine overwrites a buffer that lanes read with ordinary loads (cross-proxy WAR), after a
-// __syncwarp.
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar, bool reuse) {
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
   const uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
-  if (reuse) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes) : "memory");
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
                    (uint32_t)__cvta_generic_to_shared(dst)),
@@ -235,13 +227,13 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
                : "memory");
 }
 
-__device__ __forceinline__ void bar_wait(uint64_t* bar, uint32_t parity) {
+__device__ __forceinline__ void bulk_wait(uint64_t* bar) {
   const uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
   uint32_t done = 0;
   while (!done)
-    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
                  : "=r"(done)
-                 : "r"(b), "r"(parity)
+                 : "r"(b)
                  : "memory");
 }
 #endif
@@ -258,78 +250,57 @@ __device__ __forceinline__ float fuse_group(const float (&v)[ZETA], bool use_max
   return use_max ? pv * mx : pv * (sum / (float)ZETA);
 }
 
-// Warp-staged forward: a warp computes `cpw` consecutive chunks. DEPTH = 0: lane loads into one buffer, a chunk
-// at a time. DEPTH > 0 (sm_90+): TMA bulk copies into DEPTH buffers, up to DEPTH chunks in flight: a warp computes
-// one chunk while the next ones arrive, so with cpw > DEPTH the loads of an SM are spread over the kernel instead
-// of all landing at its end (blocks of kStageWarps / max(DEPTH, 1) warps: the same stage bytes per block).
-template <typename T, int ZETA, int DEPTH>
+// Warp-staged forward, a chunk per warp. BULK (sm_90+): the chunk's x arrives by one TMA bulk copy instead of
+// lane loads (H200, bf16 64x2048x7x7: 0.0064-0.0065 against 0.0069-0.0078 ms; a warp owning 2-8 chunks with 1-2
+// copies in flight was no faster, 0.0063-0.0135 ms: kernels_pix_bulk_{pipelined,loop4}_h200.json, from
+// commits 99a21a7 and 21260f3).
+template <typename T, int ZETA, bool BULK>
 __global__ void __launch_bounds__(kThreads) pix_fwd_nchw_staged(const T* __restrict__ x, const T* __restrict__ p,
-                                                                T* __restrict__ y, int chunks, int HW, float tau,
-                                                                int cpw) {
+                                                                T* __restrict__ y, int chunks, int HW, float tau) {
   extern __shared__ uint4 smem[];
-  constexpr int NB = DEPTH > 0 ? DEPTH : 1;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int chunk0 = (blockIdx.x * (blockDim.x >> 5) + warp) * cpw;
-  if (chunk0 >= chunks) return;  // whole warps
-  const int n = min(cpw, chunks - chunk0);
-  const int words = stage_words<ZETA>(HW);
-  uint4* stage = smem + warp * NB * words;
+  const int chunk = blockIdx.x * (blockDim.x >> 5) + warp;
+  if (chunk >= chunks) return;  // whole warps
+  uint4* xs4 = smem + warp * stage_words<ZETA>(HW);
+  uint4* ys4 = xs4 + ZETA * HW;
+  const uint4* src = reinterpret_cast<const uint4*>(x) + (int64_t)chunk * ZETA * HW;
   const int lp = lane >> 2;  // plane of the chunk
-  const uint4* x4 = reinterpret_cast<const uint4*>(x);
 #ifdef PIX_BULK_COPY
   __shared__ uint64_t bars[kStageWarps];
-  if (DEPTH > 0) {
-    if (lane == 0)
-      for (int j = 0; j < NB && j < n; ++j) {
-        bar_init(&bars[warp * NB + j]);
-        bulk_load(stage + j * words, x4 + (int64_t)(chunk0 + j) * ZETA * HW, (uint32_t)(ZETA * HW * 16),
-                  &bars[warp * NB + j], false);
-      }
-    __syncwarp();
-  }
+  if (BULK && lane == 0) bulk_load(xs4, src, (uint32_t)(ZETA * HW * 16), &bars[warp]);
 #endif
-  for (int j = 0; j < n; ++j) {
-    const int chunk = chunk0 + j;
-    const float pv = to_f(p[(int64_t)chunk * kStagePlanes + lp]);
-    uint4* xs4 = stage + (j % NB) * words;
-    uint4* ys4 = xs4 + ZETA * HW;
+  const float pv = to_f(p[(int64_t)chunk * kStagePlanes + lp]);  // its latency overlaps the copy's
 #ifdef PIX_BULK_COPY
-    if (DEPTH > 0)
-      bar_wait(&bars[warp * NB + j % NB], (uint32_t)((j / NB) & 1));
-    else
+  if (BULK) {
+    __syncwarp();  // the barrier is initialised
+    bulk_wait(&bars[warp]);
+  } else
 #endif
-      warp_copy16(xs4, x4 + (int64_t)chunk * ZETA * HW, ZETA * HW, lane);
-    __syncwarp();
-    T* ys = reinterpret_cast<T*>(ys4) + lp * HW;
-    const T* xp = reinterpret_cast<const T*>(xs4) + lp * ZETA * HW;
-    const bool use_max = pv < tau;
-    // 4 positions a step, all loads before any store (the compiler keeps shared loads after earlier shared stores,
-    // so one position a step waits out the load latency every time)
-    int i = lane & 3;
-    for (; i + 12 < HW; i += 16) {
-      float v[4][ZETA];
+    warp_copy16(xs4, src, ZETA * HW, lane);
+  __syncwarp();
+  T* ys = reinterpret_cast<T*>(ys4) + lp * HW;
+  const T* xp = reinterpret_cast<const T*>(xs4) + lp * ZETA * HW;
+  const bool use_max = pv < tau;
+  // 4 positions a step, all loads before any store (the compiler keeps shared loads after earlier shared stores,
+  // so one position a step waits out the load latency every time)
+  int i = lane & 3;
+  for (; i + 12 < HW; i += 16) {
+    float v[4][ZETA];
 #pragma unroll
-      for (int u = 0; u < 4; ++u)
+    for (int u = 0; u < 4; ++u)
 #pragma unroll
-        for (int k = 0; k < ZETA; ++k) v[u][k] = to_f(xp[k * HW + i + 4 * u]);
+      for (int k = 0; k < ZETA; ++k) v[u][k] = to_f(xp[k * HW + i + 4 * u]);
 #pragma unroll
-      for (int u = 0; u < 4; ++u) ys[i + 4 * u] = from_f<T>(fuse_group<ZETA>(v[u], use_max, pv));
-    }
-    for (; i < HW; i += 4) {
-      float v[ZETA];
-#pragma unroll
-      for (int k = 0; k < ZETA; ++k) v[k] = to_f(xp[k * HW + i]);
-      ys[i] = from_f<T>(fuse_group<ZETA>(v, use_max, pv));
-    }
-    __syncwarp();
-#ifdef PIX_BULK_COPY
-    if (DEPTH > 0 && lane == 0 && j + NB < n)  // this buffer's x is read: refill it with chunk j + NB
-      bulk_load(xs4, x4 + (int64_t)(chunk + NB) * ZETA * HW, (uint32_t)(ZETA * HW * 16), &bars[warp * NB + j % NB],
-                true);
-#endif
-    warp_store16(reinterpret_cast<uint4*>(y) + (int64_t)chunk * HW, ys4, HW, lane);
-    __syncwarp();  // ys is rewritten by the next chunk in this buffer
+    for (int u = 0; u < 4; ++u) ys[i + 4 * u] = from_f<T>(fuse_group<ZETA>(v[u], use_max, pv));
   }
+  for (; i < HW; i += 4) {
+    float v[ZETA];
+#pragma unroll
+    for (int k = 0; k < ZETA; ++k) v[k] = to_f(xp[k * HW + i]);
+    ys[i] = from_f<T>(fuse_group<ZETA>(v, use_max, pv));
+  }
+  __syncwarp();
+  warp_store16(reinterpret_cast<uint4*>(y) + (int64_t)chunk * HW, ys4, HW, lane);
 }
 
 template <typename T, int ZETA, int MODE>
@@ -681,21 +652,11 @@ bool stage_ok(int64_t planes, int64_t HW, std::initializer_list<const void*> ptr
   return true;
 }
 
-// How the staged forward copies: depth 0 = lane loads; 1 or 2 = TMA bulk copies with that many chunks in flight
-// per warp (sm_90+ only), cpw chunks per warp. Default: depth 1, one chunk per warp. COMPRESS_PIX_BULK=D:C sets
-// depth D and C chunks per warp (A/B runs).
-struct StageCopy {
-  int depth, cpw;
-};
-
-StageCopy stage_copy() {
-  if (at::cuda::getCurrentDeviceProperties()->major < 9) return {0, 1};
+// Whether the staged forward copies by TMA: on sm_90+, unless COMPRESS_PIX_BULK=0 (lane loads; A/B runs).
+bool stage_bulk() {
+  if (at::cuda::getCurrentDeviceProperties()->major < 9) return false;
   const char* env = std::getenv("COMPRESS_PIX_BULK");
-  int d = 1, c = 1;
-  if (env && std::sscanf(env, "%d:%d", &d, &c) < 1) d = 1;
-  d = std::min(std::max(d, 0), 2);
-  c = std::min(std::max(c, 1), 64);
-  return {d, c};
+  return !(env && env[0] == '0');
 }
 
 template <int ZV>
@@ -748,18 +709,13 @@ at::Tensor pix_forward(const at::Tensor& x, const at::Tensor& p, int64_t zeta, d
           if constexpr (ZV > 0) {
             if (stage_ok<scalar_t, VV, ZV>(planes, HW, {xp, yp})) {
               const int chunks = planes / kStagePlanes;
-              const StageCopy sc = stage_copy();
-              auto launch = [&](auto kernel, int depth) {
-                const int warps = kStageWarps / std::max(depth, 1);
-                kernel<<<(unsigned)ck::ceil_div(chunks, (int64_t)warps * sc.cpw), warps * 32, stage_bytes<ZV>(HW),
-                         stream>>>(xp, pp, yp, chunks, (int)HW, ftau, sc.cpw);
-              };
-              if (sc.depth == 0)
-                launch(pix_fwd_nchw_staged<scalar_t, ZV, 0>, 0);
-              else if (sc.depth == 1)
-                launch(pix_fwd_nchw_staged<scalar_t, ZV, 1>, 1);
+              const unsigned grid = (unsigned)ck::ceil_div(chunks, kStageWarps);
+              if (stage_bulk())
+                pix_fwd_nchw_staged<scalar_t, ZV, true><<<grid, kThreads, stage_bytes<ZV>(HW), stream>>>(
+                    xp, pp, yp, chunks, (int)HW, ftau);
               else
-                launch(pix_fwd_nchw_staged<scalar_t, ZV, 2>, 2);
+                pix_fwd_nchw_staged<scalar_t, ZV, false><<<grid, kThreads, stage_bytes<ZV>(HW), stream>>>(
+                    xp, pp, yp, chunks, (int)HW, ftau);
               C10_CUDA_KERNEL_LAUNCH_CHECK();
               return;
             }
