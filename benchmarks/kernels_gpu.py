@@ -272,8 +272,6 @@ def bench_pix(bw, sizes=(56, 28, 14, 7)):
                         ab["fwd_ms_stage_off"] = bench([lambda i=i: ops.pix(xs[i], ps[i], z, 0.5) for i in range(k)])
                         ab["bwd_ms_stage_off"] = bench([lambda i=i: ops.pix_backward(dys[i], xs[i], ps[i], z, 0.5)
                                                         for i in range(k)])
-                    with env(COMPRESS_PIX_BULK="0"):  # the staged forward's chunk by lane loads, not TMA
-                        ab["fwd_ms_bulk_off"] = bench([lambda i=i: ops.pix(xs[i], ps[i], z, 0.5) for i in range(k)])
                 if layout == "cl" and H * H <= 64:  # small planes: dp written by the backward kernel itself, off
                     with env(COMPRESS_PIX_CL_DIRECT="0"):
                         ab["bwd_ms_direct_off"] = bench([lambda i=i: ops.pix_backward(dys[i], xs[i], ps[i], z, 0.5)
@@ -402,8 +400,7 @@ def main():
                        "ab": "depthwise fwd_ms_vec_off: COMPRESS_DW_VEC=0 (no stride-2 vector loads); depthwise "
                              "fwd_ms_rows1: COMPRESS_DW_ROWS=1 (one output row per thread at stride 2); pix nchw "
                              "fwd/bwd_ms_steps*: COMPRESS_PIX_STEPS; pix nchw fwd/bwd_ms_stage_off: COMPRESS_PIX_STAGE=0 "
-                             "(no warp-staged kernels for odd planes); pix nchw fwd_ms_bulk_off: COMPRESS_PIX_BULK=0 "
-                             "(the staged forward copies by lane loads, not by TMA); pix cl bwd_ms_direct_off: "
+                             "(no warp-staged kernels for odd planes); pix cl bwd_ms_direct_off: "
                              "COMPRESS_PIX_CL_DIRECT=0 (chunk partials + a second launch for dp); pix cl "
                              "bwd_ms_gpt1: COMPRESS_PIX_CL_GPT=1; depthwise cl "
                              "rows: fwd_ms "

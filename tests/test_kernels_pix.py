@@ -224,26 +224,6 @@ def test_cuda_staged_and_direct_paths(monkeypatch, dtype, shape, switch):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(13, 32, 7, 7, 4), (5, 16, 5, 5, 2), (1, 64, 3, 3, 1)])
-def test_cuda_staged_forward_copy_modes(monkeypatch, dtype, shape):
-    """The warp-staged NCHW forward copies a chunk with lane loads (COMPRESS_PIX_BULK=0) or one TMA bulk copy
-    (the default on sm_90+; 13, 5 and 8 chunks: blocks with idle warps): both match the reference and each other
-    bit for bit (same arithmetic)."""
-    assert _ext.load() is not None, "CUDA extension failed to build"
-    B, C, H, W, zeta = shape
-    x, p = make(B, C, H, W, zeta, dtype, "cuda", "contiguous", ties=False, seed=3)
-    yr, _ = ref_pix(x.cpu(), p.cpu(), zeta, 0.5)
-    out = {}
-    for mode in ("0", "1"):
-        monkeypatch.setenv("COMPRESS_PIX_BULK", mode)
-        out[mode] = kernels.pix(x, p, zeta)
-        assert rel_err(out[mode].cpu(), yr) < TOL[dtype], mode
-    for mode, y in out.items():
-        assert torch.equal(y, out["0"]), mode
-
-
-@pytest.mark.cuda
 def test_opcheck_cuda():
     x, p = make(device="cuda")
     for xx in (x, x.contiguous(memory_format=torch.channels_last)):

@@ -8,7 +8,7 @@
 // HW); dp is reduced in shared memory
 // (segmented warp scans keyed by plane + one shared atomic per warp and plane) and written once per plane: no
 // global atomics, no full-size intermediate. Odd planes in 16-bit types (no vector loads along HW): each warp
-// stages 8 planes through its shared memory with 16-byte (or TMA bulk) copies instead (pix_*_nchw_staged).
+// stages 8 planes through its shared memory with 16-byte loads and stores instead (pix_*_nchw_staged).
 // channels_last: a group's zeta channels are contiguous, so each thread loads one group (two in the backward
 // for 16-bit types) as one vector; dp via per-block partial sums (B, chunks, G) and a tiny finalize kernel, or,
 // for small planes on a full grid, written by the backward kernel itself (cl_bwd_chunks).
@@ -179,8 +179,8 @@ __global__ void __launch_bounds__(kThreads) pix_bwd_nchw(const T* __restrict__ d
 // ------------------------------------------------------------------------- NCHW, odd planes, 16-bit types
 // A plane of odd HW in a 16-bit type allows no vector loads along HW, but 8 consecutive (b, g) planes always
 // do: their x span is 8*ZETA*HW elements = 16*ZETA*HW bytes and their y / dy span 16*HW bytes. Each warp owns
-// one such chunk: it copies the chunk's x (and dy) into its own shared memory (the forward's x by one TMA bulk
-// copy on sm_90+, else 16-byte loads, kStageLoads in flight per lane), computes from there (lane = 4 lanes per plane x 8 planes, each lane every 4th position),
+// one such chunk: it copies the chunk's x (and dy) into its own shared memory with 16-byte loads (kStageLoads
+// in flight per lane), computes from there (lane = 4 lanes per plane x 8 planes, each lane every 4th position),
 // stages its outputs in shared memory and writes them with 16-byte stores. Needs planes % 8 == 0 and 16-byte
 // aligned pointers (stage_ok); COMPRESS_PIX_STAGE=0 turns it off, for A/B runs.
 constexpr int kStagePlanes = 8;
@@ -212,32 +212,6 @@ __device__ __forceinline__ void warp_store16(uint4* __restrict__ dst, const uint
 template <int ZETA>
 constexpr int stage_words(int HW) { return ZETA * HW + HW; }
 
-// TMA 1-D bulk copy (sm_90+): one lane starts the copy of a whole chunk into shared memory, completing on an
-// mbarrier that the warp then waits on.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define PIX_BULK_COPY 1
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  const uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b) : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes) : "memory");
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                   (uint32_t)__cvta_generic_to_shared(dst)),
-               "l"(src), "r"(bytes), "r"(b)
-               : "memory");
-}
-
-__device__ __forceinline__ void bulk_wait(uint64_t* bar) {
-  const uint32_t b = (uint32_t)__cvta_generic_to_shared(bar);
-  uint32_t done = 0;
-  while (!done)
-    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
-                 : "=r"(done)
-                 : "r"(b)
-                 : "memory");
-}
-#endif
-
 // p * max or p * mean of one group's ZETA values (fp32), as the forward defines it.
 template <int ZETA>
 __device__ __forceinline__ float fuse_group(const float (&v)[ZETA], bool use_max, float pv) {
@@ -250,11 +224,11 @@ __device__ __forceinline__ float fuse_group(const float (&v)[ZETA], bool use_max
   return use_max ? pv * mx : pv * (sum / (float)ZETA);
 }
 
-// Warp-staged forward, a chunk per warp. BULK (sm_90+): the chunk's x arrives by one TMA bulk copy instead of
-// lane loads (H200, bf16 64x2048x7x7: 0.0064-0.0065 against 0.0069-0.0078 ms; a warp owning 2-8 chunks with 1-2
-// copies in flight was no faster, 0.0063-0.0135 ms: kernels_pix_bulk_{pipelined,loop4}_h200.json, from
-// commits 99a21a7 and 21260f3).
-template <typename T, int ZETA, bool BULK>
+// Warp-staged forward, a chunk per warp. Tried (H200, bf16 64x2048x7x7): the chunk's x by one TMA bulk copy
+// instead of lane loads, 0.0064 against 0.0065 ms, and a warp owning 2-8 chunks with 1-2 copies in flight,
+// 0.0063-0.0135 ms (kernels_h200_session12.json fwd_ms vs fwd_ms_bulk_off; kernels_pix_bulk_*_h200.json, commits
+// 99a21a7-e1b3fd2): not kept, no gain worth the PTX.
+template <typename T, int ZETA>
 __global__ void __launch_bounds__(kThreads) pix_fwd_nchw_staged(const T* __restrict__ x, const T* __restrict__ p,
                                                                 T* __restrict__ y, int chunks, int HW, float tau) {
   extern __shared__ uint4 smem[];
@@ -263,20 +237,9 @@ __global__ void __launch_bounds__(kThreads) pix_fwd_nchw_staged(const T* __restr
   if (chunk >= chunks) return;  // whole warps
   uint4* xs4 = smem + warp * stage_words<ZETA>(HW);
   uint4* ys4 = xs4 + ZETA * HW;
-  const uint4* src = reinterpret_cast<const uint4*>(x) + (int64_t)chunk * ZETA * HW;
   const int lp = lane >> 2;  // plane of the chunk
-#ifdef PIX_BULK_COPY
-  __shared__ uint64_t bars[kStageWarps];
-  if (BULK && lane == 0) bulk_load(xs4, src, (uint32_t)(ZETA * HW * 16), &bars[warp]);
-#endif
-  const float pv = to_f(p[(int64_t)chunk * kStagePlanes + lp]);  // its latency overlaps the copy's
-#ifdef PIX_BULK_COPY
-  if (BULK) {
-    __syncwarp();  // the barrier is initialised
-    bulk_wait(&bars[warp]);
-  } else
-#endif
-    warp_copy16(xs4, src, ZETA * HW, lane);
+  const float pv = to_f(p[(int64_t)chunk * kStagePlanes + lp]);  // issued before the copy: its latency overlaps
+  warp_copy16(xs4, reinterpret_cast<const uint4*>(x) + (int64_t)chunk * ZETA * HW, ZETA * HW, lane);
   __syncwarp();
   T* ys = reinterpret_cast<T*>(ys4) + lp * HW;
   const T* xp = reinterpret_cast<const T*>(xs4) + lp * ZETA * HW;
@@ -652,13 +615,6 @@ bool stage_ok(int64_t planes, int64_t HW, std::initializer_list<const void*> ptr
   return true;
 }
 
-// Whether the staged forward copies by TMA: on sm_90+, unless COMPRESS_PIX_BULK=0 (lane loads; A/B runs).
-bool stage_bulk() {
-  if (at::cuda::getCurrentDeviceProperties()->major < 9) return false;
-  const char* env = std::getenv("COMPRESS_PIX_BULK");
-  return !(env && env[0] == '0');
-}
-
 template <int ZV>
 size_t stage_bytes(int64_t HW) { return (size_t)kStageWarps * stage_words<ZV == 0 ? 1 : ZV>((int)HW) * 16; }
 
@@ -709,13 +665,8 @@ at::Tensor pix_forward(const at::Tensor& x, const at::Tensor& p, int64_t zeta, d
           if constexpr (ZV > 0) {
             if (stage_ok<scalar_t, VV, ZV>(planes, HW, {xp, yp})) {
               const int chunks = planes / kStagePlanes;
-              const unsigned grid = (unsigned)ck::ceil_div(chunks, kStageWarps);
-              if (stage_bulk())
-                pix_fwd_nchw_staged<scalar_t, ZV, true><<<grid, kThreads, stage_bytes<ZV>(HW), stream>>>(
-                    xp, pp, yp, chunks, (int)HW, ftau);
-              else
-                pix_fwd_nchw_staged<scalar_t, ZV, false><<<grid, kThreads, stage_bytes<ZV>(HW), stream>>>(
-                    xp, pp, yp, chunks, (int)HW, ftau);
+              pix_fwd_nchw_staged<scalar_t, ZV><<<(unsigned)ck::ceil_div(chunks, kStageWarps), kThreads,
+                                                  stage_bytes<ZV>(HW), stream>>>(xp, pp, yp, chunks, (int)HW, ftau);
               C10_CUDA_KERNEL_LAUNCH_CHECK();
               return;
             }
