@@ -344,14 +344,6 @@ def bench_depthwise(bw):
                     with env(**{var: "0" if var == "COMPRESS_DW_VEC" else "1"}):
                         extra[key] = bench([lambda i=i: kernels.depthwise_conv2d(xs[i], w, None, s, k // 2)
                                             for i in range(n)])
-                for opt in ("1", "2"):  # A/B: 1 or 2 outputs per thread along a row (default 4)
-                    for rows in ("1", "2"):
-                        with env(COMPRESS_DW_OPT=opt, COMPRESS_DW_ROWS=rows):
-                            extra[f"fwd_ms_opt{opt}_rows{rows}"] = bench(
-                                [lambda i=i: kernels.depthwise_conv2d(xs[i], w, None, s, k // 2) for i in range(n)])
-                            ref64 = F.conv2d(xs[0].double(), w.double(), None, s, k // 2, 1, C)
-                            extra[f"err_opt{opt}_rows{rows}"] = rel(kernels.depthwise_conv2d(xs[0], w, None, s, k // 2),
-                                                                   ref64)
             row = {"N": N, "C": C, "H": H, "W": H, "k": k, "stride": s, "dtype": str(dtype).replace("torch.", ""),
                    "layout": layout, "fwd_ms": ours, "cudnn_fwd_ms": ref, "cudnn_fwd_ms_bench_off_on": ref_both,
                    "fwd_bwd_ms": ours_fb, "cudnn_fwd_bwd_ms": ref_fb, "cudnn_fwd_bwd_ms_bench_off_on": ref_fb_both,

@@ -476,56 +476,44 @@ void with_ks(const Geo& g, F&& f) {  // f(K, S) as integral constants, for fast_
 template <typename T>
 void forward_into(const T* x, const T* w, const T* b, T* y, const Geo& g, bool cl, cudaStream_t stream) {
   if (fast_case(g, cl)) {
-    // Outputs per thread along a row: kOPT; COMPRESS_DW_OPT=1|2 sets 1 or 2 at stride 2 (A/B runs).
-    const char* opt_env = std::getenv("COMPRESS_DW_OPT");
-    const int opt = g.sh == 2 && opt_env && (opt_env[0] == '1' || opt_env[0] == '2') ? opt_env[0] - '0' : kOPT;
-    auto run = [&](auto OPTc) {
-      constexpr int OPT = decltype(OPTc)::value;
-      with_ks(g, [&](auto Kc, auto Sc) {
-        constexpr int K = decltype(Kc)::value, S = decltype(Sc)::value;
-        // Stride 2, K >= 5: two output rows per thread (the K*K weights and the shared input rows loaded once for
-        // both) while that grid still has >= 384 threads per SM. H200 A/B (benchmarks/results/kernels_dw_rows_h200.json,
-        // fwd_ms = two rows everywhere, fwd_ms_rows1 = one): k5 on 14x14 and 28x28 planes 1.02-1.22x faster; k3
-        // 0.77-1.06x, k5 on 7x7 planes (36k threads) 0.77-0.87x. COMPRESS_DW_ROWS=1|2 forces one or two (A/B runs).
-        const int wchunks = (int)ck::ceil_div(g.Wo, OPT);
-        const char* rows_env = std::getenv("COMPRESS_DW_ROWS");
-        const bool two_rows =
-            S == 2 && (rows_env && (rows_env[0] == '1' || rows_env[0] == '2')
-                           ? rows_env[0] == '2'
-                           : K >= 5 && (int64_t)g.N * g.C * ck::ceil_div(g.Ho, 2) * wchunks >= 384LL * ck::num_sms());
-        const int hchunks = (int)ck::ceil_div(g.Ho, two_rows ? 2 : 1);
-        const int total = g.N * g.C * hchunks * wchunks;
-        const unsigned grid = ck::grid_for(total, kThreads, 16);
-        // stride 2 with "same" padding (pw = K/2): vector loads (V = 16 bytes, or 8 when W is not a multiple of 16
-        // bytes); COMPRESS_DW_VEC=0 turns them off (A/B measurements).
-        constexpr int VF = 16 / (int)sizeof(T) > OPT * S ? OPT * S : 16 / (int)sizeof(T);  // full vector
-        constexpr int VH = VF / 2 > 1 ? VF / 2 : 2;                                           // half vector
-        const char* env = std::getenv("COMPRESS_DW_VEC");
-        const bool vec_ok = S == 2 && g.pw == K / 2 && ck::aligned(x, 16) && !(env && env[0] == '0');
-        auto launch = [&](auto Rc) {
-          constexpr int R = decltype(Rc)::value;
-          if (vec_ok && g.W % VF == 0) {
-            dw_fwd_nchw_fast<T, K, S, OPT, R, VF, (VF - (K / 2) % VF) % VF><<<grid, kThreads, 0, stream>>>(
-                x, w, b, y, g, wchunks, hchunks, total);
-          } else if (vec_ok && VH < VF && g.W % VH == 0) {
-            dw_fwd_nchw_fast<T, K, S, OPT, R, VH, (VH - (K / 2) % VH) % VH><<<grid, kThreads, 0, stream>>>(
-                x, w, b, y, g, wchunks, hchunks, total);
-          } else {
-            dw_fwd_nchw_fast<T, K, S, OPT, R><<<grid, kThreads, 0, stream>>>(x, w, b, y, g, wchunks, hchunks, total);
-          }
-        };
-        if (two_rows)
-          launch(std::integral_constant<int, 2>{});
-        else
-          launch(std::integral_constant<int, 1>{});
-      });
-    };
-    if (opt == 1)
-      run(std::integral_constant<int, 1>{});
-    else if (opt == 2)
-      run(std::integral_constant<int, 2>{});
-    else
-      run(std::integral_constant<int, kOPT>{});
+    with_ks(g, [&](auto Kc, auto Sc) {
+      constexpr int K = decltype(Kc)::value, S = decltype(Sc)::value;
+      // Stride 2, K >= 5: two output rows per thread (the K*K weights and the shared input rows loaded once for
+      // both) while that grid still has >= 384 threads per SM. H200 A/B (benchmarks/results/kernels_dw_rows_h200.json,
+      // fwd_ms = two rows everywhere, fwd_ms_rows1 = one): k5 on 14x14 and 28x28 planes 1.02-1.22x faster; k3
+      // 0.77-1.06x, k5 on 7x7 planes (36k threads) 0.77-0.87x. COMPRESS_DW_ROWS=1|2 forces one or two (A/B runs).
+      const int wchunks = (int)ck::ceil_div(g.Wo, kOPT);
+      const char* rows_env = std::getenv("COMPRESS_DW_ROWS");
+      const bool two_rows =
+          S == 2 && (rows_env && (rows_env[0] == '1' || rows_env[0] == '2')
+                         ? rows_env[0] == '2'
+                         : K >= 5 && (int64_t)g.N * g.C * ck::ceil_div(g.Ho, 2) * wchunks >= 384LL * ck::num_sms());
+      const int hchunks = (int)ck::ceil_div(g.Ho, two_rows ? 2 : 1);
+      const int total = g.N * g.C * hchunks * wchunks;
+      const unsigned grid = ck::grid_for(total, kThreads, 16);
+      // stride 2 with "same" padding (pw = K/2): vector loads (V = 16 bytes, or 8 when W is not a multiple of 16
+      // bytes); COMPRESS_DW_VEC=0 turns them off (A/B measurements).
+      constexpr int VF = 16 / (int)sizeof(T) > kOPT * S ? kOPT * S : 16 / (int)sizeof(T);  // full vector
+      constexpr int VH = VF / 2 > 1 ? VF / 2 : 2;                                           // half vector
+      const char* env = std::getenv("COMPRESS_DW_VEC");
+      const bool vec_ok = S == 2 && g.pw == K / 2 && ck::aligned(x, 16) && !(env && env[0] == '0');
+      auto launch = [&](auto Rc) {
+        constexpr int R = decltype(Rc)::value;
+        if (vec_ok && g.W % VF == 0) {
+          dw_fwd_nchw_fast<T, K, S, kOPT, R, VF, (VF - (K / 2) % VF) % VF><<<grid, kThreads, 0, stream>>>(
+              x, w, b, y, g, wchunks, hchunks, total);
+        } else if (vec_ok && VH < VF && g.W % VH == 0) {
+          dw_fwd_nchw_fast<T, K, S, kOPT, R, VH, (VH - (K / 2) % VH) % VH><<<grid, kThreads, 0, stream>>>(
+              x, w, b, y, g, wchunks, hchunks, total);
+        } else {
+          dw_fwd_nchw_fast<T, K, S, kOPT, R><<<grid, kThreads, 0, stream>>>(x, w, b, y, g, wchunks, hchunks, total);
+        }
+      };
+      if (two_rows)
+        launch(std::integral_constant<int, 2>{});
+      else
+        launch(std::integral_constant<int, 1>{});
+    });
   } else if (nhwc_case(g, cl) && ck::aligned(x, 4 * sizeof(T)) && ck::aligned(w, 4 * sizeof(T)) &&
              ck::aligned(y, 4 * sizeof(T)) && (b == nullptr || ck::aligned(b, 4 * sizeof(T)))) {
     constexpr int V = 4;
