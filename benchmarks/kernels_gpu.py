@@ -277,10 +277,6 @@ def bench_pix(bw, sizes=(56, 28, 14, 7)):
                         ab["bwd_ms_direct_off"] = bench([lambda i=i: ops.pix_backward(dys[i], xs[i], ps[i], z, 0.5)
                                                          for i in range(k)])
                 if layout == "cl":
-                    for ipt in ("2", "4", "9"):
-                        with env(COMPRESS_PIX_CL_IPT=ipt):
-                            ab[f"fwd_ms_ipt{ipt}"] = bench([lambda i=i: ops.pix(xs[i], ps[i], z, 0.5) for i in range(k)])
-                            ab[f"fwd_err_ipt{ipt}"] = rel(ops.pix(xs[0], ps[0], z, 0.5), pix_ref64(xs[0], ps[0], z, 0.5)[0])
                     with env(COMPRESS_PIX_CL_GPT="1"):
                         ab["bwd_ms_gpt1"] = bench([lambda i=i: ops.pix_backward(dys[i], xs[i], ps[i], z, 0.5)
                                                    for i in range(k)])

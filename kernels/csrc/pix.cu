@@ -323,47 +323,11 @@ __global__ void __launch_bounds__(kThreads) pix_bwd_nchw_staged(const T* __restr
 // Thread per GPT consecutive groups of one position (b, hw): their GPT*zeta channels are contiguous, so a thread
 // loads them as one (GPT*zeta)-element vector and stores GPT outputs as one vector (16 bytes when GPT > 1;
 // GPT > 1 needs a compile-time zeta, G % GPT == 0 and aligned pointers). `items` = B*HW*G / GPT.
-template <typename T, int ZETA, int GPT, int IPT = 1>
+template <typename T, int ZETA, int GPT>
 __global__ void pix_fwd_cl(const T* __restrict__ x, const T* __restrict__ p, T* __restrict__ y, int items, int G,
                            int zeta_rt, int HWG, float tau) {
   constexpr int ZN = ZETA > 0 ? ZETA : 1;
   const int zeta = ZETA > 0 ? ZETA : zeta_rt;
-  if constexpr (IPT > 1) {  // IPT items a thread, all loads first (ZETA > 0)
-    const int stride = gridDim.x * blockDim.x;
-    for (int base = blockIdx.x * blockDim.x + threadIdx.x; base < items; base += stride * IPT) {
-      Vec<T, GPT * ZN> v[IPT];
-      Vec<T, GPT> pg[IPT];
-#pragma unroll
-      for (int u = 0; u < IPT; ++u) {
-        const int it = base + u * stride;
-        if (it < items) {
-          const int idx = it * GPT;
-          v[u] = reinterpret_cast<const Vec<T, GPT * ZN>*>(x)[it];
-          pg[u] = *reinterpret_cast<const Vec<T, GPT>*>(p + (idx / HWG) * G + idx % G);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < IPT; ++u) {
-        const int it = base + u * stride;
-        if (it >= items) break;
-        Vec<T, GPT> o;
-#pragma unroll
-        for (int j = 0; j < GPT; ++j) {
-          float mx = to_f(v[u].v[j * ZN]), sm = mx;
-#pragma unroll
-          for (int k = 1; k < ZN; ++k) {
-            const float f = to_f(v[u].v[j * ZN + k]);
-            mx = f > mx ? f : mx;
-            sm += f;
-          }
-          const float pv = to_f(pg[u].v[j]);
-          o.v[j] = from_f<T>(pv < tau ? pv * mx : pv * (sm / (float)ZN));
-        }
-        reinterpret_cast<Vec<T, GPT>*>(y)[it] = o;
-      }
-    }
-    return;
-  }
   for (int it = blockIdx.x * blockDim.x + threadIdx.x; it < items; it += gridDim.x * blockDim.x) {
     const int idx = it * GPT;  // first group, flat over (b, hw, g)
     const int g = idx % G;
@@ -678,29 +642,6 @@ at::Tensor pix_forward(const at::Tensor& x, const at::Tensor& p, int64_t zeta, d
         const bool wide = ZV > 0 && G % GPT == 0 && ck::aligned(xp, sizeof(scalar_t) * GPT * (ZV > 0 ? ZV : 1)) &&
                           ck::aligned(yp, sizeof(scalar_t) * GPT) && ck::aligned(pp, sizeof(scalar_t) * GPT);
         if (wide) {
-          const char* ipt_env = std::getenv("COMPRESS_PIX_CL_IPT");
-          const int ipt = ipt_env ? std::atoi(ipt_env) : 1;  // 2, 4: IPT kernel; 9: plain kernel, 4 items a thread
-          const int n = total / GPT;
-          if constexpr (ZV > 0) {
-            if (ipt == 2) {
-              pix_fwd_cl<scalar_t, ZV, GPT, 2><<<ck::grid_for(ck::ceil_div(n, 2), kThreads, 32), kThreads, 0,
-                                                 stream>>>(xp, pp, yp, n, (int)G, (int)zeta, (int)(HW * G), ftau);
-              C10_CUDA_KERNEL_LAUNCH_CHECK();
-              return;
-            }
-            if (ipt == 4) {
-              pix_fwd_cl<scalar_t, ZV, GPT, 4><<<ck::grid_for(ck::ceil_div(n, 4), kThreads, 32), kThreads, 0,
-                                                 stream>>>(xp, pp, yp, n, (int)G, (int)zeta, (int)(HW * G), ftau);
-              C10_CUDA_KERNEL_LAUNCH_CHECK();
-              return;
-            }
-            if (ipt == 9) {  // the plain kernel on a quarter of the threads: 4 items each through its grid-stride loop
-              pix_fwd_cl<scalar_t, ZV, GPT><<<ck::grid_for(ck::ceil_div(n, 4), kThreads, 32), kThreads, 0,
-                                              stream>>>(xp, pp, yp, n, (int)G, (int)zeta, (int)(HW * G), ftau);
-              C10_CUDA_KERNEL_LAUNCH_CHECK();
-              return;
-            }
-          }
           pix_fwd_cl<scalar_t, ZV, GPT><<<ck::grid_for(total / GPT, kThreads, 32), kThreads, 0, stream>>>(
               xp, pp, yp, total / GPT, (int)G, (int)zeta, (int)(HW * G), ftau);
         } else {
