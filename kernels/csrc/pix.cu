@@ -266,30 +266,6 @@ __global__ void __launch_bounds__(kThreads) pix_fwd_nchw_staged(const T* __restr
   warp_store16(reinterpret_cast<uint4*>(y) + (int64_t)chunk * HW, ys4, HW, lane);
 }
 
-// One position of a group in the staged backward: writes dx of its ZETA values to dx[k * HW] (unless MODE is
-// kDp: first arg-max takes p*g in the max branch, each value p*g/ZETA in the mean branch, plus `add`) and returns
-// its dp term (max or mean) * g.
-template <typename T, int ZETA, int MODE>
-__device__ __forceinline__ float bwd_group(const float (&v)[ZETA], float gv, bool use_max, float pv,
-                                           const float (&add)[ZETA], T* dx, int HW) {
-  float best = v[0], sum = v[0];
-  int arg = 0;
-#pragma unroll
-  for (int k = 1; k < ZETA; ++k) {
-    if (v[k] > best) {
-      best = v[k];
-      arg = k;
-    }
-    sum += v[k];
-  }
-  if (MODE != kDp) {
-#pragma unroll
-    for (int k = 0; k < ZETA; ++k)
-      dx[k * HW] = from_f<T>((use_max ? (arg == k ? pv * gv : 0.f) : (pv * gv) / (float)ZETA) + add[k]);
-  }
-  return (use_max ? best : sum / (float)ZETA) * gv;
-}
-
 template <typename T, int ZETA, int MODE>
 __global__ void __launch_bounds__(kThreads) pix_bwd_nchw_staged(const T* __restrict__ dy, const T* __restrict__ x,
                                                                 const T* __restrict__ p,
@@ -316,25 +292,22 @@ __global__ void __launch_bounds__(kThreads) pix_bwd_nchw_staged(const T* __restr
   const bool use_max = pv < tau;
   T* xp = xs + lp * ZETA * HW;
   float part = 0.f;
-  // 4 positions a step, all loads before any store (as in the forward: dx overwrites x in place, and the compiler
-  // keeps later loads behind those stores)
-  int i = lane & 3;
-  for (; i + 12 < HW; i += 16) {
-    float v[4][ZETA], gv[4];
+  for (int i = lane & 3; i < HW; i += 4) {
+    const float gv = to_f(gs[lp * HW + i]);
+    float best = to_f(xp[i]), sum = best;
+    int arg = 0;
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      gv[u] = to_f(gs[lp * HW + i + 4 * u]);
-#pragma unroll
-      for (int k = 0; k < ZETA; ++k) v[u][k] = to_f(xp[k * HW + i + 4 * u]);
+    for (int k = 1; k < ZETA; ++k) {
+      const float f = to_f(xp[k * HW + i]);
+      if (f > best) { best = f; arg = k; }
+      sum += f;
     }
+    part += (use_max ? best : sum / (float)ZETA) * gv;
+    if (MODE != kDp) {
 #pragma unroll
-    for (int u = 0; u < 4; ++u) part += bwd_group<T, ZETA, MODE>(v[u], gv[u], use_max, pv, a, xp + i + 4 * u, HW);
-  }
-  for (; i < HW; i += 4) {
-    float v[ZETA];
-#pragma unroll
-    for (int k = 0; k < ZETA; ++k) v[k] = to_f(xp[k * HW + i]);
-    part += bwd_group<T, ZETA, MODE>(v, to_f(gs[lp * HW + i]), use_max, pv, a, xp + i, HW);
+      for (int k = 0; k < ZETA; ++k)
+        xp[k * HW + i] = from_f<T>((use_max ? (arg == k ? pv * gv : 0.f) : (pv * gv) / (float)ZETA) + a[k]);
+    }
   }
   if (MODE != kDx) {
     part += __shfl_xor_sync(0xffffffffu, part, 1);
