@@ -2,7 +2,7 @@
 squeeze convs PiX replaces, the PiX blocks, the max-pool and the rest (residual tails, head, Python), per forward.
 
 Same models and treatment as benchmarks/pix_cpu.py (fp32, BN folded, eval, inference_mode), run interleaved;
-each conv's forward is timed with a perf_counter wrapper (the same wrapper in both models, a few microseconds
+each conv's forward is timed with a perf_counter wrapper (medians per shared conv in ``shared_conv_ms``) (the same wrapper in both models, a few microseconds
 per call), the max-pool and the PiX blocks (their whole forward: the C++ kernel and the Python around it)
 likewise, and the totals without wrappers in the same loop. Median over the repeats.
 
@@ -102,11 +102,16 @@ def main() -> None:
         "cpu_count": os.cpu_count(), "rows": rows,
         "speedup": round(r["total_ms"] / p["total_ms"], 3),
         "speedup_without_maxpool": round((r["total_ms"] - r["maxpool_ms"]) / (p["total_ms"] - p["maxpool_ms"]), 3),
+        "shared_conv_ms": {n: {k: round(med[k][n], 4) for k in names} for n in shared},
     }
     for k, row in rows.items():
         print(f"{k:>13}: " + "  ".join(f"{n} {v:.2f}" for n, v in row.items()))
     print(f"speedup {result['speedup']:.3f}x; with both models' max-pool taken out "
           f"{result['speedup_without_maxpool']:.3f}x")
+    by_kind: dict[str, float] = defaultdict(float)  # PiX model minus ResNet-50, per kind of shared conv
+    for n in shared:
+        by_kind[n.rsplit(".", 1)[-1] if "downsample" not in n else "downsample"] += med["pix_resnet50"][n] - med["resnet50"][n]
+    print("shared convs, PiX ResNet-50 minus ResNet-50 (ms): " + "  ".join(f"{k} {v:+.2f}" for k, v in by_kind.items()))
     out = Path(args.out) if args.out else (Path(__file__).parent / "results"
                                            / f"pix_cpu_breakdown_{args.layout}_{args.threads}threads_b{args.batch}.json")
     out.write_text(json.dumps(result, indent=2) + "\n")
