@@ -4,15 +4,17 @@
    (bf16, and TF32 for float32).
 2. Correctness of every shape/keep/dtype/layout against F.conv2d in float64 with the masked dense weight
    (on the first 8 images of the batch), with bias and fused ReLU.
-3. Median times (CUDA events, warm-up, 3 rotated input sets) of cuDNN dense (cudnn.benchmark on, zero-filled
+3. Median times (CUDA events over CUDA-graph replays of 3 calls on rotated input sets: GPU time, no launch
+   overhead; the backward eager) of cuDNN dense (cudnn.benchmark on, zero-filled
    dense weight; the faster of conv + bias + ReLU as one call, ``torch.cudnn_convolution_relu``, and F.conv2d
    followed by an in-place ReLU, both recorded) and of the stripe kernel (a few tile configs per layer, best
    kept), at keep 0.5/0.3/0.15 with random stripe masks, and with the masks of a real SWP run (ResNet-56 on
    digits, on the CIFAR shapes: rows `mask = real:<layer>`); the floor = max(kept MACs at the measured
    tensor-core rate, in+out bytes at the copy bandwidth) and the fraction of the attainable speedup min(1/keep,
-   dense/floor). The stripe kernel runs as a compact model's layer runs it in inference: the DENSE route
-   (``kernels.stripe_reads_dense``) reads the dense weight kept with the layer (``dense=``) instead of building
-   it per call.
+   dense/floor). The stripe kernel runs as a compact model's layer runs it in inference: prepared once per
+   input shape (``stripe_triton.prepare``; until 2026-11-21 it was prepared on every timed call, which made the
+   narrow layers' times host-bound), and the DENSE route (``kernels.stripe_reads_dense``) reads the dense weight
+   kept with the layer (``dense=``) instead of building it per call.
 
     python benchmarks/stripe_gpu.py [--quick] [--real-only] [--channels 16 32 64] [--out results/stripe_gpu_h200.json]
 """
@@ -72,17 +74,30 @@ def real_masks(path):
     return picked
 
 
-def time_rotated(fn, inputs, reps=25):
-    """Median ms per call over groups of len(inputs) calls (rotating inputs so the L2 holds none of them)."""
+def time_rotated(fn, inputs, reps=25, graph=False):
+    """Median ms per call over groups of len(inputs) calls (rotating inputs so the L2 holds none of them).
+    graph: the group is captured once in a CUDA graph and replayed (GPU time only, no launch overhead)."""
     for a in inputs:
         fn(a)
     torch.cuda.synchronize()
+    run = lambda: [fn(a) for a in inputs]  # noqa: E731
+    if graph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            run()
+        run = g.replay
+        run()
+        torch.cuda.synchronize()
     ts = []
     for _ in range(reps):
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record()
-        for a in inputs:
-            fn(a)
+        run()
         e1.record()
         torch.cuda.synchronize()
         ts.append(e0.elapsed_time(e1) / len(inputs))
@@ -137,12 +152,17 @@ def route_name(cfg: dict) -> str:
     return ("c" if cfg.get("IM2COL") else "a" if cfg.get("DENSE") else "b-gather" if cfg.get("GATHER") else "b")
 
 
-def run_stripe(x, w, oi, off, b, plan, N, cfg, kept):
-    """The kernel with `cfg` (None: the default), given `kept` (the layer's channels_last dense weight, as
-    StripeConv2d keeps it in inference) where that route reads it."""
+def prepare_stripe(x, w, oi, off, b, plan, N, cfg, kept):
+    """The kernel's launcher for inputs like x, with `cfg` (None: the default), prepared once as StripeConv2d
+    prepares it for inference (route, tiles, weight operand), given `kept` (the layer's channels_last dense
+    weight) where that route reads it."""
     reads = stripe_triton.reads_dense(cfg) if cfg is not None else kernels.stripe_reads_dense(x, w, N, 3, 1, 1)
-    return stripe_triton.forward(x, w, oi, off, b, plan, N, [3, 3], [1, 1], [1, 1], [1, 1], True, cfg,
+    return stripe_triton.prepare(x, w, oi, off, b, plan, N, [3, 3], [1, 1], [1, 1], [1, 1], True, cfg,
                                  dense=kept if reads else None)
+
+
+def run_stripe(x, w, oi, off, b, plan, N, cfg, kept):
+    return prepare_stripe(x, w, oi, off, b, plan, N, cfg, kept)(x)
 
 
 def _dense_bwd(a, g, wd):
@@ -193,9 +213,9 @@ def run_case(net, B, C, H, keep, w64, oi, off, x64, gen, rates, bw, rows, fails,
             continue
         xs = [x64.to(dt).contiguous(memory_format=fmt) for _ in range(3)]
         wd = wd64.to(dt).contiguous(memory_format=fmt)
-        unfused_ms = time_rotated(lambda a, wd=wd, b=b: F.conv2d(a, wd, b, 1, 1).relu_(), xs)
+        unfused_ms = time_rotated(lambda a, wd=wd, b=b: F.conv2d(a, wd, b, 1, 1).relu_(), xs, graph=True)
         fused_ms = time_rotated(lambda a, wd=wd, b=b: torch.cudnn_convolution_relu(a, wd, b, (1, 1), (1, 1), (1, 1), 1),
-                                xs)
+                                xs, graph=True)
         dense_ms = min(unfused_ms, fused_ms)  # cuDNN's best: conv + bias + ReLU in one call, or three
         best = None
         tune = cands if layout == "cl" else [next(r["config"] for r in rows[::-1]
@@ -208,16 +228,18 @@ def run_case(net, B, C, H, keep, w64, oi, off, x64, gen, rates, bw, rows, fails,
             except Exception as e:  # e.g. a tile config over the shared-memory limit
                 print(f"   skip {cfg}: {type(e).__name__}", flush=True)
                 continue
-            ms = time_rotated(functools.partial(run_stripe, w=w, oi=oi, off=off, b=b, plan=plan, N=N, cfg=cfg,
-                                                kept=kept), xs)
+            ms = time_rotated(prepare_stripe(xs[0], w, oi, off, b, plan, N, cfg, kept), xs, graph=True)
             if best is None or ms < best[0]:
                 best = (ms, cfg)
         yb = run_stripe(xs8, w, oi, off, b, plan, N, best[1], kept)  # the timed config is checked too
         err = max(err, ((yb.double() - ref).norm() / ref.norm()).item())
         if not err < tol:
             fails.append((net, C, H, keep, dname, layout, err, best[1]))
-        def_ms = time_rotated(functools.partial(run_stripe, w=w, oi=oi, off=off, b=b, plan=plan, N=N, cfg=None,
-                                                kept=kept), xs)
+        def_ms = time_rotated(prepare_stripe(xs[0], w, oi, off, b, plan, N, None, kept), xs, graph=True)
+        if def_ms < best[0]:  # the default (what StripeConv2d runs) beat every tuned candidate
+            reads = kernels.stripe_reads_dense(xs[0], w, N, 3, 1, 1)
+            pixels = stripe_triton.out_pixels(xs[0], [3, 3], [1, 1], [1, 1], [1, 1])
+            best = (def_ms, stripe_triton.default_config(C, N, S, 9, dt, dense_given=reads, pixels=pixels))
         macs = B * H * H * S * C
         esz = xs[0].element_size()
         floor_ms = max(2 * macs / rates[dname], 2 * B * C * H * H * esz / bw) * 1e3
