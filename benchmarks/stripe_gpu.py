@@ -5,7 +5,7 @@
 2. Correctness of every shape/keep/dtype/layout against F.conv2d in float64 with the masked dense weight
    (on the first 8 images of the batch), with bias and fused ReLU.
 3. Median times (CUDA events over CUDA-graph replays of 3 calls on rotated input sets: GPU time, no launch
-   overhead; the backward eager) of cuDNN dense (cudnn.benchmark on, zero-filled
+   overhead) of cuDNN dense (cudnn.benchmark on, zero-filled
    dense weight; the faster of conv + bias + ReLU as one call, ``torch.cudnn_convolution_relu``, and F.conv2d
    followed by an in-place ReLU, both recorded) and of the stripe kernel (a few tile configs per layer, best
    kept), at keep 0.5/0.3/0.15 with random stripe masks, and with the masks of a real SWP run (ResNet-56 on
@@ -255,10 +255,11 @@ def run_case(net, B, C, H, keep, w64, oi, off, x64, gen, rates, bw, rows, fails,
                    fraction=round(sp / attain, 2), rel_err=err)
         if (keep == 0.3 or mask != "random") and layout == "cl":
             g = torch.randn(B, N, H, H, device="cuda", dtype=dt).contiguous(memory_format=fmt)
-            db_ms = time_rotated(functools.partial(_dense_bwd, g=g, wd=wd), xs, reps=10)
+            db_ms = time_rotated(functools.partial(_dense_bwd, g=g, wd=wd), xs, reps=10, graph=True)
             sb_ms = time_rotated(functools.partial(_stripe_bwd, g=g, w=w, oi=oi, off=off, plan=plan, N=N),
-                                 xs, reps=10)
-            cb_ms = time_rotated(functools.partial(_cudnn_bwd, g=g, w=w, oi=oi, off=off, N=N), xs, reps=10)
+                                 xs, reps=10, graph=True)
+            cb_ms = time_rotated(functools.partial(_cudnn_bwd, g=g, w=w, oi=oi, off=off, N=N), xs, reps=10,
+                                 graph=True)
             row.update(dense_bwd_ms=round(db_ms, 4), stripe_bwd_triton_ms=round(sb_ms, 4),
                        stripe_bwd_cudnn_ms=round(cb_ms, 4),
                        bwd_time_per_kept_mac_vs_dense=round(min(sb_ms, cb_ms) / db_ms / (S / (9 * N)), 2))
