@@ -2,9 +2,10 @@
 squeeze convs PiX replaces, the PiX blocks, the max-pool and the rest (residual tails, head, Python), per forward.
 
 Same models and treatment as benchmarks/pix_cpu.py (fp32, BN folded, eval, inference_mode), run interleaved;
-each conv's forward is timed with a perf_counter wrapper (medians per shared conv in ``shared_conv_ms``) (the same wrapper in both models, a few microseconds
-per call), the max-pool and the PiX blocks (their whole forward: the C++ kernel and the Python around it)
-likewise, and the totals without wrappers in the same loop. Median over the repeats.
+each conv's forward is timed with a perf_counter wrapper (the same wrapper in both models, a few microseconds
+per call; each shared conv's median is in ``shared_conv_ms``), the max-pool and the PiX blocks (their whole
+forward: the C++ kernel and the Python around it) likewise, and the totals without wrappers in the same loop.
+Median over the repeats.
 
     python benchmarks/pix_cpu_breakdown.py [--threads 2] [--batch 1] [--layout nchw] [--repeats 20] [--out PATH]
 """
