@@ -622,6 +622,7 @@ def stripe_route(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, b
         raise ValueError(f"stripe_route: timing='graph' times CUDA graphs and needs a CUDA input; x is on {x.device} "
                          "(use timing='eager')")
     ks = pair(kernel_size, "kernel_size")
+    st, pd, dl = pair(stride), pair(padding), pair(dilation)
     if plan is None:
         plan = stripe_plan(out_index, offset, out_channels, ks)
     fmt = memory_format(x)
@@ -653,11 +654,10 @@ def stripe_route(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, b
 
     def run_dense():  # as StripeConv2d's dense mode
         conv = conv2d_relu if relu else F.conv2d
-        return pooled(conv(x, dense_mode_w, bias, pair(stride), dense_pad, pair(dilation)))
+        return pooled(conv(x, dense_mode_w, bias, st, dense_pad, dl))
 
     clock = _graph_ms if timing == "graph" else _eager_ms
     ms = {"stripe": clock(run_stripe, x.device, repeats), "dense": clock(run_dense, x.device, repeats)}
-    st, pd, dl = pair(stride), pair(padding), pair(dilation)
     if unrolled.fits(x.shape[1], out_channels, x.shape[2:], ks, st, pd, dl, x.element_size()):
         operands = unrolled.unrolled_operands(dense_w.to(x.dtype), bias, x.shape[2:], st, pd, dl)
 

@@ -23,9 +23,8 @@ def test_unrolled_conv_matches_conv2d(shape, relu, with_bias):
     w = torch.randn(N, C, *k, generator=gen, dtype=torch.float64)
     b = torch.randn(N, generator=gen, dtype=torch.float64) if with_bias else None
     x = torch.randn(3, C, H, W, generator=gen, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
-    u, out_hw = unrolled.unrolled_weight(w, (H, W), s, p, d)
+    u, bias_rows, out_hw = unrolled.unrolled_operands(w, b, (H, W), s, p, d)
     assert u.shape == (out_hw[0] * out_hw[1] * N, H * W * C)
-    bias_rows = None if b is None else b.repeat(out_hw[0] * out_hw[1])
     got = unrolled.unrolled_conv2d(x, u, bias_rows, out_hw, relu)
     want = F.conv2d(x, w, b, s, p, d)
     want = want.relu() if relu else want
@@ -61,8 +60,12 @@ def test_gemm_mode_matches_dense_mode(layout, pool):
     x = torch.randn(4, 6, 4, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     if layout == "channels_last":
         x = x.contiguous(memory_format=torch.channels_last)
-    want = F.conv2d(x, m.dense_weight(), m.bias, 1, 1).relu()
-    want = F.max_pool2d(want, 2) if pool else want
+
+    def expected():
+        y = F.conv2d(x, m.dense_weight(), m.bias, 1, 1).relu()
+        return F.max_pool2d(y, 2) if pool else y
+
+    want = expected()
     m.mode = "gemm"
     with torch.no_grad():
         got = m(x)
@@ -71,8 +74,7 @@ def test_gemm_mode_matches_dense_mode(layout, pool):
     assert m._gemm_cache is not None  # the unrolled weight is kept ...
     with torch.no_grad():
         m.weight.mul_(2)  # ... until the weight changes
-        torch.testing.assert_close(m(x), F.max_pool2d(F.conv2d(x, m.dense_weight(), m.bias, 1, 1).relu(), 2)
-                                   if pool else F.conv2d(x, m.dense_weight(), m.bias, 1, 1).relu())
+        torch.testing.assert_close(m(x), expected())
 
 
 def test_gemm_mode_falls_back_to_dense_on_large_maps_and_in_training():
