@@ -34,6 +34,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import kernels  # noqa: E402
 from kernels import stripe_triton  # noqa: E402
+from kernels.stripe import _graph_ms  # noqa: E402
 
 SHAPES = [  # (net, B, C=N, H)
     ("cifar", 1024, 16, 32), ("cifar", 1024, 32, 16), ("cifar", 1024, 64, 8), ("vgg", 1024, 64, 32),
@@ -76,31 +77,21 @@ def real_masks(path):
 
 def time_rotated(fn, inputs, reps=25, graph=False):
     """Median ms per call over groups of len(inputs) calls (rotating inputs so the L2 holds none of them).
-    graph: the group is captured once in a CUDA graph and replayed (GPU time only, no launch overhead)."""
+    graph (tensor inputs): the group is captured once in a CUDA graph and replayed (GPU time only, no launch
+    overhead; ``kernels.stripe._graph_ms``, the clock of ``stripe_route``)."""
     def group():
         for a in inputs:
             fn(a)
 
+    if graph:
+        return _graph_ms(group, inputs[0].device, reps, calls=1) / len(inputs)
     group()
     torch.cuda.synchronize()
-    run = group
-    if graph:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            group()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            group()
-        run = g.replay
-        run()
-        torch.cuda.synchronize()
     ts = []
     for _ in range(reps):
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record()
-        run()
+        group()
         e1.record()
         torch.cuda.synchronize()
         ts.append(e0.elapsed_time(e1) / len(inputs))
