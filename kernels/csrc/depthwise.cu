@@ -120,6 +120,165 @@ __global__ void __launch_bounds__(kThreads) dw_fwd_nchw_fast(const T* __restrict
   }
 }
 
+// ------------------------------------------------------------------------------- NCHW stride 2, shared memory
+// A block stages Pb consecutive (n, c) planes of x whole, or one band of output rows of one plane, in shared
+// memory: zero-padded, even and odd padded columns apart. A stride-2 tap of output column wo then reads word
+// wo + kw / 2 of the kw-parity row, so a warp (threads on consecutive output columns) reads consecutive words,
+// and each input element is read from global memory once, coalesced, instead of through per-thread vector row
+// segments whose 32-byte-strided lanes cost 4x the L1 wavefronts (Nsight Compute: L1 at 86% of its throughput,
+// benchmarks/results/ncu_dw_s2_240x28_k5_fp32_h200.txt). A thread computes R output rows of one column; each
+// staged row is read once for all the outputs it feeds.
+struct S2Tile {
+  int Pb;     // planes per block
+  int TH;     // output rows per block (g.Ho where Pb > 1)
+  int bands;  // blocks per plane: ceil(Ho / TH)
+  int RB;     // staged rows per plane: 2 * (ceil(TH / R) * R - 1) + K
+  int Wh;     // words per parity row: Wo + (K - 1) / 2
+  int tpp;    // compute threads per plane: Wo * ceil(TH / R)
+};
+
+// n / d for 0 <= n < 2^22, 0 < d: a float reciprocal and one correction step.
+struct FDiv {
+  int d;
+  float inv;
+  __device__ __forceinline__ int div(int n) const {
+    const int q = __float2int_rz(__int2float_rn(n) * inv);
+    const int r = n - q * d;
+    return r >= d ? q + 1 : (r < 0 ? q - 1 : q);
+  }
+};
+
+constexpr int kLoads = 8;  // global loads in flight per thread while staging
+
+template <typename T, int K, int R>
+__global__ void __launch_bounds__(kThreads) dw_fwd_s2_smem(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ bias,
+                               T* __restrict__ y, Geo g, S2Tile t, int nplanes, FDiv by_padc, FDiv by_wp,
+                               FDiv by_w) {
+  extern __shared__ __align__(16) unsigned char dw_smem[];
+  T* sm = reinterpret_cast<T*>(dw_smem);
+  const int band = blockIdx.x % t.bands;
+  const int p0 = blockIdx.x / t.bands * t.Pb;  // first plane, n * C + c
+  const int np = min(t.Pb, nplanes - p0);
+  const int h0 = 2 * band * t.TH - g.ph;  // input row of staged row 0
+  const int hlo = max(h0, 0), hhi = min(h0 + t.RB, g.H);
+  const int top = hlo - h0, nrows = hhi - hlo, pads = t.RB - nrows;
+  const int Wp = 2 * t.Wh, padc = Wp - g.W;  // padded columns per row: pw left, the rest right
+  auto at = [&](int pl, int row, int col) -> T& { return sm[(pl * t.RB + row) * Wp + (col & 1) * t.Wh + (col >> 1)]; };
+  // zeros: the staged rows outside the input, then the pad columns of the others
+  for (int i = threadIdx.x; i < np * pads * Wp; i += blockDim.x) {
+    const int rest = by_wp.div(i), col = i - rest * Wp;
+    const int pl = rest / pads, r = rest - pl * pads;
+    at(pl, r < top ? r : r + nrows, col) = from_f<T>(0.f);
+  }
+  for (int i = threadIdx.x; i < np * nrows * padc; i += blockDim.x) {
+    const int rest = by_padc.div(i), pc = i - rest * padc;
+    const int pl = rest / nrows, r = rest - pl * nrows;
+    at(pl, top + r, pc < g.pw ? pc : g.W + pc) = from_f<T>(0.f);
+  }
+  // the input rows [hlo, hhi) of each plane (one contiguous segment per plane), in batches of kLoads loads per
+  // thread issued before any store, so that their latencies overlap
+  const int seg = nrows * g.W, total = np * seg;
+  const FDiv by_seg{seg, 1.f / (float)seg};
+  const T* xb = x + (int64_t)p0 * g.H * g.W + (int64_t)hlo * g.W;
+  for (int base = threadIdx.x; base < total; base += kLoads * blockDim.x) {
+    T v[kLoads];
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) {
+      const int i = base + u * blockDim.x;
+      if (i < total) {
+        const int pl = by_seg.div(i);
+        v[u] = xb[(int64_t)pl * g.H * g.W + (i - pl * seg)];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) {
+      const int i = base + u * blockDim.x;
+      if (i < total) {
+        const int pl = by_seg.div(i), e = i - pl * seg;
+        const int r = by_w.div(e);
+        at(pl, top + r, e - r * g.W + g.pw) = v[u];
+      }
+    }
+  }
+  __syncthreads();
+  const int pl = threadIdx.x / t.tpp;
+  if (pl >= np) return;
+  const int rem = threadIdx.x - pl * t.tpp;
+  const int rg = rem / g.Wo, wo = rem - rg * g.Wo;
+  const int plane = p0 + pl, c = plane % g.C;
+  float wr[K * K];
+#pragma unroll
+  for (int i = 0; i < K * K; ++i) wr[i] = to_f(w[c * K * K + i]);
+  const float b0 = bias ? to_f(bias[c]) : 0.f;
+  float acc[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r] = b0;
+  const T* srow = sm + (pl * t.RB + 2 * rg * R) * Wp + wo;
+#pragma unroll
+  for (int ir = 0; ir < 2 * (R - 1) + K; ++ir) {
+    float tap[K];
+#pragma unroll
+    for (int kw = 0; kw < K; ++kw) tap[kw] = to_f(srow[ir * Wp + (kw & 1) * t.Wh + (kw >> 1)]);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int kh = ir - 2 * r;  // compile-time after unrolling
+      if (kh < 0 || kh >= K) continue;
+#pragma unroll
+      for (int kw = 0; kw < K; ++kw) acc[r] = fmaf(wr[kh * K + kw], tap[kw], acc[r]);
+    }
+  }
+  const int ho0 = band * t.TH + rg * R;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int ho = ho0 + r;
+    if (rg * R + r < t.TH && ho < g.Ho) y[((int64_t)plane * g.Ho + ho) * g.Wo + wo] = from_f<T>(acc[r]);
+  }
+}
+
+// Tile of dw_fwd_s2_smem for g (NCHW, stride 2, square K, dilation 1), or Pb = 0 where it does not apply: blocks
+// of kThreads threads, at most kThreads compute threads, 16 KiB of shared memory and one batch of kLoads loads
+// per thread.
+S2Tile s2_tile(const Geo& g, int R, int elem) {
+  S2Tile t{};
+  const int K = g.KH, Wh = g.Wo + (K - 1) / 2, Wp = 2 * Wh;
+  constexpr int kMaxBytes = 16384, kMaxElems = kLoads * kThreads;
+  auto rows_of = [&](int th) { return 2 * ((int)ck::ceil_div(th, R) * R - 1) + K; };
+  auto fits = [&](int th, int planes) {  // th output rows of `planes` planes
+    const int rows = rows_of(th);
+    return planes * g.Wo * (int)ck::ceil_div(th, R) <= kThreads && planes * rows * Wp * elem <= kMaxBytes &&
+           planes * std::min(rows, g.H) * g.W <= kMaxElems;
+  };
+  if (!fits(R, 1)) return t;
+  t.Wh = Wh;
+  if (fits(g.Ho, 1)) {  // whole planes, as many as fit
+    t.TH = g.Ho;
+    t.Pb = 1;
+    while (fits(g.Ho, t.Pb + 1)) ++t.Pb;
+  } else {  // bands of one plane: the most rows that fit
+    t.TH = R;
+    while (t.TH + R <= g.Ho && fits(t.TH + R, 1)) t.TH += R;
+    t.Pb = 1;
+  }
+  t.bands = (int)ck::ceil_div(g.Ho, t.TH);
+  t.RB = rows_of(t.TH);
+  t.tpp = g.Wo * (int)ck::ceil_div(t.TH, R);
+  return t;
+}
+
+template <typename T, int K, int R>
+bool launch_s2_smem(const T* x, const T* w, const T* b, T* y, const Geo& g, cudaStream_t stream) {
+  const S2Tile t = s2_tile(g, R, (int)sizeof(T));
+  const int64_t nplanes = (int64_t)g.N * g.C;
+  if (t.Pb == 0 || (int64_t)g.H * g.W * t.Pb >= (1 << 22)) return false;
+  const int64_t blocks = ck::ceil_div(nplanes, t.Pb) * t.bands;
+  const int Wp = 2 * t.Wh, padc = Wp - g.W;
+  const size_t bytes = (size_t)t.Pb * t.RB * Wp * sizeof(T);
+  auto fdiv = [](int d) { return FDiv{d, 1.f / (float)std::max(d, 1)}; };
+  dw_fwd_s2_smem<T, K, R><<<(unsigned)blocks, kThreads, bytes, stream>>>(x, w, b, y, g, t, (int)nplanes, fdiv(padc),
+                                                                         fdiv(Wp), fdiv(g.W));
+  return true;
+}
+
 // ------------------------------------------------------------------------------- channels_last forward
 // NHWC, square K 3/5/7, stride 1/2, dilation 1, C % V == 0: each thread computes OPT consecutive output pixels
 // of one row for V consecutive channels; every load is a V-channel vector (coalesced along C across the warp),
@@ -478,6 +637,12 @@ void forward_into(const T* x, const T* w, const T* b, T* y, const Geo& g, bool c
   if (fast_case(g, cl)) {
     with_ks(g, [&](auto Kc, auto Sc) {
       constexpr int K = decltype(Kc)::value, S = decltype(Sc)::value;
+      // Stride 2: the shared-memory kernel (COMPRESS_DW_SMEM=0 turns it off, for A/B runs).
+      const char* smem_env = std::getenv("COMPRESS_DW_SMEM");
+      if (S == 2 && !(smem_env && smem_env[0] == '0') &&
+          (smem_env && smem_env[0] == '2' ? launch_s2_smem<T, K, 2>(x, w, b, y, g, stream)
+                                           : launch_s2_smem<T, K, 4>(x, w, b, y, g, stream)))
+        return;
       // Stride 2, K >= 5: two output rows per thread (the K*K weights and the shared input rows loaded once for
       // both) while that grid still has >= 384 threads per SM. H200 A/B (benchmarks/results/kernels_dw_rows_h200.json,
       // fwd_ms = two rows everywhere, fwd_ms_rows1 = one): k5 on 14x14 and 28x28 planes 1.02-1.22x faster; k3
