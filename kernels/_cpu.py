@@ -28,7 +28,8 @@ runs over k in order. x and y are contiguous in the same layout (NCHW or channel
 - ``pix_squeeze_{nchw,cl}_{f32,f64}(x, w, pooled, y, B, C, Z, HW, tau)``: the whole block. Pass 1 reads x once
   for pooled = mean_hw(x) (B, C) (partial sums in T, totals in double) and every group's max and sum (into y and
   a scratch s); p = sigmoid(pooled @ w^T) (w (G, C) in x's dtype; ``pix_predict``); pass 2 selects and scales
-  y in place (reading y and s, each 1/Z of x).
+  y in place (reading y and s, each 1/Z of x). ``pooled`` may be NULL (inference: the pool then lives in the
+  scratch).
 - ``pix_predict_{f32,f64}(pooled, w, p, B, C, G)``: that predictor alone (the CPU backward recomputes p with it).
 - ``compress_omp_max_threads()``: the team size a pass would get now (0: built without OpenMP).
 
@@ -511,15 +512,16 @@ static void scratch_release(void* ptr) {
   if (ptr != kept_scratch) free(ptr);
 }
 
-// The whole block: pass 1, the predictor, pass 2 (s and p are scratch).
+// The whole block: pass 1, the predictor, pass 2 (s and p are scratch; pooled too where the caller passes NULL).
 template <typename T>
 static int squeeze(bool cl, const T* x, const T* w, T* pooled, T* y, int64_t B, int64_t C, int Z, int64_t HW,
                    T tau) {
   const int64_t G = C / Z;
   const bool par = B * C * HW >= PAR_MIN;
-  T* s = (T*)scratch_get(sizeof(T) * (B * G * HW + B * G));
+  T* s = (T*)scratch_get(sizeof(T) * (B * G * HW + B * G + (pooled ? 0 : B * C)));
   if (!s) return 1;
   T* p = s + B * G * HW;
+  if (!pooled) pooled = p + B * G;
   int err = sq1<T>(cl, x, pooled, y, s, B, C, Z, HW, par);
   if (!err) {
     predict<T>(pooled, w, p, B, C, G);

@@ -278,22 +278,28 @@ def _c_squeeze_ok(x: Tensor) -> bool:
 
 
 def _c_weight(weight: Tensor, x: Tensor) -> Tensor:
-    w = weight.reshape(weight.shape[0], x.shape[1])
-    return w if w.dtype == x.dtype and w.is_contiguous() else w.to(x.dtype).contiguous()
+    """The predictor as the C kernels read it, G * C contiguous values in x's dtype: ``weight`` itself where it
+    already is (a contiguous (G, C, 1, 1) holds them in (G, C) order), else a converted (G, C) copy."""
+    if weight.dtype == x.dtype and weight.is_contiguous():
+        return weight
+    return weight.reshape(weight.shape[0], x.shape[1]).to(x.dtype).contiguous()
 
 
-def _squeeze_c(x: Tensor, weight: Tensor, zeta: int, tau: float) -> tuple[Tensor, Tensor]:
+def _squeeze_c(x: Tensor, weight: Tensor, zeta: int, tau: float,
+               keep_pooled: bool = True) -> tuple[Tensor, Tensor | None]:
     """The whole block in one C++ call (kernels/_cpu.py), for x with ``_c_squeeze_ok(x)``: pass 1 reads x once
     for the pool (accumulated in double) and each group's max and sum, then p = sigmoid(pooled @ W^T) (float32
-    GEMV, float64 for float64 x; whatever the autocast state), then pass 2 selects and scales."""
+    GEMV, float64 for float64 x; whatever the autocast state), then pass 2 selects and scales. Returns (y, the
+    pool (B, C)); without ``keep_pooled`` the pool stays in the kernel's scratch and None is returned for it."""
     B, C, H, W = x.shape
     cl = not x.is_contiguous()
     w = _c_weight(weight, x)
-    pooled = torch.empty((B, C), dtype=x.dtype)
+    pooled = torch.empty((B, C), dtype=x.dtype) if keep_pooled else None
     y = torch.empty((B, C // zeta, H, W), dtype=x.dtype,
                     memory_format=torch.channels_last if cl else torch.contiguous_format)
     fn = _C_SQUEEZE[cl, x.dtype]
-    if fn(x.data_ptr(), w.data_ptr(), pooled.data_ptr(), y.data_ptr(), B, C, zeta, H * W, tau):
+    if fn(x.data_ptr(), w.data_ptr(), None if pooled is None else pooled.data_ptr(), y.data_ptr(), B, C, zeta,
+          H * W, tau):
         raise MemoryError(f"{SQOP}: out of memory in the CPU kernel")
     return y, pooled
 
@@ -327,6 +333,12 @@ def _predict_c(pooled: Tensor, weight: Tensor, x: Tensor) -> tuple[Tensor, Tenso
 
 def _squeeze_cpu(x: Tensor, weight: Tensor, zeta: int, tau: float) -> tuple[Tensor, Tensor]:
     return _squeeze_c(x, weight, zeta, tau) if _c_squeeze_ok(x) else _squeeze_torch(x, weight, zeta, tau)
+
+
+def _squeeze_cpu_inference(x: Tensor, weight: Tensor, zeta: int, tau: float) -> Tensor:
+    """y alone (eager CPU inference): the C++ kernel keeps the pool in its scratch (one allocation less)."""
+    return (_squeeze_c(x, weight, zeta, tau, keep_pooled=False) if _c_squeeze_ok(x)
+            else _squeeze_torch(x, weight, zeta, tau))[0]
 
 
 @torch.library.custom_op(SQOP, mutates_args=())
@@ -448,7 +460,7 @@ def pix_squeeze(x: Tensor, weight: Tensor, zeta: int, tau: float = 0.5) -> Tenso
         grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
         if x.device.type == "cpu" and not grad:
             _check_squeeze(x, weight, zeta)
-            return _squeeze_cpu(x, weight, zeta, tau)[0]
+            return _squeeze_cpu_inference(x, weight, zeta, tau)
         ext = _ext.load() if x.is_cuda and use_kernel(x) and x.numel() else None
         if ext is not None:
             _check_squeeze(x, weight, zeta)
