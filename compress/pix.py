@@ -29,6 +29,7 @@ from compress.models.cifar_resnet import Bottleneck as CifarBottleneck
 from compress.models.cifar_vgg import CifarVGG
 from compress.surgery import replace_module
 from kernels import residual_relu
+from kernels._utils import plain_eager
 
 __all__ = ["PiXBlock", "PiXBottleneck", "insert_pix", "use_pix_bottlenecks", "downscale_pix", "apply_pix"]
 
@@ -69,7 +70,10 @@ class PiXBlock(nn.Module):
                 f"PiXBlock: expected input (B, {self.in_channels}, H, W), got {tuple(x.shape)}; "
                 "build the block with the channel count of the tensor it receives"
             )
-        if torch.onnx.is_in_onnx_export():  # standard ops; the bias-free 1x1 predictor as a GEMM on the pool
+        # ONNX export always traces (not plain eager); is_in_onnx_export() itself costs two imports per call,
+        # about 20 us per block in a CPU batch-1 forward, so plain eager calls skip it
+        if not plain_eager(x, self.weight) and torch.onnx.is_in_onnx_export():
+            # standard ops; the bias-free 1x1 predictor as a GEMM on the pool
             p = torch.sigmoid(x.mean((2, 3)) @ self.weight.flatten(1).t())[:, :, None, None]
             groups = x.unflatten(1, (self.out_channels, self.zeta))
             return p * torch.where(p < self.tau, groups.amax(2), groups.mean(2))

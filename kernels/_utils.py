@@ -120,3 +120,18 @@ def conv2d_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 def max_pool2x2(y: torch.Tensor, ceil_mode: bool) -> torch.Tensor:
     """The 2x2, stride-2 max-pool a pooling stripe conv applies after its ReLU (`StripeConv2d.pool`)."""
     return F.max_pool2d(y, 2, ceil_mode=ceil_mode)
+
+
+_len_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
+_len_function_modes = getattr(torch._C, "_len_torch_function_stack", None)
+
+
+def plain_eager(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """True where calling an op's kernels directly is the same as calling the op: plain tensors (no fake,
+    functional or other subclass; a Parameter weight is fine), no TorchScript tracing, no torch.compile, no Python
+    dispatch or function mode (profilers, FLOP counters, make_fx and export see the op). Every export path
+    (TorchScript tracing, dynamo, fake-tensor export) makes it False."""
+    return (not torch.compiler.is_compiling() and not torch.jit.is_tracing()
+            and type(x) is torch.Tensor and type(weight) in (torch.Tensor, torch.nn.Parameter)
+            and _len_dispatch_modes is not None and _len_function_modes is not None
+            and _len_dispatch_modes() == 0 and _len_function_modes() == 0)

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from kernels import _cpu, _ext
-from kernels._utils import acc_dtype, check_4d, check_like, memory_format, use_kernel
+from kernels._utils import acc_dtype, check_4d, check_like, memory_format, plain_eager, use_kernel
 
 __all__ = ["pix", "pix_squeeze", "pix_reference", "residual_relu"]
 
@@ -450,13 +450,13 @@ def pix_squeeze(x: Tensor, weight: Tensor, zeta: int, tau: float = 0.5) -> Tenso
     Returns:
         y: (B, C // zeta, H, W) in x's dtype, channels_last if ``x`` is.
 
-    Plain eager calls (no tracing, compiling or Python modes; see ``_plain_eager``) skip the dispatcher: CPU
+    Plain eager calls (no tracing, compiling or Python modes; see ``plain_eager``) skip the dispatcher: CPU
     inference calls the op's CPU implementation (the round trip is a few % of a batch-1 PiX ResNet-50 forward),
     CUDA calls the op's C++ functions, through ``_PixSqueezeCUDA`` when autograd records, and takes the channel
     mean that ``residual_relu`` kept on x instead of computing it (see there).
     """
     zeta, tau = int(zeta), float(tau)
-    if _plain_eager(x, weight):
+    if plain_eager(x, weight):
         grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
         if x.device.type == "cpu" and not grad:
             _check_squeeze(x, weight, zeta)
@@ -491,20 +491,6 @@ class _PixSqueezeCUDA(torch.autograd.Function):
         return dx, dweight, None, None, None
 
 
-_len_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
-_len_function_modes = getattr(torch._C, "_len_torch_function_stack", None)
-
-
-def _plain_eager(x: Tensor, weight: Tensor) -> bool:
-    """True where calling the op's kernels directly is the same as calling the op: plain tensors (no fake,
-    functional or other subclass; a Parameter weight is fine), no TorchScript tracing, no torch.compile, no Python
-    dispatch or function mode (profilers, FLOP counters, make_fx and export see the op)."""
-    return (not torch.compiler.is_compiling() and not torch.jit.is_tracing()
-            and type(x) is torch.Tensor and type(weight) in (torch.Tensor, torch.nn.Parameter)
-            and _len_dispatch_modes is not None and _len_function_modes is not None
-            and _len_dispatch_modes() == 0 and _len_function_modes() == 0)
-
-
 # ------------------------------------------------------------------------ residual tail + the next pool
 _MEAN_ATTR = "_compress_channel_mean"  # (pooled (B, C) float32, tensor version when it was computed)
 
@@ -523,7 +509,7 @@ def residual_relu(out: Tensor, identity: Tensor) -> Tensor:
     pools in the same read of x that finds the group max and sum. Elsewhere: ``out.add_(identity).relu_()``.
     """
     plain = (out.dtype == identity.dtype and out.shape == identity.shape and out.device == identity.device
-             and type(identity) is torch.Tensor and _plain_eager(out, identity))
+             and type(identity) is torch.Tensor and plain_eager(out, identity))
     recording = torch.is_grad_enabled() and (out.requires_grad or identity.requires_grad)
     if plain and out.device.type == "cpu" and out.dtype in (torch.float32, torch.float64) and not recording:
         return torch.ops.aten._add_relu_(out, identity)
