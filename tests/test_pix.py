@@ -371,21 +371,28 @@ def test_swp_pix_torchvision_resnet50_compacts_fused_and_reloads(tmp_path):
         torch.testing.assert_close(loaded(x), small(x), rtol=0, atol=0)
 
 
-def test_onnx_export_uses_standard_ops():
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_onnx_export_uses_standard_ops(dynamo):
+    """Both exporters take PiXBlock's standard-ops branch (TorchScript tracing and torch.export both make the
+    call not plain eager, the condition under which PiXBlock asks whether ONNX export is running)."""
     import onnx
     import onnxruntime as ort
 
     torch.manual_seed(0)
     block = PiXBlock(16, 4).eval()
     x = torch.randn(2, 16, 5, 5)
-    f = io.BytesIO()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(block, (x,), f, dynamo=False)
-    graph = onnx.load_from_string(f.getvalue()).graph
+        if dynamo:
+            proto = torch.onnx.export(block, (x,), dynamo=True, verbose=False).model_proto.SerializeToString()
+        else:
+            f = io.BytesIO()
+            torch.onnx.export(block, (x,), f, dynamo=False)
+            proto = f.getvalue()
+    graph = onnx.load_from_string(proto).graph
     assert {"ReduceMax", "ReduceMean", "Where", "Less"} <= {n.op_type for n in graph.node}
     assert all(n.domain in ("", "ai.onnx") for n in graph.node)
-    session = ort.InferenceSession(f.getvalue())
+    session = ort.InferenceSession(proto)
     y = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
     torch.testing.assert_close(torch.from_numpy(y), block(x).detach(), rtol=1e-5, atol=1e-6)
 
