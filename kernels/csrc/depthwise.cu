@@ -33,24 +33,36 @@ __device__ __forceinline__ int64_t addr(bool cl, int n, int c, int h, int w, int
 
 // Row segment into registers (fast NCHW forward and weight grad): r[j] = row[j] as float for j < RW, where row
 // points at column col0 of a row of ncols columns, 0 for the columns outside [0, ncols). A segment wholly inside
-// the row is read without checks; for V > 1 that needs the whole span of the NV aligned V-element vectors, read
-// from OFF elements before row (see dw_fwd_nchw_fast).
-template <typename T, int RW, int V = 1, int OFF = 0>
+// the row is read without checks. V > 1: the NV aligned V-element vectors from OFF elements before row (see
+// dw_fwd_nchw_fast); each lies wholly inside or wholly outside the row (ncols % V == 0, col0 - OFF a multiple
+// of V), so with EDGE_VEC a segment at the row's ends is read as vectors too, checked per vector; without, it is
+// read element by element (EDGE_VEC costs registers: see dw_fwd_nchw_fast).
+template <typename T, int RW, int V = 1, int OFF = 0, bool EDGE_VEC = false>
 __device__ __forceinline__ void load_row(float (&r)[RW], const T* row, int col0, int ncols) {
   constexpr int NV = (OFF + RW + V - 1) / V;
-  const bool interior = V > 1 ? (col0 - OFF >= 0 && col0 - OFF + NV * V <= ncols) : (col0 >= 0 && col0 + RW <= ncols);
-  if (interior && V > 1) {
-    const ck::Vec<T, V>* rv = reinterpret_cast<const ck::Vec<T, V>*>(row - OFF);
-    float buf[NV * V];
+  if constexpr (V > 1) {
+    const int vc0 = col0 - OFF;
+    const bool interior = vc0 >= 0 && vc0 + NV * V <= ncols;
+    if (EDGE_VEC || interior) {
+      const ck::Vec<T, V>* rv = reinterpret_cast<const ck::Vec<T, V>*>(row - OFF);
+      float buf[NV * V];
 #pragma unroll
-    for (int q = 0; q < NV; ++q) {
-      const ck::Vec<T, V> u = rv[q];
+      for (int q = 0; q < NV; ++q) {
+        if (!EDGE_VEC || interior || (vc0 + q * V >= 0 && vc0 + q * V < ncols)) {
+          const ck::Vec<T, V> u = rv[q];
 #pragma unroll
-      for (int e = 0; e < V; ++e) buf[q * V + e] = to_f(u.v[e]);
+          for (int e = 0; e < V; ++e) buf[q * V + e] = to_f(u.v[e]);
+        } else {
+#pragma unroll
+          for (int e = 0; e < V; ++e) buf[q * V + e] = 0.f;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < RW; ++j) r[j] = buf[OFF + j];
+      return;
     }
-#pragma unroll
-    for (int j = 0; j < RW; ++j) r[j] = buf[OFF + j];
-  } else if (interior) {
+  }
+  if (col0 >= 0 && col0 + RW <= ncols) {
 #pragma unroll
     for (int j = 0; j < RW; ++j) r[j] = to_f(row[j]);
   } else {
@@ -68,10 +80,24 @@ __device__ __forceinline__ void load_row(float (&r)[RW], const T* row, int col0,
 // V > 1 (stride 2): the row segment is read as aligned V-element vectors starting OFF elements before it
 // (OFF = (-pw) mod V, so every thread's segment start wi0 - OFF is V-aligned when OPT*S % V == 0 and W % V == 0):
 // 3-4 wide loads instead of RW scalar ones, whose 32-byte-strided lanes cost L1 wavefronts.
-template <typename T, int K, int S, int OPT, int R, int V = 1, int OFF = 0>
-__global__ void __launch_bounds__(kThreads) dw_fwd_nchw_fast(const T* __restrict__ x, const T* __restrict__ w,
-                                                             const T* __restrict__ bias, T* __restrict__ y, Geo g,
-                                                             int wchunks, int hchunks, int total) {
+// Row ends read as vectors too (load_row's EDGE_VEC): with one output row per thread, and with two for 4-byte
+// types and k5 (the measured case; k7 would spill), whose kernel is then held to 85 registers (3 blocks per SM,
+// kBounded). H200 A/Bs on seed 004's stride-2 shapes
+// (benchmarks/results/dw_s2_{head_a,vedge}_h200.json from one run, dw_s2_{head,r1,lb3}_h200.json from another:
+// head = no EDGE_VEC; vedge = EDGE_VEC everywhere, no register bound; r1 = one row only; lb3 = everywhere,
+// two-row kernels bounded; each against cuDNN and COMPRESS_DW_VEC=0 in the same process): one row 1.09-1.25x faster
+// (k3, fp32 14x14-112x112 and bf16 56x56-112x112); two rows without the bound 0.66-1.17x (up to 114 registers
+// instead of 80: fewer resident blocks, a second wave on some grids); bounded, fp32 1.04-1.14x, bf16
+// 0.67-0.99x.
+template <typename T, int K, int R>
+constexpr bool kBounded = R == 2 && K == 5 && sizeof(T) == 4;  // launched as dw_fwd_nchw_fast_bounded
+template <typename T, int K, int R>
+constexpr bool kEdgeVec = R == 1 || kBounded<T, K, R>;
+
+template <typename T, int K, int S, int OPT, int R, int V, int OFF>
+__device__ __forceinline__ void fwd_nchw_fast(const T* __restrict__ x, const T* __restrict__ w,
+                                              const T* __restrict__ bias, T* __restrict__ y, const Geo& g,
+                                              int wchunks, int hchunks, int total) {
   constexpr int RW = (OPT - 1) * S + K;
   constexpr int RH = (R - 1) * S + K;  // input rows of a tile
   for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += gridDim.x * blockDim.x) {
@@ -98,7 +124,7 @@ __global__ void __launch_bounds__(kThreads) dw_fwd_nchw_fast(const T* __restrict
       const int hi = hi0 + ir;
       if (hi < 0 || hi >= g.H) continue;
       float r[RW];
-      load_row<T, RW, V, OFF>(r, xp + hi * g.W + wi0, wi0, g.W);
+      load_row<T, RW, V, OFF, kEdgeVec<T, K, R>>(r, xp + hi * g.W + wi0, wi0, g.W);
 #pragma unroll
       for (int rr = 0; rr < R; ++rr) {
         const int kh = ir - rr * S;  // compile-time after unrolling
@@ -118,6 +144,35 @@ __global__ void __launch_bounds__(kThreads) dw_fwd_nchw_fast(const T* __restrict
         if (wo0 + o < g.Wo) yp[o] = from_f<T>(acc[rr][o]);
     }
   }
+}
+
+// Two kernels around the same body: a __launch_bounds__ minimum of blocks per SM changes ptxas's register
+// choice even where it is 1 (bf16 two-row kernels: 72 registers with (256, 1), 64 with (256)), so only the
+// kBounded instantiations carry one (3 blocks: at most 85 registers).
+template <typename T, int K, int S, int OPT, int R, int V = 1, int OFF = 0>
+__global__ void __launch_bounds__(kThreads) dw_fwd_nchw_fast(const T* __restrict__ x, const T* __restrict__ w,
+                                                             const T* __restrict__ bias, T* __restrict__ y, Geo g,
+                                                             int wchunks, int hchunks, int total) {
+  fwd_nchw_fast<T, K, S, OPT, R, V, OFF>(x, w, bias, y, g, wchunks, hchunks, total);
+}
+
+template <typename T, int K, int S, int OPT, int R, int V = 1, int OFF = 0>
+__global__ void __launch_bounds__(kThreads, 3) dw_fwd_nchw_fast_bounded(const T* __restrict__ x,
+                                                                        const T* __restrict__ w,
+                                                                        const T* __restrict__ bias,
+                                                                        T* __restrict__ y, Geo g, int wchunks,
+                                                                        int hchunks, int total) {
+  fwd_nchw_fast<T, K, S, OPT, R, V, OFF>(x, w, bias, y, g, wchunks, hchunks, total);
+}
+
+template <typename T, int K, int S, int OPT, int R, int V = 1, int OFF = 0>
+void launch_fwd_nchw_fast(unsigned grid, cudaStream_t stream, const T* x, const T* w, const T* b, T* y, const Geo& g,
+                          int wchunks, int hchunks, int total) {
+  if constexpr (kBounded<T, K, R>)
+    dw_fwd_nchw_fast_bounded<T, K, S, OPT, R, V, OFF><<<grid, kThreads, 0, stream>>>(x, w, b, y, g, wchunks, hchunks,
+                                                                                     total);
+  else
+    dw_fwd_nchw_fast<T, K, S, OPT, R, V, OFF><<<grid, kThreads, 0, stream>>>(x, w, b, y, g, wchunks, hchunks, total);
 }
 
 // ------------------------------------------------------------------------------- channels_last forward
@@ -481,18 +536,24 @@ void forward_into(const T* x, const T* w, const T* b, T* y, const Geo& g, bool c
       // Stride 2, K >= 5: two output rows per thread (the K*K weights and the shared input rows loaded once for
       // both) while that grid still has >= 384 threads per SM. H200 A/B (benchmarks/results/kernels_dw_rows_h200.json,
       // fwd_ms = two rows everywhere, fwd_ms_rows1 = one): k5 on 14x14 and 28x28 planes 1.02-1.22x faster; k3
-      // 0.77-1.06x, k5 on 7x7 planes (36k threads) 0.77-0.87x. COMPRESS_DW_ROWS=1|2 forces one or two (A/B runs).
+      // 0.77-1.06x, k5 on 7x7 planes (36k threads) 0.77-0.87x. Since row ends are read as vectors (kEdgeVec),
+      // 4-byte rows of 28+ columns take one row: fp32 240x28x28 k5 0.0104 ms against 0.0122 for two rows
+      // (kernels_dw_session13_twopass_h200.json, fwd_ms_rows1 vs fwd_ms; fp32 14x14 planes still 1.14-1.25x faster
+      // with two). COMPRESS_DW_ROWS=1|2 forces one or two (A/B runs).
       const int wchunks = (int)ck::ceil_div(g.Wo, kOPT);
       const char* rows_env = std::getenv("COMPRESS_DW_ROWS");
+      const bool wide_fp32 = sizeof(T) == 4 && g.W >= 28;
       const bool two_rows =
           S == 2 && (rows_env && (rows_env[0] == '1' || rows_env[0] == '2')
                          ? rows_env[0] == '2'
-                         : K >= 5 && (int64_t)g.N * g.C * ck::ceil_div(g.Ho, 2) * wchunks >= 384LL * ck::num_sms());
+                         : K >= 5 && !wide_fp32 &&
+                               (int64_t)g.N * g.C * ck::ceil_div(g.Ho, 2) * wchunks >= 384LL * ck::num_sms());
       const int hchunks = (int)ck::ceil_div(g.Ho, two_rows ? 2 : 1);
       const int total = g.N * g.C * hchunks * wchunks;
       const unsigned grid = ck::grid_for(total, kThreads, 16);
       // stride 2 with "same" padding (pw = K/2): vector loads (V = 16 bytes, or 8 when W is not a multiple of 16
-      // bytes); COMPRESS_DW_VEC=0 turns them off (A/B measurements).
+      // bytes; also at a row's ends, see kEdgeVec); COMPRESS_DW_VEC=0 turns them off (A/B
+      // measurements). Tried: 4-byte vectors for 16-bit rows that 8 bytes do not divide (14x14 bf16): 0.85x.
       constexpr int VF = 16 / (int)sizeof(T) > kOPT * S ? kOPT * S : 16 / (int)sizeof(T);  // full vector
       constexpr int VH = VF / 2 > 1 ? VF / 2 : 2;                                           // half vector
       const char* env = std::getenv("COMPRESS_DW_VEC");
@@ -500,13 +561,13 @@ void forward_into(const T* x, const T* w, const T* b, T* y, const Geo& g, bool c
       auto launch = [&](auto Rc) {
         constexpr int R = decltype(Rc)::value;
         if (vec_ok && g.W % VF == 0) {
-          dw_fwd_nchw_fast<T, K, S, kOPT, R, VF, (VF - (K / 2) % VF) % VF><<<grid, kThreads, 0, stream>>>(
-              x, w, b, y, g, wchunks, hchunks, total);
+          launch_fwd_nchw_fast<T, K, S, kOPT, R, VF, (VF - (K / 2) % VF) % VF>(grid, stream, x, w, b, y, g, wchunks,
+                                                                               hchunks, total);
         } else if (vec_ok && VH < VF && g.W % VH == 0) {
-          dw_fwd_nchw_fast<T, K, S, kOPT, R, VH, (VH - (K / 2) % VH) % VH><<<grid, kThreads, 0, stream>>>(
-              x, w, b, y, g, wchunks, hchunks, total);
+          launch_fwd_nchw_fast<T, K, S, kOPT, R, VH, (VH - (K / 2) % VH) % VH>(grid, stream, x, w, b, y, g, wchunks,
+                                                                               hchunks, total);
         } else {
-          dw_fwd_nchw_fast<T, K, S, kOPT, R><<<grid, kThreads, 0, stream>>>(x, w, b, y, g, wchunks, hchunks, total);
+          launch_fwd_nchw_fast<T, K, S, kOPT, R>(grid, stream, x, w, b, y, g, wchunks, hchunks, total);
         }
       };
       if (two_rows)
