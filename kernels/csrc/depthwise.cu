@@ -540,9 +540,7 @@ void forward_into(const T* x, const T* w, const T* b, T* y, const Geo& g, bool c
       // 4-byte rows of 28+ columns take one row: fp32 240x28x28 k5 0.0104 ms against 0.0122 for two rows
       // (kernels_dw_session13_twopass_h200.json, fwd_ms_rows1 vs fwd_ms; fp32 14x14 planes still 1.14-1.25x faster
       // with two). COMPRESS_DW_ROWS=1|2 forces one or two (A/B runs).
-      const char* opt_env = std::getenv("COMPRESS_DW_OPT8");
-      const bool whole_row = S == 2 && g.Wo > kOPT && g.Wo <= 2 * kOPT && opt_env && opt_env[0] == '1';
-      const int wchunks = (int)ck::ceil_div(g.Wo, whole_row ? 2 * kOPT : kOPT);
+      const int wchunks = (int)ck::ceil_div(g.Wo, kOPT);
       const char* rows_env = std::getenv("COMPRESS_DW_ROWS");
       const bool wide_fp32 = sizeof(T) == 4 && g.W >= 28;
       const bool two_rows =
@@ -556,39 +554,26 @@ void forward_into(const T* x, const T* w, const T* b, T* y, const Geo& g, bool c
       // stride 2 with "same" padding (pw = K/2): vector loads (V = 16 bytes, or 8 when W is not a multiple of 16
       // bytes; also at a row's ends, see kEdgeVec); COMPRESS_DW_VEC=0 turns them off (A/B
       // measurements). Tried: 4-byte vectors for 16-bit rows that 8 bytes do not divide (14x14 bf16): 0.85x.
+      constexpr int VF = 16 / (int)sizeof(T) > kOPT * S ? kOPT * S : 16 / (int)sizeof(T);  // full vector
+      constexpr int VH = VF / 2 > 1 ? VF / 2 : 2;                                           // half vector
       const char* env = std::getenv("COMPRESS_DW_VEC");
       const bool vec_ok = S == 2 && g.pw == K / 2 && ck::aligned(x, 16) && !(env && env[0] == '0');
-      auto launch = [&](auto Rc, auto Oc) {
-        constexpr int R = decltype(Rc)::value, OPT = decltype(Oc)::value;
-        constexpr int VF = 16 / (int)sizeof(T) > OPT * S ? OPT * S : 16 / (int)sizeof(T);  // full vector
-        constexpr int VH = VF / 2 > 1 ? VF / 2 : 2;                                         // half vector
+      auto launch = [&](auto Rc) {
+        constexpr int R = decltype(Rc)::value;
         if (vec_ok && g.W % VF == 0) {
-          launch_fwd_nchw_fast<T, K, S, OPT, R, VF, (VF - (K / 2) % VF) % VF>(grid, stream, x, w, b, y, g, wchunks,
-                                                                              hchunks, total);
+          launch_fwd_nchw_fast<T, K, S, kOPT, R, VF, (VF - (K / 2) % VF) % VF>(grid, stream, x, w, b, y, g, wchunks,
+                                                                               hchunks, total);
         } else if (vec_ok && VH < VF && g.W % VH == 0) {
-          launch_fwd_nchw_fast<T, K, S, OPT, R, VH, (VH - (K / 2) % VH) % VH>(grid, stream, x, w, b, y, g, wchunks,
-                                                                              hchunks, total);
+          launch_fwd_nchw_fast<T, K, S, kOPT, R, VH, (VH - (K / 2) % VH) % VH>(grid, stream, x, w, b, y, g, wchunks,
+                                                                               hchunks, total);
         } else {
-          launch_fwd_nchw_fast<T, K, S, OPT, R>(grid, stream, x, w, b, y, g, wchunks, hchunks, total);
+          launch_fwd_nchw_fast<T, K, S, kOPT, R>(grid, stream, x, w, b, y, g, wchunks, hchunks, total);
         }
       };
-      using One = std::integral_constant<int, 1>;
-      using Two = std::integral_constant<int, 2>;
-      using Opt = std::integral_constant<int, kOPT>;
-      using Opt2 = std::integral_constant<int, 2 * kOPT>;
-      if constexpr (S == 2) {
-        if (whole_row) {
-          if (two_rows)
-            launch(Two{}, Opt2{});
-          else
-            launch(One{}, Opt2{});
-          return;
-        }
-      }
       if (two_rows)
-        launch(Two{}, Opt{});
+        launch(std::integral_constant<int, 2>{});
       else
-        launch(One{}, Opt{});
+        launch(std::integral_constant<int, 1>{});
     });
   } else if (nhwc_case(g, cl) && ck::aligned(x, 4 * sizeof(T)) && ck::aligned(w, 4 * sizeof(T)) &&
              ck::aligned(y, 4 * sizeof(T)) && (b == nullptr || ck::aligned(b, 4 * sizeof(T)))) {
