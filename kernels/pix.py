@@ -331,14 +331,13 @@ def _predict_c(pooled: Tensor, weight: Tensor, x: Tensor) -> tuple[Tensor, Tenso
     return p, p[:, :, None, None]
 
 
-def _squeeze_cpu(x: Tensor, weight: Tensor, zeta: int, tau: float) -> tuple[Tensor, Tensor]:
-    return _squeeze_c(x, weight, zeta, tau) if _c_squeeze_ok(x) else _squeeze_torch(x, weight, zeta, tau)
-
-
-def _squeeze_cpu_inference(x: Tensor, weight: Tensor, zeta: int, tau: float) -> Tensor:
-    """y alone (eager CPU inference): the C++ kernel keeps the pool in its scratch (one allocation less)."""
-    return (_squeeze_c(x, weight, zeta, tau, keep_pooled=False) if _c_squeeze_ok(x)
-            else _squeeze_torch(x, weight, zeta, tau))[0]
+def _squeeze_cpu(x: Tensor, weight: Tensor, zeta: int, tau: float,
+                 keep_pooled: bool = True) -> tuple[Tensor, Tensor | None]:
+    """(y, pool): the C++ block where it runs (``keep_pooled=False``, for eager inference: the pool stays in its
+    scratch, one allocation less, and None comes back for it), else PyTorch ops."""
+    if _c_squeeze_ok(x):
+        return _squeeze_c(x, weight, zeta, tau, keep_pooled)
+    return _squeeze_torch(x, weight, zeta, tau)
 
 
 @torch.library.custom_op(SQOP, mutates_args=())
@@ -460,7 +459,7 @@ def pix_squeeze(x: Tensor, weight: Tensor, zeta: int, tau: float = 0.5) -> Tenso
         grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
         if x.device.type == "cpu" and not grad:
             _check_squeeze(x, weight, zeta)
-            return _squeeze_cpu_inference(x, weight, zeta, tau)
+            return _squeeze_cpu(x, weight, zeta, tau, keep_pooled=False)[0]
         ext = _ext.load() if x.is_cuda and use_kernel(x) and x.numel() else None
         if ext is not None:
             _check_squeeze(x, weight, zeta)
