@@ -86,8 +86,8 @@ __device__ __forceinline__ void load_row(float (&r)[RW], const T* row, int col0,
 // (benchmarks/results/dw_s2_{head_a,vedge}_h200.json from one run, dw_s2_{head,r1,lb3}_h200.json from another:
 // head = no EDGE_VEC; vedge = EDGE_VEC everywhere, no register bound; r1 = one row only; lb3 = everywhere,
 // two-row kernels bounded; each against cuDNN and COMPRESS_DW_VEC=0 in the same process): one row 1.09-1.25x faster
-// (k3, fp32 14x14-112x112 and bf16 56x56-112x112); two rows without the bound 0.66-1.17x (up to 114 registers
-// instead of 80: fewer resident blocks, a second wave on some grids); bounded, fp32 1.04-1.14x, bf16
+// (k3, fp32 14x14-112x112 and bf16 56x56-112x112); two rows without the bound 0.66-1.17x (k5: up to 85 registers
+// instead of 60-64: fewer resident blocks, a second wave on some grids); bounded, fp32 1.04-1.14x, bf16
 // 0.67-0.99x. Register counts: benchmarks/results/ptxas_dw_fwd_registers_session13.txt.
 template <typename T, int K, int R>
 constexpr bool kBounded = R == 2 && K == 5 && sizeof(T) == 4;  // launched as dw_fwd_nchw_fast_bounded
