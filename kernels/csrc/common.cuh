@@ -34,6 +34,25 @@ inline unsigned int grid_for(int64_t total, int threads, int per_sm = 16) {
 
 inline bool aligned(const void* p, int bytes) { return (reinterpret_cast<uintptr_t>(p) % bytes) == 0; }
 
+// Copy n 16-byte words from global src to shared dst with one warp (lanes strided), LOADS loads in flight per lane
+// before any store. The caller syncs (__syncwarp) before reading dst.
+template <int LOADS>
+__device__ __forceinline__ void warp_copy16(uint4* dst, const uint4* __restrict__ src, int n, int lane) {
+  for (int base = 0; base < n; base += 32 * LOADS) {
+    uint4 r[LOADS];
+#pragma unroll
+    for (int j = 0; j < LOADS; ++j) {
+      const int i = base + j * 32 + lane;
+      if (i < n) r[j] = src[i];
+    }
+#pragma unroll
+    for (int j = 0; j < LOADS; ++j) {
+      const int i = base + j * 32 + lane;
+      if (i < n) dst[i] = r[j];
+    }
+  }
+}
+
 }  // namespace ck
 
 // float32 / float16 / bfloat16 only (float64 takes the PyTorch path in Python).

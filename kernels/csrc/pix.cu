@@ -187,23 +187,6 @@ constexpr int kStagePlanes = 8;
 constexpr int kStageLoads = 8;
 constexpr int kStageWarps = kThreads / 32;
 
-// Copy n 16-byte words from global src to shared dst, lanes strided, kStageLoads loads issued before any store.
-__device__ __forceinline__ void warp_copy16(uint4* dst, const uint4* __restrict__ src, int n, int lane) {
-  for (int base = 0; base < n; base += 32 * kStageLoads) {
-    uint4 r[kStageLoads];
-#pragma unroll
-    for (int j = 0; j < kStageLoads; ++j) {
-      const int i = base + j * 32 + lane;
-      if (i < n) r[j] = src[i];
-    }
-#pragma unroll
-    for (int j = 0; j < kStageLoads; ++j) {
-      const int i = base + j * 32 + lane;
-      if (i < n) dst[i] = r[j];
-    }
-  }
-}
-
 __device__ __forceinline__ void warp_store16(uint4* __restrict__ dst, const uint4* src, int n, int lane) {
   for (int i = lane; i < n; i += 32) dst[i] = src[i];
 }
@@ -239,7 +222,7 @@ __global__ void __launch_bounds__(kThreads) pix_fwd_nchw_staged(const T* __restr
   uint4* ys4 = xs4 + ZETA * HW;
   const int lp = lane >> 2;  // plane of the chunk
   const float pv = to_f(p[(int64_t)chunk * kStagePlanes + lp]);  // issued before the copy: its latency overlaps
-  warp_copy16(xs4, reinterpret_cast<const uint4*>(x) + (int64_t)chunk * ZETA * HW, ZETA * HW, lane);
+  ck::warp_copy16<kStageLoads>(xs4, reinterpret_cast<const uint4*>(x) + (int64_t)chunk * ZETA * HW, ZETA * HW, lane);
   __syncwarp();
   T* ys = reinterpret_cast<T*>(ys4) + lp * HW;
   const T* xp = reinterpret_cast<const T*>(xs4) + lp * ZETA * HW;
@@ -284,8 +267,8 @@ __global__ void __launch_bounds__(kThreads) pix_bwd_nchw_staged(const T* __restr
   float a[ZETA];
 #pragma unroll
   for (int k = 0; k < ZETA; ++k) a[k] = MODE == kDx ? add[plane * ZETA + k] : 0.f;
-  warp_copy16(xs4, reinterpret_cast<const uint4*>(x) + (int64_t)chunk * ZETA * HW, ZETA * HW, lane);
-  warp_copy16(gs4, reinterpret_cast<const uint4*>(dy) + (int64_t)chunk * HW, HW, lane);
+  ck::warp_copy16<kStageLoads>(xs4, reinterpret_cast<const uint4*>(x) + (int64_t)chunk * ZETA * HW, ZETA * HW, lane);
+  ck::warp_copy16<kStageLoads>(gs4, reinterpret_cast<const uint4*>(dy) + (int64_t)chunk * HW, HW, lane);
   __syncwarp();
   T* xs = reinterpret_cast<T*>(xs4);  // dx overwrites x in place: each position is read and written by one lane
   const T* gs = reinterpret_cast<const T*>(gs4);
