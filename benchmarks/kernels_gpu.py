@@ -339,9 +339,11 @@ def bench_depthwise(bw):
                         kernels.depthwise_conv2d(xr[i], wr, None, s, k // 2), (xr[i], wr), dys[i]) for i in range(n)])
                 extra["kernel_fwd_speedup"] = ref / extra["kernel_fwd_ms"]
                 extra["kernel_fwd_bwd_speedup"] = ref_fb / extra["kernel_fwd_bwd_ms"]
-            if s == 2 and layout == "nchw":  # A/B: without the stride-2 vector loads, with one output row per thread
-                for key, var in (("fwd_ms_vec_off", "COMPRESS_DW_VEC"), ("fwd_ms_rows1", "COMPRESS_DW_ROWS")):
-                    with env(**{var: "0" if var == "COMPRESS_DW_VEC" else "1"}):
+            if s == 2 and layout == "nchw":  # A/B: register kernel without vector loads, with one output row per
+                # thread, and without the staged kernel (7x7 and 14x14 planes run it whatever the first two say)
+                for key, var, val in (("fwd_ms_vec_off", "COMPRESS_DW_VEC", "0"), ("fwd_ms_rows1", "COMPRESS_DW_ROWS", "1"),
+                                      ("fwd_ms_staged_off", "COMPRESS_DW_STAGED", "0")):
+                    with env(**{var: val}):
                         extra[key] = bench([lambda i=i: kernels.depthwise_conv2d(xs[i], w, None, s, k // 2)
                                             for i in range(n)])
             row = {"N": N, "C": C, "H": H, "W": H, "k": k, "stride": s, "dtype": str(dtype).replace("torch.", ""),
@@ -354,6 +356,7 @@ def bench_depthwise(bw):
                   f"{ref / ours:5.2f} | {ours_fb:7.4f} {ref_fb:7.4f} {ref_fb / ours_fb:5.2f}"
                   + (f" | kernel {extra['kernel_fwd_ms']:.4f} {extra['kernel_fwd_bwd_ms']:.4f}" if extra.get("kernel_fwd_ms") else "")
                   + (f" | vec off {extra['fwd_ms_vec_off']:.4f} 1 row {extra['fwd_ms_rows1']:.4f}"
+                     f" staged off {extra['fwd_ms_staged_off']:.4f}"
                      if "fwd_ms_vec_off" in extra else ""), flush=True)
 
 
@@ -398,7 +401,9 @@ def main():
                                  "over sets totalling >= 4x L2), per call; conv2d and fwd_eager_ms: eager launches",
                        "floor": "bytes / max(eager memcpy, in-graph copy kernel) bandwidth of a 1 GiB copy",
                        "ab": "depthwise fwd_ms_vec_off: COMPRESS_DW_VEC=0 (no stride-2 vector loads); depthwise "
-                             "fwd_ms_rows1: COMPRESS_DW_ROWS=1 (one output row per thread at stride 2); pix nchw "
+                             "fwd_ms_rows1: COMPRESS_DW_ROWS=1 (one output row per thread at stride 2); depthwise "
+                             "fwd_ms_staged_off: COMPRESS_DW_STAGED=0 (no staged kernel for 7x7/14x14 planes at stride "
+                             "2; those planes ignore the two variables before); pix nchw "
                              "fwd/bwd_ms_steps*: COMPRESS_PIX_STEPS; pix nchw fwd/bwd_ms_stage_off: COMPRESS_PIX_STAGE=0 "
                              "(no warp-staged kernels for odd planes); pix cl bwd_ms_direct_off: "
                              "COMPRESS_PIX_CL_DIRECT=0 (chunk partials + a second launch for dp); pix cl "

@@ -1,7 +1,8 @@
 // Depthwise 2-D convolution (groups == channels), forward and backward (CUDA), fp32 accumulation.
 //  * forward, NCHW, square kernel 3/5/7, stride 1/2, dilation 1: each thread computes OPT consecutive outputs of
 //    one row (of two rows for stride 2) from register row buffers (input reuse through registers and L1),
-//    weights in registers;
+//    weights in registers; stride 2 with "same" padding on 7x7 and 14x14 planes: whole planes staged in shared
+//    memory by 16-byte copies, one output row per lane (dw_fwd_nchw_staged);
 //  * forward, channels_last, same geometries, C % 4 == 0: 4-channel vectors, OPT outputs of a row per thread;
 //  * forward, any other case: generic kernel, one output per thread, layout-aware order;
 //  * input grad: for stride 1 / dilation 1 it is the forward with the flipped kernel and padding k-1-p (same
@@ -181,6 +182,10 @@ void launch_fwd_nchw_fast(unsigned grid, cudaStream_t stream, const T* x, const 
 // warp owns P consecutive (n, c) planes, whose x span P*SIDE*SIDE elements is a whole number of 16-byte words: it
 // copies them into its shared memory with 16-byte loads (no index math), then each lane computes one output row
 // (HO outputs) of one plane from there and writes it. Needs N*C % P == 0 and a 16-byte aligned x (staged_case).
+// H200 (benchmarks/results/dw_s2_staged_warps_h200.json, each against cuDNN and the register kernel in one run):
+// fp32 1.69-2.32x cuDNN where the register kernel gave 1.34-1.66x, bf16 1.82-2.72x (1.39-1.74x); 2, 4 or 8 warps
+// per block within 0.0002 ms of each other except 8 on 7x7 planes (slower); 4 it is.
+constexpr int kStagedWarps = 4;
 template <int SIDE>
 constexpr int kStagedHo = (SIDE + 1) / 2;  // output side at stride 2 with padding K / 2, K odd
 
@@ -610,13 +615,12 @@ void forward_into(const T* x, const T* w, const T* b, T* y, const Geo& g, bool c
   if (s2_same && (staged_side<T, 7>(g, x) || staged_side<T, 14>(g, x))) {
     with_ks(g, [&](auto Kc, auto) {
       constexpr int K = decltype(Kc)::value;
-      const char* env = std::getenv("COMPRESS_DW_STAGED_WARPS");
-      const int warps = env ? std::atoi(env) : 4;
       auto launch = [&](auto Sidec) {
         constexpr int SIDE = decltype(Sidec)::value;
         const int chunks = (int)((int64_t)g.N * g.C / staged_planes<T, SIDE>());
-        dw_fwd_nchw_staged<T, K, SIDE><<<(unsigned)ck::ceil_div(chunks, warps), warps * 32,
-                                         warps * kStagedWords<T, SIDE> * 16, stream>>>(x, w, b, y, g.C, chunks);
+        dw_fwd_nchw_staged<T, K, SIDE><<<(unsigned)ck::ceil_div(chunks, kStagedWarps), kStagedWarps * 32,
+                                         kStagedWarps * kStagedWords<T, SIDE> * 16, stream>>>(x, w, b, y, g.C,
+                                                                                                chunks);
       };
       if (g.H == 7)
         launch(std::integral_constant<int, 7>{});
