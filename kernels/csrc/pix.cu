@@ -249,58 +249,6 @@ __global__ void __launch_bounds__(kThreads) pix_fwd_nchw_staged(const T* __restr
   warp_store16(reinterpret_cast<uint4*>(y) + (int64_t)chunk * HW, ys4, HW, lane);
 }
 
-// EXPERIMENT: PL planes per warp, SKIP = no compute (y = x's first sub-plane): bounds for the staged forward.
-template <typename T, int ZETA, int PL, bool SKIP>
-__global__ void __launch_bounds__(kThreads) pix_fwd_nchw_staged_x(const T* __restrict__ x, const T* __restrict__ p,
-                                                                  T* __restrict__ y, int chunks, int HW, float tau) {
-  extern __shared__ uint4 smem[];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int chunk = blockIdx.x * (blockDim.x >> 5) + warp;
-  if (chunk >= chunks) return;
-  constexpr int LPP = 32 / PL;
-  const int xwords = PL * ZETA * HW * (int)sizeof(T) / 16;
-  const int ybytes = PL * HW * (int)sizeof(T);
-  const int ywords = (ybytes + 15) / 16;
-  uint4* xs4 = smem + warp * (xwords + ywords);
-  uint4* ys4 = xs4 + xwords;
-  const int lp = lane / LPP;
-  const float pv = to_f(p[(int64_t)chunk * PL + lp]);
-  ck::warp_copy16<kStageLoads>(xs4, reinterpret_cast<const uint4*>(x) + (int64_t)chunk * xwords, xwords, lane);
-  __syncwarp();
-  T* ys = reinterpret_cast<T*>(ys4) + lp * HW;
-  const T* xp = reinterpret_cast<const T*>(xs4) + lp * ZETA * HW;
-  const bool use_max = pv < tau;
-  int i = lane % LPP;
-  if (SKIP) {
-    for (; i < HW; i += LPP) ys[i] = xp[i];
-  } else {
-    for (; i + 3 * LPP < HW; i += 4 * LPP) {
-      float v[4][ZETA];
-#pragma unroll
-      for (int u = 0; u < 4; ++u)
-#pragma unroll
-        for (int k = 0; k < ZETA; ++k) v[u][k] = to_f(xp[k * HW + i + LPP * u]);
-#pragma unroll
-      for (int u = 0; u < 4; ++u) ys[i + LPP * u] = from_f<T>(fuse_group<ZETA>(v[u], use_max, pv));
-    }
-    for (; i < HW; i += LPP) {
-      float v[ZETA];
-#pragma unroll
-      for (int k = 0; k < ZETA; ++k) v[k] = to_f(xp[k * HW + i]);
-      ys[i] = from_f<T>(fuse_group<ZETA>(v, use_max, pv));
-    }
-  }
-  __syncwarp();
-  if (ybytes % 16 == 0) {
-    warp_store16(reinterpret_cast<uint4*>(y) + (int64_t)chunk * ywords, ys4, ywords, lane);
-  } else {
-    const int n8 = ybytes / 8;
-    uint2* dst = reinterpret_cast<uint2*>(y) + (int64_t)chunk * n8;
-    const uint2* src = reinterpret_cast<const uint2*>(ys4);
-    for (int j = lane; j < n8; j += 32) dst[j] = src[j];
-  }
-}
-
 template <typename T, int ZETA, int MODE>
 __global__ void __launch_bounds__(kThreads) pix_bwd_nchw_staged(const T* __restrict__ dy, const T* __restrict__ x,
                                                                 const T* __restrict__ p,
@@ -699,22 +647,6 @@ at::Tensor pix_forward(const at::Tensor& x, const at::Tensor& p, int64_t zeta, d
           const int planes = (int)(B * G);
           if constexpr (ZV > 0) {
             if (stage_ok<scalar_t, VV, ZV>(planes, HW, {xp, yp})) {
-              const char* xe = std::getenv("COMPRESS_PIX_STAGE_EXP");
-              if (xe && xe[0]) {
-                auto go = [&](auto PLc, auto SKc) {
-                  constexpr int PL = decltype(PLc)::value;
-                  const int ch = planes / PL;
-                  const int words = (int)(PL * ZV * HW * sizeof(scalar_t) / 16 + (PL * HW * sizeof(scalar_t) + 15) / 16);
-                  pix_fwd_nchw_staged_x<scalar_t, ZV, PL, decltype(SKc)::value>
-                      <<<(unsigned)ck::ceil_div(ch, kStageWarps), kThreads, (size_t)kStageWarps * words * 16, stream>>>(
-                          xp, pp, yp, ch, (int)HW, ftau);
-                };
-                if (xe[0] == '4') go(std::integral_constant<int, 4>{}, std::false_type{});
-                else if (xe[0] == 'a') go(std::integral_constant<int, 4>{}, std::true_type{});
-                else go(std::integral_constant<int, 8>{}, std::true_type{});
-                C10_CUDA_KERNEL_LAUNCH_CHECK();
-                return;
-              }
               const int chunks = planes / kStagePlanes;
               pix_fwd_nchw_staged<scalar_t, ZV><<<(unsigned)ck::ceil_div(chunks, kStageWarps), kThreads,
                                                   stage_bytes<ZV>(HW), stream>>>(xp, pp, yp, chunks, (int)HW, ftau);
