@@ -282,6 +282,12 @@ def _pow2(v: int, lo: int, hi: int) -> int:
 SMALL_PIXELS = 16384  # output pixels up to which a wide layer takes the DENSE route with the weight kept
 
 
+def _im2col_one_stage(N: int) -> dict:
+    """Route (c) with 128-pixel tiles, 32 columns per step, 4 warps and no software pipelining (plain loads,
+    cached in L1): the config of 5-8-channel 16-bit layers and of larger 33-40-channel grids (default_config)."""
+    return dict(BLOCK_M=128, BLOCK_N=_pow2(N, 16, 64), BLOCK_K=32, CHUNK=16, num_warps=4, num_stages=1, IM2COL=True)
+
+
 def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_given: bool = False,
                    pixels: int | None = None) -> dict:
     """Heuristic tile choice (tuned in benchmarks/stripe_gpu.py). ``dense_given``: the caller passes the dense
@@ -310,8 +316,7 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_giv
         # 5-8 channels in 16-bit types: route (c) too, 32 columns per step, 4 warps, no software pipelining
         # (L1-cached plain loads): 8 -> 16 channels at 32x32 (batch 256, H200) 0.0125 ms against 0.0205 for route
         # (a), whose 16-channel steps are half padding, and 0.0186 pipelined (stripe_narrow_stages_h200.json)
-        return dict(BLOCK_M=128, BLOCK_N=_pow2(N, 16, 64), BLOCK_K=32, CHUNK=16, num_warps=4, num_stages=1,
-                    IM2COL=True)
+        return _im2col_one_stage(N)
     if dense_given and 16 < C <= 64:
         # route (c) also for 17-64 channels: it pads the channels less than a per-offset tile does (40 channels:
         # 384 of 360 columns against 9 x 64). On an H200 (channels_last, benchmarks/stripe_stem_gpu.py --narrow) it
@@ -337,8 +342,7 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_giv
             # (batch 256) took 0.0567 ms against 0.0636 for the 3-stage default (stripe_narrow_stages_h200.json),
             # with its pool in the model 0.0583 ms against 0.0606-0.0607 in earlier runs
             # (stripe_models_gpu_h200_vgg_k32.json against _session11_final.json and _session10.json)
-            return dict(BLOCK_M=128, BLOCK_N=_pow2(N, 16, 64), BLOCK_K=32, CHUNK=16, num_warps=4, num_stages=1,
-                        IM2COL=True)
+            return _im2col_one_stage(N)
         return dict(BLOCK_M=128, BLOCK_N=_pow2(N, 16, 64), BLOCK_K=32 if C <= 32 else 64, CHUNK=16,
                     num_warps=4 if one_stage else (8 if C <= 32 else 4), num_stages=1 if one_stage else 3,
                     IM2COL=True)
