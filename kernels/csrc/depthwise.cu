@@ -674,27 +674,15 @@ void forward_into(const T* x, const T* w, const T* b, T* y, const Geo& g, bool c
     });
   } else if (nhwc_case(g, cl) && ck::aligned(x, 4 * sizeof(T)) && ck::aligned(w, 4 * sizeof(T)) &&
              ck::aligned(y, 4 * sizeof(T)) && (b == nullptr || ck::aligned(b, 4 * sizeof(T)))) {
-    const char* venv = std::getenv("COMPRESS_DW_CL_V");  // EXPERIMENT: "8" or "8o2" (16-bit types, C % 8 == 0)
-    const bool v8 = sizeof(T) == 2 && g.C % 8 == 0 && ck::aligned(x, 16) && ck::aligned(w, 16) && ck::aligned(y, 16) &&
-                    (b == nullptr || ck::aligned(b, 16)) && venv && venv[0] == '8';
-    const bool o2 = v8 && venv[1] == 'o';
+    constexpr int V = 4;
     with_ks(g, [&](auto Kc, auto Sc) {
       constexpr int K = decltype(Kc)::value, S = decltype(Sc)::value;
-      auto go = [&](auto Vc, auto Oc) {
-        constexpr int V = decltype(Vc)::value, OPT = decltype(Oc)::value;
-        const int wchunks = (int)ck::ceil_div(g.Wo, OPT);
-        const int CV = g.C / V;
-        const int total = g.N * g.Ho * wchunks * CV;
-        dw_fwd_nhwc<T, K, S, OPT, V><<<ck::grid_for(total, kThreads, 16), kThreads, 0, stream>>>(x, w, b, y, g, CV,
-                                                                                                wchunks, total);
-      };
       constexpr int OPT = S == 1 ? 4 : 2;
-      if (v8 && o2)
-        go(std::integral_constant<int, 8>{}, std::integral_constant<int, OPT / 2>{});
-      else if (v8)
-        go(std::integral_constant<int, 8>{}, std::integral_constant<int, OPT>{});
-      else
-        go(std::integral_constant<int, 4>{}, std::integral_constant<int, OPT>{});
+      const int wchunks = (int)ck::ceil_div(g.Wo, OPT);
+      const int CV = g.C / V;
+      const int total = g.N * g.Ho * wchunks * CV;
+      dw_fwd_nhwc<T, K, S, OPT, V><<<ck::grid_for(total, kThreads, 16), kThreads, 0, stream>>>(x, w, b, y, g, CV,
+                                                                                              wchunks, total);
     });
   } else {
     const int total = g.N * g.C * g.Ho * g.Wo;
