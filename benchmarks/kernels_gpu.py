@@ -350,12 +350,17 @@ def bench_depthwise(bw):
                 extra["kernel_fwd_speedup"] = ref / extra["kernel_fwd_ms"]
                 extra["kernel_fwd_bwd_speedup"] = ref_fb / extra["kernel_fwd_bwd_ms"]
             if s == 2 and layout == "nchw":  # A/B: register kernel without vector loads, with one output row per
-                # thread, and without the staged kernel (7x7 and 14x14 planes run it whatever the first two say)
-                for key, var, val in (("fwd_ms_vec_off", "COMPRESS_DW_VEC", "0"), ("fwd_ms_rows1", "COMPRESS_DW_ROWS", "1"),
-                                      ("fwd_ms_staged_off", "COMPRESS_DW_STAGED", "0")):
+                # thread (7x7 and 14x14 planes run the staged kernel whatever these say)
+                for key, var, val in (("fwd_ms_vec_off", "COMPRESS_DW_VEC", "0"), ("fwd_ms_rows1", "COMPRESS_DW_ROWS", "1")):
                     with env(**{var: val}):
                         extra[key] = bench([lambda i=i: kernels.depthwise_conv2d(xs[i], w, None, s, k // 2)
                                             for i in range(n)])
+            if layout == "nchw" and H <= 14:  # forward and forward+backward without the staged kernel
+                with env(COMPRESS_DW_STAGED="0"):
+                    extra["fwd_ms_staged_off"] = bench([lambda i=i: kernels.depthwise_conv2d(xs[i], w, None, s, k // 2)
+                                                        for i in range(n)])
+                    extra["fwd_bwd_ms_staged_off"] = bench([lambda i=i: torch.autograd.grad(
+                        kernels.depthwise_conv2d(xr[i], wr, None, s, k // 2), (xr[i], wr), dys[i]) for i in range(n)])
             row = {"N": N, "C": C, "H": H, "W": H, "k": k, "stride": s, "dtype": str(dtype).replace("torch.", ""),
                    "layout": layout, "fwd_ms": ours, "cudnn_fwd_ms": ref, "cudnn_fwd_ms_bench_off_on": ref_both,
                    "fwd_bwd_ms": ours_fb, "cudnn_fwd_bwd_ms": ref_fb, "cudnn_fwd_bwd_ms_bench_off_on": ref_fb_both,
@@ -366,8 +371,9 @@ def bench_depthwise(bw):
                   f"{ref / ours:5.2f} | {ours_fb:7.4f} {ref_fb:7.4f} {ref_fb / ours_fb:5.2f}"
                   + (f" | kernel {extra['kernel_fwd_ms']:.4f} {extra['kernel_fwd_bwd_ms']:.4f}" if extra.get("kernel_fwd_ms") else "")
                   + (f" | vec off {extra['fwd_ms_vec_off']:.4f} 1 row {extra['fwd_ms_rows1']:.4f}"
-                     f" staged off {extra['fwd_ms_staged_off']:.4f}"
-                     if "fwd_ms_vec_off" in extra else ""), flush=True)
+                     if "fwd_ms_vec_off" in extra else "")
+                  + (f" | staged off {extra['fwd_ms_staged_off']:.4f} {extra['fwd_bwd_ms_staged_off']:.4f}"
+                     if "fwd_ms_staged_off" in extra else ""), flush=True)
 
 
 def bench_conv2d():
@@ -413,8 +419,8 @@ def main():
                                 "bytes / the issue's example (0.086 ms for the 64x256x56x56 fp32 forward)",
                        "ab": "depthwise fwd_ms_vec_off: COMPRESS_DW_VEC=0 (no stride-2 vector loads); depthwise "
                              "fwd_ms_rows1: COMPRESS_DW_ROWS=1 (one output row per thread at stride 2); depthwise "
-                             "fwd_ms_staged_off: COMPRESS_DW_STAGED=0 (no staged kernel for 7x7/14x14 planes at stride "
-                             "2; those planes ignore the two variables before); pix nchw "
+                             "fwd_ms_staged_off, fwd_bwd_ms_staged_off: COMPRESS_DW_STAGED=0 (no staged kernel for "
+                             "7x7/14x14 planes; those planes ignore the two variables before); pix nchw "
                              "fwd/bwd_ms_steps*: COMPRESS_PIX_STEPS; pix nchw fwd/bwd_ms_stage_off: COMPRESS_PIX_STAGE=0 "
                              "(no warp-staged kernels for odd planes); pix cl bwd_ms_direct_off: "
                              "COMPRESS_PIX_CL_DIRECT=0 (chunk partials + a second launch for dp); pix cl "

@@ -148,18 +148,19 @@ def test_stride2_fast_paths_cuda(cfg, dtype, rows, monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("cfg", [(8, 14, 3), (16, 14, 5), (40, 14, 7), (8, 7, 3), (40, 7, 5), (16, 7, 7)])
+@pytest.mark.parametrize("stride", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("staged", ["1", "0"])
-def test_stride2_staged_small_planes_cuda(cfg, dtype, staged, monkeypatch):
-    """NCHW stride 2, padding k // 2, 7x7 and 14x14 planes (batch 3: whole chunks of 4 or 8 planes): the
-    shared-memory staged forward runs (its kernel is in the profile) and is correct; COMPRESS_DW_STAGED=0 gives
-    the register kernel."""
+def test_staged_small_planes_cuda(cfg, stride, dtype, staged, monkeypatch):
+    """NCHW, padding k // 2, 7x7 and 14x14 planes (batch 3: whole chunks of 2-8 planes): the shared-memory staged
+    forward runs (its kernel is in the profile) and is correct, forward and backward (stride 1's input gradient
+    is the forward with the flipped kernel); COMPRESS_DW_STAGED=0 gives the register kernel."""
     monkeypatch.setenv("COMPRESS_DW_STAGED", staged)
     C, side, k = cfg
-    check("cuda", dtype, "contiguous", (C, side, side, (k, k), 2, k // 2, 1), B=3)
+    check("cuda", dtype, "contiguous", (C, side, side, (k, k), stride, k // 2, 1), B=3)
     x, w, b = make(C, side, side, (k, k), "cuda", dtype, B=3)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        kernels.depthwise_conv2d(x, w, b, 2, k // 2)
+        kernels.depthwise_conv2d(x, w, b, stride, k // 2)
         torch.cuda.synchronize()
     names = " ".join(e.name for e in prof.events())
     assert ("dw_fwd_nchw_staged" in names) == (staged == "1"), names

@@ -1,8 +1,8 @@
 // Depthwise 2-D convolution (groups == channels), forward and backward (CUDA), fp32 accumulation.
 //  * forward, NCHW, square kernel 3/5/7, stride 1/2, dilation 1: each thread computes OPT consecutive outputs of
 //    one row (of two rows for stride 2) from register row buffers (input reuse through registers and L1),
-//    weights in registers; stride 2 with "same" padding on 7x7 and 14x14 planes: whole planes staged in shared
-//    memory by 16-byte copies, one output row per lane (dw_fwd_nchw_staged);
+//    weights in registers; "same" padding on 7x7 and 14x14 planes: whole planes staged in shared memory by
+//    16-byte copies, a lane per output row (dw_fwd_nchw_staged);
 //  * forward, channels_last, same geometries, C % 4 == 0: 4-channel vectors, OPT outputs of a row per thread;
 //  * forward, any other case: generic kernel, one output per thread, layout-aware order;
 //  * input grad: for stride 1 / dilation 1 it is the forward with the flipped kernel and padding k-1-p (same
@@ -177,74 +177,75 @@ void launch_fwd_nchw_fast(unsigned grid, cudaStream_t stream, const T* x, const 
 }
 
 // ------------------------------------------------------------------------------- staged NCHW forward, small planes
-// Stride 2, "same" padding (K / 2), square planes of SIDE = 7 or 14 (the last stages of MobileNet/EfficientNet):
-// there every row segment of the register kernel touches a row's end, and 7-column rows allow no vectors. Here a
-// warp owns P consecutive (n, c) planes, whose x span P*SIDE*SIDE elements is a whole number of 16-byte words: it
-// copies them into its shared memory with 16-byte loads (no index math), then each lane computes one output row
-// (HO outputs) of one plane from there and writes it. Needs N*C % P == 0 and a 16-byte aligned x (staged_case).
+// "Same" padding (K / 2), stride S = 1 or 2, square planes of SIDE = 7 or 14 (the last stages of
+// MobileNet/EfficientNet): there every row segment of the register kernel touches a row's end, and 7-column rows
+// allow no vectors. Here a warp owns P consecutive (n, c) planes, whose x span P*SIDE*SIDE elements is a whole
+// number of 16-byte words: it copies them into its shared memory with 16-byte loads (no index math), then each
+// lane computes whole output rows (HO outputs) of one plane from there and writes them. Needs N*C % P == 0 and a
+// 16-byte aligned x (staged_side).
 // H200 (benchmarks/results/dw_s2_staged_warps_h200.json, each against cuDNN and the register kernel in one run):
-// fp32 1.69-2.32x cuDNN where the register kernel gave 1.34-1.66x, bf16 1.82-2.72x (1.39-1.74x); 2, 4 or 8 warps
-// per block within 0.0002 ms of each other except 8 on 7x7 planes (slower); 4 it is.
+// stride 2, fp32 1.69-2.32x cuDNN where the register kernel gave 1.34-1.66x, bf16 1.82-2.72x (1.39-1.74x); 2, 4
+// or 8 warps per block within 0.0002 ms of each other except 8 on 7x7 planes (slower); 4 it is.
 constexpr int kStagedWarps = 4;
-template <int SIDE>
-constexpr int kStagedHo = (SIDE + 1) / 2;  // output side at stride 2 with padding K / 2, K odd
+template <int S, int SIDE>
+constexpr int kStagedHo = S == 2 ? (SIDE + 1) / 2 : SIDE;  // output side with padding K / 2, K odd
 
-// Planes per warp: the most whose output rows fit in 32 lanes and whose x span is whole 16-byte words.
-template <typename T, int SIDE>
+// Planes per warp: the fewest that give about a warp of output rows (>= 28) and whose x span is whole 16-byte
+// words (bf16 7x7 at stride 1: 8 planes, 56 rows, two per lane for most lanes).
+template <typename T, int S, int SIDE>
 constexpr int staged_planes() {
-  int p = 32 / kStagedHo<SIDE>;
-  while (p > 0 && (p * SIDE * SIDE * (int)sizeof(T)) % 16 != 0) --p;
+  int p = 1;
+  while (p * kStagedHo<S, SIDE> < 28 || (p * SIDE * SIDE * (int)sizeof(T)) % 16 != 0) ++p;
   return p;
 }
 
-template <typename T, int SIDE>
-constexpr int kStagedWords = staged_planes<T, SIDE>() * SIDE * SIDE * (int)sizeof(T) / 16;  // per warp
+template <typename T, int S, int SIDE>
+constexpr int kStagedWords = staged_planes<T, S, SIDE>() * SIDE * SIDE * (int)sizeof(T) / 16;  // per warp
 
-template <typename T, int K, int SIDE>
+template <typename T, int K, int S, int SIDE>
 __global__ void __launch_bounds__(kThreads) dw_fwd_nchw_staged(const T* __restrict__ x, const T* __restrict__ w,
                                                                const T* __restrict__ bias, T* __restrict__ y, int C,
                                                                int chunks) {
-  constexpr int P = staged_planes<T, SIDE>(), HO = kStagedHo<SIDE>, WORDS = kStagedWords<T, SIDE>, PAD = K / 2;
-  constexpr int RW = 2 * (HO - 1) + K;  // input columns -PAD .. RW - 1 - PAD of a row
-  static_assert(P > 0, "no plane count gives 16-byte words");
+  constexpr int P = staged_planes<T, S, SIDE>(), HO = kStagedHo<S, SIDE>, WORDS = kStagedWords<T, S, SIDE>;
+  constexpr int PAD = K / 2, RW = S * (HO - 1) + K;  // input columns -PAD .. RW - 1 - PAD of a row
   extern __shared__ uint4 smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int chunk = blockIdx.x * (blockDim.x >> 5) + warp;
   if (chunk >= chunks) return;  // whole warps
   uint4* xs4 = smem + warp * WORDS;
-  const int p = lane / HO, oh = lane - p * HO;
-  const bool active = p < P;
-  const int plane = chunk * P + (active ? p : 0);
-  const int c = plane % C;
-  float wr[K * K];  // issued before the copy: their latency overlaps it
-#pragma unroll
-  for (int i = 0; i < K * K; ++i) wr[i] = to_f(w[c * K * K + i]);
-  const float b0 = bias ? to_f(bias[c]) : 0.f;
   ck::warp_copy16<8>(xs4, reinterpret_cast<const uint4*>(x) + (int64_t)chunk * WORDS, WORDS, lane);
   __syncwarp();
-  if (!active) return;
-  const T* xp = reinterpret_cast<const T*>(xs4) + p * SIDE * SIDE;
-  float acc[HO];
+  for (int row = lane; row < P * HO; row += 32) {
+    const int p = row / HO, oh = row - p * HO;
+    const int plane = chunk * P + p;
+    const int c = plane % C;
+    float wr[K * K];
 #pragma unroll
-  for (int o = 0; o < HO; ++o) acc[o] = b0;
+    for (int i = 0; i < K * K; ++i) wr[i] = to_f(w[c * K * K + i]);
+    const float b0 = bias ? to_f(bias[c]) : 0.f;
+    const T* xp = reinterpret_cast<const T*>(xs4) + p * SIDE * SIDE;
+    float acc[HO];
 #pragma unroll
-  for (int kh = 0; kh < K; ++kh) {
-    const int hi = 2 * oh - PAD + kh;
-    if (hi < 0 || hi >= SIDE) continue;
-    float r[RW];
+    for (int o = 0; o < HO; ++o) acc[o] = b0;
 #pragma unroll
-    for (int j = 0; j < RW; ++j) {
-      const int col = j - PAD;  // compile-time after unrolling
-      r[j] = col >= 0 && col < SIDE ? to_f(xp[hi * SIDE + col]) : 0.f;
+    for (int kh = 0; kh < K; ++kh) {
+      const int hi = S * oh - PAD + kh;
+      if (hi < 0 || hi >= SIDE) continue;
+      float r[RW];
+#pragma unroll
+      for (int j = 0; j < RW; ++j) {
+        const int col = j - PAD;  // compile-time after unrolling
+        r[j] = col >= 0 && col < SIDE ? to_f(xp[hi * SIDE + col]) : 0.f;
+      }
+#pragma unroll
+      for (int o = 0; o < HO; ++o)
+#pragma unroll
+        for (int kw = 0; kw < K; ++kw) acc[o] = fmaf(wr[kh * K + kw], r[S * o + kw], acc[o]);
     }
+    T* yp = y + ((int64_t)plane * HO + oh) * HO;
 #pragma unroll
-    for (int o = 0; o < HO; ++o)
-#pragma unroll
-      for (int kw = 0; kw < K; ++kw) acc[o] = fmaf(wr[kh * K + kw], r[2 * o + kw], acc[o]);
+    for (int o = 0; o < HO; ++o) yp[o] = from_f<T>(acc[o]);
   }
-  T* yp = y + ((int64_t)plane * HO + oh) * HO;
-#pragma unroll
-  for (int o = 0; o < HO; ++o) yp[o] = from_f<T>(acc[o]);
 }
 
 // ------------------------------------------------------------------------------- channels_last forward
@@ -582,12 +583,12 @@ bool fast_case(const Geo& g, bool cl) {
          (g.KH == 3 || g.KH == 5 || g.KH == 7);
 }
 
-// The staged kernel's calls: stride 2, padding K / 2, square 7x7 or 14x14 planes, whole chunks of planes, a
-// 16-byte aligned x; COMPRESS_DW_STAGED=0 turns it off (A/B runs).
-template <typename T, int SIDE>
+// The staged kernel's calls: padding K / 2 (stride 1 or 2, fast_case), square 7x7 or 14x14 planes, whole chunks
+// of planes, a 16-byte aligned x; COMPRESS_DW_STAGED=0 turns it off (A/B runs).
+template <typename T, int S, int SIDE>
 bool staged_side(const Geo& g, const void* x) {
   const char* env = std::getenv("COMPRESS_DW_STAGED");
-  return g.H == SIDE && g.W == SIDE && (int64_t)g.N * g.C % staged_planes<T, SIDE>() == 0 && ck::aligned(x, 16) &&
+  return g.H == SIDE && g.W == SIDE && (int64_t)g.N * g.C % staged_planes<T, S, SIDE>() == 0 && ck::aligned(x, 16) &&
          !(env && env[0] == '0');
 }
 
@@ -608,26 +609,36 @@ void with_ks(const Geo& g, F&& f) {  // f(K, S) as integral constants, for fast_
   return f(std::integral_constant<int, 7>{}, std::integral_constant<int, 2>{});
 }
 
+// The staged kernel, where it takes the call (staged_side); returns whether it launched.
+template <typename T>
+bool forward_staged(const T* x, const T* w, const T* b, T* y, const Geo& g, bool cl, cudaStream_t stream) {
+  if (!fast_case(g, cl) || g.ph != g.KH / 2 || g.pw != g.KW / 2) return false;
+  bool launched = false;
+  with_ks(g, [&](auto Kc, auto Sc) {
+    constexpr int K = decltype(Kc)::value, S = decltype(Sc)::value;
+    auto launch = [&](auto Sidec) {
+      constexpr int SIDE = decltype(Sidec)::value;
+      if (launched || !staged_side<T, S, SIDE>(g, x)) return;
+      const int chunks = (int)((int64_t)g.N * g.C / staged_planes<T, S, SIDE>());
+      dw_fwd_nchw_staged<T, K, S, SIDE><<<(unsigned)ck::ceil_div(chunks, kStagedWarps), kStagedWarps * 32,
+                                          kStagedWarps * kStagedWords<T, S, SIDE> * 16, stream>>>(x, w, b, y, g.C,
+                                                                                                 chunks);
+      launched = true;
+    };
+    launch(std::integral_constant<int, 7>{});
+    launch(std::integral_constant<int, 14>{});
+  });
+  return launched;
+}
+
 // y = depthwise(x, w) (+ bias). w: contiguous (C, KK) for NCHW, transposed (KK, C) for channels_last.
 template <typename T>
 void forward_into(const T* x, const T* w, const T* b, T* y, const Geo& g, bool cl, cudaStream_t stream) {
-  const bool s2_same = fast_case(g, cl) && g.sh == 2 && g.ph == g.KH / 2 && g.pw == g.KW / 2;
-  if (s2_same && (staged_side<T, 7>(g, x) || staged_side<T, 14>(g, x))) {
-    with_ks(g, [&](auto Kc, auto) {
-      constexpr int K = decltype(Kc)::value;
-      auto launch = [&](auto Sidec) {
-        constexpr int SIDE = decltype(Sidec)::value;
-        const int chunks = (int)((int64_t)g.N * g.C / staged_planes<T, SIDE>());
-        dw_fwd_nchw_staged<T, K, SIDE><<<(unsigned)ck::ceil_div(chunks, kStagedWarps), kStagedWarps * 32,
-                                         kStagedWarps * kStagedWords<T, SIDE> * 16, stream>>>(x, w, b, y, g.C,
-                                                                                                chunks);
-      };
-      if (g.H == 7)
-        launch(std::integral_constant<int, 7>{});
-      else
-        launch(std::integral_constant<int, 14>{});
-    });
-  } else if (fast_case(g, cl)) {
+  if (forward_staged(x, w, b, y, g, cl, stream)) {
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
+  if (fast_case(g, cl)) {
     with_ks(g, [&](auto Kc, auto Sc) {
       constexpr int K = decltype(Kc)::value, S = decltype(Sc)::value;
       // Stride 2, K >= 5: two output rows per thread (the K*K weights and the shared input rows loaded once for
