@@ -53,6 +53,12 @@ __device__ __forceinline__ void warp_copy16(uint4* dst, const uint4* __restrict_
   }
 }
 
+// n words of type W (uint2, uint4) from shared src to global dst with one warp, lanes strided (coalesced).
+template <typename W>
+__device__ __forceinline__ void warp_store(W* __restrict__ dst, const W* src, int n, int lane) {
+  for (int i = lane; i < n; i += 32) dst[i] = src[i];
+}
+
 }  // namespace ck
 
 // float32 / float16 / bfloat16 only (float64 takes the PyTorch path in Python).

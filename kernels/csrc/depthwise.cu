@@ -181,8 +181,8 @@ void launch_fwd_nchw_fast(unsigned grid, cudaStream_t stream, const T* x, const 
 // MobileNet/EfficientNet): there every row segment of the register kernel touches a row's end, and 7-column rows
 // allow no vectors. Here a warp owns P consecutive (n, c) planes, whose x span P*SIDE*SIDE elements is a whole
 // number of 16-byte words: it copies them into its shared memory with 16-byte loads (no index math), then each
-// lane computes whole output rows (HO outputs) of one plane from there and writes them. Needs N*C % P == 0 and a
-// 16-byte aligned x (staged_side).
+// lane computes whole output rows (HO outputs) of one plane from there into shared memory, and the warp writes
+// the chunk's outputs with 8- or 16-byte stores. Needs N*C % P == 0 and 16-byte aligned x and y (staged_side).
 // H200 (benchmarks/results/dw_s2_staged_warps_h200.json, each against cuDNN and the register kernel in one run):
 // stride 2, fp32 1.69-2.32x cuDNN where the register kernel gave 1.34-1.66x, bf16 1.82-2.72x (1.39-1.74x); 2, 4
 // or 8 warps per block within 0.0002 ms of each other except 8 on 7x7 planes (slower); 4 it is.
@@ -199,21 +199,30 @@ constexpr int staged_planes() {
   return p;
 }
 
+// Per warp, in 16-byte words: the chunk's x, then its y (P*HO*HO outputs, a multiple of 8 bytes for every
+// instantiation: written back with 16-byte stores when a multiple of 16, else 8-byte ones).
 template <typename T, int S, int SIDE>
-constexpr int kStagedWords = staged_planes<T, S, SIDE>() * SIDE * SIDE * (int)sizeof(T) / 16;  // per warp
+constexpr int kStagedXWords = staged_planes<T, S, SIDE>() * SIDE * SIDE * (int)sizeof(T) / 16;
+template <typename T, int S, int SIDE>
+constexpr int kStagedYBytes = staged_planes<T, S, SIDE>() * kStagedHo<S, SIDE> * kStagedHo<S, SIDE> * (int)sizeof(T);
+template <typename T, int S, int SIDE>
+constexpr int kStagedWords = kStagedXWords<T, S, SIDE> + (kStagedYBytes<T, S, SIDE> + 15) / 16;
 
 template <typename T, int K, int S, int SIDE>
 __global__ void __launch_bounds__(kThreads) dw_fwd_nchw_staged(const T* __restrict__ x, const T* __restrict__ w,
                                                                const T* __restrict__ bias, T* __restrict__ y, int C,
                                                                int chunks) {
-  constexpr int P = staged_planes<T, S, SIDE>(), HO = kStagedHo<S, SIDE>, WORDS = kStagedWords<T, S, SIDE>;
+  constexpr int P = staged_planes<T, S, SIDE>(), HO = kStagedHo<S, SIDE>, XWORDS = kStagedXWords<T, S, SIDE>;
+  constexpr int YBYTES = kStagedYBytes<T, S, SIDE>;
   constexpr int PAD = K / 2, RW = S * (HO - 1) + K;  // input columns -PAD .. RW - 1 - PAD of a row
+  static_assert(YBYTES % 8 == 0, "outputs of a chunk must be whole 8-byte words");
   extern __shared__ uint4 smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int chunk = blockIdx.x * (blockDim.x >> 5) + warp;
   if (chunk >= chunks) return;  // whole warps
-  uint4* xs4 = smem + warp * WORDS;
-  ck::warp_copy16<8>(xs4, reinterpret_cast<const uint4*>(x) + (int64_t)chunk * WORDS, WORDS, lane);
+  uint4* xs4 = smem + warp * kStagedWords<T, S, SIDE>;
+  T* ys = reinterpret_cast<T*>(xs4 + XWORDS);
+  ck::warp_copy16<8>(xs4, reinterpret_cast<const uint4*>(x) + (int64_t)chunk * XWORDS, XWORDS, lane);
   __syncwarp();
   for (int row = lane; row < P * HO; row += 32) {
     const int p = row / HO, oh = row - p * HO;
@@ -242,10 +251,18 @@ __global__ void __launch_bounds__(kThreads) dw_fwd_nchw_staged(const T* __restri
 #pragma unroll
         for (int kw = 0; kw < K; ++kw) acc[o] = fmaf(wr[kh * K + kw], r[S * o + kw], acc[o]);
     }
-    T* yp = y + ((int64_t)plane * HO + oh) * HO;
 #pragma unroll
-    for (int o = 0; o < HO; ++o) yp[o] = from_f<T>(acc[o]);
+    for (int o = 0; o < HO; ++o) ys[row * HO + o] = from_f<T>(acc[o]);
   }
+  __syncwarp();
+  // stores of each lane's own row were 4-byte writes 4*HO bytes apart: 1.4x slower at stride 1, 14x14
+  // (dw_staged_s1_h200.json against dw_staged_s1_ystage_h200.json)
+  if constexpr (YBYTES % 16 == 0)
+    ck::warp_store(reinterpret_cast<uint4*>(y) + (int64_t)chunk * (YBYTES / 16), reinterpret_cast<const uint4*>(ys),
+               YBYTES / 16, lane);
+  else
+    ck::warp_store(reinterpret_cast<uint2*>(y) + (int64_t)chunk * (YBYTES / 8), reinterpret_cast<const uint2*>(ys),
+               YBYTES / 8, lane);
 }
 
 // ------------------------------------------------------------------------------- channels_last forward
@@ -584,12 +601,12 @@ bool fast_case(const Geo& g, bool cl) {
 }
 
 // The staged kernel's calls: padding K / 2 (stride 1 or 2, fast_case), square 7x7 or 14x14 planes, whole chunks
-// of planes, a 16-byte aligned x; COMPRESS_DW_STAGED=0 turns it off (A/B runs).
+// of planes, 16-byte aligned x and y; COMPRESS_DW_STAGED=0 turns it off (A/B runs).
 template <typename T, int S, int SIDE>
-bool staged_side(const Geo& g, const void* x) {
+bool staged_side(const Geo& g, const void* x, const void* y) {
   const char* env = std::getenv("COMPRESS_DW_STAGED");
   return g.H == SIDE && g.W == SIDE && (int64_t)g.N * g.C % staged_planes<T, S, SIDE>() == 0 && ck::aligned(x, 16) &&
-         !(env && env[0] == '0');
+         ck::aligned(y, 16) && !(env && env[0] == '0');
 }
 
 // channels_last fast forward: same geometries as fast_case, channels a multiple of the 4-channel vector.
@@ -618,7 +635,7 @@ bool forward_staged(const T* x, const T* w, const T* b, T* y, const Geo& g, bool
     constexpr int K = decltype(Kc)::value, S = decltype(Sc)::value;
     auto launch = [&](auto Sidec) {
       constexpr int SIDE = decltype(Sidec)::value;
-      if (launched || !staged_side<T, S, SIDE>(g, x)) return;
+      if (launched || !staged_side<T, S, SIDE>(g, x, y)) return;
       const int chunks = (int)((int64_t)g.N * g.C / staged_planes<T, S, SIDE>());
       dw_fwd_nchw_staged<T, K, S, SIDE><<<(unsigned)ck::ceil_div(chunks, kStagedWarps), kStagedWarps * 32,
                                           kStagedWarps * kStagedWords<T, S, SIDE> * 16, stream>>>(x, w, b, y, g.C,

@@ -187,10 +187,6 @@ constexpr int kStagePlanes = 8;
 constexpr int kStageLoads = 8;
 constexpr int kStageWarps = kThreads / 32;
 
-__device__ __forceinline__ void warp_store16(uint4* __restrict__ dst, const uint4* src, int n, int lane) {
-  for (int i = lane; i < n; i += 32) dst[i] = src[i];
-}
-
 // Shared memory of one warp, in 16-byte words: x (ZETA*HW) then y or dy (HW).
 template <int ZETA>
 constexpr int stage_words(int HW) { return ZETA * HW + HW; }
@@ -246,7 +242,7 @@ __global__ void __launch_bounds__(kThreads) pix_fwd_nchw_staged(const T* __restr
     ys[i] = from_f<T>(fuse_group<ZETA>(v, use_max, pv));
   }
   __syncwarp();
-  warp_store16(reinterpret_cast<uint4*>(y) + (int64_t)chunk * HW, ys4, HW, lane);
+  ck::warp_store(reinterpret_cast<uint4*>(y) + (int64_t)chunk * HW, ys4, HW, lane);
 }
 
 template <typename T, int ZETA, int MODE>
@@ -299,7 +295,7 @@ __global__ void __launch_bounds__(kThreads) pix_bwd_nchw_staged(const T* __restr
   }
   if (MODE == kDp) return;
   __syncwarp();
-  warp_store16(reinterpret_cast<uint4*>(dx) + (int64_t)chunk * ZETA * HW, xs4, ZETA * HW, lane);
+  ck::warp_store(reinterpret_cast<uint4*>(dx) + (int64_t)chunk * ZETA * HW, xs4, ZETA * HW, lane);
 }
 
 // ---------------------------------------------------------------------------------------- channels_last
