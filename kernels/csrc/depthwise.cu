@@ -644,6 +644,7 @@ bool forward_staged(const T* x, const T* w, const T* b, T* y, const Geo& g, bool
     };
     launch(std::integral_constant<int, 7>{});
     launch(std::integral_constant<int, 14>{});
+    launch(std::integral_constant<int, 28>{});
   });
   return launched;
 }
