@@ -350,12 +350,12 @@ def bench_depthwise(bw):
                 extra["kernel_fwd_speedup"] = ref / extra["kernel_fwd_ms"]
                 extra["kernel_fwd_bwd_speedup"] = ref_fb / extra["kernel_fwd_bwd_ms"]
             if s == 2 and layout == "nchw":  # A/B: register kernel without vector loads, with one output row per
-                # thread (7x7 and 14x14 planes run the staged kernel whatever these say)
+                # thread (7x7-28x28 planes run the staged kernel whatever these say)
                 for key, var, val in (("fwd_ms_vec_off", "COMPRESS_DW_VEC", "0"), ("fwd_ms_rows1", "COMPRESS_DW_ROWS", "1")):
                     with env(**{var: val}):
                         extra[key] = bench([lambda i=i: kernels.depthwise_conv2d(xs[i], w, None, s, k // 2)
                                             for i in range(n)])
-            if layout == "nchw" and H <= 14:  # forward and forward+backward without the staged kernel
+            if layout == "nchw" and H <= 28:  # forward and forward+backward without the staged kernel
                 with env(COMPRESS_DW_STAGED="0"):
                     extra["fwd_ms_staged_off"] = bench([lambda i=i: kernels.depthwise_conv2d(xs[i], w, None, s, k // 2)
                                                         for i in range(n)])
@@ -420,7 +420,7 @@ def main():
                        "ab": "depthwise fwd_ms_vec_off: COMPRESS_DW_VEC=0 (no stride-2 vector loads); depthwise "
                              "fwd_ms_rows1: COMPRESS_DW_ROWS=1 (one output row per thread at stride 2); depthwise "
                              "fwd_ms_staged_off, fwd_bwd_ms_staged_off: COMPRESS_DW_STAGED=0 (no staged kernel for "
-                             "7x7/14x14 planes; those planes ignore the two variables before); pix nchw "
+                             "7x7-28x28 planes; those planes ignore the two variables before); pix nchw "
                              "fwd/bwd_ms_steps*: COMPRESS_PIX_STEPS; pix nchw fwd/bwd_ms_stage_off: COMPRESS_PIX_STAGE=0 "
                              "(no warp-staged kernels for odd planes); pix cl bwd_ms_direct_off: "
                              "COMPRESS_PIX_CL_DIRECT=0 (chunk partials + a second launch for dp); pix cl "

@@ -147,12 +147,13 @@ def test_stride2_fast_paths_cuda(cfg, dtype, rows, monkeypatch):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("cfg", [(8, 14, 3), (16, 14, 5), (40, 14, 7), (8, 7, 3), (40, 7, 5), (16, 7, 7)])
+@pytest.mark.parametrize("cfg", [(8, 14, 3), (16, 14, 5), (40, 14, 7), (8, 7, 3), (40, 7, 5), (16, 7, 7), (8, 28, 3),
+                                 (2, 28, 5), (4, 28, 7)])
 @pytest.mark.parametrize("stride", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("staged", ["1", "0"])
 def test_staged_small_planes_cuda(cfg, stride, dtype, staged, monkeypatch):
-    """NCHW, padding k // 2, 7x7 and 14x14 planes (batch 3: whole chunks of 2-8 planes): the shared-memory staged
+    """NCHW, padding k // 2, 7x7, 14x14 and 28x28 planes (batch 3: whole chunks of 1-8 planes): the shared-memory staged
     forward runs (its kernel is in the profile) and is correct, forward and backward (stride 1's input gradient
     is the forward with the flipped kernel); COMPRESS_DW_STAGED=0 gives the register kernel."""
     monkeypatch.setenv("COMPRESS_DW_STAGED", staged)

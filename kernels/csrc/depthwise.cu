@@ -1,8 +1,8 @@
 // Depthwise 2-D convolution (groups == channels), forward and backward (CUDA), fp32 accumulation.
 //  * forward, NCHW, square kernel 3/5/7, stride 1/2, dilation 1: each thread computes OPT consecutive outputs of
 //    one row (of two rows for stride 2) from register row buffers (input reuse through registers and L1),
-//    weights in registers; "same" padding on 7x7 and 14x14 planes: whole planes staged in shared memory by
-//    16-byte copies, a lane per output row (dw_fwd_nchw_staged);
+//    weights in registers; "same" padding on 7x7, 14x14 and 28x28 planes: whole planes staged in shared memory
+//    by 16-byte copies, a lane per output row, outputs staged too (dw_fwd_nchw_staged);
 //  * forward, channels_last, same geometries, C % 4 == 0: 4-channel vectors, OPT outputs of a row per thread;
 //  * forward, any other case: generic kernel, one output per thread, layout-aware order;
 //  * input grad: for stride 1 / dilation 1 it is the forward with the flipped kernel and padding k-1-p (same
@@ -177,15 +177,18 @@ void launch_fwd_nchw_fast(unsigned grid, cudaStream_t stream, const T* x, const 
 }
 
 // ------------------------------------------------------------------------------- staged NCHW forward, small planes
-// "Same" padding (K / 2), stride S = 1 or 2, square planes of SIDE = 7 or 14 (the last stages of
-// MobileNet/EfficientNet): there every row segment of the register kernel touches a row's end, and 7-column rows
+// "Same" padding (K / 2), stride S = 1 or 2, square planes of SIDE = 7, 14 or 28 (the later stages of
+// MobileNet/EfficientNet): there most row segments of the register kernel touch a row's end, and 7-column rows
 // allow no vectors. Here a warp owns P consecutive (n, c) planes, whose x span P*SIDE*SIDE elements is a whole
 // number of 16-byte words: it copies them into its shared memory with 16-byte loads (no index math), then each
 // lane computes whole output rows (HO outputs) of one plane from there into shared memory, and the warp writes
 // the chunk's outputs with 8- or 16-byte stores. Needs N*C % P == 0 and 16-byte aligned x and y (staged_side).
 // H200 (benchmarks/results/dw_s2_staged_warps_h200.json, each against cuDNN and the register kernel in one run):
 // stride 2, fp32 1.69-2.32x cuDNN where the register kernel gave 1.34-1.66x, bf16 1.82-2.72x (1.39-1.74x); 2, 4
-// or 8 warps per block within 0.0002 ms of each other except 8 on 7x7 planes (slower); 4 it is.
+// or 8 warps per block within 0.0002 ms of each other except 8 on 7x7 planes (slower); 4 it is. Stride 1 and
+// 28x28 planes (dw_staged_s1_{ystage,side28}_h200.json): stride 1 2.61-5.75x (register kernel 1.70-2.15x),
+// stride 2 on 28x28 1.58-2.26x (1.23-1.59x). 56x56 planes would need more than 48 KiB of shared memory per block
+// and 56 accumulators per lane; not tried.
 constexpr int kStagedWarps = 4;
 template <int S, int SIDE>
 constexpr int kStagedHo = S == 2 ? (SIDE + 1) / 2 : SIDE;  // output side with padding K / 2, K odd
@@ -600,7 +603,7 @@ bool fast_case(const Geo& g, bool cl) {
          (g.KH == 3 || g.KH == 5 || g.KH == 7);
 }
 
-// The staged kernel's calls: padding K / 2 (stride 1 or 2, fast_case), square 7x7 or 14x14 planes, whole chunks
+// The staged kernel's calls: padding K / 2 (stride 1 or 2, fast_case), square 7x7, 14x14 or 28x28 planes, whole chunks
 // of planes, 16-byte aligned x and y; COMPRESS_DW_STAGED=0 turns it off (A/B runs).
 template <typename T, int S, int SIDE>
 bool staged_side(const Geo& g, const void* x, const void* y) {
