@@ -272,24 +272,27 @@ __global__ void __launch_bounds__(kThreads) dw_fwd_nchw_staged(const T* __restri
 // ------------------------------------------------------------------------------- staged channels_last forward
 // NHWC, "same" padding (K / 2), stride S = 1 or 2, square planes of SIDE = 7 or 14, C % kClStagedC == 0: a block
 // owns one image and kClStagedC consecutive channels. It copies their SIDE*SIDE positions (kClStagedC channels
-// each: 64-128 contiguous bytes, whole 16-byte words) into shared memory, then each thread computes one output
-// row of one channel from there (threads along channels: shared-memory reads are consecutive words, and each
-// output store of a warp covers 32 consecutive channels of one position).
-constexpr int kClStagedC = 32;
+// each: 32-64 contiguous bytes, whole 16-byte words) into shared memory, each thread computes one output row of
+// one channel from there (threads along channels, so shared-memory reads are consecutive words), the outputs are
+// staged in shared memory and written back as 16-byte words. cuDNN's channels_last depthwise runs 2-9x above the
+// memory floor on those planes in bf16 (kernels_h200_session14_final.json, rows layout cl).
+constexpr int kClStagedC = 16;
 
 template <typename T, int K, int S, int SIDE>
-__global__ void __launch_bounds__(512) dw_fwd_nhwc_staged(const T* __restrict__ x, const T* __restrict__ w,
+__global__ void __launch_bounds__(256) dw_fwd_nhwc_staged(const T* __restrict__ x, const T* __restrict__ w,
                                                           const T* __restrict__ bias, T* __restrict__ y, int C) {
   constexpr int HO = kStagedHo<S, SIDE>, CB = kClStagedC, PAD = K / 2, RW = S * (HO - 1) + K;
-  constexpr int WPP = CB * (int)sizeof(T) / 16;  // 16-byte words per position
-  constexpr int XW = SIDE * SIDE * WPP;           // words of the block's x
-  static_assert(XW * 16 <= 48 * 1024, "a block's stage must fit in 48 KiB");
+  constexpr int WPP = CB * (int)sizeof(T) / 16;           // 16-byte words per position
+  constexpr int XW = SIDE * SIDE * WPP, YW = HO * HO * WPP;  // words of the block's x and y
+  static_assert(CB * sizeof(T) % 16 == 0, "a position's channels must be whole 16-byte words");
+  static_assert((XW + YW) * 16 <= 48 * 1024, "a block's stage must fit in 48 KiB");
   __shared__ uint4 xs4[XW];
+  __shared__ uint4 ys4[YW];
   const int cblocks = C / CB;
   const int n = blockIdx.x / cblocks, c0 = (blockIdx.x - n * cblocks) * CB;
   const int cw = C * (int)sizeof(T) / 16;  // 16-byte words between positions
-  const uint4* xg = reinterpret_cast<const uint4*>(x) + (int64_t)n * SIDE * SIDE * cw + c0 * (int)sizeof(T) / 16;
-  constexpr int LOADS = 8;
+  const uint4* xg = reinterpret_cast<const uint4*>(x) + (int64_t)n * SIDE * SIDE * cw + c0 / (16 / (int)sizeof(T));
+  constexpr int LOADS = 4;
   for (int base = threadIdx.x; base < XW; base += LOADS * blockDim.x) {
     uint4 r[LOADS];
 #pragma unroll
@@ -305,33 +308,37 @@ __global__ void __launch_bounds__(512) dw_fwd_nhwc_staged(const T* __restrict__ 
   }
   __syncthreads();
   const int c = threadIdx.x % CB, oh = threadIdx.x / CB;
-  if (oh >= HO) return;
-  const T* xs = reinterpret_cast<const T*>(xs4);
-  float wr[K * K];
+  if (oh < HO) {
+    const T* xs = reinterpret_cast<const T*>(xs4);
+    float wr[K * K];
 #pragma unroll
-  for (int i = 0; i < K * K; ++i) wr[i] = to_f(w[i * C + c0 + c]);  // (KK, C)
-  const float b0 = bias ? to_f(bias[c0 + c]) : 0.f;
-  float acc[HO];
+    for (int i = 0; i < K * K; ++i) wr[i] = to_f(w[i * C + c0 + c]);  // (KK, C)
+    const float b0 = bias ? to_f(bias[c0 + c]) : 0.f;
+    float acc[HO];
 #pragma unroll
-  for (int o = 0; o < HO; ++o) acc[o] = b0;
+    for (int o = 0; o < HO; ++o) acc[o] = b0;
 #pragma unroll
-  for (int kh = 0; kh < K; ++kh) {
-    const int hi = S * oh - PAD + kh;
-    if (hi < 0 || hi >= SIDE) continue;
-    float r[RW];
+    for (int kh = 0; kh < K; ++kh) {
+      const int hi = S * oh - PAD + kh;
+      if (hi < 0 || hi >= SIDE) continue;
+      float r[RW];
 #pragma unroll
-    for (int j = 0; j < RW; ++j) {
-      const int col = j - PAD;  // compile-time after unrolling
-      r[j] = col >= 0 && col < SIDE ? to_f(xs[(hi * SIDE + col) * CB + c]) : 0.f;
+      for (int j = 0; j < RW; ++j) {
+        const int col = j - PAD;  // compile-time after unrolling
+        r[j] = col >= 0 && col < SIDE ? to_f(xs[(hi * SIDE + col) * CB + c]) : 0.f;
+      }
+#pragma unroll
+      for (int o = 0; o < HO; ++o)
+#pragma unroll
+        for (int kw = 0; kw < K; ++kw) acc[o] = fmaf(wr[kh * K + kw], r[S * o + kw], acc[o]);
     }
+    T* ys = reinterpret_cast<T*>(ys4);
 #pragma unroll
-    for (int o = 0; o < HO; ++o)
-#pragma unroll
-      for (int kw = 0; kw < K; ++kw) acc[o] = fmaf(wr[kh * K + kw], r[S * o + kw], acc[o]);
+    for (int o = 0; o < HO; ++o) ys[(oh * HO + o) * CB + c] = from_f<T>(acc[o]);
   }
-  T* yp = y + (((int64_t)n * HO + oh) * HO) * C + c0 + c;
-#pragma unroll
-  for (int o = 0; o < HO; ++o) yp[(int64_t)o * C] = from_f<T>(acc[o]);
+  __syncthreads();
+  uint4* yg = reinterpret_cast<uint4*>(y) + (int64_t)n * HO * HO * cw + c0 / (16 / (int)sizeof(T));
+  for (int i = threadIdx.x; i < YW; i += blockDim.x) yg[(i / WPP) * cw + i % WPP] = ys4[i];
 }
 
 // ------------------------------------------------------------------------------- channels_last forward
