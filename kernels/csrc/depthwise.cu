@@ -269,78 +269,6 @@ __global__ void __launch_bounds__(kThreads) dw_fwd_nchw_staged(const T* __restri
                YBYTES / 8, lane);
 }
 
-// ------------------------------------------------------------------------------- staged channels_last forward
-// NHWC, "same" padding (K / 2), stride S = 1 or 2, square planes of SIDE = 7 or 14, C % kClStagedC == 0: a block
-// owns one image and kClStagedC consecutive channels. It copies their SIDE*SIDE positions (kClStagedC channels
-// each: 32-64 contiguous bytes, whole 16-byte words) into shared memory, each thread computes one output row of
-// one channel from there (threads along channels, so shared-memory reads are consecutive words), the outputs are
-// staged in shared memory and written back as 16-byte words. cuDNN's channels_last depthwise runs 2-9x above the
-// memory floor on those planes in bf16 (kernels_h200_session14_final.json, rows layout cl).
-constexpr int kClStagedC = 16;
-
-template <typename T, int K, int S, int SIDE>
-__global__ void __launch_bounds__(256) dw_fwd_nhwc_staged(const T* __restrict__ x, const T* __restrict__ w,
-                                                          const T* __restrict__ bias, T* __restrict__ y, int C) {
-  constexpr int HO = kStagedHo<S, SIDE>, CB = kClStagedC, PAD = K / 2, RW = S * (HO - 1) + K;
-  constexpr int WPP = CB * (int)sizeof(T) / 16;           // 16-byte words per position
-  constexpr int XW = SIDE * SIDE * WPP, YW = HO * HO * WPP;  // words of the block's x and y
-  static_assert(CB * sizeof(T) % 16 == 0, "a position's channels must be whole 16-byte words");
-  static_assert((XW + YW) * 16 <= 48 * 1024, "a block's stage must fit in 48 KiB");
-  __shared__ uint4 xs4[XW];
-  __shared__ uint4 ys4[YW];
-  const int cblocks = C / CB;
-  const int n = blockIdx.x / cblocks, c0 = (blockIdx.x - n * cblocks) * CB;
-  const int cw = C * (int)sizeof(T) / 16;  // 16-byte words between positions
-  const uint4* xg = reinterpret_cast<const uint4*>(x) + (int64_t)n * SIDE * SIDE * cw + c0 / (16 / (int)sizeof(T));
-  constexpr int LOADS = 4;
-  for (int base = threadIdx.x; base < XW; base += LOADS * blockDim.x) {
-    uint4 r[LOADS];
-#pragma unroll
-    for (int j = 0; j < LOADS; ++j) {
-      const int i = base + j * blockDim.x;
-      if (i < XW) r[j] = xg[(i / WPP) * cw + i % WPP];
-    }
-#pragma unroll
-    for (int j = 0; j < LOADS; ++j) {
-      const int i = base + j * blockDim.x;
-      if (i < XW) xs4[i] = r[j];
-    }
-  }
-  __syncthreads();
-  const int c = threadIdx.x % CB, oh = threadIdx.x / CB;
-  if (oh < HO) {
-    const T* xs = reinterpret_cast<const T*>(xs4);
-    float wr[K * K];
-#pragma unroll
-    for (int i = 0; i < K * K; ++i) wr[i] = to_f(w[i * C + c0 + c]);  // (KK, C)
-    const float b0 = bias ? to_f(bias[c0 + c]) : 0.f;
-    float acc[HO];
-#pragma unroll
-    for (int o = 0; o < HO; ++o) acc[o] = b0;
-#pragma unroll
-    for (int kh = 0; kh < K; ++kh) {
-      const int hi = S * oh - PAD + kh;
-      if (hi < 0 || hi >= SIDE) continue;
-      float r[RW];
-#pragma unroll
-      for (int j = 0; j < RW; ++j) {
-        const int col = j - PAD;  // compile-time after unrolling
-        r[j] = col >= 0 && col < SIDE ? to_f(xs[(hi * SIDE + col) * CB + c]) : 0.f;
-      }
-#pragma unroll
-      for (int o = 0; o < HO; ++o)
-#pragma unroll
-        for (int kw = 0; kw < K; ++kw) acc[o] = fmaf(wr[kh * K + kw], r[S * o + kw], acc[o]);
-    }
-    T* ys = reinterpret_cast<T*>(ys4);
-#pragma unroll
-    for (int o = 0; o < HO; ++o) ys[(oh * HO + o) * CB + c] = from_f<T>(acc[o]);
-  }
-  __syncthreads();
-  uint4* yg = reinterpret_cast<uint4*>(y) + (int64_t)n * HO * HO * cw + c0 / (16 / (int)sizeof(T));
-  for (int i = threadIdx.x; i < YW; i += blockDim.x) yg[(i / WPP) * cw + i % WPP] = ys4[i];
-}
-
 // ------------------------------------------------------------------------------- channels_last forward
 // NHWC, square K 3/5/7, stride 1/2, dilation 1, C % V == 0: each thread computes OPT consecutive output pixels
 // of one row for V consecutive channels; every load is a V-channel vector (coalesced along C across the warp),
@@ -691,14 +619,6 @@ bool nhwc_case(const Geo& g, bool cl) {
          (g.KH == 3 || g.KH == 5 || g.KH == 7);
 }
 
-// The staged channels_last forward's calls (the Python side sends channels_last forwards here only for these,
-// kernels/depthwise.py _cl_staged): fast_case geometry, padding K / 2, square 7x7 or 14x14 planes,
-// C % kClStagedC == 0.
-bool nhwc_staged_case(const Geo& g, bool cl) {
-  return nhwc_case(g, cl) && g.ph == g.KH / 2 && g.pw == g.KW / 2 && g.H == g.W && (g.H == 7 || g.H == 14) &&
-         g.C % kClStagedC == 0;
-}
-
 template <typename F>
 void with_ks(const Geo& g, F&& f) {  // f(K, S) as integral constants, for fast_case geometries
   const int K = g.KH, S = g.sh;
@@ -784,20 +704,6 @@ void forward_into(const T* x, const T* w, const T* b, T* y, const Geo& g, bool c
         launch(std::integral_constant<int, 2>{});
       else
         launch(std::integral_constant<int, 1>{});
-    });
-  } else if (nhwc_staged_case(g, cl) && ck::aligned(x, 16) && ck::aligned(y, 16)) {
-    with_ks(g, [&](auto Kc, auto Sc) {
-      constexpr int K = decltype(Kc)::value, S = decltype(Sc)::value;
-      auto launch = [&](auto Sidec) {
-        constexpr int SIDE = decltype(Sidec)::value, HO = kStagedHo<S, SIDE>;
-        const int threads = (int)ck::ceil_div(kClStagedC * HO, 32) * 32;
-        dw_fwd_nhwc_staged<T, K, S, SIDE><<<(unsigned)(g.N * (g.C / kClStagedC)), threads, 0, stream>>>(x, w, b, y,
-                                                                                                       g.C);
-      };
-      if (g.H == 7)
-        launch(std::integral_constant<int, 7>{});
-      else
-        launch(std::integral_constant<int, 14>{});
     });
   } else if (nhwc_case(g, cl) && ck::aligned(x, 4 * sizeof(T)) && ck::aligned(w, 4 * sizeof(T)) &&
              ck::aligned(y, 4 * sizeof(T)) && (b == nullptr || ck::aligned(b, 4 * sizeof(T)))) {
