@@ -153,18 +153,21 @@ def test_stride2_fast_paths_cuda(cfg, dtype, rows, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("staged", ["1", "0"])
 def test_staged_small_planes_cuda(cfg, stride, dtype, staged, monkeypatch):
-    """NCHW, padding k // 2, 7x7, 14x14 and 28x28 planes (batch 3: whole chunks of 1-8 planes): the shared-memory staged
-    forward runs (its kernel is in the profile) and is correct, forward and backward (stride 1's input gradient
-    is the forward with the flipped kernel); COMPRESS_DW_STAGED=0 gives the register kernel."""
+    """NCHW, padding k // 2, 7x7, 14x14 and 28x28 planes (batch 3: whole chunks of 1-8 planes): the shared-memory
+    staged forward and weight gradient run (their kernels are in the profile) and are correct, forward and
+    backward (stride 1's input gradient is the forward with the flipped kernel); COMPRESS_DW_STAGED=0 gives the
+    register kernels."""
     monkeypatch.setenv("COMPRESS_DW_STAGED", staged)
     C, side, k = cfg
     check("cuda", dtype, "contiguous", (C, side, side, (k, k), stride, k // 2, 1), B=3)
     x, w, b = make(C, side, side, (k, k), "cuda", dtype, B=3)
+    w.requires_grad_(True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        kernels.depthwise_conv2d(x, w, b, stride, k // 2)
+        kernels.depthwise_conv2d(x, w, b, stride, k // 2).sum().backward()
         torch.cuda.synchronize()
     names = " ".join(e.name for e in prof.events())
-    assert ("dw_fwd_nchw_staged" in names) == (staged == "1"), names
+    for kernel in ("dw_fwd_nchw_staged", "dw_wgrad_nchw_staged"):
+        assert (kernel in names) == (staged == "1"), (kernel, names)
 
 
 @pytest.mark.cuda

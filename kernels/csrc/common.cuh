@@ -34,12 +34,12 @@ inline unsigned int grid_for(int64_t total, int threads, int per_sm = 16) {
 
 inline bool aligned(const void* p, int bytes) { return (reinterpret_cast<uintptr_t>(p) % bytes) == 0; }
 
-// Copy n 16-byte words from global src to shared dst with one warp (lanes strided), LOADS loads in flight per lane
-// before any store. The caller syncs (__syncwarp) before reading dst.
-template <int LOADS>
-__device__ __forceinline__ void warp_copy16(uint4* dst, const uint4* __restrict__ src, int n, int lane) {
+// Copy n words of type W (uint2, uint4) from global src to shared dst with one warp (lanes strided), LOADS loads
+// in flight per lane before any store. The caller syncs (__syncwarp) before reading dst.
+template <int LOADS, typename W>
+__device__ __forceinline__ void warp_copy(W* dst, const W* __restrict__ src, int n, int lane) {
   for (int base = 0; base < n; base += 32 * LOADS) {
-    uint4 r[LOADS];
+    W r[LOADS];
 #pragma unroll
     for (int j = 0; j < LOADS; ++j) {
       const int i = base + j * 32 + lane;

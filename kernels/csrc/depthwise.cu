@@ -226,7 +226,7 @@ __global__ void __launch_bounds__(kThreads) dw_fwd_nchw_staged(const T* __restri
   if (chunk >= chunks) return;  // whole warps
   uint4* xs4 = smem + warp * kStagedWords<T, S, SIDE>;
   T* ys = reinterpret_cast<T*>(xs4 + XWORDS);
-  ck::warp_copy16<8>(xs4, reinterpret_cast<const uint4*>(x) + (int64_t)chunk * XWORDS, XWORDS, lane);
+  ck::warp_copy<8>(xs4, reinterpret_cast<const uint4*>(x) + (int64_t)chunk * XWORDS, XWORDS, lane);
   __syncwarp();
   for (int row = lane; row < P * HO; row += 32) {
     const int p = row / HO, oh = row - p * HO;
@@ -531,6 +531,86 @@ __global__ void __launch_bounds__(kThreads) dw_wgrad_nchw_fast(const T* __restri
   }
 }
 
+// ------------------------------------------------------------------------------- staged NCHW weight grad
+// The staged forward's planes (staged_side, and C % P == 0): a block owns one group of P consecutive channels and
+// a slice of the batch; each of its warps stages the x and dy of one image's P planes at a time (16- or 8-byte
+// copies), and each lane keeps the K*K tap sums of its output row(s) of one plane in registers across the images
+// it visits (the lane -> (plane, row) map is the same for every image). At the end shared-memory atomics sum the
+// lanes and warps of each channel, and one global atomicAdd per channel, tap and block adds the block's share.
+template <typename T, int S, int SIDE>
+constexpr int kStagedGWords = (kStagedYBytes<T, S, SIDE> + 15) / 16;  // dy of a chunk, in 16-byte words
+
+template <typename T, int K, int S, int SIDE>
+__global__ void __launch_bounds__(kThreads) dw_wgrad_nchw_staged(const T* __restrict__ dy, const T* __restrict__ x,
+                                                                 float* __restrict__ dw32, int N, int C,
+                                                                 int nsplit) {
+  constexpr int P = staged_planes<T, S, SIDE>(), HO = kStagedHo<S, SIDE>, XWORDS = kStagedXWords<T, S, SIDE>;
+  constexpr int YBYTES = kStagedYBytes<T, S, SIDE>, GWORDS = kStagedGWords<T, S, SIDE>;
+  constexpr int PAD = K / 2, RW = S * (HO - 1) + K, KK = K * K, R = (P * HO + 31) / 32;
+  extern __shared__ uint4 smem[];  // per warp: x then dy words; then red[P][KK] floats
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  const int groups = C / P;
+  const int cg = blockIdx.x / nsplit, ns = blockIdx.x - cg * nsplit;
+  uint4* xs4 = smem + warp * (XWORDS + GWORDS);
+  uint4* gs4 = xs4 + XWORDS;
+  float* red = reinterpret_cast<float*>(smem + warps * (XWORDS + GWORDS));
+  for (int i = threadIdx.x; i < P * KK; i += blockDim.x) red[i] = 0.f;
+  float acc[R][KK];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int t = 0; t < KK; ++t) acc[r][t] = 0.f;
+  for (int n = ns * warps + warp; n < N; n += nsplit * warps) {
+    const int64_t chunk = (int64_t)n * groups + cg;  // its planes: n*C + cg*P ...
+    ck::warp_copy<8>(xs4, reinterpret_cast<const uint4*>(x) + chunk * XWORDS, XWORDS, lane);
+    if constexpr (YBYTES % 16 == 0)
+      ck::warp_copy<8>(gs4, reinterpret_cast<const uint4*>(dy) + chunk * (YBYTES / 16), YBYTES / 16, lane);
+    else
+      ck::warp_copy<8>(reinterpret_cast<uint2*>(gs4), reinterpret_cast<const uint2*>(dy) + chunk * (YBYTES / 8),
+                       YBYTES / 8, lane);
+    __syncwarp();
+    const T* xs = reinterpret_cast<const T*>(xs4);
+    const T* gs = reinterpret_cast<const T*>(gs4);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int row = lane + 32 * r;
+      if (row >= P * HO) break;
+      const int p = row / HO, oh = row - p * HO;
+      float gv[HO];
+#pragma unroll
+      for (int o = 0; o < HO; ++o) gv[o] = to_f(gs[row * HO + o]);
+      const T* xp = xs + p * SIDE * SIDE;
+#pragma unroll
+      for (int kh = 0; kh < K; ++kh) {
+        const int hi = S * oh - PAD + kh;
+        if (hi < 0 || hi >= SIDE) continue;
+        float rr[RW];
+#pragma unroll
+        for (int j = 0; j < RW; ++j) {
+          const int col = j - PAD;  // compile-time after unrolling
+          rr[j] = col >= 0 && col < SIDE ? to_f(xp[hi * SIDE + col]) : 0.f;
+        }
+#pragma unroll
+        for (int kw = 0; kw < K; ++kw)
+#pragma unroll
+          for (int o = 0; o < HO; ++o) acc[r][kh * K + kw] = fmaf(gv[o], rr[S * o + kw], acc[r][kh * K + kw]);
+      }
+    }
+    __syncwarp();  // before the next image's copy overwrites the stage
+  }
+  __syncthreads();  // red zeroed
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int row = lane + 32 * r;
+    if (row >= P * HO) break;
+    const int p = row / HO;
+#pragma unroll
+    for (int t = 0; t < KK; ++t) atomicAdd(red + p * KK + t, acc[r][t]);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < P * KK; i += blockDim.x) atomicAdd(dw32 + (int64_t)cg * P * KK + i, red[i]);
+}
+
 // ------------------------------------------------------------------------------- generic weight grad
 // block (TX channels) x (TY position rows); grid (position chunks, ceil(C/TX), K > 0 ? 1 : KH*KW).
 // K > 0: square K x K kernel, all taps in registers; K == 0: one tap per blockIdx.z.
@@ -758,8 +838,37 @@ void launch_wgrad_generic(const T* dy, const T* x, float* dw32, const Geo& g, bo
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// The staged weight-grad kernel where it takes the call (the staged forward's planes and C % P == 0); returns
+// whether it launched. Blocks: C / P channel groups x nsplit batch slices, about 8 blocks per SM.
+template <typename T>
+bool wgrad_staged(const T* dy, const T* x, float* dw32, const Geo& g, bool cl, cudaStream_t stream) {
+  if (!fast_case(g, cl) || g.ph != g.KH / 2 || g.pw != g.KW / 2) return false;
+  bool launched = false;
+  with_ks(g, [&](auto Kc, auto Sc) {
+    constexpr int K = decltype(Kc)::value, S = decltype(Sc)::value;
+    auto launch = [&](auto Sidec) {
+      constexpr int SIDE = decltype(Sidec)::value, P = staged_planes<T, S, SIDE>();
+      if (launched || !staged_side<T, S, SIDE>(g, x, dy) || g.C % P != 0) return;
+      const int groups = g.C / P, warps = kStagedWarps;
+      const int nsplit = (int)std::max<int64_t>(
+          1, std::min<int64_t>(ck::ceil_div(g.N, warps), ck::ceil_div((int64_t)8 * ck::num_sms(), groups)));
+      const size_t bytes = (size_t)warps * (kStagedXWords<T, S, SIDE> + kStagedGWords<T, S, SIDE>) * 16 +
+                           (size_t)P * K * K * sizeof(float);
+      dw_wgrad_nchw_staged<T, K, S, SIDE><<<(unsigned)(groups * nsplit), warps * 32, bytes, stream>>>(dy, x, dw32, g.N,
+                                                                                                     g.C, nsplit);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      launched = true;
+    };
+    launch(std::integral_constant<int, 7>{});
+    launch(std::integral_constant<int, 14>{});
+    launch(std::integral_constant<int, 28>{});
+  });
+  return launched;
+}
+
 template <typename T>
 void wgrad(const T* dy, const T* x, float* dw32, const Geo& g, bool cl, cudaStream_t stream) {
+  if (wgrad_staged(dy, x, dw32, g, cl, stream)) return;
   if (fast_case(g, cl)) {
     with_ks(g, [&](auto Kc, auto Sc) {
       constexpr int K = decltype(Kc)::value, S = decltype(Sc)::value;

@@ -218,7 +218,7 @@ __global__ void __launch_bounds__(kThreads) pix_fwd_nchw_staged(const T* __restr
   uint4* ys4 = xs4 + ZETA * HW;
   const int lp = lane >> 2;  // plane of the chunk
   const float pv = to_f(p[(int64_t)chunk * kStagePlanes + lp]);  // issued before the copy: its latency overlaps
-  ck::warp_copy16<kStageLoads>(xs4, reinterpret_cast<const uint4*>(x) + (int64_t)chunk * ZETA * HW, ZETA * HW, lane);
+  ck::warp_copy<kStageLoads>(xs4, reinterpret_cast<const uint4*>(x) + (int64_t)chunk * ZETA * HW, ZETA * HW, lane);
   __syncwarp();
   T* ys = reinterpret_cast<T*>(ys4) + lp * HW;
   const T* xp = reinterpret_cast<const T*>(xs4) + lp * ZETA * HW;
@@ -263,8 +263,8 @@ __global__ void __launch_bounds__(kThreads) pix_bwd_nchw_staged(const T* __restr
   float a[ZETA];
 #pragma unroll
   for (int k = 0; k < ZETA; ++k) a[k] = MODE == kDx ? add[plane * ZETA + k] : 0.f;
-  ck::warp_copy16<kStageLoads>(xs4, reinterpret_cast<const uint4*>(x) + (int64_t)chunk * ZETA * HW, ZETA * HW, lane);
-  ck::warp_copy16<kStageLoads>(gs4, reinterpret_cast<const uint4*>(dy) + (int64_t)chunk * HW, HW, lane);
+  ck::warp_copy<kStageLoads>(xs4, reinterpret_cast<const uint4*>(x) + (int64_t)chunk * ZETA * HW, ZETA * HW, lane);
+  ck::warp_copy<kStageLoads>(gs4, reinterpret_cast<const uint4*>(dy) + (int64_t)chunk * HW, HW, lane);
   __syncwarp();
   T* xs = reinterpret_cast<T*>(xs4);  // dx overwrites x in place: each position is read and written by one lane
   const T* gs = reinterpret_cast<const T*>(gs4);
