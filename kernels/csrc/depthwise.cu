@@ -8,6 +8,8 @@
 //  * input grad: for stride 1 / dilation 1 it is the forward with the flipped kernel and padding k-1-p (same
 //    kernels); NCHW stride 2 (square K 3/5/7, dilation 1): a phase-decomposed gather that visits only the taps
 //    that hit (no modulo); otherwise a generic gather kernel (no atomics);
+//  * weight grad, NCHW "same" padding on 7x7-28x28 planes: the staged forward's planes, tap sums per lane across
+//    images (dw_wgrad_nchw_staged);
 //  * weight grad, NCHW fast case: a block owns one channel and a chunk of its output row segments; each thread
 //    keeps all K*K tap sums in registers (row buffers as in the forward), then a block reduction and one fp32
 //    atomicAdd per tap and block. Other cases: the generic version of the same reduction.
