@@ -213,6 +213,16 @@ constexpr int kStagedYBytes = staged_planes<T, S, SIDE>() * kStagedHo<S, SIDE> *
 template <typename T, int S, int SIDE>
 constexpr int kStagedWords = kStagedXWords<T, S, SIDE> + (kStagedYBytes<T, S, SIDE> + 15) / 16;
 
+// Row hi (in range) of a staged SIDE x SIDE plane: r[j] = column j - PAD, 0 outside the plane.
+template <typename T, int SIDE, int PAD, int RW>
+__device__ __forceinline__ void staged_row(float (&r)[RW], const T* plane, int hi) {
+#pragma unroll
+  for (int j = 0; j < RW; ++j) {
+    const int col = j - PAD;  // compile-time after unrolling
+    r[j] = col >= 0 && col < SIDE ? to_f(plane[hi * SIDE + col]) : 0.f;
+  }
+}
+
 template <typename T, int K, int S, int SIDE>
 __global__ void __launch_bounds__(kThreads) dw_fwd_nchw_staged(const T* __restrict__ x, const T* __restrict__ w,
                                                                const T* __restrict__ bias, T* __restrict__ y, int C,
@@ -247,11 +257,7 @@ __global__ void __launch_bounds__(kThreads) dw_fwd_nchw_staged(const T* __restri
       const int hi = S * oh - PAD + kh;
       if (hi < 0 || hi >= SIDE) continue;
       float r[RW];
-#pragma unroll
-      for (int j = 0; j < RW; ++j) {
-        const int col = j - PAD;  // compile-time after unrolling
-        r[j] = col >= 0 && col < SIDE ? to_f(xp[hi * SIDE + col]) : 0.f;
-      }
+      staged_row<T, SIDE, PAD>(r, xp, hi);
 #pragma unroll
       for (int o = 0; o < HO; ++o)
 #pragma unroll
@@ -587,11 +593,7 @@ __global__ void __launch_bounds__(kThreads) dw_wgrad_nchw_staged(const T* __rest
         const int hi = S * oh - PAD + kh;
         if (hi < 0 || hi >= SIDE) continue;
         float rr[RW];
-#pragma unroll
-        for (int j = 0; j < RW; ++j) {
-          const int col = j - PAD;  // compile-time after unrolling
-          rr[j] = col >= 0 && col < SIDE ? to_f(xp[hi * SIDE + col]) : 0.f;
-        }
+        staged_row<T, SIDE, PAD>(rr, xp, hi);
 #pragma unroll
         for (int kw = 0; kw < K; ++kw)
 #pragma unroll
