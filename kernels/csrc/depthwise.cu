@@ -555,6 +555,7 @@ __global__ void __launch_bounds__(kThreads) dw_wgrad_nchw_staged(const T* __rest
   constexpr int P = staged_planes<T, S, SIDE>(), HO = kStagedHo<S, SIDE>, XWORDS = kStagedXWords<T, S, SIDE>;
   constexpr int YBYTES = kStagedYBytes<T, S, SIDE>, GWORDS = kStagedGWords<T, S, SIDE>;
   constexpr int PAD = K / 2, RW = S * (HO - 1) + K, KK = K * K, R = (P * HO + 31) / 32;
+  static_assert(kStagedWarps * (XWORDS + GWORDS) * 16 + P * KK * 4 <= 48 * 1024, "a block's stage must fit in 48 KiB");
   extern __shared__ uint4 smem[];  // per warp: x then dy words; then red[P][KK] floats
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   const int groups = C / P;
@@ -700,8 +701,9 @@ bool fast_case(const Geo& g, bool cl) {
          (g.KH == 3 || g.KH == 5 || g.KH == 7);
 }
 
-// The staged kernel's calls: padding K / 2 (stride 1 or 2, fast_case), square 7x7, 14x14 or 28x28 planes, whole chunks
-// of planes, 16-byte aligned x and y; COMPRESS_DW_STAGED=0 turns it off (A/B runs).
+// The staged kernels' calls: padding K / 2 (stride 1 or 2, fast_case), square 7x7, 14x14 or 28x28 planes, whole
+// chunks of planes, 16-byte aligned x and y (x and dy for the weight grad); COMPRESS_DW_STAGED=0 turns both off
+// (A/B runs).
 template <typename T, int S, int SIDE>
 bool staged_side(const Geo& g, const void* x, const void* y) {
   const char* env = std::getenv("COMPRESS_DW_STAGED");
