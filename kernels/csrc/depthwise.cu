@@ -857,7 +857,7 @@ void launch_wgrad_generic(const T* dy, const T* x, float* dw32, const Geo& g, bo
 }
 
 // The staged weight-grad kernel where it takes the call (the staged forward's planes and C % P == 0); returns
-// whether it launched. Blocks: C / P channel groups x nsplit batch slices, about 8 blocks per SM.
+// whether it launched. Blocks: C / P channel groups x nsplit batch slices.
 template <typename T>
 bool wgrad_staged(const T* dy, const T* x, float* dw32, const Geo& g, bool cl, cudaStream_t stream) {
   if (!fast_case(g, cl) || g.ph != g.KH / 2 || g.pw != g.KW / 2) return false;
@@ -867,9 +867,10 @@ bool wgrad_staged(const T* dy, const T* x, float* dw32, const Geo& g, bool cl, c
     auto launch = [&](auto Sidec) {
       constexpr int SIDE = decltype(Sidec)::value, P = staged_planes<T, S, SIDE>();
       if (launched || !staged_side<T, S, SIDE>(g, x, dy) || g.C % P != 0) return;
+      // One image per warp (nsplit = ceil(N / warps)): the configuration measured and GPU-tested. With fewer
+      // slices each warp's loop visits several images (fewer global atomics), which no GPU run has checked yet.
       const int groups = g.C / P, warps = kStagedWarps;
-      const int nsplit = (int)std::max<int64_t>(
-          1, std::min<int64_t>(ck::ceil_div(g.N, warps), ck::ceil_div((int64_t)8 * ck::num_sms(), groups)));
+      const int nsplit = (int)ck::ceil_div(g.N, warps);
       const size_t bytes = (size_t)warps * (kStagedXWords<T, S, SIDE> + kStagedGWords<T, S, SIDE>) * 16 +
                            (size_t)P * K * K * sizeof(float);
       dw_wgrad_nchw_staged<T, K, S, SIDE><<<(unsigned)(groups * nsplit), warps * 32, bytes, stream>>>(dy, x, dw32, g.N,
