@@ -204,8 +204,9 @@ constexpr int staged_planes() {
   return p;
 }
 
-// Per warp, in 16-byte words: the chunk's x, then its y (P*HO*HO outputs, a multiple of 8 bytes for every
-// instantiation: written back with 16-byte stores when a multiple of 16, else 8-byte ones).
+// Per warp, in 16-byte words: the chunk's x, then its y (the forward's output, the weight grad's dy: P*HO*HO
+// elements, a multiple of 8 bytes for every instantiation, moved with 16-byte words when a multiple of 16, else
+// 8-byte ones).
 template <typename T, int S, int SIDE>
 constexpr int kStagedXWords = staged_planes<T, S, SIDE>() * SIDE * SIDE * (int)sizeof(T) / 16;
 template <typename T, int S, int SIDE>
@@ -545,24 +546,21 @@ __global__ void __launch_bounds__(kThreads) dw_wgrad_nchw_fast(const T* __restri
 // copies), and each lane keeps the K*K tap sums of its output row(s) of one plane in registers across the images
 // it visits (the lane -> (plane, row) map is the same for every image). At the end shuffles sum the lanes of each
 // plane, shared-memory atomics the warps, and one global atomicAdd per channel, tap and block adds the block's share.
-template <typename T, int S, int SIDE>
-constexpr int kStagedGWords = (kStagedYBytes<T, S, SIDE> + 15) / 16;  // dy of a chunk, in 16-byte words
-
 template <typename T, int K, int S, int SIDE>
 __global__ void __launch_bounds__(kThreads) dw_wgrad_nchw_staged(const T* __restrict__ dy, const T* __restrict__ x,
                                                                  float* __restrict__ dw32, int N, int C,
                                                                  int nsplit) {
   constexpr int P = staged_planes<T, S, SIDE>(), HO = kStagedHo<S, SIDE>, XWORDS = kStagedXWords<T, S, SIDE>;
-  constexpr int YBYTES = kStagedYBytes<T, S, SIDE>, GWORDS = kStagedGWords<T, S, SIDE>;
+  constexpr int YBYTES = kStagedYBytes<T, S, SIDE>, WORDS = kStagedWords<T, S, SIDE>;
   constexpr int PAD = K / 2, RW = S * (HO - 1) + K, KK = K * K, R = (P * HO + 31) / 32;
-  static_assert(kStagedWarps * (XWORDS + GWORDS) * 16 + P * KK * 4 <= 48 * 1024, "a block's stage must fit in 48 KiB");
+  static_assert(kStagedWarps * WORDS * 16 + P * KK * 4 <= 48 * 1024, "a block's stage must fit in 48 KiB");
   extern __shared__ uint4 smem[];  // per warp: x then dy words; then red[P][KK] floats
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   const int groups = C / P;
   const int cg = blockIdx.x / nsplit, ns = blockIdx.x - cg * nsplit;
-  uint4* xs4 = smem + warp * (XWORDS + GWORDS);
+  uint4* xs4 = smem + warp * WORDS;
   uint4* gs4 = xs4 + XWORDS;
-  float* red = reinterpret_cast<float*>(smem + warps * (XWORDS + GWORDS));
+  float* red = reinterpret_cast<float*>(smem + warps * WORDS);
   for (int i = threadIdx.x; i < P * KK; i += blockDim.x) red[i] = 0.f;
   float acc[R][KK];
 #pragma unroll
@@ -871,8 +869,7 @@ bool wgrad_staged(const T* dy, const T* x, float* dw32, const Geo& g, bool cl, c
       // slices each warp's loop visits several images (fewer global atomics), which no GPU run has checked yet.
       const int groups = g.C / P, warps = kStagedWarps;
       const int nsplit = (int)ck::ceil_div(g.N, warps);
-      const size_t bytes = (size_t)warps * (kStagedXWords<T, S, SIDE> + kStagedGWords<T, S, SIDE>) * 16 +
-                           (size_t)P * K * K * sizeof(float);
+      const size_t bytes = (size_t)warps * kStagedWords<T, S, SIDE> * 16 + (size_t)P * K * K * sizeof(float);
       dw_wgrad_nchw_staged<T, K, S, SIDE><<<(unsigned)(groups * nsplit), warps * 32, bytes, stream>>>(dy, x, dw32, g.N,
                                                                                                      g.C, nsplit);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
