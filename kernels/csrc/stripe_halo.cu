@@ -1,0 +1,256 @@
+// Stripe conv forward, halo route (inference; float16 / bfloat16, channels_last, stride 1).
+//
+// A block owns TH output rows (all Wo columns) of one image. It stages the input rows they read, with the halo
+// (QH = TH + (KH-1)*DH rows of QW = Wo + (KW-1)*DW positions, zeros outside the image), and every stripe's weight
+// in shared memory, then:
+//   1. Z[q, s] = sum_c X[q, c] * w_s[c] for every staged position q and every stripe s: one small GEMM on tensor
+//      cores (WMMA 16x16x16, fp32 accumulate), stored to shared memory. Each stripe is multiplied once per input
+//      position, whatever its output channel and offset.
+//   2. y[p, o] = bias[o] + sum_{s of channel o} Z[p + dq_s, s], dq_s the stripe's offset in the staged tile; then
+//      ReLU and optionally the 2x2 max-pool, written channels_last.
+// Stripes come sorted by output channel (fstart[o] .. fstart[o+1]) with their weight rows zero-padded to
+// (S_pad, C_pad), both multiples of 16 (kernels/stripe_halo.py prepares them once per layer).
+// Why: on narrow, sparse layers the implicit-GEMM route multiplies whole dense tiles (every output channel of a
+// tile at every offset any of them keeps); here the multiply-adds are the kept stripes' (times the halo's extra
+// rows), and the per-stripe results never leave shared memory.
+#include "common.cuh"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <mma.h>
+
+namespace {
+
+using namespace nvcuda;
+
+template <typename T>
+struct Wmma;
+template <>
+struct Wmma<at::Half> {
+  using type = __half;
+};
+template <>
+struct Wmma<at::BFloat16> {
+  using type = __nv_bfloat16;
+};
+
+constexpr int kThreads = 256;
+
+struct HaloArgs {
+  int B, C, H, W, N, S, Ho, Wo, KW, PH, PW, DH, DW;
+  int TH, QH, QW, Q_pad, C_pad, C_ld, S_pad, S_ld, tiles;  // tiles: row tiles per image
+  int Hp, Wp;                                               // pooled output size (pool only)
+};
+
+// Shared memory: Z (Q_pad x S_ld fp32) | X (Q_pad x C_ld) | W (S_pad x C_ld) | dq (S int) | fstart (N+1 int)
+inline size_t halo_smem_bytes(const HaloArgs& a, int elem) {
+  return (size_t)a.Q_pad * a.S_ld * 4 + (size_t)a.Q_pad * a.C_ld * elem + (size_t)a.S_pad * a.C_ld * elem +
+         (size_t)(a.S + a.N + 1) * 4;
+}
+
+template <typename T, bool VEC>
+__device__ __forceinline__ void stage_input(typename Wmma<T>::type* xs, const T* __restrict__ x, const HaloArgs& a,
+                                            int b, int h0) {
+  using E = typename Wmma<T>::type;
+  const int Q = a.QH * a.QW;
+  if (VEC) {  // C % 8 == 0: 16-byte words
+    const int wpr = a.C_pad / 8, wc = a.C / 8;
+    for (int i = threadIdx.x; i < a.Q_pad * wpr; i += kThreads) {
+      const int q = i / wpr, j = i - q * wpr;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (q < Q && j < wc) {
+        const int ih = h0 - a.PH + q / a.QW, iw = q % a.QW - a.PW;
+        if (ih >= 0 && ih < a.H && iw >= 0 && iw < a.W)
+          v = reinterpret_cast<const uint4*>(x + (((int64_t)b * a.H + ih) * a.W + iw) * a.C)[j];
+      }
+      *reinterpret_cast<uint4*>(xs + q * a.C_ld + j * 8) = v;
+    }
+  } else {
+    for (int i = threadIdx.x; i < a.Q_pad * a.C_pad; i += kThreads) {
+      const int q = i / a.C_pad, c = i - q * a.C_pad;
+      T v = T(0.f);
+      if (q < Q && c < a.C) {
+        const int ih = h0 - a.PH + q / a.QW, iw = q % a.QW - a.PW;
+        if (ih >= 0 && ih < a.H && iw >= 0 && iw < a.W) v = x[(((int64_t)b * a.H + ih) * a.W + iw) * a.C + c];
+      }
+      xs[q * a.C_ld + c] = *reinterpret_cast<const E*>(&v);
+    }
+  }
+}
+
+// Output channel o at staged position q0 (its pixel's unshifted position): bias + the channel's stripes.
+__device__ __forceinline__ float halo_sum(const float* z, const int* dq, const int* fs, int S_ld, int o, int q0,
+                                          float init) {
+  float acc = init;
+  for (int s = fs[o]; s < fs[o + 1]; ++s) acc += z[(q0 + dq[s]) * S_ld + s];
+  return acc;
+}
+
+template <typename T, bool VEC, bool RELU, bool POOL>
+__global__ void __launch_bounds__(kThreads) stripe_halo_fwd(const T* __restrict__ x, const T* __restrict__ w,
+                                                            const int* __restrict__ sk,
+                                                            const int* __restrict__ fstart,
+                                                            const T* __restrict__ bias, T* __restrict__ y,
+                                                            HaloArgs a) {
+  using E = typename Wmma<T>::type;
+  extern __shared__ __align__(128) unsigned char smem[];
+  float* z = reinterpret_cast<float*>(smem);
+  E* xs = reinterpret_cast<E*>(z + (size_t)a.Q_pad * a.S_ld);
+  E* ws = xs + (size_t)a.Q_pad * a.C_ld;
+  int* dq = reinterpret_cast<int*>(ws + (size_t)a.S_pad * a.C_ld);
+  int* fs = dq + a.S;
+
+  const int b = blockIdx.x / a.tiles;
+  const int h0 = (blockIdx.x - b * a.tiles) * a.TH;
+  const int KW = a.KW;
+  for (int s = threadIdx.x; s < a.S; s += kThreads) {
+    const int k = sk[s];
+    dq[s] = (k / KW) * a.DH * a.QW + (k % KW) * a.DW;
+  }
+  for (int o = threadIdx.x; o <= a.N; o += kThreads) fs[o] = fstart[o];
+  const int wpr = a.C_pad / 8;
+  for (int i = threadIdx.x; i < a.S_pad * wpr; i += kThreads) {
+    const int r = i / wpr, j = i - r * wpr;
+    *reinterpret_cast<uint4*>(ws + r * a.C_ld + j * 8) = reinterpret_cast<const uint4*>(w + (size_t)r * a.C_pad)[j];
+  }
+  stage_input<T, VEC>(xs, x, a, b, h0);
+  __syncthreads();
+
+  // 1. Z = X W^T on tensor cores, one 16x16 tile of Z per warp step
+  const int warp = threadIdx.x / 32, MT = a.Q_pad / 16, NT = a.S_pad / 16;
+  for (int t = warp; t < MT * NT; t += kThreads / 32) {
+    const int mt = t / NT, nt = t - mt * NT;
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+    wmma::fill_fragment(acc, 0.f);
+    for (int k0 = 0; k0 < a.C_pad; k0 += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, E, wmma::row_major> fa;
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, E, wmma::col_major> fb;
+      wmma::load_matrix_sync(fa, xs + mt * 16 * a.C_ld + k0, a.C_ld);
+      wmma::load_matrix_sync(fb, ws + nt * 16 * a.C_ld + k0, a.C_ld);
+      wmma::mma_sync(acc, fa, fb, acc);
+    }
+    wmma::store_matrix_sync(z + mt * 16 * a.S_ld + nt * 16, acc, a.S_ld, wmma::mem_row_major);
+  }
+  __syncthreads();
+
+  // 2. shifted sums, bias, ReLU, (pool), store; consecutive threads take consecutive output channels
+  const int N = a.N;
+  if (!POOL) {
+    const int rows = min(a.TH, a.Ho - h0);
+    const int items = rows * a.Wo * N;
+    for (int i = threadIdx.x; i < items; i += kThreads) {
+      const int p = i / N, o = i - p * N;
+      const int r = p / a.Wo, c = p - r * a.Wo;
+      float v = halo_sum(z, dq, fs, a.S_ld, o, r * a.QW + c, bias ? ck::to_f(bias[o]) : 0.f);
+      if (RELU) v = fmaxf(v, 0.f);
+      y[(((int64_t)b * a.Ho + h0 + r) * a.Wo + c) * N + o] = ck::from_f<T>(v);
+    }
+  } else {  // TH is even: this tile's pooled rows are [h0/2, (h0+TH)/2) within Hp
+    const int pr0 = h0 / 2, prows = min(a.TH / 2, a.Hp - pr0);
+    const int items = prows * a.Wp * N;
+    for (int i = threadIdx.x; i < items; i += kThreads) {
+      const int p = i / N, o = i - p * N;
+      const int pr = p / a.Wp, pc = p - pr * a.Wp;
+      const float init = bias ? ck::to_f(bias[o]) : 0.f;
+      float v = -INFINITY;
+#pragma unroll
+      for (int dr = 0; dr < 2; ++dr) {
+        const int r = 2 * pr + dr;  // row within the tile
+        if (h0 + r >= a.Ho) break;
+#pragma unroll
+        for (int dc = 0; dc < 2; ++dc) {
+          const int c = 2 * pc + dc;
+          if (c >= a.Wo) break;
+          v = fmaxf(v, halo_sum(z, dq, fs, a.S_ld, o, r * a.QW + c, init));
+        }
+      }
+      if (RELU) v = fmaxf(v, 0.f);
+      y[(((int64_t)b * a.Hp + pr0 + pr) * a.Wp + pc) * N + o] = ck::from_f<T>(v);
+    }
+  }
+}
+
+template <typename T, bool VEC, bool RELU, bool POOL>
+void launch(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sk, const at::Tensor& fstart,
+            const c10::optional<at::Tensor>& bias, at::Tensor& y, const HaloArgs& a, size_t smem) {
+  auto kern = stripe_halo_fwd<T, VEC, RELU, POOL>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  kern<<<(unsigned)(a.B * a.tiles), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
+      x.data_ptr<T>(), w.data_ptr<T>(), sk.data_ptr<int>(), fstart.data_ptr<int>(),
+      bias ? bias->data_ptr<T>() : nullptr, y.data_ptr<T>(), a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The kernel instance for the run-time flags.
+template <typename T, bool VEC>
+void launch_flags(bool relu, bool pool, const at::Tensor& x, const at::Tensor& w, const at::Tensor& sk,
+                  const at::Tensor& fstart, const c10::optional<at::Tensor>& bias, at::Tensor& y, const HaloArgs& a,
+                  size_t smem) {
+  if (relu) {
+    if (pool) launch<T, VEC, true, true>(x, w, sk, fstart, bias, y, a, smem);
+    else launch<T, VEC, true, false>(x, w, sk, fstart, bias, y, a, smem);
+  } else {
+    if (pool) launch<T, VEC, false, true>(x, w, sk, fstart, bias, y, a, smem);
+    else launch<T, VEC, false, false>(x, w, sk, fstart, bias, y, a, smem);
+  }
+}
+
+template <typename T>
+void launch_any(bool vec, bool relu, bool pool, const at::Tensor& x, const at::Tensor& w, const at::Tensor& sk,
+                const at::Tensor& fstart, const c10::optional<at::Tensor>& bias, at::Tensor& y, const HaloArgs& a,
+                size_t smem) {
+  if (vec) launch_flags<T, true>(relu, pool, x, w, sk, fstart, bias, y, a, smem);
+  else launch_flags<T, false>(relu, pool, x, w, sk, fstart, bias, y, a, smem);
+}
+
+}  // namespace
+
+// x (B, C, H, W) channels_last; w (S_pad, C_pad) stripe rows sorted by output channel; sk (S,) int32 flat
+// offsets kh*KW + kw; fstart (N+1,) int32; returns y (B, N, Ho, Wo) (or pooled (B, N, Hp, Wp)) channels_last.
+at::Tensor stripe_halo_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sk,
+                               const at::Tensor& fstart, const c10::optional<at::Tensor>& bias, int64_t N,
+                               std::vector<int64_t> kernel, std::vector<int64_t> padding,
+                               std::vector<int64_t> dilation, int64_t tile_rows, bool relu, bool pool,
+                               bool pool_ceil) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 4 && x.is_contiguous(at::MemoryFormat::ChannelsLast),
+              "stripe_halo_forward: x must be a channels_last 4-d CUDA tensor");
+  TORCH_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16,
+              "stripe_halo_forward: x must be float16 or bfloat16");
+  TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.is_contiguous() && w.dim() == 2 && w.size(0) % 16 == 0 &&
+                  w.size(1) % 16 == 0 && w.size(1) >= x.size(1),
+              "stripe_halo_forward: w must be contiguous (S_pad, C_pad), multiples of 16, x's dtype");
+  TORCH_CHECK(sk.scalar_type() == at::kInt && fstart.scalar_type() == at::kInt && fstart.numel() == N + 1,
+              "stripe_halo_forward: sk and fstart must be int32, fstart of N + 1 entries");
+  if (bias) TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->numel() == N, "stripe_halo_forward: bias");
+  const c10::cuda::CUDAGuard guard(x.device());
+  HaloArgs a;
+  a.B = x.size(0), a.C = x.size(1), a.H = x.size(2), a.W = x.size(3), a.N = (int)N, a.S = (int)sk.numel();
+  a.KW = (int)kernel[1], a.PH = (int)padding[0], a.PW = (int)padding[1], a.DH = (int)dilation[0],
+  a.DW = (int)dilation[1];
+  a.Ho = a.H + 2 * a.PH - (int)(kernel[0] - 1) * a.DH;
+  a.Wo = a.W + 2 * a.PW - (int)(kernel[1] - 1) * a.DW;
+  TORCH_CHECK(a.Ho >= 1 && a.Wo >= 1 && tile_rows >= 1, "stripe_halo_forward: empty output or tile");
+  a.TH = (int)tile_rows;
+  TORCH_CHECK(!pool || a.TH % 2 == 0, "stripe_halo_forward: pooling needs an even tile height");
+  a.QH = a.TH + (int)(kernel[0] - 1) * a.DH;
+  a.QW = a.Wo + (int)(kernel[1] - 1) * a.DW;
+  a.Q_pad = (int)ck::ceil_div((int64_t)a.QH * a.QW, 16) * 16;
+  a.C_pad = (int)w.size(1), a.C_ld = a.C_pad + 8, a.S_pad = (int)w.size(0), a.S_ld = a.S_pad + 4;
+  a.tiles = (int)ck::ceil_div(a.Ho, a.TH);
+  a.Hp = pool ? (pool_ceil ? (a.Ho + 1) / 2 : a.Ho / 2) : 0;
+  a.Wp = pool ? (pool_ceil ? (a.Wo + 1) / 2 : a.Wo / 2) : 0;
+  const size_t smem = halo_smem_bytes(a, (int)x.element_size());
+  TORCH_CHECK(smem <= (size_t)at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin,
+              "stripe_halo_forward: tile needs ", smem, " bytes of shared memory; use fewer tile rows");
+  at::Tensor y = at::empty({a.B, a.N, pool ? a.Hp : a.Ho, pool ? a.Wp : a.Wo},
+                           x.options().memory_format(at::MemoryFormat::ChannelsLast));
+  if (y.numel() == 0) return y;
+  const bool vec = a.C % 8 == 0 && ck::aligned(x.data_ptr(), 16);
+  AT_DISPATCH_SWITCH(x.scalar_type(), "stripe_halo_forward",
+                     AT_DISPATCH_CASE(at::kHalf, [&] {
+                       launch_any<scalar_t>(vec, relu, pool, x, w, sk, fstart, bias, y, a, smem);
+                     }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
+                       launch_any<scalar_t>(vec, relu, pool, x, w, sk, fstart, bias, y, a, smem);
+                     }));
+  return y;
+}
