@@ -1,8 +1,9 @@
 """Halo route of the stripe conv forward: CUDA C++ (``kernels/csrc/stripe_halo.cu``), inference only, float16 and
 bfloat16, channels_last, stride 1 (any kernel size, padding and dilation).
 
-A block owns ``tile_rows`` output rows of one image: it stages the input rows they read (with the halo) and all
-stripe weights in shared memory, multiplies every staged input position by every stripe once (a small GEMM on
+A tile is ``tile_rows`` output rows of one image; persistent blocks (as many as fit on the GPU) loop over tiles,
+copying the next tile's input rows (with the halo) into shared memory while they compute this one. Per tile a block
+multiplies every staged input position by every stripe once (a small GEMM on
 tensor cores, fp32 results kept in shared memory), then sums each output channel's stripes at their shifted
 positions, adds the bias, applies ReLU and the 2x2 max-pool if asked, and writes channels_last. Its multiply-adds
 are the kept stripes' times (tile_rows + KH - 1) / tile_rows, where the implicit-GEMM route of
@@ -26,7 +27,7 @@ from torch import Tensor
 from kernels import _ext
 from kernels._utils import conv_out_size
 
-SMEM_BUDGET = 72 * 1024  # bytes per block: three blocks per SM on an H100/H200 (227 KiB)
+SMEM_BUDGET = 110 * 1024  # bytes per block: two blocks per SM on an H100/H200 (227 KiB)
 THREADS = 256  # per block, as in stripe_halo.cu
 
 
@@ -58,17 +59,18 @@ def prepare(weight: Tensor, out_index: Tensor, offset: Tensor, out_channels: int
 def smem_bytes(tile_rows: int, out_w: int, in_channels: int, num_stripes: int, out_channels: int, kernel_size,
                dilation, element_size: int) -> int:
     """Shared memory of one block (as ``halo_smem_bytes`` in stripe_halo.cu): the fp32 stripe results of the staged
-    positions, the staged input, the stripe weights, and the stripe and channel tables."""
+    positions, two staged inputs (this tile's and the next one's), the stripe weights, and the stripe and channel
+    tables."""
     qh = tile_rows + (kernel_size[0] - 1) * dilation[0]
     qw = out_w + (kernel_size[1] - 1) * dilation[1]
     q_pad, c_ld, s_pad = _pad16(qh * qw), _pad16(in_channels) + 8, max(_pad16(num_stripes), 16)
-    return q_pad * (s_pad + 4) * 4 + (q_pad + s_pad) * c_ld * element_size + (num_stripes + out_channels + 1) * 4
+    return q_pad * (s_pad + 4) * 4 + (2 * q_pad + s_pad) * c_ld * element_size + (num_stripes + out_channels + 1) * 4
 
 
 def tile_rows(batch: int, out_hw, in_channels: int, num_stripes: int, out_channels: int, kernel_size, dilation,
               element_size: int, pool: bool, sms: int) -> int | None:
-    """Output rows per block: the tallest tile within ``SMEM_BUDGET`` that leaves at least 2 blocks per SM (or the
-    tallest that fits, on small batches), even when pooling; None when none fits."""
+    """Output rows per tile: the tallest tile within ``SMEM_BUDGET`` that leaves at least 4 tiles per SM (two per
+    block; or the tallest that fits, on small batches), even when pooling; None when none fits."""
     Ho, Wo = out_hw
     step = 2 if pool else 1
     fitting = [t for t in range(step, max(Ho, step) + 1, step)
@@ -76,7 +78,7 @@ def tile_rows(batch: int, out_hw, in_channels: int, num_stripes: int, out_channe
                              element_size) <= SMEM_BUDGET]
     if not fitting:
         return None
-    busy = [t for t in fitting if batch * -(-Ho // t) >= 2 * sms]
+    busy = [t for t in fitting if batch * -(-Ho // t) >= 4 * sms]
     return max(busy or fitting)
 
 

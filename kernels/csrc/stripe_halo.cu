@@ -1,8 +1,9 @@
 // Stripe conv forward, halo route (inference; float16 / bfloat16, channels_last, stride 1).
 //
-// A block owns TH output rows (all Wo columns) of one image. It stages the input rows they read, with the halo
-// (QH = TH + (KH-1)*DH rows of QW = Wo + (KW-1)*DW positions, zeros outside the image), and every stripe's weight
-// in shared memory, then:
+// A tile is TH output rows (all Wo columns) of one image; persistent blocks loop over tiles. A block stages every
+// stripe's weight in shared memory once, and for each tile the input rows the tile reads, with the halo
+// (QH = TH + (KH-1)*DH rows of QW = Wo + (KW-1)*DW positions, zeros outside the image; the next tile's rows are
+// copied with cp.async into a second buffer while the block computes this one), then:
 //   1. Z[q, s] = sum_c X[q, c] * w_s[c] for every staged position q and every stripe s: one small GEMM on tensor
 //      cores (WMMA 16x16x16, fp32 accumulate), stored to shared memory. Each stripe is multiplied once per input
 //      position, whatever its output channel and offset.
@@ -42,38 +43,43 @@ struct HaloArgs {
   int Hp, Wp;                                               // pooled output size (pool only)
 };
 
-// Shared memory: Z (Q_pad x S_ld fp32) | X (Q_pad x C_ld) | W (S_pad x C_ld) | dq (S int) | fstart (N+1 int)
+// Shared memory: Z (Q_pad x S_ld fp32) | 2 x X (Q_pad x C_ld) | W (S_pad x C_ld) | dq (S int) | fstart (N+1 int)
 inline size_t halo_smem_bytes(const HaloArgs& a, int elem) {
-  return (size_t)a.Q_pad * a.S_ld * 4 + (size_t)a.Q_pad * a.C_ld * elem + (size_t)a.S_pad * a.C_ld * elem +
-         (size_t)(a.S + a.N + 1) * 4;
+  return (size_t)a.Q_pad * a.S_ld * 4 + (size_t)(2 * a.Q_pad + a.S_pad) * a.C_ld * elem + (size_t)(a.S + a.N + 1) * 4;
 }
 
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
+
+// Start staging tile `tile`'s input rows into xs: in-image positions only (the halo columns, the channels from C
+// to C_pad and the rows past QH*QW stay zero from the kernel's start); rows outside the image are zeroed. VEC
+// (C % 8 == 0, x 16-byte aligned): 16-byte cp.async copies, complete after the caller's wait; else plain loads.
 template <typename T, bool VEC>
 __device__ __forceinline__ void stage_input(typename Wmma<T>::type* xs, const T* __restrict__ x, const HaloArgs& a,
-                                            int b, int h0) {
+                                            int tile) {
   using E = typename Wmma<T>::type;
-  const int Q = a.QH * a.QW;
-  if (VEC) {  // C % 8 == 0: 16-byte words
-    const int wpr = a.C_pad / 8, wc = a.C / 8;
-    for (int i = threadIdx.x; i < a.Q_pad * wpr; i += kThreads) {
-      const int q = i / wpr, j = i - q * wpr;
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (q < Q && j < wc) {
-        const int ih = h0 - a.PH + q / a.QW, iw = q % a.QW - a.PW;
-        if (ih >= 0 && ih < a.H && iw >= 0 && iw < a.W)
-          v = reinterpret_cast<const uint4*>(x + (((int64_t)b * a.H + ih) * a.W + iw) * a.C)[j];
-      }
-      *reinterpret_cast<uint4*>(xs + q * a.C_ld + j * 8) = v;
+  const int b = tile / a.tiles, h0 = (tile - b * a.tiles) * a.TH;
+  if (VEC) {
+    const int cw = a.C / 8, row = a.W * cw;
+    for (int i = threadIdx.x; i < a.QH * row; i += kThreads) {
+      const int r = i / row, rem = i - r * row, p = rem / cw, j = rem - p * cw;
+      const int ih = h0 - a.PH + r;
+      E* dst = xs + (r * a.QW + a.PW + p) * a.C_ld + j * 8;
+      if (ih >= 0 && ih < a.H) cp_async16(dst, x + (((int64_t)b * a.H + ih) * a.W + p) * a.C + j * 8);
+      else *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
     }
   } else {
-    for (int i = threadIdx.x; i < a.Q_pad * a.C_pad; i += kThreads) {
-      const int q = i / a.C_pad, c = i - q * a.C_pad;
+    const int row = a.W * a.C;
+    for (int i = threadIdx.x; i < a.QH * row; i += kThreads) {
+      const int r = i / row, rem = i - r * row, p = rem / a.C, c = rem - p * a.C;
+      const int ih = h0 - a.PH + r;
       T v = T(0.f);
-      if (q < Q && c < a.C) {
-        const int ih = h0 - a.PH + q / a.QW, iw = q % a.QW - a.PW;
-        if (ih >= 0 && ih < a.H && iw >= 0 && iw < a.W) v = x[(((int64_t)b * a.H + ih) * a.W + iw) * a.C + c];
-      }
-      xs[q * a.C_ld + c] = *reinterpret_cast<const E*>(&v);
+      if (ih >= 0 && ih < a.H) v = x[(((int64_t)b * a.H + ih) * a.W + p) * a.C + c];
+      xs[(r * a.QW + a.PW + p) * a.C_ld + c] = *reinterpret_cast<const E*>(&v);
     }
   }
 }
@@ -95,13 +101,12 @@ __global__ void __launch_bounds__(kThreads) stripe_halo_fwd(const T* __restrict_
   using E = typename Wmma<T>::type;
   extern __shared__ __align__(128) unsigned char smem[];
   float* z = reinterpret_cast<float*>(smem);
-  E* xs = reinterpret_cast<E*>(z + (size_t)a.Q_pad * a.S_ld);
-  E* ws = xs + (size_t)a.Q_pad * a.C_ld;
+  E* xbuf = reinterpret_cast<E*>(z + (size_t)a.Q_pad * a.S_ld);  // two staged inputs, xstride apart
+  const int xstride = a.Q_pad * a.C_ld;
+  E* ws = xbuf + 2 * xstride;
   int* dq = reinterpret_cast<int*>(ws + (size_t)a.S_pad * a.C_ld);
   int* fs = dq + a.S;
 
-  const int b = blockIdx.x / a.tiles;
-  const int h0 = (blockIdx.x - b * a.tiles) * a.TH;
   const int KW = a.KW;
   for (int s = threadIdx.x; s < a.S; s += kThreads) {
     const int k = sk[s];
@@ -113,59 +118,70 @@ __global__ void __launch_bounds__(kThreads) stripe_halo_fwd(const T* __restrict_
     const int r = i / wpr, j = i - r * wpr;
     *reinterpret_cast<uint4*>(ws + r * a.C_ld + j * 8) = reinterpret_cast<const uint4*>(w + (size_t)r * a.C_pad)[j];
   }
-  stage_input<T, VEC>(xs, x, a, b, h0);
+  for (int i = threadIdx.x; i < a.Q_pad * a.C_ld / 4; i += kThreads)  // both buffers: 2 * Q_pad * C_ld / 8 words
+    reinterpret_cast<uint4*>(xbuf)[i] = make_uint4(0, 0, 0, 0);
   __syncthreads();
 
-  // 1. Z = X W^T on tensor cores, one 16x16 tile of Z per warp step
-  const int warp = threadIdx.x / 32, MT = a.Q_pad / 16, NT = a.S_pad / 16;
-  for (int t = warp; t < MT * NT; t += kThreads / 32) {
-    const int mt = t / NT, nt = t - mt * NT;
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-    wmma::fill_fragment(acc, 0.f);
-    for (int k0 = 0; k0 < a.C_pad; k0 += 16) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, E, wmma::row_major> fa;
-      wmma::fragment<wmma::matrix_b, 16, 16, 16, E, wmma::col_major> fb;
-      wmma::load_matrix_sync(fa, xs + mt * 16 * a.C_ld + k0, a.C_ld);
-      wmma::load_matrix_sync(fb, ws + nt * 16 * a.C_ld + k0, a.C_ld);
-      wmma::mma_sync(acc, fa, fb, acc);
-    }
-    wmma::store_matrix_sync(z + mt * 16 * a.S_ld + nt * 16, acc, a.S_ld, wmma::mem_row_major);
-  }
-  __syncthreads();
+  const int total = a.B * a.tiles;
+  if ((int)blockIdx.x < total) stage_input<T, VEC>(xbuf, x, a, blockIdx.x);
+  cp_async_commit();
+  const int warp = threadIdx.x / 32, MT = a.Q_pad / 16, NT = a.S_pad / 16, N = a.N;
+  int it = 0;
+  for (int tile = blockIdx.x; tile < total; tile += gridDim.x, ++it) {
+    const E* xs = xbuf + (it & 1) * xstride;
+    if (tile + (int)gridDim.x < total) stage_input<T, VEC>(xbuf + ((it + 1) & 1) * xstride, x, a, tile + gridDim.x);
+    cp_async_commit();
+    cp_async_wait1();  // this tile's copies are done (the next tile's may still be in flight)
+    __syncthreads();
 
-  // 2. shifted sums, bias, ReLU, (pool), store; consecutive threads take consecutive output channels
-  const int N = a.N;
-  if (!POOL) {
-    const int rows = min(a.TH, a.Ho - h0);
-    const int items = rows * a.Wo * N;
-    for (int i = threadIdx.x; i < items; i += kThreads) {
-      const int p = i / N, o = i - p * N;
-      const int r = p / a.Wo, c = p - r * a.Wo;
-      float v = halo_sum(z, dq, fs, a.S_ld, o, r * a.QW + c, bias ? ck::to_f(bias[o]) : 0.f);
-      if (RELU) v = fmaxf(v, 0.f);
-      y[(((int64_t)b * a.Ho + h0 + r) * a.Wo + c) * N + o] = ck::from_f<T>(v);
-    }
-  } else {  // TH is even: this tile's pooled rows are [h0/2, (h0+TH)/2) within Hp
-    const int pr0 = h0 / 2, prows = min(a.TH / 2, a.Hp - pr0);
-    const int items = prows * a.Wp * N;
-    for (int i = threadIdx.x; i < items; i += kThreads) {
-      const int p = i / N, o = i - p * N;
-      const int pr = p / a.Wp, pc = p - pr * a.Wp;
-      const float init = bias ? ck::to_f(bias[o]) : 0.f;
-      float v = -INFINITY;
-#pragma unroll
-      for (int dr = 0; dr < 2; ++dr) {
-        const int r = 2 * pr + dr;  // row within the tile
-        if (h0 + r >= a.Ho) break;
-#pragma unroll
-        for (int dc = 0; dc < 2; ++dc) {
-          const int c = 2 * pc + dc;
-          if (c >= a.Wo) break;
-          v = fmaxf(v, halo_sum(z, dq, fs, a.S_ld, o, r * a.QW + c, init));
-        }
+    // 1. Z = X W^T on tensor cores, one 16x16 tile of Z per warp step
+    for (int t = warp; t < MT * NT; t += kThreads / 32) {
+      const int mt = t / NT, nt = t - mt * NT;
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      wmma::fill_fragment(acc, 0.f);
+      for (int k0 = 0; k0 < a.C_pad; k0 += 16) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, E, wmma::row_major> fa;
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, E, wmma::col_major> fb;
+        wmma::load_matrix_sync(fa, xs + mt * 16 * a.C_ld + k0, a.C_ld);
+        wmma::load_matrix_sync(fb, ws + nt * 16 * a.C_ld + k0, a.C_ld);
+        wmma::mma_sync(acc, fa, fb, acc);
       }
-      if (RELU) v = fmaxf(v, 0.f);
-      y[(((int64_t)b * a.Hp + pr0 + pr) * a.Wp + pc) * N + o] = ck::from_f<T>(v);
+      wmma::store_matrix_sync(z + mt * 16 * a.S_ld + nt * 16, acc, a.S_ld, wmma::mem_row_major);
+    }
+    __syncthreads();
+
+    // 2. shifted sums, bias, ReLU, (pool), store; consecutive threads take consecutive output channels
+    const int b = tile / a.tiles, h0 = (tile - b * a.tiles) * a.TH;
+    if (!POOL) {
+      const int items = min(a.TH, a.Ho - h0) * a.Wo * N;
+      for (int i = threadIdx.x; i < items; i += kThreads) {
+        const int p = i / N, o = i - p * N;
+        const int r = p / a.Wo, c = p - r * a.Wo;
+        float v = halo_sum(z, dq, fs, a.S_ld, o, r * a.QW + c, bias ? ck::to_f(bias[o]) : 0.f);
+        if (RELU) v = fmaxf(v, 0.f);
+        y[(((int64_t)b * a.Ho + h0 + r) * a.Wo + c) * N + o] = ck::from_f<T>(v);
+      }
+    } else {  // TH is even: this tile's pooled rows are [h0/2, (h0+TH)/2) within Hp
+      const int pr0 = h0 / 2, items = min(a.TH / 2, a.Hp - pr0) * a.Wp * N;
+      for (int i = threadIdx.x; i < items; i += kThreads) {
+        const int p = i / N, o = i - p * N;
+        const int pr = p / a.Wp, pc = p - pr * a.Wp;
+        const float init = bias ? ck::to_f(bias[o]) : 0.f;
+        float v = -INFINITY;
+#pragma unroll
+        for (int dr = 0; dr < 2; ++dr) {
+          const int r = 2 * pr + dr;  // row within the tile
+          if (h0 + r >= a.Ho) break;
+#pragma unroll
+          for (int dc = 0; dc < 2; ++dc) {
+            const int c = 2 * pc + dc;
+            if (c >= a.Wo) break;
+            v = fmaxf(v, halo_sum(z, dq, fs, a.S_ld, o, r * a.QW + c, init));
+          }
+        }
+        if (RELU) v = fmaxf(v, 0.f);
+        y[(((int64_t)b * a.Hp + pr0 + pr) * a.Wp + pc) * N + o] = ck::from_f<T>(v);
+      }
     }
   }
 }
@@ -175,7 +191,10 @@ void launch(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sk, cons
             const c10::optional<at::Tensor>& bias, at::Tensor& y, const HaloArgs& a, size_t smem) {
   auto kern = stripe_halo_fwd<T, VEC, RELU, POOL>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-  kern<<<(unsigned)(a.B * a.tiles), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, kThreads, smem));
+  const int64_t blocks = std::min<int64_t>((int64_t)a.B * a.tiles, (int64_t)std::max(per_sm, 1) * ck::num_sms());
+  kern<<<(unsigned)blocks, kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
       x.data_ptr<T>(), w.data_ptr<T>(), sk.data_ptr<int>(), fstart.data_ptr<int>(),
       bias ? bias->data_ptr<T>() : nullptr, y.data_ptr<T>(), a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
