@@ -7,7 +7,7 @@
 //   1. Z[q, s] = sum_c X[q, c] * w_s[c] for every staged position q and every stripe s: one small GEMM on tensor
 //      cores (WMMA 16x16x16, fp32 accumulate), stored to shared memory. Each stripe is multiplied once per input
 //      position, whatever its output channel and offset.
-//   2. y[p, o] = bias[o] + sum_{s of channel o} Z[p + dq_s, s], dq_s the stripe's offset in the staged tile; then
+//   2. y[p, o] = bias[o] + sum_{s of channel o} Z[p + dq_s, s], dq_s the stripe's shift in the staged tile; then
 //      ReLU and optionally the 2x2 max-pool, written channels_last.
 // Stripes come sorted by output channel (fstart[o] .. fstart[o+1]) with their weight rows zero-padded to
 // (S_pad, C_pad), both multiples of 16 (kernels/stripe_halo.py prepares them once per layer).
@@ -43,7 +43,7 @@ struct HaloArgs {
   int Hp, Wp;                                               // pooled output size (pool only)
 };
 
-// Shared memory: Z (Q_pad x S_ld fp32) | 2 x X (Q_pad x C_ld) | W (S_pad x C_ld) | dq (S int) | fstart (N+1 int)
+// Shared memory: Z (Q_pad x S_ld fp32) | 2 x X (Q_pad x C_ld) | W (S_pad x C_ld) | off (S int) | fstart (N+1 int)
 inline size_t halo_smem_bytes(const HaloArgs& a, int elem) {
   return (size_t)a.Q_pad * a.S_ld * 4 + (size_t)(2 * a.Q_pad + a.S_pad) * a.C_ld * elem + (size_t)(a.S + a.N + 1) * 4;
 }
@@ -84,11 +84,11 @@ __device__ __forceinline__ void stage_input(typename Wmma<T>::type* xs, const T*
   }
 }
 
-// Output channel o at staged position q0 (its pixel's unshifted position): bias + the channel's stripes.
-__device__ __forceinline__ float halo_sum(const float* z, const int* dq, const int* fs, int S_ld, int o, int q0,
-                                          float init) {
+// One output value: init (the bias) + the stripes [s0, s1) of its channel, zq = Z's row of the pixel's unshifted
+// staged position, off[s] = the stripe's element offset from there (its shift in rows of Z, plus s).
+__device__ __forceinline__ float halo_sum(const float* zq, const int* off, int s0, int s1, float init) {
   float acc = init;
-  for (int s = fs[o]; s < fs[o + 1]; ++s) acc += z[(q0 + dq[s]) * S_ld + s];
+  for (int s = s0; s < s1; ++s) acc += zq[off[s]];
   return acc;
 }
 
@@ -104,13 +104,13 @@ __global__ void __launch_bounds__(kThreads) stripe_halo_fwd(const T* __restrict_
   E* xbuf = reinterpret_cast<E*>(z + (size_t)a.Q_pad * a.S_ld);  // two staged inputs, xstride apart
   const int xstride = a.Q_pad * a.C_ld;
   E* ws = xbuf + 2 * xstride;
-  int* dq = reinterpret_cast<int*>(ws + (size_t)a.S_pad * a.C_ld);
-  int* fs = dq + a.S;
+  int* off = reinterpret_cast<int*>(ws + (size_t)a.S_pad * a.C_ld);
+  int* fs = off + a.S;
 
   const int KW = a.KW;
   for (int s = threadIdx.x; s < a.S; s += kThreads) {
     const int k = sk[s];
-    dq[s] = (k / KW) * a.DH * a.QW + (k % KW) * a.DW;
+    off[s] = ((k / KW) * a.DH * a.QW + (k % KW) * a.DW) * a.S_ld + s;
   }
   for (int o = threadIdx.x; o <= a.N; o += kThreads) fs[o] = fstart[o];
   const int wpr = a.C_pad / 8;
@@ -126,6 +126,7 @@ __global__ void __launch_bounds__(kThreads) stripe_halo_fwd(const T* __restrict_
   if ((int)blockIdx.x < total) stage_input<T, VEC>(xbuf, x, a, blockIdx.x);
   cp_async_commit();
   const int warp = threadIdx.x / 32, MT = a.Q_pad / 16, NT = a.S_pad / 16, N = a.N;
+  const int ot = min(N, kThreads), lanes = kThreads / ot;  // epilogue: channels per pass, threads per channel
   int it = 0;
   for (int tile = blockIdx.x; tile < total; tile += gridDim.x, ++it) {
     const E* xs = xbuf + (it & 1) * xstride;
@@ -150,37 +151,39 @@ __global__ void __launch_bounds__(kThreads) stripe_halo_fwd(const T* __restrict_
     }
     __syncthreads();
 
-    // 2. shifted sums, bias, ReLU, (pool), store; consecutive threads take consecutive output channels
+    // 2. shifted sums, bias, ReLU, (pool), store. A thread keeps one output channel (consecutive threads:
+    // consecutive channels, so stores coalesce) and walks the tile's pixels with the other `lanes` threads of it.
     const int b = tile / a.tiles, h0 = (tile - b * a.tiles) * a.TH;
-    if (!POOL) {
-      const int items = min(a.TH, a.Ho - h0) * a.Wo * N;
-      for (int i = threadIdx.x; i < items; i += kThreads) {
-        const int p = i / N, o = i - p * N;
-        const int r = p / a.Wo, c = p - r * a.Wo;
-        float v = halo_sum(z, dq, fs, a.S_ld, o, r * a.QW + c, bias ? ck::to_f(bias[o]) : 0.f);
-        if (RELU) v = fmaxf(v, 0.f);
-        y[(((int64_t)b * a.Ho + h0 + r) * a.Wo + c) * N + o] = ck::from_f<T>(v);
-      }
-    } else {  // TH is even: this tile's pooled rows are [h0/2, (h0+TH)/2) within Hp
-      const int pr0 = h0 / 2, items = min(a.TH / 2, a.Hp - pr0) * a.Wp * N;
-      for (int i = threadIdx.x; i < items; i += kThreads) {
-        const int p = i / N, o = i - p * N;
-        const int pr = p / a.Wp, pc = p - pr * a.Wp;
-        const float init = bias ? ck::to_f(bias[o]) : 0.f;
-        float v = -INFINITY;
-#pragma unroll
-        for (int dr = 0; dr < 2; ++dr) {
-          const int r = 2 * pr + dr;  // row within the tile
-          if (h0 + r >= a.Ho) break;
-#pragma unroll
-          for (int dc = 0; dc < 2; ++dc) {
-            const int c = 2 * pc + dc;
-            if (c >= a.Wo) break;
-            v = fmaxf(v, halo_sum(z, dq, fs, a.S_ld, o, r * a.QW + c, init));
+    for (int o0 = 0; o0 < N; o0 += ot) {
+      const int o = o0 + (int)threadIdx.x % ot, lane = (int)threadIdx.x / ot;
+      if (lane >= lanes || o >= N) continue;
+      const int s0 = fs[o], s1 = fs[o + 1];
+      const float init = bias ? ck::to_f(bias[o]) : 0.f;
+      if (!POOL) {
+        const int rows = min(a.TH, a.Ho - h0);
+        for (int r = 0; r < rows; ++r) {
+          T* yr = y + ((int64_t)b * a.Ho + h0 + r) * a.Wo * N + o;
+          for (int c = lane; c < a.Wo; c += lanes) {
+            float v = halo_sum(z + (r * a.QW + c) * a.S_ld, off, s0, s1, init);
+            if (RELU) v = fmaxf(v, 0.f);
+            yr[(int64_t)c * N] = ck::from_f<T>(v);
           }
         }
-        if (RELU) v = fmaxf(v, 0.f);
-        y[(((int64_t)b * a.Hp + pr0 + pr) * a.Wp + pc) * N + o] = ck::from_f<T>(v);
+      } else {  // TH is even: this tile's pooled rows are [h0/2, (h0+TH)/2) within Hp
+        const int pr0 = h0 / 2, prows = min(a.TH / 2, a.Hp - pr0);
+        for (int pr = 0; pr < prows; ++pr) {
+          T* yr = y + ((int64_t)b * a.Hp + pr0 + pr) * a.Wp * N + o;
+          const int rn = min(2, a.Ho - h0 - 2 * pr);  // rows of the window inside the output (ceil mode: 1 at the end)
+          for (int pc = lane; pc < a.Wp; pc += lanes) {
+            const int cn = min(2, a.Wo - 2 * pc);
+            float v = -INFINITY;
+            for (int dr = 0; dr < rn; ++dr)
+              for (int dc = 0; dc < cn; ++dc)
+                v = fmaxf(v, halo_sum(z + ((2 * pr + dr) * a.QW + 2 * pc + dc) * a.S_ld, off, s0, s1, init));
+            if (RELU) v = fmaxf(v, 0.f);
+            yr[(int64_t)pc * N] = ck::from_f<T>(v);
+          }
+        }
       }
     }
   }
