@@ -64,7 +64,7 @@ def smem_bytes(tile_rows: int, out_w: int, in_channels: int, num_stripes: int, o
     qh = tile_rows + (kernel_size[0] - 1) * dilation[0]
     qw = out_w + (kernel_size[1] - 1) * dilation[1]
     q_pad, c_ld, s_pad = _pad16(qh * qw), _pad16(in_channels) + 8, max(_pad16(num_stripes), 16)
-    return q_pad * (s_pad + 4) * 4 + (2 * q_pad + s_pad) * c_ld * element_size + (num_stripes + out_channels + 1) * 4
+    return q_pad * (s_pad + 8) * 4 + (2 * q_pad + s_pad) * c_ld * element_size + (num_stripes + out_channels + 1) * 4
 
 
 def tile_rows(batch: int, out_hw, in_channels: int, num_stripes: int, out_channels: int, kernel_size, dilation,

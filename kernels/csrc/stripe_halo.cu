@@ -5,7 +5,7 @@
 // (QH = TH + (KH-1)*DH rows of QW = Wo + (KW-1)*DW positions, zeros outside the image; the next tile's rows are
 // copied with cp.async into a second buffer while the block computes this one), then:
 //   1. Z[q, s] = sum_c X[q, c] * w_s[c] for every staged position q and every stripe s: one small GEMM on tensor
-//      cores (WMMA 16x16x16, fp32 accumulate), stored to shared memory. Each stripe is multiplied once per input
+//      cores (mma.m16n8k16, fp32 accumulate), stored to shared memory. Each stripe is multiplied once per input
 //      position, whatever its output channel and offset.
 //   2. y[p, o] = bias[o] + sum_{s of channel o} Z[p + dq_s, s], dq_s the stripe's shift in the staged tile; then
 //      ReLU and optionally the 2x2 max-pool, written channels_last.
@@ -18,22 +18,39 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <mma.h>
 
 namespace {
 
-using namespace nvcuda;
-
+// The 16-bit element type of T and its tensor-core product: d (16x8 fp32) += a (16x16, row) * b (16x8, col).
 template <typename T>
-struct Wmma;
+struct Mma;
 template <>
-struct Wmma<at::Half> {
+struct Mma<at::Half> {
   using type = __half;
+  static __device__ __forceinline__ void run(float* d, const unsigned* a, const unsigned* b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
 };
 template <>
-struct Wmma<at::BFloat16> {
+struct Mma<at::BFloat16> {
   using type = __nv_bfloat16;
+  static __device__ __forceinline__ void run(float* d, const unsigned* a, const unsigned* b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
 };
+
+// Four 8x8 16-bit matrices from shared memory (lane l gives the row address of matrix l / 8).
+__device__ __forceinline__ void ldmatrix_x4(unsigned* r, unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
 
 constexpr int kThreads = 256;
 
@@ -59,9 +76,9 @@ __device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_g
 // to C_pad and the rows past QH*QW stay zero from the kernel's start); rows outside the image are zeroed. VEC
 // (C % 8 == 0, x 16-byte aligned): 16-byte cp.async copies, complete after the caller's wait; else plain loads.
 template <typename T, bool VEC>
-__device__ __forceinline__ void stage_input(typename Wmma<T>::type* xs, const T* __restrict__ x, const HaloArgs& a,
+__device__ __forceinline__ void stage_input(typename Mma<T>::type* xs, const T* __restrict__ x, const HaloArgs& a,
                                             int tile) {
-  using E = typename Wmma<T>::type;
+  using E = typename Mma<T>::type;
   const int b = tile / a.tiles, h0 = (tile - b * a.tiles) * a.TH;
   if (VEC) {
     const int cw = a.C / 8, row = a.W * cw;
@@ -98,7 +115,7 @@ __global__ void __launch_bounds__(kThreads) stripe_halo_fwd(const T* __restrict_
                                                             const int* __restrict__ fstart,
                                                             const T* __restrict__ bias, T* __restrict__ y,
                                                             HaloArgs a) {
-  using E = typename Wmma<T>::type;
+  using E = typename Mma<T>::type;
   extern __shared__ __align__(128) unsigned char smem[];
   float* z = reinterpret_cast<float*>(smem);
   E* xbuf = reinterpret_cast<E*>(z + (size_t)a.Q_pad * a.S_ld);  // two staged inputs, xstride apart
@@ -125,7 +142,8 @@ __global__ void __launch_bounds__(kThreads) stripe_halo_fwd(const T* __restrict_
   const int total = a.B * a.tiles;
   if ((int)blockIdx.x < total) stage_input<T, VEC>(xbuf, x, a, blockIdx.x);
   cp_async_commit();
-  const int warp = threadIdx.x / 32, MT = a.Q_pad / 16, NT = a.S_pad / 16, N = a.N;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, MT = a.Q_pad / 16, NT = a.S_pad / 16, N = a.N;
+  const unsigned ws_s = static_cast<unsigned>(__cvta_generic_to_shared(ws));
   const int ot = min(N, kThreads), lanes = kThreads / ot;  // epilogue: channels per pass, threads per channel
   int it = 0;
   for (int tile = blockIdx.x; tile < total; tile += gridDim.x, ++it) {
@@ -135,19 +153,29 @@ __global__ void __launch_bounds__(kThreads) stripe_halo_fwd(const T* __restrict_
     cp_async_wait1();  // this tile's copies are done (the next tile's may still be in flight)
     __syncthreads();
 
-    // 1. Z = X W^T on tensor cores, one 16x16 tile of Z per warp step
-    for (int t = warp; t < MT * NT; t += kThreads / 32) {
-      const int mt = t / NT, nt = t - mt * NT;
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-      wmma::fill_fragment(acc, 0.f);
-      for (int k0 = 0; k0 < a.C_pad; k0 += 16) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, E, wmma::row_major> fa;
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, E, wmma::col_major> fb;
-        wmma::load_matrix_sync(fa, xs + mt * 16 * a.C_ld + k0, a.C_ld);
-        wmma::load_matrix_sync(fb, ws + nt * 16 * a.C_ld + k0, a.C_ld);
-        wmma::mma_sync(acc, fa, fb, acc);
+    // 1. Z = X W^T on tensor cores (mma.m16n8k16, fp32): a warp takes 16 staged positions at a time and every
+    // 16-stripe block for them; lane l addresses row l % 16 (x) or stripe l % 8 + 8 * (l / 16) (w) of the 8x8
+    // matrices ldmatrix loads, so the registers come out in mma's fragment order.
+    const unsigned xs_s = static_cast<unsigned>(__cvta_generic_to_shared(xs));
+    for (int mt = warp; mt < MT; mt += kThreads / 32) {
+      const unsigned a_row = xs_s + ((mt * 16 + lane % 16) * a.C_ld + (lane / 16) * 8) * 2;
+      float* zrow = z + (mt * 16 + lane / 4) * a.S_ld + (lane % 4) * 2;
+      for (int nt = 0; nt < NT; ++nt) {
+        float d[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        const unsigned b_row = ws_s + ((nt * 16 + lane % 8 + (lane / 16) * 8) * a.C_ld + ((lane / 8) % 2) * 8) * 2;
+        for (int k0 = 0; k0 < a.C_pad; k0 += 16) {
+          unsigned fa[4], fb[4];
+          ldmatrix_x4(fa, a_row + k0 * 2);
+          ldmatrix_x4(fb, b_row + k0 * 2);
+          Mma<T>::run(d[0], fa, fb);
+          Mma<T>::run(d[1], fa, fb + 2);
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // stripes nt*16 + 8h + (lane % 4) * 2 (+1), positions lane / 4 (+8)
+          *reinterpret_cast<float2*>(zrow + nt * 16 + 8 * h) = make_float2(d[h][0], d[h][1]);
+          *reinterpret_cast<float2*>(zrow + 8 * a.S_ld + nt * 16 + 8 * h) = make_float2(d[h][2], d[h][3]);
+        }
       }
-      wmma::store_matrix_sync(z + mt * 16 * a.S_ld + nt * 16, acc, a.S_ld, wmma::mem_row_major);
     }
     __syncthreads();
 
@@ -155,15 +183,15 @@ __global__ void __launch_bounds__(kThreads) stripe_halo_fwd(const T* __restrict_
     // consecutive channels, so stores coalesce) and walks the tile's pixels with the other `lanes` threads of it.
     const int b = tile / a.tiles, h0 = (tile - b * a.tiles) * a.TH;
     for (int o0 = 0; o0 < N; o0 += ot) {
-      const int o = o0 + (int)threadIdx.x % ot, lane = (int)threadIdx.x / ot;
-      if (lane >= lanes || o >= N) continue;
+      const int o = o0 + (int)threadIdx.x % ot, pl = (int)threadIdx.x / ot;  // pl: this thread's pixel lane
+      if (pl >= lanes || o >= N) continue;
       const int s0 = fs[o], s1 = fs[o + 1];
       const float init = bias ? ck::to_f(bias[o]) : 0.f;
       if (!POOL) {
         const int rows = min(a.TH, a.Ho - h0);
         for (int r = 0; r < rows; ++r) {
           T* yr = y + ((int64_t)b * a.Ho + h0 + r) * a.Wo * N + o;
-          for (int c = lane; c < a.Wo; c += lanes) {
+          for (int c = pl; c < a.Wo; c += lanes) {
             float v = halo_sum(z + (r * a.QW + c) * a.S_ld, off, s0, s1, init);
             if (RELU) v = fmaxf(v, 0.f);
             yr[(int64_t)c * N] = ck::from_f<T>(v);
@@ -174,7 +202,7 @@ __global__ void __launch_bounds__(kThreads) stripe_halo_fwd(const T* __restrict_
         for (int pr = 0; pr < prows; ++pr) {
           T* yr = y + ((int64_t)b * a.Hp + pr0 + pr) * a.Wp * N + o;
           const int rn = min(2, a.Ho - h0 - 2 * pr);  // rows of the window inside the output (ceil mode: 1 at the end)
-          for (int pc = lane; pc < a.Wp; pc += lanes) {
+          for (int pc = pl; pc < a.Wp; pc += lanes) {
             const int cn = min(2, a.Wo - 2 * pc);
             float v = -INFINITY;
             for (int dr = 0; dr < rn; ++dr)
@@ -257,7 +285,7 @@ at::Tensor stripe_halo_forward(const at::Tensor& x, const at::Tensor& w, const a
   a.QH = a.TH + (int)(kernel[0] - 1) * a.DH;
   a.QW = a.Wo + (int)(kernel[1] - 1) * a.DW;
   a.Q_pad = (int)ck::ceil_div((int64_t)a.QH * a.QW, 16) * 16;
-  a.C_pad = (int)w.size(1), a.C_ld = a.C_pad + 8, a.S_pad = (int)w.size(0), a.S_ld = a.S_pad + 4;
+  a.C_pad = (int)w.size(1), a.C_ld = a.C_pad + 8, a.S_pad = (int)w.size(0), a.S_ld = a.S_pad + 8;
   a.tiles = (int)ck::ceil_div(a.Ho, a.TH);
   a.Hp = pool ? (pool_ceil ? (a.Ho + 1) / 2 : a.Ho / 2) : 0;
   a.Wp = pool ? (pool_ceil ? (a.Wo + 1) / 2 : a.Wo / 2) : 0;
