@@ -200,13 +200,20 @@ def main(argv=None):
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "checks": correctness(gen)}
     bad = [r for r in result["checks"] if r["rel_err"] > 1e-2 or not (r["layout_ok"] and r["shape_ok"])]
     print(f"correctness: {len(result['checks'])} checks, {len(bad)} failures", flush=True)
-    result["models"] = {f"{m}/{v}": model_layers(m, v, args.repeats)
-                        for m in ("vgg16", "resnet56") for v in ("real", "random")}
+    result["models"] = {}
+
+    def save():
+        result["seconds"] = round(time.time() - t0, 1)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+
+    for m in ("vgg16", "resnet56"):
+        for v in ("real", "random"):
+            result["models"][f"{m}/{v}"] = model_layers(m, v, args.repeats)
+            save()
     result["shapes"] = shape_rows(gen, args.repeats)
-    result["seconds"] = round(time.time() - t0, 1)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    save()
     return 1 if bad else 0
 
 
