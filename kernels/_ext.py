@@ -22,7 +22,7 @@ __all__ = ["CSRC", "SOURCES", "cuda_home", "load", "available", "build_dir"]
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 # One extension for the op families of this file: few sources compile faster (ninja builds them in parallel).
-SOURCES = ["ops.cpp", "pix.cu", "depthwise.cu", "im2col.cu", "stripe_halo.cu"]
+SOURCES = ["ops.cpp", "pix.cu", "depthwise.cu", "im2col.cu"]
 EXT_NAME = "compress_kernels_ext"
 
 _lock = threading.Lock()

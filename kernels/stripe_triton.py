@@ -44,6 +44,15 @@ they read (with the halo) once instead of once per offset, multiplies them by a 
 output pixel's shifted value with tl.gather (lowered to warp shuffles) before the one-hot sum. Correct, but 2-6x
 slower than this kernel on every narrow layer measured (H200, bf16; stripe_halo_reverted_h200.json): the gather
 and the doubled pixel count of the halo product cost more than the loads it saves.
+A CUDA "halo" kernel for stride-1 layers (commits 1b47f17..492aae2, reverted): per tile of whole output rows it
+staged the input rows with their halo (cp.async, double-buffered, persistent blocks) and every stripe weight in
+shared memory, computed each stripe once per staged position (Z = X W^T, ldmatrix + mma.sync, fp32 in shared
+memory), then summed each output channel's stripes at their shifts (+ bias, ReLU, pool). Its multiply-adds are
+the kept stripes' (times the halo rows), but it was 1.4-8x slower than the best existing mode on every layer of
+the real-mask VGG16 and ResNet-56 and of random-mask ResNet-56 (H200, bf16, batch 256;
+stripe_halo_v4_reverted_h200.json): Nsight Compute showed it instruction-bound on the per-output shifted sums
+(about 60 instructions per output value even with one stripe), where this kernel's outputs come straight from
+its accumulators; the first version (WMMA, one block per tile) was 2-10x slower (stripe_halo_v1_reverted_h200.json).
 Route (a) with the output channels permuted (greedily, so that each 16/32-channel tile's channels share kernel
 offsets and fewer (offset, tile) blocks are computed) was slower than without on the layers of the real-mask
 VGG16/ResNet-18/ResNet-56 (a permuted channel store does not vectorise; stripe_perm_dense_reverted_h200.json).

@@ -22,11 +22,6 @@ at::Tensor im2col(const at::Tensor& x, std::vector<int64_t> kernel, std::vector<
                   std::vector<int64_t> padding, std::vector<int64_t> dilation);
 at::Tensor col2im(const at::Tensor& cols, std::vector<int64_t> size, std::vector<int64_t> kernel,
                   std::vector<int64_t> stride, std::vector<int64_t> padding, std::vector<int64_t> dilation);
-at::Tensor stripe_halo_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sk,
-                               const at::Tensor& fstart, const c10::optional<at::Tensor>& bias, int64_t N,
-                               std::vector<int64_t> kernel, std::vector<int64_t> padding,
-                               std::vector<int64_t> dilation, int64_t tile_rows, bool relu, bool pool,
-                               bool pool_ceil);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pix_forward", &pix_forward, "PiX forward (CUDA)");
@@ -39,5 +34,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dw_backward", &dw_backward, "depthwise conv backward: dx, dw (CUDA)");
   m.def("im2col", &im2col, "im2col (CUDA)");
   m.def("col2im", &col2im, "col2im (CUDA)");
-  m.def("stripe_halo_forward", &stripe_halo_forward, "stripe conv forward, halo route (CUDA)");
 }
