@@ -726,27 +726,35 @@ void with_ks(const Geo& g, F&& f) {  // f(K, S) as integral constants, for fast_
   return f(std::integral_constant<int, 7>{}, std::integral_constant<int, 2>{});
 }
 
-// The staged kernel, where it takes the call (staged_side); returns whether it launched.
-template <typename T>
-bool forward_staged(const T* x, const T* w, const T* b, T* y, const Geo& g, bool cl, cudaStream_t stream) {
+// f(K, S, SIDE) (integral constants) where the staged kernels take the call: fast_case with padding K / 2 and
+// a plane staged_side accepts for `in` and `out`. Returns f's result (whether it launched), else false.
+template <typename T, typename F>
+bool with_staged(const Geo& g, bool cl, const void* in, const void* out, F&& f) {
   if (!fast_case(g, cl) || g.ph != g.KH / 2 || g.pw != g.KW / 2) return false;
   bool launched = false;
   with_ks(g, [&](auto Kc, auto Sc) {
-    constexpr int K = decltype(Kc)::value, S = decltype(Sc)::value;
-    auto launch = [&](auto Sidec) {
-      constexpr int SIDE = decltype(Sidec)::value;
-      if (launched || !staged_side<T, S, SIDE>(g, x, y)) return;
-      const int chunks = (int)((int64_t)g.N * g.C / staged_planes<T, S, SIDE>());
-      dw_fwd_nchw_staged<T, K, S, SIDE><<<(unsigned)ck::ceil_div(chunks, kStagedWarps), kStagedWarps * 32,
-                                          kStagedWarps * kStagedWords<T, S, SIDE> * 16, stream>>>(x, w, b, y, g.C,
-                                                                                                 chunks);
-      launched = true;
+    constexpr int S = decltype(Sc)::value;
+    auto side = [&](auto Sidec) {
+      if (!launched && staged_side<T, S, decltype(Sidec)::value>(g, in, out)) launched = f(Kc, Sc, Sidec);
     };
-    launch(std::integral_constant<int, 7>{});
-    launch(std::integral_constant<int, 14>{});
-    launch(std::integral_constant<int, 28>{});
+    side(std::integral_constant<int, 7>{});
+    side(std::integral_constant<int, 14>{});
+    side(std::integral_constant<int, 28>{});
   });
   return launched;
+}
+
+// The staged kernel, where it takes the call; returns whether it launched.
+template <typename T>
+bool forward_staged(const T* x, const T* w, const T* b, T* y, const Geo& g, bool cl, cudaStream_t stream) {
+  return with_staged<T>(g, cl, x, y, [&](auto Kc, auto Sc, auto Sidec) {
+    constexpr int K = decltype(Kc)::value, S = decltype(Sc)::value, SIDE = decltype(Sidec)::value;
+    const int chunks = (int)((int64_t)g.N * g.C / staged_planes<T, S, SIDE>());
+    dw_fwd_nchw_staged<T, K, S, SIDE><<<(unsigned)ck::ceil_div(chunks, kStagedWarps), kStagedWarps * 32,
+                                        kStagedWarps * kStagedWords<T, S, SIDE> * 16, stream>>>(x, w, b, y, g.C,
+                                                                                               chunks);
+    return true;
+  });
 }
 
 // y = depthwise(x, w) (+ bias). w: contiguous (C, KK) for NCHW, transposed (KK, C) for channels_last.
@@ -858,28 +866,20 @@ void launch_wgrad_generic(const T* dy, const T* x, float* dw32, const Geo& g, bo
 // whether it launched. Blocks: C / P channel groups x nsplit batch slices.
 template <typename T>
 bool wgrad_staged(const T* dy, const T* x, float* dw32, const Geo& g, bool cl, cudaStream_t stream) {
-  if (!fast_case(g, cl) || g.ph != g.KH / 2 || g.pw != g.KW / 2) return false;
-  bool launched = false;
-  with_ks(g, [&](auto Kc, auto Sc) {
-    constexpr int K = decltype(Kc)::value, S = decltype(Sc)::value;
-    auto launch = [&](auto Sidec) {
-      constexpr int SIDE = decltype(Sidec)::value, P = staged_planes<T, S, SIDE>();
-      if (launched || !staged_side<T, S, SIDE>(g, x, dy) || g.C % P != 0) return;
-      // One image per warp (nsplit = ceil(N / warps)): the configuration measured and GPU-tested. With fewer
-      // slices each warp's loop visits several images (fewer global atomics), which no GPU run has checked yet.
-      const int groups = g.C / P, warps = kStagedWarps;
-      const int nsplit = (int)ck::ceil_div(g.N, warps);
-      const size_t bytes = (size_t)warps * kStagedWords<T, S, SIDE> * 16 + (size_t)P * K * K * sizeof(float);
-      dw_wgrad_nchw_staged<T, K, S, SIDE><<<(unsigned)(groups * nsplit), warps * 32, bytes, stream>>>(dy, x, dw32, g.N,
-                                                                                                     g.C, nsplit);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      launched = true;
-    };
-    launch(std::integral_constant<int, 7>{});
-    launch(std::integral_constant<int, 14>{});
-    launch(std::integral_constant<int, 28>{});
+  return with_staged<T>(g, cl, x, dy, [&](auto Kc, auto Sc, auto Sidec) {
+    constexpr int K = decltype(Kc)::value, S = decltype(Sc)::value, SIDE = decltype(Sidec)::value;
+    constexpr int P = staged_planes<T, S, SIDE>();
+    if (g.C % P != 0) return false;
+    // One image per warp (nsplit = ceil(N / warps)): the configuration measured and GPU-tested. With fewer
+    // slices each warp's loop visits several images (fewer global atomics), which no GPU run has checked yet.
+    const int groups = g.C / P, warps = kStagedWarps;
+    const int nsplit = (int)ck::ceil_div(g.N, warps);
+    const size_t bytes = (size_t)warps * kStagedWords<T, S, SIDE> * 16 + (size_t)P * K * K * sizeof(float);
+    dw_wgrad_nchw_staged<T, K, S, SIDE><<<(unsigned)(groups * nsplit), warps * 32, bytes, stream>>>(dy, x, dw32, g.N,
+                                                                                                   g.C, nsplit);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return true;
   });
-  return launched;
 }
 
 template <typename T>
