@@ -139,6 +139,10 @@ def candidates(C, N, dtype):
             for ch in (32, 64):
                 out.append(dict(BLOCK_M=bm, BLOCK_N=p2(N, 16, 128), BLOCK_K=bk, CHUNK=ch, num_warps=nw,
                                 num_stages=ns, DENSE=False, GATHER=True))
+        if N >= 256:  # 256 output channels per program (stripe_triton._gather_tiles)
+            for bm, nw, ns in ((64, 4, 2), (128, 8, 3)):
+                out.append(dict(BLOCK_M=bm, BLOCK_N=256, BLOCK_K=bk, CHUNK=64, num_warps=nw, num_stages=ns,
+                                DENSE=False, GATHER=True))
     return out
 
 

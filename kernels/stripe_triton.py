@@ -355,13 +355,17 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_giv
         return dict(BLOCK_M=128, BLOCK_N=_pow2(N, 16, 64), BLOCK_K=32 if C <= 32 else 64, CHUNK=16,
                     num_warps=4 if one_stage else (8 if C <= 32 else 4), num_stages=1 if one_stage else 3,
                     IM2COL=True)
-    if dense_given and C > 64 and dtype != torch.float32 and pixels is not None and pixels <= SMALL_PIXELS:
+    sparse = S <= 0.2 * K * N
+    if (dense_given and C > 64 and dtype != torch.float32 and pixels is not None and pixels <= SMALL_PIXELS
+            and not (N >= 512 and sparse)):
         # wide layers on small maps (a CIFAR VGG16's 8x8, 4x4 and 2x2 layers at batch 256): few output pixels make
         # a small grid, and every route runs a long serial chain per tile. The DENSE route over every offset
         # (NOSKIP, software-pipelined) with the tile sizes below ran 1.25-2.4x faster than the sparse routes' default
         # on the real-mask VGG16's nine such layers (bf16, H200, CUDA graphs; stripe_small_gpu_h200_noskip.json
         # against the earlier default in stripe_small_gpu_h200.json, another run), at keep 0.14-0.21: the serial
-        # chain, not the multiply-adds, sets the time there
+        # chain, not the multiply-adds, sets the time there. Not for sparse layers of 512+ output channels: the gather
+        # route with 256-channel tiles ran 1.62-1.64x faster than this at keep 0.15 on 512x4x4 (batch 1024) and
+        # 512x7x7 (batch 128) (stripe_gather_tiles2_h200.json; at keep 0.3 this route stayed the best)
         bm = 128 if pixels > 4096 else 64
         bn = 128 if pixels > 4096 else (32 if pixels <= 1024 and N <= 256 else 64)
         return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=_pow2(C, 16, 128), CHUNK=16, num_warps=8 if bm * bn > 8192 else 4,
@@ -369,12 +373,9 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_giv
     block_k = _pow2(C, 16, 64 if dtype == torch.float32 else 128)
     block_n = _pow2(N, 16, 64 if C <= 64 else 128)
     dense = (C <= 16 or (dense_given and C <= 64) or S > 0.4 * K * N
-             or (dtype == torch.float32 and S > 0.2 * K * N))
-    if C >= 128 and not dense:  # gather reduction (the best configs of stripe_gather_h200.json)
-        wide = C >= 256
-        return dict(BLOCK_M=128 if wide else 64, BLOCK_N=_pow2(N, 16, 128), BLOCK_K=block_k,
-                    CHUNK=32 if S <= 0.2 * K * N else 64, num_warps=8 if wide else 4, num_stages=3 if wide else 2,
-                    DENSE=False, GATHER=True)
+             or (dtype == torch.float32 and not sparse and C < 256))
+    if C >= 128 and not dense:  # gather reduction
+        return dict(_gather_tiles(C, N, sparse, dtype), BLOCK_K=block_k, DENSE=False, GATHER=True)
     # with the weight kept, C >= 16 and 16-bit data, the DENSE route runs every offset without the per-offset skip
     # (NOSKIP), a loop Triton software-pipelines (3 stages): in bf16 1.1-1.4x faster on 16-80-channel layers at keep
     # 0.1-0.5 (H200, stripe_tiles_noskip_h200.json) and 1.2-1.3x on 64x32x32 / 64x56x56 (stripe_gpu_h200_noskip.json);
@@ -385,6 +386,32 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_giv
               and (dtype != torch.float32 or C == 16))
     return dict(BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=block_k, CHUNK=16 if S <= 0.2 * K * N else 32,
                 num_warps=4 if block_n <= 64 else 8, num_stages=3 if noskip else 2, DENSE=dense, NOSKIP=noskip)
+
+
+def _gather_tiles(C: int, N: int, sparse: bool, dtype: torch.dtype) -> dict:
+    """Tiles of the gather route (``sparse``: at most 0.2 of the stripes kept). From a sweep on an H200 (random
+    masks at keep 0.3 and 0.15, CIFAR VGG shapes at batch 1024 and ImageNet ones at batch 128, 128-512 channels,
+    bf16 and fp32 channels_last, CUDA graphs; benchmarks/results/stripe_gather_tiles{,2}_h200.json, script stripe_gather_tiles.py.txt):
+    - 512 channels, sparse, or fp32: 256 output channels per program (each offset's shifted input tile then serves
+      twice the channels), 64-stripe chunks: in bf16 at keep 0.15 1.62-1.64x faster than the dense route these
+      layers took before (small maps, see default_config); in fp32 1.19-1.20x faster than 128-channel tiles at keep
+      0.15 and 1.50x faster than the dense route at keep 0.3;
+    - 256+ channels, not sparse: bf16 128 pixels x 128 channels, 64-stripe chunks, 8 warps (the best, or within 1%);
+      fp32 64 pixels, 4 warps (1.19-1.20x faster than the dense route);
+    - fp32 256 channels, sparse: 128 pixels, 32-stripe chunks, 8 warps (the best on one shape, 8% off on the other);
+    - otherwise (128-channel layers, and sparse 256-channel 16-bit ones): 64 pixels x up to 128 channels,
+      32-stripe chunks, 4 warps, 2 stages: 1.05-1.23x faster than 64-stripe chunks at keep 0.3 on 128 channels,
+      1.07-1.11x faster than the 128-pixel tiles at keep 0.15 on 256 channels."""
+    fp32 = dtype == torch.float32
+    if N >= 512 and (sparse or fp32):
+        bm, bn, chunk, warps, stages = 128, 256, 64, 8, 3
+    elif C >= 256 and not sparse:
+        bm, bn, chunk, warps, stages = (64, 128, 64, 4, 2) if fp32 else (128, 128, 64, 8, 3)
+    elif C >= 256 and fp32:
+        bm, bn, chunk, warps, stages = 128, 128, 32, 8, 3
+    else:
+        bm, bn, chunk, warps, stages = 64, 128, 32, 4, 2
+    return dict(BLOCK_M=bm, BLOCK_N=_pow2(N, 16, bn), CHUNK=chunk, num_warps=warps, num_stages=stages)
 
 
 def out_pixels(x: torch.Tensor, kernel_size, stride, padding, dilation) -> int:
