@@ -214,13 +214,22 @@ constexpr int kStagedYBytes = staged_planes<T, S, SIDE>() * kStagedHo<S, SIDE> *
 template <typename T, int S, int SIDE>
 constexpr int kStagedWords = kStagedXWords<T, S, SIDE> + (kStagedYBytes<T, S, SIDE> + 15) / 16;
 
-// Row hi (in range) of a staged SIDE x SIDE plane: r[j] = column j - PAD, 0 outside the plane.
-template <typename T, int SIDE, int PAD, int RW>
-__device__ __forceinline__ void staged_row(float (&r)[RW], const T* plane, int hi) {
+// The input rows that output row oh reads in a staged SIDE x SIDE plane (padding K / 2): for each tap row kh whose
+// input row lies inside the plane, f(kh, r) with r[j] = column j - K / 2 of that row (0 outside the plane).
+template <typename T, int K, int S, int SIDE, int RW, typename F>
+__device__ __forceinline__ void for_staged_rows(const T* plane, int oh, F&& f) {
+  constexpr int PAD = K / 2;
 #pragma unroll
-  for (int j = 0; j < RW; ++j) {
-    const int col = j - PAD;  // compile-time after unrolling
-    r[j] = col >= 0 && col < SIDE ? to_f(plane[hi * SIDE + col]) : 0.f;
+  for (int kh = 0; kh < K; ++kh) {
+    const int hi = S * oh - PAD + kh;
+    if (hi < 0 || hi >= SIDE) continue;
+    float r[RW];
+#pragma unroll
+    for (int j = 0; j < RW; ++j) {
+      const int col = j - PAD;  // compile-time after unrolling
+      r[j] = col >= 0 && col < SIDE ? to_f(plane[hi * SIDE + col]) : 0.f;
+    }
+    f(kh, r);
   }
 }
 
@@ -230,7 +239,7 @@ __global__ void __launch_bounds__(kThreads) dw_fwd_nchw_staged(const T* __restri
                                                                int chunks) {
   constexpr int P = staged_planes<T, S, SIDE>(), HO = kStagedHo<S, SIDE>, XWORDS = kStagedXWords<T, S, SIDE>;
   constexpr int YBYTES = kStagedYBytes<T, S, SIDE>;
-  constexpr int PAD = K / 2, RW = S * (HO - 1) + K;  // input columns -PAD .. RW - 1 - PAD of a row
+  constexpr int RW = S * (HO - 1) + K;  // input columns -K/2 .. RW - 1 - K/2 of a row
   static_assert(YBYTES % 8 == 0, "outputs of a chunk must be whole 8-byte words");
   static_assert(kStagedWarps * kStagedWords<T, S, SIDE> * 16 <= 48 * 1024, "a block's stage must fit in 48 KiB");
   extern __shared__ uint4 smem[];
@@ -253,17 +262,12 @@ __global__ void __launch_bounds__(kThreads) dw_fwd_nchw_staged(const T* __restri
     float acc[HO];
 #pragma unroll
     for (int o = 0; o < HO; ++o) acc[o] = b0;
-#pragma unroll
-    for (int kh = 0; kh < K; ++kh) {
-      const int hi = S * oh - PAD + kh;
-      if (hi < 0 || hi >= SIDE) continue;
-      float r[RW];
-      staged_row<T, SIDE, PAD>(r, xp, hi);
+    for_staged_rows<T, K, S, SIDE, RW>(xp, oh, [&](int kh, const float(&r)[RW]) {
 #pragma unroll
       for (int o = 0; o < HO; ++o)
 #pragma unroll
         for (int kw = 0; kw < K; ++kw) acc[o] = fmaf(wr[kh * K + kw], r[S * o + kw], acc[o]);
-    }
+    });
 #pragma unroll
     for (int o = 0; o < HO; ++o) ys[row * HO + o] = from_f<T>(acc[o]);
   }
@@ -552,7 +556,7 @@ __global__ void __launch_bounds__(kThreads) dw_wgrad_nchw_staged(const T* __rest
                                                                  int nsplit) {
   constexpr int P = staged_planes<T, S, SIDE>(), HO = kStagedHo<S, SIDE>, XWORDS = kStagedXWords<T, S, SIDE>;
   constexpr int YBYTES = kStagedYBytes<T, S, SIDE>, WORDS = kStagedWords<T, S, SIDE>;
-  constexpr int PAD = K / 2, RW = S * (HO - 1) + K, KK = K * K, R = (P * HO + 31) / 32;
+  constexpr int RW = S * (HO - 1) + K, KK = K * K, R = (P * HO + 31) / 32;
   static_assert(kStagedWarps * WORDS * 16 + P * KK * 4 <= 48 * 1024, "a block's stage must fit in 48 KiB");
   extern __shared__ uint4 smem[];  // per warp: x then dy words; then red[P][KK] floats
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
@@ -587,17 +591,12 @@ __global__ void __launch_bounds__(kThreads) dw_wgrad_nchw_staged(const T* __rest
 #pragma unroll
       for (int o = 0; o < HO; ++o) gv[o] = to_f(gs[row * HO + o]);
       const T* xp = xs + p * SIDE * SIDE;
-#pragma unroll
-      for (int kh = 0; kh < K; ++kh) {
-        const int hi = S * oh - PAD + kh;
-        if (hi < 0 || hi >= SIDE) continue;
-        float rr[RW];
-        staged_row<T, SIDE, PAD>(rr, xp, hi);
+      for_staged_rows<T, K, S, SIDE, RW>(xp, oh, [&](int kh, const float(&rr)[RW]) {
 #pragma unroll
         for (int kw = 0; kw < K; ++kw)
 #pragma unroll
           for (int o = 0; o < HO; ++o) acc[r][kh * K + kw] = fmaf(gv[o], rr[S * o + kw], acc[r][kh * K + kw]);
-      }
+      });
     }
     __syncwarp();  // before the next image's copy overwrites the stage
   }
