@@ -391,7 +391,8 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_giv
 def _gather_tiles(C: int, N: int, sparse: bool, dtype: torch.dtype) -> dict:
     """Tiles of the gather route (``sparse``: at most 0.2 of the stripes kept). From a sweep on an H200 (random
     masks at keep 0.3 and 0.15, CIFAR VGG shapes at batch 1024 and ImageNet ones at batch 128, 128-512 channels,
-    bf16 and fp32 channels_last, CUDA graphs; benchmarks/results/stripe_gather_tiles{,2}_h200.json, script stripe_gather_tiles.py.txt):
+    bf16 and fp32 channels_last, CUDA graphs; benchmarks/results/stripe_gather_tiles{,2}_h200.json, scripts
+    stripe_gather_tiles{,2}.py.txt):
     - 512 channels, sparse, or fp32: 256 output channels per program (each offset's shifted input tile then serves
       twice the channels), 64-stripe chunks: in bf16 at keep 0.15 1.62-1.64x faster than the dense route these
       layers took before (small maps, see default_config); in fp32 1.19-1.20x faster than 128-channel tiles at keep
