@@ -1,0 +1,177 @@
+"""Triton backward of ``compress::stripe_conv2d`` that skips the pruned stripes (stride 1).
+
+The forward's stripes prune rows of the per-offset weight (output channel o at offset k). Seen from the backward,
+those rows are on the *reduction* side, so both gradients are plain implicit GEMMs over the kept stripes only,
+with each stripe's output-gradient column gathered at its own shift:
+
+    G~[p, s] = g[b, ih + ph - kh_s*dh, iw + pw - kw_s*dw, o_s]      (p = input pixel (b, ih, iw); 0 outside)
+    grad_x[p, c]   = sum_s G~[p, s] * w[s, c]                        (reduction over the S kept stripes)
+    grad_w[s, c]   = sum_p G~[p, s] * x[p, c]                        (reduction over the input pixels)
+
+(for stride 1: input pixel (ih, iw) meets output pixel (ih + ph - kh*dh, iw + pw - kw*dw) through offset k.)
+Their multiply-adds are the kept MACs exactly: keep * the dense backward's. The stripes of a reduction chunk may
+belong to different offsets (the shift is per column), so the loop over S is flat and software-pipelined.
+Both read the output gradient and the input channels_last; grad_x is written channels_last, grad_w as float32
+partial sums per pixel slice (summed after, deterministic: no atomics).
+float32 runs on TF32 tensor cores with round-to-nearest operands (as the forward).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton ships with CUDA torch builds
+    triton = None
+
+if triton is not None:
+    from kernels.stripe_triton import _round_tf32
+
+    @triton.jit
+    def _gather_g(g_ptr, oi_ptr, off_ptr, ss, s_ok, bb, ih, iw, p_ok, Ho, Wo, N: tl.constexpr,
+                  PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr):
+        # G~[p, s] for pixels (bb, ih, iw) and stripes ss: the output gradient of stripe s's channel at the output
+        # pixel that input pixel p meets through s's offset (channels_last g), 0 outside the output or for p/s
+        # out of range
+        o = tl.load(oi_ptr + ss, mask=s_ok, other=0)
+        kh = tl.load(off_ptr + 2 * ss, mask=s_ok, other=0)
+        kw = tl.load(off_ptr + 2 * ss + 1, mask=s_ok, other=0)
+        oh = ih[:, None] + (PH - kh * DH)[None, :]
+        ow = iw[:, None] + (PW - kw * DW)[None, :]
+        ok = p_ok[:, None] & s_ok[None, :] & (oh >= 0) & (oh < Ho) & (ow >= 0) & (ow < Wo)
+        row = ((bb[:, None] * Ho + oh) * Wo + ow).to(tl.int64) * N
+        return tl.load(g_ptr + row + o[None, :], mask=ok, other=0.0)
+
+    @triton.jit
+    def _pixels(offs, H, W):
+        # (image, row, column) of flat channels_last input pixels
+        iw = offs % W
+        t = offs // W
+        return t // H, t % H, iw
+
+    @triton.jit
+    def _dgrad_kernel(
+        g_ptr, w_ptr, oi_ptr, off_ptr, dx_ptr,
+        P, S, H, W, Ho, Wo,
+        C: tl.constexpr, N: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+        IS_FP32: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+    ):
+        # grad_x[p, c] for BLOCK_P input pixels x BLOCK_C input channels: sum over all kept stripes, BLOCK_S at a time
+        offs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+        p_ok = offs < P
+        bb, ih, iw = _pixels(offs, H, W)
+        cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_ok = cs < C
+        acc = tl.zeros((BLOCK_P, BLOCK_C), dtype=tl.float32)
+        for s0 in range(0, S, BLOCK_S):
+            ss = s0 + tl.arange(0, BLOCK_S)
+            s_ok = ss < S
+            a = _gather_g(g_ptr, oi_ptr, off_ptr, ss, s_ok, bb, ih, iw, p_ok, Ho, Wo, N, PH, PW, DH, DW)
+            b = tl.load(w_ptr + ss[:, None].to(tl.int64) * C + cs[None, :], mask=s_ok[:, None] & c_ok[None, :],
+                        other=0.0)
+            if IS_FP32:
+                a = _round_tf32(a)
+                b = _round_tf32(b)
+            acc = tl.dot(a, b, acc)
+        out = offs.to(tl.int64) * C
+        tl.store(dx_ptr + out[:, None] + cs[None, :], acc.to(dx_ptr.dtype.element_ty),
+                 mask=p_ok[:, None] & c_ok[None, :])
+
+    @triton.jit
+    def _wgrad_kernel(
+        g_ptr, x_ptr, oi_ptr, off_ptr, part_ptr,
+        p_per, P, S, H, W, Ho, Wo,
+        C: tl.constexpr, N: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+        IS_FP32: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+    ):
+        # part[slice, s, c] = sum over the slice's input pixels p of G~[p, s] * x[p, c], for BLOCK_S stripes x
+        # BLOCK_C input channels
+        pid = tl.program_id(0)
+        ss = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+        s_ok = ss < S
+        cs = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_ok = cs < C
+        p_start = pid * p_per
+        p_end = tl.minimum(p_start + p_per, P)
+        acc = tl.zeros((BLOCK_S, BLOCK_C), dtype=tl.float32)
+        for p0 in range(p_start, p_end, BLOCK_P):
+            offs = p0 + tl.arange(0, BLOCK_P)
+            p_ok = offs < p_end
+            bb, ih, iw = _pixels(offs, H, W)
+            a = _gather_g(g_ptr, oi_ptr, off_ptr, ss, s_ok, bb, ih, iw, p_ok, Ho, Wo, N, PH, PW, DH, DW)
+            xb = tl.load(x_ptr + offs.to(tl.int64)[:, None] * C + cs[None, :], mask=p_ok[:, None] & c_ok[None, :],
+                         other=0.0)
+            if IS_FP32:
+                a = _round_tf32(a)
+                xb = _round_tf32(xb)
+            acc = tl.dot(tl.trans(a), xb, acc)
+        off = (pid * S + ss[:, None]).to(tl.int64) * C + cs[None, :]
+        tl.store(part_ptr + off, acc, mask=s_ok[:, None] & c_ok[None, :])
+
+
+def _pow2(v: int, lo: int, hi: int) -> int:
+    p = lo
+    while p < v and p < hi:
+        p *= 2
+    return p
+
+
+def supports(x: torch.Tensor, stride) -> bool:
+    """Whether these kernels run the layer: CUDA (or the Triton interpreter), a Triton dtype, stride 1."""
+    return (triton is not None and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
+            and tuple(stride) == (1, 1))
+
+
+def grad_input(grad, weight, out_index, offset, x_shape, padding, dilation, cfg: dict | None = None):
+    """grad_x (B, C, H, W) channels_last of a stride-1 stripe conv, from grad (B, N, Ho, Wo) and the kept stripes
+    weight (S, C), out_index (S,), offset (S, 2)."""
+    B, C, H, W = x_shape
+    N, Ho, Wo = grad.shape[1:]
+    S = weight.shape[0]
+    cfg = dict(cfg or grad_input_config(C, S, grad.dtype))
+    g = grad.contiguous(memory_format=torch.channels_last)
+    dx = torch.empty(x_shape, device=grad.device, dtype=grad.dtype, memory_format=torch.channels_last)
+    P = B * H * W
+    if S == 0:
+        return dx.zero_()
+    nw, ns = cfg.pop("num_warps"), cfg.pop("num_stages")
+    grid = (triton.cdiv(P, cfg["BLOCK_P"]), triton.cdiv(C, cfg["BLOCK_C"]))
+    _dgrad_kernel[grid](g, weight.contiguous(), out_index, offset.contiguous(), dx, P, S, H, W, Ho, Wo, C, N,
+                        PH=padding[0], PW=padding[1], DH=dilation[0], DW=dilation[1],
+                        IS_FP32=grad.dtype == torch.float32, **cfg, num_warps=nw, num_stages=ns)
+    return dx
+
+
+def grad_input_config(C: int, S: int, dtype: torch.dtype) -> dict:
+    return dict(BLOCK_P=128, BLOCK_C=_pow2(C, 16, 128), BLOCK_S=32, num_warps=4, num_stages=3)
+
+
+def grad_weight(grad, x, out_index, offset, padding, dilation, cfg: dict | None = None):
+    """grad of the kept stripes (S, C), float32, of a stride-1 stripe conv."""
+    B, C, H, W = x.shape
+    N, Ho, Wo = grad.shape[1:]
+    S = out_index.shape[0]
+    cfg = dict(cfg or grad_weight_config(C, S, x.dtype))
+    P = B * H * W
+    if S == 0:
+        return torch.zeros((0, C), device=x.device, dtype=torch.float32)
+    nw, ns = cfg.pop("num_warps"), cfg.pop("num_stages")
+    bp = cfg["BLOCK_P"]
+    tiles = triton.cdiv(S, cfg["BLOCK_S"]) * triton.cdiv(C, cfg["BLOCK_C"])
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 2  # 2: interpreter
+    slices = max(1, min(triton.cdiv(cfg.pop("waves", 4) * sms, tiles), triton.cdiv(P, bp)))
+    p_per = triton.cdiv(triton.cdiv(P, slices), bp) * bp
+    slices = triton.cdiv(P, p_per)
+    part = torch.empty((slices, S, C), device=x.device, dtype=torch.float32)
+    grid = (slices, triton.cdiv(S, cfg["BLOCK_S"]), triton.cdiv(C, cfg["BLOCK_C"]))
+    _wgrad_kernel[grid](grad.contiguous(memory_format=torch.channels_last),
+                        x.contiguous(memory_format=torch.channels_last), out_index, offset.contiguous(), part,
+                        p_per, P, S, H, W, Ho, Wo, C, N, PH=padding[0], PW=padding[1], DH=dilation[0],
+                        DW=dilation[1], IS_FP32=x.dtype == torch.float32, **cfg, num_warps=nw, num_stages=ns)
+    return part.sum(0) if slices > 1 else part[0]
+
+
+def grad_weight_config(C: int, S: int, dtype: torch.dtype) -> dict:
+    return dict(BLOCK_P=64, BLOCK_S=_pow2(S, 16, 64), BLOCK_C=_pow2(C, 16, 64), num_warps=4, num_stages=3, waves=4)
