@@ -30,67 +30,87 @@ if triton is not None:
     from kernels.stripe_triton import _round_tf32
 
     @triton.jit
-    def _gather_g(g_ptr, oi_ptr, off_ptr, ss, s_ok, bb, ih, iw, p_ok, Ho, Wo, N: tl.constexpr,
-                  PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr):
-        # G~[p, s] for pixels (bb, ih, iw) and stripes ss: the output gradient of stripe s's channel at the output
-        # pixel that input pixel p meets through s's offset (channels_last g), 0 outside the output or for p/s
-        # out of range
-        o = tl.load(oi_ptr + ss, mask=s_ok, other=0)
-        kh = tl.load(off_ptr + 2 * ss, mask=s_ok, other=0)
-        kw = tl.load(off_ptr + 2 * ss + 1, mask=s_ok, other=0)
-        oh = ih[:, None] + (PH - kh * DH)[None, :]
-        ow = iw[:, None] + (PW - kw * DW)[None, :]
-        ok = p_ok[:, None] & s_ok[None, :] & (oh >= 0) & (oh < Ho) & (ow >= 0) & (ow < Wo)
-        row = ((bb[:, None] * Ho + oh) * Wo + ow).to(tl.int64) * N
-        return tl.load(g_ptr + row + o[None, :], mask=ok, other=0.0)
-
-    @triton.jit
-    def _pixels(offs, H, W):
-        # (image, row, column) of flat channels_last input pixels
+    def _pixel_codes(offs, P, H, W, Ho, Wo, N: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+                     DH: tl.constexpr, DW: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, BIG: tl.constexpr):
+        # per flat channels_last input pixel: the g offset of the output pixel at the same (image, row, column)
+        # (each stripe adds its own shift) and a validity code: bit kh set when row ih + PH - kh*DH is an output
+        # row, bit 8 + kw when column iw + PW - kw*DW is an output column (no bit for pixels at or past P)
         iw = offs % W
         t = offs // W
-        return t // H, t % H, iw
+        ih = t % H
+        bb = t // H
+        if BIG:
+            base = ((bb * Ho + ih) * Wo + iw).to(tl.int64) * N
+        else:
+            base = ((bb * Ho + ih) * Wo + iw) * N
+        code = tl.zeros_like(offs)
+        for kh in tl.static_range(KH):
+            oh = ih + (PH - kh * DH)
+            code |= ((oh >= 0) & (oh < Ho)).to(tl.int32) << kh
+        for kw in tl.static_range(KW):
+            ow = iw + (PW - kw * DW)
+            code |= ((ow >= 0) & (ow < Wo)).to(tl.int32) << (8 + kw)
+        return base, tl.where(offs < P, code, 0)
+
+    @triton.jit
+    def _stripe_codes(oi_ptr, off_ptr, ss, S, Wo, N: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
+                      DH: tl.constexpr, DW: tl.constexpr):
+        # per stripe: the shift of its column in g (its kernel offset's output-pixel shift, plus its channel) and
+        # the code bits a pixel needs for it (bit 30, never set in a pixel code, for stripes at or past S)
+        s_ok = ss < S
+        o = tl.load(oi_ptr + ss, mask=s_ok, other=0).to(tl.int32)
+        kh = tl.load(off_ptr + 2 * ss, mask=s_ok, other=0).to(tl.int32)
+        kw = tl.load(off_ptr + 2 * ss + 1, mask=s_ok, other=0).to(tl.int32)
+        col = ((PH - kh * DH) * Wo + (PW - kw * DW)) * N + o
+        code = tl.where(s_ok, (1 << kh) | (1 << (8 + kw)), 1 << 30)
+        return col, code, s_ok
+
+    @triton.jit
+    def _gather_g(g_ptr, base, pcode, col, scode):
+        # G~[p, s]: one add and one test per element (the separable parts come from _pixel_codes/_stripe_codes)
+        ok = (pcode[:, None] & scode[None, :]) == scode[None, :]
+        return tl.load(g_ptr + (base[:, None] + col[None, :]), mask=ok, other=0.0)
 
     @triton.jit
     def _dgrad_kernel(
         g_ptr, w_ptr, oi_ptr, off_ptr, dx_ptr,
         P, S, H, W, Ho, Wo,
         C: tl.constexpr, N: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
-        IS_FP32: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+        KH: tl.constexpr, KW: tl.constexpr, BIG: tl.constexpr, IS_FP32: tl.constexpr,
+        BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
     ):
         # grad_x[p, c] for BLOCK_P input pixels x BLOCK_C input channels: sum over all kept stripes, BLOCK_S at a time
         offs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
-        p_ok = offs < P
-        bb, ih, iw = _pixels(offs, H, W)
+        base, pcode = _pixel_codes(offs, P, H, W, Ho, Wo, N, PH, PW, DH, DW, KH, KW, BIG)
         cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_ok = cs < C
         acc = tl.zeros((BLOCK_P, BLOCK_C), dtype=tl.float32)
         for s0 in range(0, S, BLOCK_S):
             ss = s0 + tl.arange(0, BLOCK_S)
-            s_ok = ss < S
-            a = _gather_g(g_ptr, oi_ptr, off_ptr, ss, s_ok, bb, ih, iw, p_ok, Ho, Wo, N, PH, PW, DH, DW)
-            b = tl.load(w_ptr + ss[:, None].to(tl.int64) * C + cs[None, :], mask=s_ok[:, None] & c_ok[None, :],
-                        other=0.0)
+            col, scode, s_ok = _stripe_codes(oi_ptr, off_ptr, ss, S, Wo, N, PH, PW, DH, DW)
+            a = _gather_g(g_ptr, base, pcode, col, scode)
+            b = tl.load(w_ptr + ss[:, None] * C + cs[None, :], mask=s_ok[:, None] & c_ok[None, :], other=0.0)
             if IS_FP32:
                 a = _round_tf32(a)
                 b = _round_tf32(b)
             acc = tl.dot(a, b, acc)
         out = offs.to(tl.int64) * C
         tl.store(dx_ptr + out[:, None] + cs[None, :], acc.to(dx_ptr.dtype.element_ty),
-                 mask=p_ok[:, None] & c_ok[None, :])
+                 mask=(offs < P)[:, None] & c_ok[None, :])
 
     @triton.jit
     def _wgrad_kernel(
         g_ptr, x_ptr, oi_ptr, off_ptr, part_ptr,
         p_per, P, S, H, W, Ho, Wo,
         C: tl.constexpr, N: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
-        IS_FP32: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+        KH: tl.constexpr, KW: tl.constexpr, BIG: tl.constexpr, IS_FP32: tl.constexpr,
+        BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
     ):
         # part[slice, s, c] = sum over the slice's input pixels p of G~[p, s] * x[p, c], for BLOCK_S stripes x
         # BLOCK_C input channels
         pid = tl.program_id(0)
         ss = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
-        s_ok = ss < S
+        col, scode, s_ok = _stripe_codes(oi_ptr, off_ptr, ss, S, Wo, N, PH, PW, DH, DW)
         cs = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_ok = cs < C
         p_start = pid * p_per
@@ -98,11 +118,10 @@ if triton is not None:
         acc = tl.zeros((BLOCK_S, BLOCK_C), dtype=tl.float32)
         for p0 in range(p_start, p_end, BLOCK_P):
             offs = p0 + tl.arange(0, BLOCK_P)
-            p_ok = offs < p_end
-            bb, ih, iw = _pixels(offs, H, W)
-            a = _gather_g(g_ptr, oi_ptr, off_ptr, ss, s_ok, bb, ih, iw, p_ok, Ho, Wo, N, PH, PW, DH, DW)
-            xb = tl.load(x_ptr + offs.to(tl.int64)[:, None] * C + cs[None, :], mask=p_ok[:, None] & c_ok[None, :],
-                         other=0.0)
+            base, pcode = _pixel_codes(offs, p_end, H, W, Ho, Wo, N, PH, PW, DH, DW, KH, KW, BIG)
+            a = _gather_g(g_ptr, base, pcode, col, scode)
+            xb = tl.load(x_ptr + offs.to(tl.int64)[:, None] * C + cs[None, :],
+                         mask=(offs < p_end)[:, None] & c_ok[None, :], other=0.0)
             if IS_FP32:
                 a = _round_tf32(a)
                 xb = _round_tf32(xb)
@@ -124,7 +143,7 @@ def supports(x: torch.Tensor, stride) -> bool:
             and tuple(stride) == (1, 1))
 
 
-def grad_input(grad, weight, out_index, offset, x_shape, padding, dilation, cfg: dict | None = None):
+def grad_input(grad, weight, out_index, offset, x_shape, kernel_size, padding, dilation, cfg: dict | None = None):
     """grad_x (B, C, H, W) channels_last of a stride-1 stripe conv, from grad (B, N, Ho, Wo) and the kept stripes
     weight (S, C), out_index (S,), offset (S, 2)."""
     B, C, H, W = x_shape
@@ -139,8 +158,9 @@ def grad_input(grad, weight, out_index, offset, x_shape, padding, dilation, cfg:
     nw, ns = cfg.pop("num_warps"), cfg.pop("num_stages")
     grid = (triton.cdiv(P, cfg["BLOCK_P"]), triton.cdiv(C, cfg["BLOCK_C"]))
     _dgrad_kernel[grid](g, weight.contiguous(), out_index, offset.contiguous(), dx, P, S, H, W, Ho, Wo, C, N,
-                        PH=padding[0], PW=padding[1], DH=dilation[0], DW=dilation[1],
-                        IS_FP32=grad.dtype == torch.float32, **cfg, num_warps=nw, num_stages=ns)
+                        PH=padding[0], PW=padding[1], DH=dilation[0], DW=dilation[1], KH=kernel_size[0],
+                        KW=kernel_size[1], BIG=g.numel() >= 2**31, IS_FP32=grad.dtype == torch.float32, **cfg,
+                        num_warps=nw, num_stages=ns)
     return dx
 
 
@@ -148,7 +168,7 @@ def grad_input_config(C: int, S: int, dtype: torch.dtype) -> dict:
     return dict(BLOCK_P=128, BLOCK_C=_pow2(C, 16, 128), BLOCK_S=32, num_warps=4, num_stages=3)
 
 
-def grad_weight(grad, x, out_index, offset, padding, dilation, cfg: dict | None = None):
+def grad_weight(grad, x, out_index, offset, kernel_size, padding, dilation, cfg: dict | None = None):
     """grad of the kept stripes (S, C), float32, of a stride-1 stripe conv."""
     B, C, H, W = x.shape
     N, Ho, Wo = grad.shape[1:]
@@ -169,7 +189,8 @@ def grad_weight(grad, x, out_index, offset, padding, dilation, cfg: dict | None 
     _wgrad_kernel[grid](grad.contiguous(memory_format=torch.channels_last),
                         x.contiguous(memory_format=torch.channels_last), out_index, offset.contiguous(), part,
                         p_per, P, S, H, W, Ho, Wo, C, N, PH=padding[0], PW=padding[1], DH=dilation[0],
-                        DW=dilation[1], IS_FP32=x.dtype == torch.float32, **cfg, num_warps=nw, num_stages=ns)
+                        DW=dilation[1], KH=kernel_size[0], KW=kernel_size[1], BIG=grad.numel() >= 2**31,
+                        IS_FP32=x.dtype == torch.float32, **cfg, num_warps=nw, num_stages=ns)
     return part.sum(0) if slices > 1 else part[0]
 
 
