@@ -85,15 +85,22 @@ if triton is not None:
         cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_ok = cs < C
         acc = tl.zeros((BLOCK_P, BLOCK_C), dtype=tl.float32)
-        for s0 in range(0, S, BLOCK_S):
+        ss = tl.arange(0, BLOCK_S)
+        col, scode, s_ok = _stripe_codes(oi_ptr, off_ptr, ss, S, Wo, N, PH, PW, DH, DW)
+        a = _gather_g(g_ptr, base, pcode, col, scode)
+        b = tl.load(w_ptr + ss[:, None] * C + cs[None, :], mask=s_ok[:, None] & c_ok[None, :], other=0.0)
+        for s0 in range(BLOCK_S, S + BLOCK_S, BLOCK_S):
+            # the next chunk's gathered loads are issued before this chunk's product (register double buffer:
+            # gathered 2-byte loads cannot go through cp.async, so Triton's pipeliner does not overlap them)
             ss = s0 + tl.arange(0, BLOCK_S)
             col, scode, s_ok = _stripe_codes(oi_ptr, off_ptr, ss, S, Wo, N, PH, PW, DH, DW)
-            a = _gather_g(g_ptr, base, pcode, col, scode)
-            b = tl.load(w_ptr + ss[:, None] * C + cs[None, :], mask=s_ok[:, None] & c_ok[None, :], other=0.0)
+            a_next = _gather_g(g_ptr, base, pcode, col, scode)
+            b_next = tl.load(w_ptr + ss[:, None] * C + cs[None, :], mask=s_ok[:, None] & c_ok[None, :], other=0.0)
             if IS_FP32:
                 a = _round_tf32(a)
                 b = _round_tf32(b)
             acc = tl.dot(a, b, acc)
+            a, b = a_next, b_next
         out = offs.to(tl.int64) * C
         tl.store(dx_ptr + out[:, None] + cs[None, :], acc.to(dx_ptr.dtype.element_ty),
                  mask=(offs < P)[:, None] & c_ok[None, :])
@@ -116,16 +123,22 @@ if triton is not None:
         p_start = pid * p_per
         p_end = tl.minimum(p_start + p_per, P)
         acc = tl.zeros((BLOCK_S, BLOCK_C), dtype=tl.float32)
-        for p0 in range(p_start, p_end, BLOCK_P):
-            offs = p0 + tl.arange(0, BLOCK_P)
+        offs = p_start + tl.arange(0, BLOCK_P)
+        base, pcode = _pixel_codes(offs, p_end, H, W, Ho, Wo, N, PH, PW, DH, DW, KH, KW, BIG)
+        a = _gather_g(g_ptr, base, pcode, col, scode)
+        xb = tl.load(x_ptr + offs.to(tl.int64)[:, None] * C + cs[None, :], mask=(offs < p_end)[:, None] & c_ok[None, :],
+                     other=0.0)
+        for p0 in range(p_start + BLOCK_P, p_end + BLOCK_P, BLOCK_P):
+            offs = p0 + tl.arange(0, BLOCK_P)  # the next block's loads first (as in _dgrad_kernel)
             base, pcode = _pixel_codes(offs, p_end, H, W, Ho, Wo, N, PH, PW, DH, DW, KH, KW, BIG)
-            a = _gather_g(g_ptr, base, pcode, col, scode)
-            xb = tl.load(x_ptr + offs.to(tl.int64)[:, None] * C + cs[None, :],
-                         mask=(offs < p_end)[:, None] & c_ok[None, :], other=0.0)
+            a_next = _gather_g(g_ptr, base, pcode, col, scode)
+            x_next = tl.load(x_ptr + offs.to(tl.int64)[:, None] * C + cs[None, :],
+                             mask=(offs < p_end)[:, None] & c_ok[None, :], other=0.0)
             if IS_FP32:
                 a = _round_tf32(a)
                 xb = _round_tf32(xb)
             acc = tl.dot(tl.trans(a), xb, acc)
+            a, xb = a_next, x_next
         off = (pid * S + ss[:, None]).to(tl.int64) * C + cs[None, :]
         tl.store(part_ptr + off, acc, mask=s_ok[:, None] & c_ok[None, :])
 
