@@ -573,6 +573,17 @@ class Launch:
 # up to 16 output channels (1.06-1.91x; 1.7-3.1x slower from 24; benchmarks/results/stripe_bwd_gpu_h200.json), the
 # grad_weight kernel up to 24 channels in bf16 (1.14-1.36x; 0.88x at 32) and 32 in fp32 (1.40-1.82x; 0.3-0.45x
 # from 40; stripe_bwd_gpu_h200_wgrad_cat.json): kernels.stripe._triton_backward_parts takes each there.
+# Tried and dropped (H200, bf16, 2026-11-22): a backward that skips the pruned stripes. Seen from the backward the
+# pruned (output channel, offset) pairs lie on the reduction side, so grad_x = G~ @ w and grad_w = G~^T @ x are
+# implicit GEMMs over the kept stripes only (G~[p, s]: the output gradient of stripe s's channel at the output pixel
+# input pixel p meets through s's offset; one flat loop over the S stripes, each column gathered at its own shift).
+# Correct (2.9e-3 relative), but gathering 2-byte elements from the channels_last gradient one by one (no vector or
+# cp.async loads) dominates: on the issue's layer shapes at keep 0.3 and 0.15 grad_x took 0.6-6.3x cuDNN's dense
+# dgrad time and grad_w 0.5-3.4x its wgrad, 2.5-18x the dense backward per kept MAC, with per-element index math
+# made separable (per-pixel base and validity bits, per-stripe shift) and a register double buffer
+# (stripe_bwd_gather_v{1,2,3}_reverted_h200.json; kernels and sweep: stripe_bwd_gather_*reverted.py.txt). It won only
+# at 16 channels (where the pieces above already run; its grad_w 1.2-1.4x faster than theirs) and for 32-channel
+# grad_w (1.1-1.8x cuDNN's): too little for a second backward kernel.
 def backward_support(x, out_channels: int, kernel_size, stride, padding, dilation) -> tuple[bool, bool]:
     """(grad_x, grad_weight): whether ``backward`` can compute each for this layer (grad_x: stride 1, at most 64
     output channels; grad_weight: at most 64 input and output channels)."""
