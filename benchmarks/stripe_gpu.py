@@ -130,6 +130,10 @@ def candidates(C, N, dtype):
     out.append(dict(BLOCK_M=64, BLOCK_N=bns[0], BLOCK_K=bk, CHUNK=16, num_warps=4, num_stages=3, DENSE=False))
     for bm, bn, nw in ((128, p2(N, 16, 64), 4), (128, p2(N, 16, 128), 8), (256, p2(N, 16, 64), 8)):
         out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, CHUNK=16, num_warps=nw, num_stages=3, DENSE=True))
+    if C >= 16:  # route (a) over every offset without the per-offset skip (software-pipelined)
+        for bm, bn, nw in ((128, p2(N, 16, 64), 4), (128, p2(N, 16, 128), 8), (64, p2(N, 16, 128), 4)):
+            out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, CHUNK=16, num_warps=nw, num_stages=3, DENSE=True,
+                            NOSKIP=True))
     if C <= 64:  # route (c), im2col columns (reads the kept dense weight)
         for bk, nw in ((32, 4), (32, 8), (64, 4)):
             out.append(dict(BLOCK_M=128, BLOCK_N=p2(N, 16, 64), BLOCK_K=bk, CHUNK=16, num_warps=nw, num_stages=3,
@@ -147,7 +151,13 @@ def candidates(C, N, dtype):
 
 
 def route_name(cfg: dict) -> str:
-    return ("c" if cfg.get("IM2COL") else "a" if cfg.get("DENSE") else "b-gather" if cfg.get("GATHER") else "b")
+    return ("c" if cfg.get("IM2COL") else ("a-noskip" if cfg.get("NOSKIP") else "a") if cfg.get("DENSE")
+            else "b-gather" if cfg.get("GATHER") else "b")
+
+
+def config_name(cfg: dict) -> str:
+    return (f"{route_name(cfg)} m{cfg['BLOCK_M']} n{cfg['BLOCK_N']} k{cfg['BLOCK_K']} ch{cfg['CHUNK']} "
+            f"w{cfg['num_warps']} s{cfg['num_stages']}")
 
 
 def prepare_stripe(x, w, oi, off, b, plan, N, cfg, kept):
@@ -215,7 +225,7 @@ def run_case(net, B, C, H, keep, w64, oi, off, x64, gen, rates, bw, rows, fails,
         fused_ms = time_rotated(lambda a, wd=wd, b=b: torch.cudnn_convolution_relu(a, wd, b, (1, 1), (1, 1), (1, 1), 1),
                                 xs, graph=True)
         dense_ms = min(unfused_ms, fused_ms)  # cuDNN's best: conv + bias + ReLU in one call, or three
-        best = None
+        best, tuned = None, {}
         tune = cands if layout == "cl" else [next(r["config"] for r in rows[::-1]
                                                   if r["C"] == C and r["H"] == H and r["keep"] == keep
                                                   and r["mask"] == mask and r["dtype"] == dname
@@ -227,6 +237,7 @@ def run_case(net, B, C, H, keep, w64, oi, off, x64, gen, rates, bw, rows, fails,
                 print(f"   skip {cfg}: {type(e).__name__}", flush=True)
                 continue
             ms = time_rotated(prepare_stripe(xs[0], w, oi, off, b, plan, N, cfg, kept), xs, graph=True)
+            tuned[config_name(cfg)] = round(ms, 4)
             if best is None or ms < best[0]:
                 best = (ms, cfg)
         def_ms = time_rotated(prepare_stripe(xs[0], w, oi, off, b, plan, N, None, kept), xs, graph=True)
@@ -246,7 +257,7 @@ def run_case(net, B, C, H, keep, w64, oi, off, x64, gen, rates, bw, rows, fails,
         row = dict(net=net, B=B, C=C, N=N, H=H, keep=keep, mask=mask, stripes=S, dtype=dname, layout=layout,
                    dense_ms=round(dense_ms, 4), dense_unfused_ms=round(unfused_ms, 4),
                    dense_fused_ms=round(fused_ms, 4), stripe_ms=round(best[0], 4),
-                   stripe_default_ms=round(def_ms, 4), config=best[1],
+                   stripe_default_ms=round(def_ms, 4), config=best[1], tuned_ms=tuned,
                    route=route_name(best[1]),
                    speedup=round(sp, 2),
                    floor_ms=round(floor_ms, 4), attainable=round(attain, 2),
