@@ -372,7 +372,15 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_giv
                     num_stages=3, DENSE=True, NOSKIP=True)
     block_k = _pow2(C, 16, 64 if dtype == torch.float32 else 128)
     block_n = _pow2(N, 16, 64 if C <= 64 else 128)
-    dense = (C <= 16 or (dense_given and C <= 64) or S > 0.4 * K * N
+    # wide 16-bit layers with the weight kept, up to 511 output channels: the DENSE route over every offset (NOSKIP,
+    # below) unless the layer is sparse and has 256+ input channels. With random masks nearly every (offset, tile)
+    # block holds a stripe, so the skip saves nothing, and the pipelined dense loop beat the gather route on an
+    # H200 (bf16 channels_last, batch 1024 / 128): 128 channels at 16x16 and 28x28 1.60x and 1.81x at keep 0.3,
+    # 1.09x and 1.34x at keep 0.15; 256 channels at 8x8 and 14x14 1.13x and 1.17x at keep 0.3, while at keep 0.15
+    # the gather route stayed 1.20-1.33x faster (stripe_gpu_h200_wide{128,256}_noskip.json, "tuned_ms"); at 512
+    # channels the gather route was faster at keep 0.3 too (stripe_gpu_h200_wide512_session15.json)
+    wide_dense = (dense_given and C > 64 and dtype != torch.float32 and N < 512 and (C < 256 or not sparse))
+    dense = (C <= 16 or (dense_given and C <= 64) or S > 0.4 * K * N or wide_dense
              or (dtype == torch.float32 and not sparse and C < 256))
     if C >= 128 and not dense:  # gather reduction
         return dict(_gather_tiles(C, N, sparse, dtype), BLOCK_K=block_k, DENSE=False, GATHER=True)
@@ -380,10 +388,11 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_giv
     # (NOSKIP), a loop Triton software-pipelines (3 stages): in bf16 1.1-1.4x faster on 16-80-channel layers at keep
     # 0.1-0.5 (H200, stripe_tiles_noskip_h200.json) and 1.2-1.3x on 64x32x32 / 64x56x56 (stripe_gpu_h200_noskip.json);
     # in fp32 it was 0.88x at 64x56x56 (same file) but 1.30x at 16x32x32 (0.0341 against 0.0442 ms,
-    # stripe_narrow_im2col_fp32_gpu_h200.json), so fp32 from 17 channels, narrower inputs and layers keeping under
-    # 3% of their stripes keep the skip
+    # stripe_narrow_im2col_fp32_gpu_h200.json) and 1.06-1.23x on 128- and 256-channel layers that take the DENSE
+    # route (stripe_gpu_h200_wide{128,256}_noskip.json), so fp32 at 17-64 channels, narrower inputs and layers
+    # keeping under 3% of their stripes keep the skip
     noskip = (dense and dense_given and C >= 16 and S >= 0.03 * K * N
-              and (dtype != torch.float32 or C == 16))
+              and (dtype != torch.float32 or C == 16 or C > 64))
     return dict(BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=block_k, CHUNK=16 if S <= 0.2 * K * N else 32,
                 num_warps=4 if block_n <= 64 else 8, num_stages=3 if noskip else 2, DENSE=dense, NOSKIP=noskip)
 
