@@ -53,6 +53,12 @@ the real-mask VGG16 and ResNet-56 and of random-mask ResNet-56 (H200, bf16, batc
 stripe_halo_v4_reverted_h200.json): Nsight Compute showed it instruction-bound on the per-output shifted sums
 (about 60 instructions per output value even with one stripe), where this kernel's outputs come straight from
 its accumulators; the first version (WMMA, one block per tile) was 2-10x slower (stripe_halo_v1_reverted_h200.json).
+A dense CUDA conv for narrow 16-bit layers (session 16, a prototype never on main: input window with its halo
+staged once per tile by cp.async, all offsets' weights in shared memory, A fragments by ldmatrix straight from the
+window at each offset's shift, mma.m16n8k16 into register accumulators, offsets without weights skipped), aimed at
+the compact VGG16's 40-channel 32x32 layer where cuDNN is slow: correct (9 float64 checks), 1.3-1.8x faster than
+cuDNN there but 0.56-0.80x this kernel, and 0.13-0.94x it on the other narrow layers (conv_halo_v{1,2}_reverted_h200.json,
+source conv_halo_reverted.cu.txt).
 Route (a) with the output channels permuted (greedily, so that each 16/32-channel tile's channels share kernel
 offsets and fewer (offset, tile) blocks are computed) was slower than without on the layers of the real-mask
 VGG16/ResNet-18/ResNet-56 (a permuted channel store does not vectorise; stripe_perm_dense_reverted_h200.json).
