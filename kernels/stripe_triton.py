@@ -372,20 +372,26 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_giv
         # chain, not the multiply-adds, sets the time there. Not for sparse layers of 512+ output channels: the gather
         # route with 256-channel tiles ran 1.62-1.64x faster than this at keep 0.15 on 512x4x4 (batch 1024) and
         # 512x7x7 (batch 128) (stripe_gather_tiles2_h200.json; at keep 0.3 this route stayed the best)
+        # From 4097 pixels with 256+ output channels: the wide tiles of the larger maps below (512x4x4 at batch 1024
+        # and 512x7x7 at batch 128, keep 0.3: 1.43x and 1.50x faster than 128x128 tiles, 128 columns per step;
+        # stripe_noskip_tiles_h200.json)
+        if pixels > 4096 and N >= 256:
+            return _wide_noskip(N, dtype)
         bm = 128 if pixels > 4096 else 64
         bn = 128 if pixels > 4096 else (32 if pixels <= 1024 and N <= 256 else 64)
         return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=_pow2(C, 16, 128), CHUNK=16, num_warps=8 if bm * bn > 8192 else 4,
                     num_stages=3, DENSE=True, NOSKIP=True)
     block_k = _pow2(C, 16, 64 if dtype == torch.float32 else 128)
     block_n = _pow2(N, 16, 64 if C <= 64 else 128)
-    # wide 16-bit layers with the weight kept, up to 511 output channels: the DENSE route over every offset (NOSKIP,
-    # below) unless the layer is sparse and has 256+ input channels. With random masks nearly every (offset, tile)
-    # block holds a stripe, so the skip saves nothing, and the pipelined dense loop beat the gather route on an
-    # H200 (bf16 channels_last, batch 1024 / 128): 128 channels at 16x16 and 28x28 1.60x and 1.81x at keep 0.3,
-    # 1.09x and 1.34x at keep 0.15; 256 channels at 8x8 and 14x14 1.13x and 1.17x at keep 0.3, while at keep 0.15
-    # the gather route stayed 1.20-1.33x faster (stripe_gpu_h200_wide{128,256}_noskip.json, "tuned_ms"); at 512
-    # channels the gather route was faster at keep 0.3 too (stripe_gpu_h200_wide512_session15.json)
-    wide_dense = (dense_given and C > 64 and dtype != torch.float32 and N < 512 and (C < 256 or not sparse))
+    # wide 16-bit layers with the weight kept: the DENSE route over every offset (NOSKIP, tiles in _wide_noskip)
+    # unless the layer is sparse and has 512+ output channels. With random masks nearly every (offset, tile) block
+    # holds a stripe, so the skip saves nothing, and the pipelined dense loop beat the gather route on an H200 (bf16
+    # channels_last, batch 1024 / 128): 128 channels at 16x16 and 28x28 1.60x and 1.81x at keep 0.3, 1.09x and
+    # 1.34x at keep 0.15 (stripe_gpu_h200_wide{128,256}_noskip.json, "tuned_ms"); with 256-channel tiles at 256
+    # channels 1.27x and 1.07x at keep 0.15, at 512 channels 1.38x and 1.41x at keep 0.3 (stripe_noskip_tiles_h200.json
+    # against the gather times of stripe_gpu_h200_wide{256,512}_session15.json), while on sparse 512-channel layers
+    # the gather route stayed 1.08-1.13x faster
+    wide_dense = dense_given and C > 64 and dtype != torch.float32 and not (sparse and N >= 512)
     dense = (C <= 16 or (dense_given and C <= 64) or S > 0.4 * K * N or wide_dense
              or (dtype == torch.float32 and not sparse and C < 256))
     if C >= 128 and not dense:  # gather reduction
@@ -399,8 +405,27 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_giv
     # keeping under 3% of their stripes keep the skip
     noskip = (dense and dense_given and C >= 16 and S >= 0.03 * K * N
               and (dtype != torch.float32 or C == 16 or C > 64))
+    if noskip and C > 64:
+        return _wide_noskip(N, dtype)
     return dict(BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=block_k, CHUNK=16 if S <= 0.2 * K * N else 32,
                 num_warps=4 if block_n <= 64 else 8, num_stages=3 if noskip else 2, DENSE=dense, NOSKIP=noskip)
+
+
+def _wide_noskip(N: int, dtype: torch.dtype) -> dict:
+    """Tiles of the DENSE route over every offset (NOSKIP) from 65 input channels, from a sweep on an H200 (random
+    masks, keep 0.3, CIFAR VGG shapes at batch 1024 and ImageNet ones at batch 128, 128-512 channels, channels_last,
+    CUDA graphs; benchmarks/results/stripe_noskip_tiles_h200.json, script stripe_noskip_tiles.py.txt):
+    - 16-bit: 128 pixels x 256 output channels from 256 channels (1.26-1.67x faster than 128x128 tiles with 128
+      columns per step; 256x14x14 within 1% of the best; not where they would pad N much more than 128-channel
+      tiles, e.g. 360 -> 512), else 128 x 128; 64 columns per step, 8 warps, 3 stages;
+    - fp32 (TF32): 256 pixels x 128 channels, 32 columns per step, 8 warps, 4 stages (1.04-1.31x faster than
+      128 x 128 x 64; the best of 10 tilings on 5 of the 6 shapes, 7% off on 256x14x14)."""
+    if dtype == torch.float32:
+        return dict(BLOCK_M=256, BLOCK_N=_pow2(N, 16, 128), BLOCK_K=32, CHUNK=16, num_warps=8, num_stages=4,
+                    DENSE=True, NOSKIP=True)
+    wide = N >= 256 and (N % 256 == 0 or N % 256 > 192)  # 256-channel tiles unless they pad much more than 128
+    return dict(BLOCK_M=128, BLOCK_N=256 if wide else _pow2(N, 16, 128), BLOCK_K=64, CHUNK=16, num_warps=8,
+                num_stages=3, DENSE=True, NOSKIP=True)
 
 
 def _gather_tiles(C: int, N: int, sparse: bool, dtype: torch.dtype) -> dict:
