@@ -437,8 +437,9 @@ def _gather_tiles(C: int, N: int, sparse: bool, dtype: torch.dtype) -> dict:
       twice the channels), 64-stripe chunks: in bf16 at keep 0.15 1.62-1.64x faster than the dense route these
       layers took before (small maps, see default_config); in fp32 1.19-1.20x faster than 128-channel tiles at keep
       0.15 and 1.50x faster than the dense route at keep 0.3;
-    - 256+ channels, not sparse: bf16 128 pixels x 128 channels, 64-stripe chunks, 8 warps (the best, or within 1%);
-      fp32 64 pixels, 4 warps (1.19-1.20x faster than the dense route);
+    - 256+ channels, not sparse: 128 pixels x 128 channels, 64-stripe chunks, 8 warps (bf16: the best, or within
+      1%; fp32: the best in the per-layer runs of sessions 15 and 16, 1.09-1.15x faster than the 64-pixel, 4-warp
+      tiles first chosen, stripe_gpu_h200_wide_session16.json "tuned_ms");
     - fp32 256 channels, sparse: 128 pixels, 32-stripe chunks, 8 warps (the best on one shape, 8% off on the other);
     - otherwise (128-channel layers, and sparse 256-channel 16-bit ones): 64 pixels x up to 128 channels,
       32-stripe chunks, 4 warps, 2 stages: 1.05-1.23x faster than 64-stripe chunks at keep 0.3 on 128 channels,
@@ -447,7 +448,7 @@ def _gather_tiles(C: int, N: int, sparse: bool, dtype: torch.dtype) -> dict:
     if N >= 512 and (sparse or fp32):
         bm, bn, chunk, warps, stages = 128, 256, 64, 8, 3
     elif C >= 256 and not sparse:
-        bm, bn, chunk, warps, stages = (64, 128, 64, 4, 2) if fp32 else (128, 128, 64, 8, 3)
+        bm, bn, chunk, warps, stages = 128, 128, 64, 8, 3
     elif C >= 256 and fp32:
         bm, bn, chunk, warps, stages = 128, 128, 32, 8, 3
     else:
