@@ -16,8 +16,8 @@ it as a non-persistent buffer) and pass it in; without it the op builds it on ev
 
 The CUDA kernel's dense route reads the zero-filled dense weight, ``stripe_to_dense(...,
 memory_format=torch.channels_last)``. An inference caller that keeps that tensor (``StripeConv2d`` caches it like its
-dense mode) passes it as ``dense``: the kernel then takes the dense route up to 64 input channels
-(``stripe_reads_dense``). Without it the op takes that route only for C <= 16 or mostly-kept layers and builds the
+dense mode) passes it as ``dense``: the kernel then takes the dense route up to 64 input channels and on most
+16-bit wider layers (``stripe_reads_dense``). Without it the op takes that route only for C <= 16 or mostly-kept layers and builds the
 weight on every call (two small kernels, about as long as such a layer on an H200).
 
 CUDA path: the Triton kernel in ``kernels/stripe_triton.py`` (forward); backward by cuDNN's dense backward with the
@@ -519,9 +519,10 @@ def stripe_reads_dense(x: Tensor, weight: Tensor, out_channels: int, kernel_size
                        dilation=1) -> bool:
     """Whether ``stripe_conv2d`` on ``x``, given the zero-filled dense weight as ``dense``, runs a CUDA kernel route
     that reads it (the dense route, or the im2col route: at most 4 input channels, 5-8 in 16-bit types, or
-    17-64): CUDA float32/16/bf16 with Triton, up to 64 input channels, wide layers on small maps in 16-bit types,
-    or with many stripes kept (``kernels.stripe_triton.default_config(..., dense_given=True)``). Without ``dense``
-    the kernel takes those routes only for C <= 16 or many stripes, and builds the weight on every call."""
+    17-64): CUDA float32/16/bf16 with Triton, up to 64 input channels, 16-bit layers from 65 channels but sparse
+    ones of 512+ output channels, or with many stripes kept (``kernels.stripe_triton.default_config(...,
+    dense_given=True)``). Without ``dense`` the kernel takes those routes only for C <= 16 or many stripes, and
+    builds the weight on every call."""
     from kernels import stripe_triton
 
     if not stripe_triton.available(x):
