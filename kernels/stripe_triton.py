@@ -309,9 +309,9 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_giv
     weight (kept from before), so the DENSE route costs no per-call weight build. ``pixels``: the output pixels
     B*Ho*Wo (None: unknown, taken as many). With it, the DENSE route wins up to 64 input channels (and, over every
     offset, on most wider 16-bit layers: see ``_wide_noskip``): on an H200 (bf16, channels_last, CUDA graphs,
-    ResNet-56-like layers at batch 256) it ran 1.4-2.0x faster than the one-hot route at 24-64 channels and within 5% of the best of 20 tilings
-    (benchmarks/results/stripe_tiles_narrow_h200.json); building the weight per call costs about as much as
-    such a layer, so without it the DENSE route stays for C <= 16 and mostly-kept layers."""
+    ResNet-56-like layers at batch 256) it ran 1.4-2.0x faster than the one-hot route at 24-64 channels and within
+    5% of the best of 20 tilings (benchmarks/results/stripe_tiles_narrow_h200.json); building the weight per call
+    costs about as much as such a layer, so without it the DENSE route stays for C <= 16 and mostly-kept layers."""
     if C <= IM2COL_MAX_C:  # route (c), a first layer (RGB input): the best of a sweep on an H200, bf16 channels_last
         # (benchmarks/stripe_stem_gpu.py -> stripe_stem_gpu_h200.json): 3x3 stems (27 columns) 128-pixel tiles;
         # unpadded 7x7 stems (147 columns) 64-pixel tiles, 32 columns per step (1.6x faster than 64 columns).
