@@ -17,8 +17,8 @@ it as a non-persistent buffer) and pass it in; without it the op builds it on ev
 The CUDA kernel's dense route reads the zero-filled dense weight, ``stripe_to_dense(...,
 memory_format=torch.channels_last)``. An inference caller that keeps that tensor (``StripeConv2d`` caches it like its
 dense mode) passes it as ``dense``: the kernel then takes the dense route up to 64 input channels and on most
-16-bit wider layers (``stripe_reads_dense``). Without it the op takes that route only for C <= 16 or mostly-kept layers and builds the
-weight on every call (two small kernels, about as long as such a layer on an H200).
+16-bit wider layers (``stripe_reads_dense``). Without it the op takes that route only for C <= 16 or mostly-kept
+layers and builds the weight on every call (two small kernels, about as long as such a layer on an H200).
 
 CUDA path: the Triton kernel in ``kernels/stripe_triton.py`` (forward); backward by cuDNN's dense backward with the
 zero-filled weight, then the kept stripes of its weight gradient, except on narrow layers, where

@@ -407,7 +407,7 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_giv
               and (dtype != torch.float32 or C == 16 or C > 64))
     if noskip and C > 64:
         return _wide_noskip(N, dtype)
-    return dict(BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=block_k, CHUNK=16 if S <= 0.2 * K * N else 32,
+    return dict(BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=block_k, CHUNK=16 if sparse else 32,
                 num_warps=4 if block_n <= 64 else 8, num_stages=3 if noskip else 2, DENSE=dense, NOSKIP=noskip)
 
 
