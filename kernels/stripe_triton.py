@@ -164,7 +164,7 @@ if triton is not None:
         HAS_BIAS: tl.constexpr, RELU: tl.constexpr, IS_FP32: tl.constexpr, OUT_CL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
         ONE_K: tl.constexpr, DENSE: tl.constexpr, GATHER: tl.constexpr, NOSKIP: tl.constexpr, IM2COL: tl.constexpr,
-        POOL: tl.constexpr,
+        POOL: tl.constexpr, SWAP: tl.constexpr = False,
     ):
         # w_ptr: route (b) stripe weight (S, C); DENSE route (a): zero-filled dense weight, channels_last
         # (N, KH, KW, C) in memory, so both routes load weight tiles contiguous along C
@@ -193,16 +193,28 @@ if triton is not None:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if IM2COL:  # route (c): the dense weight (N, KH*KW*C) against the im2col rows, BLOCK_K columns at a time
             row0 = ((bb * H + ih0) * W + iw0) * C
+            if SWAP:
+                acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for j0 in range(0, KH * KW * C, BLOCK_K):
                 js = j0 + ck
                 dh, dw, shift, j_ok = _im2col_columns(js, C, W, DH, DW, KH, KW)
                 a = _im2col_load(x_ptr, row0, ih0, iw0, m_ok, dh, dw, shift, j_ok, H, W)
-                wt = tl.load(w_ptr + (n0 + cols)[None, :].to(tl.int64) * (KH * KW * C) + js[:, None],
-                             mask=j_ok[:, None] & ((n0 + cols) < N)[None, :], other=0.0)
-                if IS_FP32:
-                    a = _round_tf32(a)
-                    wt = _round_tf32(wt)
-                acc = tl.dot(a, wt, acc)
+                if SWAP:  # acc^T (channels x pixels) += W (channels x columns) @ im2col^T
+                    wn = tl.load(w_ptr + (n0 + cols)[:, None].to(tl.int64) * (KH * KW * C) + js[None, :],
+                                 mask=j_ok[None, :] & ((n0 + cols) < N)[:, None], other=0.0)
+                    if IS_FP32:
+                        a = _round_tf32(a)
+                        wn = _round_tf32(wn)
+                    acc_t = tl.dot(wn, tl.trans(a), acc_t)
+                else:
+                    wt = tl.load(w_ptr + (n0 + cols)[None, :].to(tl.int64) * (KH * KW * C) + js[:, None],
+                                 mask=j_ok[:, None] & ((n0 + cols) < N)[None, :], other=0.0)
+                    if IS_FP32:
+                        a = _round_tf32(a)
+                        wt = _round_tf32(wt)
+                    acc = tl.dot(a, wt, acc)
+            if SWAP:
+                acc = tl.trans(acc_t)
         if NOSKIP:  # DENSE route over every offset, no data-dependent branch: Triton pipelines the loads
             for k in range(KH * KW):
                 acc = _dense_offset(acc, x_ptr, w_ptr, k, ih0, iw0, bb, m_ok, n0, ck, cols, C, H, W, N, DH, DW, KH,
@@ -356,11 +368,20 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_giv
             # larger grids of 33-40 channels: 1 stage with 32 columns per step; VGG16's 40 -> 40 32x32 layer
             # (batch 256) took 0.0567 ms against 0.0636 for the 3-stage default (stripe_narrow_stages_h200.json),
             # with its pool in the model 0.0583 ms against 0.0606-0.0607 in earlier runs
-            # (stripe_models_gpu_h200_vgg_k32.json against _session11_final.json and _session10.json)
-            return _im2col_one_stage(N)
-        return dict(BLOCK_M=128, BLOCK_N=_pow2(N, 16, 64), BLOCK_K=32 if C <= 32 else 64, CHUNK=16,
-                    num_warps=4 if one_stage else (8 if C <= 32 else 4), num_stages=1 if one_stage else 3,
-                    IM2COL=True)
+            # (stripe_models_gpu_h200_vgg_k32.json against _session11_final.json and _session10.json); with SWAP
+            # (see there) 0.0555 against 0.0609 ms (stripe_swap_h200.json)
+            return dict(_im2col_one_stage(N), SWAP=True)
+        cfg = dict(BLOCK_M=128, BLOCK_N=_pow2(N, 16, 64), BLOCK_K=32 if C <= 32 else 64, CHUNK=16,
+                   num_warps=4 if one_stage else (8 if C <= 32 else 4), num_stages=1 if one_stage else 3, IM2COL=True)
+        if C > 32 and not one_stage:
+            # 33-64 channels, 3 stages: SWAP (the product transposed, output channels x pixels, so that the pixel
+            # tile is the tensor-core instruction's wide side: wgmma m64n128 instead of m64n64 plus ldmatrix) ran
+            # 1.00-1.11x faster on six such layers, and up to 128 output channels one channel tile (the im2col
+            # tile read once, not once per 64 channels) 1.34x on the compact VGG16's 64 -> 80 16x16 layer with its
+            # pool, 0.0247 against 0.0332 ms (H200, bf16, CUDA graphs; stripe_swap_h200.json). Where the one-stage
+            # configs or 17-32 channels took it, SWAP was 0.90-0.99x (same file), so they keep the plain product.
+            cfg.update(SWAP=True, BLOCK_N=_pow2(N, 16, 128))
+        return cfg
     sparse = S <= 0.2 * K * N
     if (dense_given and C > 64 and dtype != torch.float32 and pixels is not None and pixels <= SMALL_PIXELS
             and not (N >= 512 and sparse)):
@@ -553,6 +574,7 @@ class Launch:
         cfg.setdefault("GATHER", False)
         cfg.setdefault("NOSKIP", False)
         cfg.setdefault("IM2COL", False)
+        cfg.setdefault("SWAP", False)
         self._grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), 1)  # 3-D for the compiled kernel
         y_strides = torch.empty(self._y_shape, dtype=x.dtype, device="meta", memory_format=fmt).stride()  # no memory
         named = dict(

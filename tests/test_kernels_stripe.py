@@ -249,6 +249,10 @@ for dt, ks, st, pd, dl, C, N, c, fmt in [
         (torch.float16, (3, 3), (2, 2), (1, 1), (1, 1), 40, 20, None, torch.contiguous_format),  # kept: im2col
         (torch.float32, (3, 3), (1, 1), (1, 1), (1, 1), 24, 20, None, torch.channels_last),  # kept: im2col (TF32)
         (torch.float32, (3, 3), (2, 2), (1, 1), (1, 1), 40, 20, cfg, torch.contiguous_format),
+        # route (c) with the transposed product (SWAP), strided and plain
+        (torch.float16, (3, 3), (2, 2), (1, 1), (1, 1), 40, 20, dict(cfg, IM2COL=True, SWAP=True), torch.channels_last),
+        (torch.float32, (3, 3), (1, 1), (1, 1), (1, 1), 24, 36, dict(cfg, IM2COL=True, SWAP=True),
+         torch.contiguous_format),
         (torch.float32, (3, 3), (2, 2), (1, 1), (1, 1), 40, 20, dict(cfg, DENSE=True, NOSKIP=True), torch.channels_last),
         (torch.float16, (3, 3), (2, 2), (1, 1), (1, 1), 40, 20, dict(cfg, DENSE=True), torch.channels_last),
         (torch.float16, (3, 2), (2, 1), (0, 1), (2, 1), 16, 36, cfg, torch.channels_last),
@@ -307,7 +311,8 @@ for (H, W), fused in (((8, 8), True), ((6, 10), True), ((2, 2), True), ((5, 8), 
     for c, fmt, dt in ((cfg, torch.contiguous_format, torch.float32), (gcfg, torch.channels_last, torch.float16),
                        (dict(cfg, DENSE=True), torch.channels_last, torch.float32),
                        (dict(cfg, DENSE=True, NOSKIP=True), torch.contiguous_format, torch.float16),
-                       (dict(cfg, IM2COL=True), torch.channels_last, torch.float32)):
+                       (dict(cfg, IM2COL=True), torch.channels_last, torch.float32),
+                       (dict(cfg, IM2COL=True, SWAP=True), torch.channels_last, torch.float16)):
         w, oi, off = random_layer(20, 24, (3, 3), 0.4, gen, dtype=torch.float32)
         plan = kernels.stripe_plan(oi, off, 20, (3, 3))
         x = torch.randn(2, 24, H, W, generator=gen).contiguous(memory_format=fmt)
