@@ -21,7 +21,8 @@ offsets in one loop without the skip (NOSKIP), which Triton software-pipelines (
 (N, KH*KW*C), with the im2col rows, BLOCK_K columns k*C + c at a time (``_im2col_columns``/``_im2col_load``,
 shared with the weight-gradient kernel below): per offset, 3 channels would fill 3 of a tensor-core step's 16
 K-lanes. It also runs 17-64-channel (and in 16-bit types 5-8-channel) layers when the dense weight is kept
-(less padding than a per-offset tile). On an H200 (bf16, channels_last) it ran the 7x7 stride-2 ImageNet stem
+(less padding than a per-offset tile). With SWAP it accumulates the product transposed, output channels x pixels,
+so that the pixel tile is the tensor-core instruction's wide side (see ``default_config``). On an H200 (bf16, channels_last) it ran the 7x7 stride-2 ImageNet stem
 (batch 128) 2.0x (2.6-2.8x with the input padded to 4 channels, see IM2COL_PAD_C) and the CIFAR VGG16 first conv
 (batch 256) 4.4x faster than cuDNN's dense conv, which pads 3 channels to 8
 (benchmarks/results/stripe_stem_gpu_h200{,_pad4_final}.json). Epilogue: bias, optional
@@ -59,6 +60,13 @@ window at each offset's shift, mma.m16n8k16 into register accumulators, offsets 
 the compact VGG16's 40-channel 32x32 layer where cuDNN is slow: correct (9 float64 checks), 1.3-1.8x faster than
 cuDNN there but 0.56-0.80x this kernel, and 0.13-0.94x it on the other narrow layers (conv_halo_v{1,2}_reverted_h200.json,
 source conv_halo_reverted.cu.txt).
+A dense conv whose input tiles come by TMA (session 17, a prototype never on main: one box [1, TH, TW, CB] of the
+channels_last input per (offset, channel chunk), padding rows and columns and channels past C zero-filled by the
+hardware, so no per-element index math; N split into two power-of-2 tiles; a flat pipelined loop over the offsets
+a layer keeps): correct, but slower than this kernel's defaults on 10 of 12 narrow layers (VGG16's 40 -> 40 32x32
+layer 0.0756 against 0.0609 ms; H200, bf16, stripe_tma_v{1,2}_dropped_h200.json, sources
+stripe_tma_v{1,2}_dropped.py.txt). It won on the 64 -> 80 16x16 layer (0.0228 against 0.0342 ms), mostly from
+reading its input tile once for all 80 channels, which route (c) with SWAP (``default_config``) now also does.
 Route (a) with the output channels permuted (greedily, so that each 16/32-channel tile's channels share kernel
 offsets and fewer (offset, tile) blocks are computed) was slower than without on the layers of the real-mask
 VGG16/ResNet-18/ResNet-56 (a permuted channel store does not vectorise; stripe_perm_dense_reverted_h200.json).
