@@ -22,11 +22,11 @@ offsets in one loop without the skip (NOSKIP), which Triton software-pipelines (
 shared with the weight-gradient kernel below): per offset, 3 channels would fill 3 of a tensor-core step's 16
 K-lanes. It also runs 17-64-channel (and in 16-bit types 5-8-channel) layers when the dense weight is kept
 (less padding than a per-offset tile). With SWAP it accumulates the product transposed, output channels x pixels,
-so that the pixel tile is the tensor-core instruction's wide side (see ``default_config``). On an H200 (bf16, channels_last) it ran the 7x7 stride-2 ImageNet stem
-(batch 128) 2.0x (2.6-2.8x with the input padded to 4 channels, see IM2COL_PAD_C) and the CIFAR VGG16 first conv
-(batch 256) 4.4x faster than cuDNN's dense conv, which pads 3 channels to 8
-(benchmarks/results/stripe_stem_gpu_h200{,_pad4_final}.json). Epilogue: bias, optional
-ReLU, store in the output's layout (NCHW or channels_last; the input is read channels_last, an NCHW input is
+so that the pixel tile is the tensor-core instruction's wide side (see ``default_config``). On an H200 (bf16,
+channels_last) it ran the 7x7 stride-2 ImageNet stem (batch 128) 2.0x (2.6-2.8x with the input padded to 4
+channels, see IM2COL_PAD_C) and the CIFAR VGG16 first conv (batch 256) 4.4x faster than cuDNN's dense conv, which
+pads 3 channels to 8 (benchmarks/results/stripe_stem_gpu_h200{,_pad4_final}.json). Epilogue: bias, optional ReLU,
+store in the output's layout (NCHW or channels_last; the input is read channels_last, an NCHW input is
 converted first).
 float32 inputs use TF32 tensor cores with round-to-nearest operands, and P is split into two TF32 parts
 for the one-hot reduction, so the result stays within ~1e-4 relative of float32.
