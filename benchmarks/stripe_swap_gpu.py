@@ -1,12 +1,14 @@
 """Route (c) (im2col) of the stripe kernel with and without SWAP, the product transposed (acc^T = W @ im2col^T, so
 the pixel tile is the tensor-core instruction's wide side), on the compact VGG16's narrow layers (real SWP masks)
-and CIFAR / ImageNet / ResNet-56-like 16-64-channel layers (random masks, keep 0.3), bf16 channels_last, bias +
-ReLU (+ the 2x2 max-pool where VGG16 has one). Per layer: cuDNN's best dense conv (+ max_pool2d), the default
-config, "plain" (the default's tiles without SWAP, at most 64 channels per tile: the default before SWAP), and a
-sweep of SWAP tilings; each checked against a float64 conv of the bf16 operands. GPU times of CUDA-graph replays
-(benchmarks/stripe_gpu.py's clock).
+and CIFAR / ImageNet / ResNet-56-like 24-64-channel layers (random masks, keep 0.3), channels_last, bias + ReLU
+(+ the 2x2 max-pool where VGG16 has one). Per layer: cuDNN's best dense conv (+ max_pool2d), the default config,
+"plain" (the default before SWAP: its tiles without SWAP, at most 64 channels per tile, 8 warps in float32), and a
+sweep of SWAP tilings; each checked against a float64 conv of the rounded operands. GPU times of CUDA-graph
+replays (benchmarks/stripe_gpu.py's clock).
 
-    python benchmarks/stripe_swap_gpu.py [--out PATH]
+    python benchmarks/stripe_swap_gpu.py [--dtype bf16|fp32] [--out PATH]
+
+float32 runs on TF32 tensor cores (operands rounded to nearest), checked to 1e-3 relative; bf16 to 1e-2.
 """
 
 from __future__ import annotations
@@ -49,18 +51,22 @@ def layers() -> list[tuple]:
         ("vgg 64x32x32", 1024, 64, 64, 32, 0.3, False), ("imagenet 64x56x56", 128, 64, 64, 56, 0.3, False),
         ("24x32x32", 256, 24, 24, 32, 0.3, False), ("32x16x16", 256, 32, 32, 16, 0.3, False),
         ("48x16x16", 256, 48, 48, 16, 0.3, False), ("64x8x8", 256, 64, 64, 8, 0.3, False),
-        ("cifar 64x8x8", 1024, 64, 64, 8, 0.3, False),
+        ("cifar 64x8x8", 1024, 64, 64, 8, 0.3, False), ("cifar 32x16x16", 1024, 32, 32, 16, 0.3, False),
+        ("24x16x16", 256, 24, 24, 16, 0.3, False), ("32x32x32", 256, 32, 32, 32, 0.3, False),
     ]
 
 
-def candidates(default: dict, N: int) -> dict[str, dict]:
+def candidates(default: dict, N: int, dt: torch.dtype) -> dict[str, dict]:
     cands = {"default": default}
     if default.get("SWAP"):
-        cands["plain"] = dict(default, SWAP=False, BLOCK_N=min(default["BLOCK_N"], 64))
+        # the default before SWAP: the same tiles, at most 64 channels per tile, and in float32 8 warps
+        cands["plain"] = dict(default, SWAP=False, BLOCK_N=min(default["BLOCK_N"], 64),
+                              num_warps=8 if dt == torch.float32 else default["num_warps"])
     else:
         cands["default swap"] = dict(default, SWAP=True)
     bns = sorted({stripe_triton._pow2(N, 16, 128), stripe_triton._pow2(N, 16, 64)})
-    for bm, bn, bk, (nw, ns) in itertools.product((128, 256), bns, (32, 64), ((4, 1), (4, 3), (8, 3))):
+    bks = (32,) if dt == torch.float32 else (32, 64)
+    for bm, bn, bk, (nw, ns) in itertools.product((128, 256), bns, bks, ((4, 1), (4, 3), (8, 3))):
         cands[f"swap m{bm} n{bn} k{bk} w{nw} s{ns}"] = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, CHUNK=16, num_warps=nw,
                                                            num_stages=ns, IM2COL=True, SWAP=True)
     return cands
@@ -68,12 +74,14 @@ def candidates(default: dict, N: int) -> dict[str, dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     ap.add_argument("--out", default="benchmarks/results/stripe_swap_h200.json")
     args = ap.parse_args()
     torch.backends.cudnn.benchmark = True
-    dt = torch.bfloat16
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # cuDNN's side of TF32
+    dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     gen = torch.Generator().manual_seed(0)
-    out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": "bf16", "layout": "channels_last",
+    out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": args.dtype, "layout": "channels_last",
            "timing": "median GPU ms per call, CUDA-graph replays over 3 rotated inputs", "rows": []}
     t0 = time.time()
     for name, B, C, N, H, keep, pool in layers():
@@ -96,7 +104,7 @@ def main() -> None:
         default = stripe_triton.default_config(C, N, len(oi), 9, dt, dense_given=True, pixels=B * H * H)
         row["default_config"] = default
         row["ms"] = {}
-        for key, cfg in candidates(default, N).items():
+        for key, cfg in candidates(default, N, dt).items():
             try:
                 launch = stripe_triton.prepare(xs[0], w, oi, off, b, plan, N, [3, 3], [1, 1], [1, 1], [1, 1], True,
                                                cfg, dense=wd, pool=pool)
