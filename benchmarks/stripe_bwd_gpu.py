@@ -5,7 +5,8 @@ For each layer shape (3x3, stride 1, padding 1, random stripe masks) and dtype (
   zero-filled dense weight (kept stripes of grad_weight);
 - times (CUDA graphs, no launch overhead): cuDNN's dgrad and wgrad with the zero-filled weight (what the op ran
   before), the Triton grad_x (``stripe_triton._grad_input``: the forward kernel on the output gradient with the
-  flipped weight) and grad_weight (``_grad_weight``: dense products on tensor cores, a slice sum, the kept stripes),
+  flipped weight; given the zero-filled weight, as the op gives it) and grad_weight (``_grad_weight``: dense
+  products on tensor cores, a slice sum, the kept stripes),
   and the op's whole backward with ``COMPRESS_STRIPE_BWD`` = auto (the default rule), triton and cudnn.
 
     python benchmarks/stripe_bwd_gpu.py --out benchmarks/results/stripe_bwd_gpu_h200.json
@@ -61,7 +62,7 @@ def time_case(g, x, w, wd, oi, off, plan, N, ok_x, ok_w, dev, repeats) -> dict:
     }
     if ok_x:
         t["triton_dx_ms"] = _graph_ms(lambda: stripe_triton.backward(g, x, w, oi, off, N, ks, one, one, one, True,
-                                                                     False), dev, repeats)
+                                                                     False, dense_w=wd), dev, repeats)
     if ok_w:
         t["triton_dw_ms"] = _graph_ms(lambda: stripe_triton.backward(g, x, w, oi, off, N, ks, one, one, one, False,
                                                                      True), dev, repeats)
