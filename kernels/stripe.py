@@ -382,7 +382,7 @@ def _triton_backward_parts(x, out_channels, kernel_size, stride, padding, dilati
     faster on an H200 (benchmarks/stripe_bwd_gpu.py, bf16/fp32, random masks): grad_x of stride-1 layers with at
     most 16 output channels (1.06-1.91x faster than cuDNN's dgrad; 1.7-3.1x slower from 24;
     stripe_bwd_gpu_h200.json; rerun in session 17 with the weight given as the op gives it and the forward's
-    tiles for the gradient's size: 1.33-2.36x up to 16 channels, 0.61-1.06x from 24, so the rule stayed;
+    tiles for the gradient's size: 1.39-2.36x up to 16 channels, 0.61-1.06x from 24, so the rule stayed;
     stripe_bwd_gpu_h200_session17.json); grad_weight of layers with at most 32 output channels and 24 input channels in
     16-bit, 32 in float32 (1.14-1.36x faster than cuDNN's wgrad in bf16 up to 24 channels, 0.88x at 32;
     1.40-1.82x in fp32 up to 32, 0.45x from 40; stripe_bwd_gpu_h200_wgrad_cat.json).
