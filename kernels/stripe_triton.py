@@ -732,8 +732,9 @@ def _grad_input(grad, dense_w, kernel_size, padding, dilation):
     flipped = dense_w.transpose(0, 1).flip((2, 3)).contiguous(memory_format=torch.channels_last)  # (C, KH, KW, N)
     pad = [d * (k - 1) - p for d, k, p in zip(dilation, kernel_size, padding)]
     plan = _full_plan(KH * KW, C, grad.device)
+    # grad_x's pixels (the input's): the tiles are those a forward producing that many pixels takes
     pixels = grad.shape[0] * conv_out_size(grad.shape[2], KH, 1, pad[0], dilation[0]) \
-        * conv_out_size(grad.shape[3], KW, 1, pad[1], dilation[1])  # the input's, as a forward of that shape takes
+        * conv_out_size(grad.shape[3], KW, 1, pad[1], dilation[1])
     cfg = default_config(N, C, KH * KW * C, KH * KW, grad.dtype, dense_given=True, pixels=pixels)
     cfg["DENSE"] = not cfg.get("IM2COL", False)  # route (a), or (c) for at most IM2COL_MAX_C output channels
     return Launch(grad, flipped, plan, plan, None, C, KH * KW * C, kernel_size, (1, 1), pad, dilation, False,
