@@ -328,7 +328,7 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_giv
     """Heuristic tile choice (tuned in benchmarks/stripe_gpu.py). ``dense_given``: the caller passes the dense
     weight (kept from before), so the DENSE route costs no per-call weight build. ``pixels``: the output pixels
     B*Ho*Wo (None: unknown, taken as many). With it, the DENSE route wins up to 64 input channels (and, over every
-    offset, on most wider 16-bit layers: see ``_wide_noskip``): on an H200 (bf16, channels_last, CUDA graphs,
+    offset, on most wider 16-bit layers: see ``_wide_tiles``): on an H200 (bf16, channels_last, CUDA graphs,
     ResNet-56-like layers at batch 256) it ran 1.4-2.0x faster than the one-hot route at 24-64 channels and within
     5% of the best of 20 tilings (benchmarks/results/stripe_tiles_narrow_h200.json); building the weight per call
     costs about as much as such a layer, so without it the DENSE route stays for C <= 16 and mostly-kept layers."""
@@ -407,19 +407,19 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_giv
         # chain, not the multiply-adds, sets the time there. Not for sparse layers of 512+ output channels: the gather
         # route with 256-channel tiles ran 1.62-1.64x faster than this at keep 0.15 on 512x4x4 (batch 1024) and
         # 512x7x7 (batch 128) (stripe_gather_tiles2_h200.json; at keep 0.3 this route stayed the best)
-        # From 4097 pixels with 256+ output channels: the wide tiles of the larger maps below (512x4x4 at batch 1024
-        # and 512x7x7 at batch 128, keep 0.3: 1.43x and 1.50x faster than 128x128 tiles, 128 columns per step;
-        # stripe_noskip_tiles_h200.json)
-        if pixels > 4096 and N >= 256:
-            return _wide_noskip(N, dtype)
+        # From 4097 pixels: route (c) with the wide layers' tiles (``_wide_tiles``); on the compact VGG16's 8x8
+        # layers 80 -> 128, 128 -> 120 and 120 -> 104 (pooled) 1.45x, 1.10x and 1.07x faster than this route
+        # (stripe_im2col_wide{,2}_h200.json), on 512x4x4 (batch 1024) 1.12x
+        if pixels > 4096:
+            return _wide_tiles(N, dtype)
         bm = 128 if pixels > 4096 else 64
         bn = 128 if pixels > 4096 else (32 if pixels <= 1024 and N <= 256 else 64)
         return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=_pow2(C, 16, 128), CHUNK=16, num_warps=8 if bm * bn > 8192 else 4,
                     num_stages=3, DENSE=True, NOSKIP=True)
     block_k = _pow2(C, 16, 64 if dtype == torch.float32 else 128)
     block_n = _pow2(N, 16, 64 if C <= 64 else 128)
-    # wide 16-bit layers with the weight kept: the DENSE route over every offset (NOSKIP, tiles in _wide_noskip)
-    # unless the layer is sparse and has 512+ output channels. With random masks nearly every (offset, tile) block
+    # wide 16-bit layers with the weight kept: a dense route over every offset (tiles in _wide_tiles: route (c)
+    # since session 17, the DENSE route with NOSKIP before) unless the layer is sparse and has 512+ output channels. With random masks nearly every (offset, tile) block
     # holds a stripe, so the skip saves nothing, and the pipelined dense loop beat the gather route on an H200 (bf16
     # channels_last, batch 1024 / 128): 128 channels at 16x16 and 28x28 1.60x and 1.81x at keep 0.3, 1.09x and
     # 1.34x at keep 0.15 (stripe_gpu_h200_wide{128,256}_noskip.json, "tuned_ms"); with 256-channel tiles at 256
@@ -441,26 +441,33 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_giv
     noskip = (dense and dense_given and C >= 16 and S >= 0.03 * K * N
               and (dtype != torch.float32 or C == 16 or C > 64))
     if noskip and C > 64:
-        return _wide_noskip(N, dtype)
+        return _wide_tiles(N, dtype)
     return dict(BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=block_k, CHUNK=16 if sparse else 32,
                 num_warps=4 if block_n <= 64 else 8, num_stages=3 if noskip else 2, DENSE=dense, NOSKIP=noskip)
 
 
-def _wide_noskip(N: int, dtype: torch.dtype) -> dict:
-    """Tiles of the DENSE route over every offset (NOSKIP) from 65 input channels, from a sweep on an H200 (random
-    masks, keep 0.3, CIFAR VGG shapes at batch 1024 and ImageNet ones at batch 128, 128-512 channels, channels_last,
-    CUDA graphs; benchmarks/results/stripe_noskip_tiles_h200.json, script stripe_noskip_tiles.py.txt):
-    - 16-bit: 128 pixels x 256 output channels from 256 channels (1.26-1.67x faster than 128x128 tiles with 128
-      columns per step; 256x14x14 within 1% of the best; not where they would pad N much more than 128-channel
-      tiles, e.g. 360 -> 512), else 128 x 128; 64 columns per step, 8 warps, 3 stages;
-    - fp32 (TF32): 256 pixels x 128 channels, 32 columns per step, 8 warps, 4 stages (1.04-1.31x faster than
-      128 x 128 x 64; the best of 10 tilings on 5 of the 6 shapes, 7% off on 256x14x14)."""
+def _wide_tiles(N: int, dtype: torch.dtype) -> dict:
+    """A dense route over every offset from 65 input channels (the dense weight kept).
+
+    - 16-bit: route (c), 64 im2col columns per step, 128 pixels x 256 output channels where 256-channel tiles pad N
+      no more than 128-channel ones (256, 512, 176, 200: the im2col tile then is read once for them), else up to
+      128 channels with SWAP (the product transposed, see ``default_config``); 8 warps, 3 stages. On an H200 (bf16,
+      channels_last, CUDA graphs, keep 0.3 and 0.15; benchmarks/results/stripe_im2col_wide{,2}_h200.json, script
+      stripe_im2col_wide.py.txt) it ran 1.07-2.3x faster than the dense route with the same tiles (below, the
+      default before session 17) on 13 layers of 72-512 channels: 1.3x on the issue's 128- and 256-channel
+      shapes, 1.1x at 512, 1.4-2.3x on channel counts that are not multiples of 64 (72, 80, 88, 104, 144, 176, 352),
+      where the dense route's per-offset steps of 64 channels were part padding. Within 16% of the best of 7
+      tilings on each (in256x14x14 and 352x14x14 ran best with 128-channel SWAP tiles).
+    - fp32 (TF32): the DENSE route with NOSKIP, 256 pixels x 128 channels, 32 columns per step, 8 warps, 4 stages
+      (1.04-1.31x faster than 128 x 128 x 64; the best of 10 tilings on 5 of the 6 shapes, 7% off on 256x14x14;
+      benchmarks/results/stripe_noskip_tiles_h200.json, script stripe_noskip_tiles.py.txt). Route (c) in fp32 was
+      not measured from 65 channels."""
     if dtype == torch.float32:
         return dict(BLOCK_M=256, BLOCK_N=_pow2(N, 16, 128), BLOCK_K=32, CHUNK=16, num_warps=8, num_stages=4,
                     DENSE=True, NOSKIP=True)
-    wide = N >= 256 and (N % 256 == 0 or N % 256 > 192)  # 256-channel tiles unless they pad much more than 128
+    wide = N > 128 and -(-N // 256) * 256 <= -(-N // 128) * 128  # 256-channel tiles pad no more than 128-channel
     return dict(BLOCK_M=128, BLOCK_N=256 if wide else _pow2(N, 16, 128), BLOCK_K=64, CHUNK=16, num_warps=8,
-                num_stages=3, DENSE=True, NOSKIP=True)
+                num_stages=3, IM2COL=True, SWAP=not wide)
 
 
 def _gather_tiles(C: int, N: int, sparse: bool, dtype: torch.dtype) -> dict:
