@@ -456,8 +456,9 @@ def _wide_tiles(N: int, dtype: torch.dtype) -> dict:
       stripe_im2col_wide.py.txt) it ran 1.07-2.3x faster than the dense route with the same tiles (below, the
       default before session 17) on 13 layers of 72-512 channels: 1.3x on the issue's 128- and 256-channel
       shapes, 1.1x at 512, 1.4-2.3x on channel counts that are not multiples of 64 (72, 80, 88, 104, 144, 176, 352),
-      where the dense route's per-offset steps of 64 channels were part padding. Within 16% of the best of 7
-      tilings on each (in256x14x14 and 352x14x14 ran best with 128-channel SWAP tiles).
+      where the dense route's per-offset steps of 64 channels were part padding. Within 22% of the best tiling
+      measured on each (16% on the issue's shapes; in256x14x14 and 352x14x14 ran best with 128-channel SWAP
+      tiles, 120x8x8 at batch 1024 with 256-pixel ones).
     - fp32 (TF32): the DENSE route with NOSKIP, 256 pixels x 128 channels, 32 columns per step, 8 warps, 4 stages
       (1.04-1.31x faster than 128 x 128 x 64; the best of 10 tilings on 5 of the 6 shapes, 7% off on 256x14x14;
       benchmarks/results/stripe_noskip_tiles_h200.json, script stripe_noskip_tiles.py.txt). Route (c) in fp32 was
