@@ -447,25 +447,25 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_giv
 
 
 def _wide_tiles(N: int, dtype: torch.dtype) -> dict:
-    """A dense route over every offset from 65 input channels (the dense weight kept).
+    """Route (c) from 65 input channels (the dense weight kept), where a dense route over every offset wins.
 
     - 16-bit: route (c), 64 im2col columns per step, 128 pixels x 256 output channels where 256-channel tiles pad N
       no more than 128-channel ones (256, 512, 176, 200: the im2col tile then is read once for them), else up to
       128 channels with SWAP (the product transposed, see ``default_config``); 8 warps, 3 stages. On an H200 (bf16,
       channels_last, CUDA graphs, keep 0.3 and 0.15; benchmarks/results/stripe_im2col_wide{,2}_h200.json, script
-      stripe_im2col_wide.py.txt) it ran 1.07-2.3x faster than the dense route with the same tiles (below, the
+      stripe_im2col_wide.py.txt) it ran 1.07-2.3x faster than the DENSE route with NOSKIP and the same tiles (the
       default before session 17) on 13 layers of 72-512 channels: 1.3x on the issue's 128- and 256-channel
       shapes, 1.1x at 512, 1.4-2.3x on channel counts that are not multiples of 64 (72, 80, 88, 104, 144, 176, 352),
       where the dense route's per-offset steps of 64 channels were part padding. Within 22% of the best tiling
       measured on each (16% on the issue's shapes; in256x14x14 and 352x14x14 ran best with 128-channel SWAP
       tiles, 120x8x8 at batch 1024 with 256-pixel ones).
-    - fp32 (TF32): the DENSE route with NOSKIP, 256 pixels x 128 channels, 32 columns per step, 8 warps, 4 stages
-      (1.04-1.31x faster than 128 x 128 x 64; the best of 10 tilings on 5 of the 6 shapes, 7% off on 256x14x14;
-      benchmarks/results/stripe_noskip_tiles_h200.json, script stripe_noskip_tiles.py.txt). Route (c) in fp32 was
-      not measured from 65 channels."""
+    - fp32 (TF32; the layers of 65-255 channels that are not sparse): route (c) too, 256 pixels x up to 128
+      channels, 32 columns per step, 8 warps, 3 stages: 1.12-1.47x faster than the DENSE route with NOSKIP and the
+      same tiles (the default before; 4 stages) on five 80-176-channel layers (stripe_im2col_wide_fp32_h200.json).
+      Those tiles were the best of 10 for that route (stripe_noskip_tiles_h200.json)."""
     if dtype == torch.float32:
-        return dict(BLOCK_M=256, BLOCK_N=_pow2(N, 16, 128), BLOCK_K=32, CHUNK=16, num_warps=8, num_stages=4,
-                    DENSE=True, NOSKIP=True)
+        return dict(BLOCK_M=256, BLOCK_N=_pow2(N, 16, 128), BLOCK_K=32, CHUNK=16, num_warps=8, num_stages=3,
+                    IM2COL=True)
     wide = N > 128 and -(-N // 256) * 256 <= -(-N // 128) * 128  # 256-channel tiles pad no more than 128-channel
     return dict(BLOCK_M=128, BLOCK_N=256 if wide else _pow2(N, 16, 128), BLOCK_K=64, CHUNK=16, num_warps=8,
                 num_stages=3, IM2COL=True, SWAP=not wide)

@@ -259,8 +259,8 @@ for dt, ks, st, pd, dl, C, N, c, fmt in [
         (torch.float32, (3, 3), (1, 1), (1, 1), (1, 1), 40, 36, gcfg, torch.contiguous_format),
         (torch.float16, (3, 2), (2, 1), (0, 1), (2, 1), 24, 36, gcfg, torch.channels_last),
         (torch.float32, (3, 2), (1, 1), (1, 0), (2, 1), 24, 36, None, torch.channels_last),  # backward: dilated
-        # the wide layers' tiles (16-bit: route (c), SWAP below 129 output channels, else 256-channel tiles; fp32:
-        # the dense route, two 64-channel steps, one of them part padding)
+        # the wide layers' route (c) tiles (16-bit: SWAP below 129 output channels, else 256-channel tiles; fp32:
+        # 256-pixel tiles)
         (torch.float16, (3, 3), (1, 1), (1, 1), (1, 1), 72, 40, stripe_triton._wide_tiles(40, torch.float16),
          torch.channels_last),
         (torch.float16, (3, 3), (2, 2), (1, 1), (1, 1), 72, 200, stripe_triton._wide_tiles(200, torch.float16),
