@@ -550,7 +550,8 @@ def stripe_cost(in_channels: int, out_channels: int, num_stripes: int, kernel_si
     if device == "cuda":
         # H200 fit (stripe_gpu_h200_kept_dense.json and stripe_gpu_h200.json, random masks, the dense weight kept as
         # StripeConv2d keeps it): the Triton kernel beats cuDNN 2.0-2.6x at C <= 16, 1.0-1.35x at C = 32, ties at
-        # C = 64 (0.91-1.15x) and is 1.3-2.3x slower from C = 128 on
+        # C = 64 (0.91-1.15x) and is 1.3-2.3x slower from C = 128 on (1.15-1.5x in bf16 since session 17,
+        # stripe_gpu_h200_wide_session17.json: still slower, so the estimate keeps dense mode there)
         return 0.4 if in_channels <= 16 else (0.85 if in_channels <= 32 else (1.0 if in_channels <= 64 else 1.5))
     return (num_stripes * in_channels + 150.0 * num_stripes) / (0.75 * max(dense, 1))
 
