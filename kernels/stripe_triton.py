@@ -411,7 +411,7 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_giv
         # layers 80 -> 128, 128 -> 120 and 120 -> 104 (pooled) 1.45x, 1.10x and 1.07x faster than this route
         # (stripe_im2col_wide{,2}_h200.json), on 512x4x4 (batch 1024) 1.12x
         if pixels > 4096:
-            return _wide_tiles(N, dtype)
+            return _wide_tiles(C, N, dtype)
         bm = 128 if pixels > 4096 else 64
         bn = 128 if pixels > 4096 else (32 if pixels <= 1024 and N <= 256 else 64)
         return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=_pow2(C, 16, 128), CHUNK=16, num_warps=8 if bm * bn > 8192 else 4,
@@ -441,13 +441,14 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_giv
     noskip = (dense and dense_given and C >= 16 and S >= 0.03 * K * N
               and (dtype != torch.float32 or C == 16 or C > 64))
     if noskip and C > 64:
-        return _wide_tiles(N, dtype)
+        return _wide_tiles(C, N, dtype)
     return dict(BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=block_k, CHUNK=16 if sparse else 32,
                 num_warps=4 if block_n <= 64 else 8, num_stages=3 if noskip else 2, DENSE=dense, NOSKIP=noskip)
 
 
-def _wide_tiles(N: int, dtype: torch.dtype) -> dict:
-    """Route (c) from 65 input channels (the dense weight kept), where a dense route over every offset wins.
+def _wide_tiles(C: int, N: int, dtype: torch.dtype) -> dict:
+    """A dense route over every offset from 65 input channels (the dense weight kept): route (c), but for float32
+    from 256 channels (mostly-kept layers there), the DENSE route with NOSKIP.
 
     - 16-bit: route (c), 64 im2col columns per step, 128 pixels x 256 output channels where 256-channel tiles pad N
       no more than 128-channel ones (256, 512, 176, 200: the im2col tile then is read once for them), else up to
@@ -459,13 +460,15 @@ def _wide_tiles(N: int, dtype: torch.dtype) -> dict:
       where the dense route's per-offset steps of 64 channels were part padding. Within 22% of the best tiling
       measured on each (16% on the issue's shapes; in256x14x14 and 352x14x14 ran best with 128-channel SWAP
       tiles, 120x8x8 at batch 1024 with 256-pixel ones).
-    - fp32 (TF32; the layers of 65-255 channels that are not sparse): route (c) too, 256 pixels x up to 128
-      channels, 32 columns per step, 8 warps, 3 stages: 1.12-1.47x faster than the DENSE route with NOSKIP and the
-      same tiles (the default before; 4 stages) on five 80-176-channel layers (stripe_im2col_wide_fp32_h200.json).
-      Those tiles were the best of 10 for that route (stripe_noskip_tiles_h200.json)."""
+    - fp32 (TF32): 256 pixels x up to 128 channels, 32 columns per step, 8 warps; route (c) with 3 stages at
+      65-255 channels: 1.12-1.47x faster than the DENSE route with NOSKIP and the same tiles (4 stages, the
+      default before) on five 80-176-channel layers (stripe_im2col_wide_fp32_h200.json). From 256 channels (layers
+      keeping over 0.4 of their stripes; sparser ones take the gather route) that DENSE route stays: route (c) was
+      not measured against it there. Those tiles were the best of 10 for the DENSE route
+      (stripe_noskip_tiles_h200.json)."""
     if dtype == torch.float32:
-        return dict(BLOCK_M=256, BLOCK_N=_pow2(N, 16, 128), BLOCK_K=32, CHUNK=16, num_warps=8, num_stages=3,
-                    IM2COL=True)
+        route = dict(IM2COL=True, num_stages=3) if C < 256 else dict(DENSE=True, NOSKIP=True, num_stages=4)
+        return dict(BLOCK_M=256, BLOCK_N=_pow2(N, 16, 128), BLOCK_K=32, CHUNK=16, num_warps=8, **route)
     wide = N > 128 and -(-N // 256) * 256 <= -(-N // 128) * 128  # 256-channel tiles pad no more than 128-channel
     return dict(BLOCK_M=128, BLOCK_N=256 if wide else _pow2(N, 16, 128), BLOCK_K=64, CHUNK=16, num_warps=8,
                 num_stages=3, IM2COL=True, SWAP=not wide)

@@ -261,11 +261,11 @@ for dt, ks, st, pd, dl, C, N, c, fmt in [
         (torch.float32, (3, 2), (1, 1), (1, 0), (2, 1), 24, 36, None, torch.channels_last),  # backward: dilated
         # the wide layers' route (c) tiles (16-bit: SWAP below 129 output channels, else 256-channel tiles; fp32:
         # 256-pixel tiles)
-        (torch.float16, (3, 3), (1, 1), (1, 1), (1, 1), 72, 40, stripe_triton._wide_tiles(40, torch.float16),
+        (torch.float16, (3, 3), (1, 1), (1, 1), (1, 1), 72, 40, stripe_triton._wide_tiles(72, 40, torch.float16),
          torch.channels_last),
-        (torch.float16, (3, 3), (2, 2), (1, 1), (1, 1), 72, 200, stripe_triton._wide_tiles(200, torch.float16),
+        (torch.float16, (3, 3), (2, 2), (1, 1), (1, 1), 72, 200, stripe_triton._wide_tiles(72, 200, torch.float16),
          torch.contiguous_format),
-        (torch.float32, (3, 3), (1, 1), (1, 1), (1, 1), 72, 20, stripe_triton._wide_tiles(20, torch.float32),
+        (torch.float32, (3, 3), (1, 1), (1, 1), (1, 1), 72, 20, stripe_triton._wide_tiles(72, 20, torch.float32),
          torch.contiguous_format)]:
     w, oi, off = random_layer(N, C, ks, 0.4, gen, dtype=torch.float32)
     x = torch.randn(2, C, 6, 5, generator=gen).contiguous(memory_format=fmt)
