@@ -419,9 +419,9 @@ def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_giv
     block_k = _pow2(C, 16, 64 if dtype == torch.float32 else 128)
     block_n = _pow2(N, 16, 64 if C <= 64 else 128)
     # wide 16-bit layers with the weight kept: a dense route over every offset (tiles in _wide_tiles: route (c)
-    # since session 17, the DENSE route with NOSKIP before) unless the layer is sparse and has 512+ output channels. With random masks nearly every (offset, tile) block
-    # holds a stripe, so the skip saves nothing, and the pipelined dense loop beat the gather route on an H200 (bf16
-    # channels_last, batch 1024 / 128): 128 channels at 16x16 and 28x28 1.60x and 1.81x at keep 0.3, 1.09x and
+    # since session 17, the DENSE route with NOSKIP before) unless the layer is sparse and has 512+ output
+    # channels. With random masks nearly every (offset, tile) block holds a stripe, so the skip saves nothing, and
+    # the pipelined dense loop beat the gather route on an H200 (bf16 channels_last, batch 1024 / 128): 128 channels at 16x16 and 28x28 1.60x and 1.81x at keep 0.3, 1.09x and
     # 1.34x at keep 0.15 (stripe_gpu_h200_wide{128,256}_noskip.json, "tuned_ms"); with 256-channel tiles at 256
     # channels 1.27x and 1.07x at keep 0.15, at 512 channels 1.38x and 1.41x at keep 0.3 (stripe_noskip_tiles_h200.json
     # against the gather times of stripe_gpu_h200_wide{256,512}_session15.json), while on sparse 512-channel layers
@@ -743,11 +743,10 @@ def _grad_input(grad, dense_w, kernel_size, padding, dilation):
     flipped = dense_w.transpose(0, 1).flip((2, 3)).contiguous(memory_format=torch.channels_last)  # (C, KH, KW, N)
     pad = [d * (k - 1) - p for d, k, p in zip(dilation, kernel_size, padding)]
     plan = _full_plan(KH * KW, C, grad.device)
-    # grad_x's pixels (the input's): the tiles are those a forward producing that many pixels takes
-    pixels = grad.shape[0] * conv_out_size(grad.shape[2], KH, 1, pad[0], dilation[0]) \
-        * conv_out_size(grad.shape[3], KW, 1, pad[1], dilation[1])
+    # the tiles a forward producing grad_x's pixel count takes
+    pixels = out_pixels(grad, kernel_size, (1, 1), pad, dilation)
     cfg = default_config(N, C, KH * KW * C, KH * KW, grad.dtype, dense_given=True, pixels=pixels)
-    cfg["DENSE"] = not cfg.get("IM2COL", False)  # route (a), or (c) for at most IM2COL_MAX_C output channels
+    cfg["DENSE"] = not cfg.get("IM2COL", False)  # route (a), or route (c) where the config takes it
     return Launch(grad, flipped, plan, plan, None, C, KH * KW * C, kernel_size, (1, 1), pad, dilation, False,
                   cfg)(grad)
 
