@@ -70,6 +70,12 @@ reading its input tile once for all 80 channels, which route (c) with SWAP (``de
 Route (a) with the output channels permuted (greedily, so that each 16/32-channel tile's channels share kernel
 offsets and fewer (offset, tile) blocks are computed) was slower than without on the layers of the real-mask
 VGG16/ResNet-18/ResNet-56 (a permuted channel store does not vectorise; stripe_perm_dense_reverted_h200.json).
+Route (c) the same way (session 18, a standalone prototype: outputs grouped into 16/32-channel tiles that keep
+51-67% of the offsets on VGG16's 40 -> 40 layer, each tile looping over only its offsets' im2col columns) was
+0.2-0.6x the defaults on 11 real-mask VGG16/ResNet-56 layers: a column's offset read from the tile's list hides
+the contiguity of its loads (no vector loads), and fewer columns per tile did not make up for the extra tiles
+reading the input (within the prototype, 16-channel tiles at 51% of the offsets 0.079 ms against 0.076 for one
+64-channel tile; stripe_tiledk_dropped_h200.json, script stripe_tiledk_dropped.py.txt).
 
 The channel counts C and N are compile-time constants (one compile per layer shape): as runtime arguments
 Triton could not prove the channels_last rows 16-byte aligned unless C and N were multiples of 16, and the
