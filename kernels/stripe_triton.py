@@ -76,6 +76,10 @@ Route (c) the same way (session 18, a standalone prototype: outputs grouped into
 the contiguity of its loads (no vector loads), and fewer columns per tile did not make up for the extra tiles
 reading the input (within the prototype, 16-channel tiles at 51% of the offsets 0.079 ms against 0.076 for one
 64-channel tile; stripe_tiledk_dropped_h200.json, script stripe_tiledk_dropped.py.txt).
+The input's index math in 32 bits (x always has fewer than 2^31 elements here) left the outputs bitwise equal and
+the time within noise on route (c) (median 1.00x over 41 layers, 0.90-1.02x) and the gather route (0.96-1.02x, fp32
+slower); only the DENSE route gained, 0.97-1.15x (median 1.02x), too little and too mixed to keep a second index
+path (session 18; stripe_x32_dropped_h200.json, script and patch stripe_x32_dropped.{py,diff}.txt).
 
 The channel counts C and N are compile-time constants (one compile per layer shape): as runtime arguments
 Triton could not prove the channels_last rows 16-byte aligned unless C and N were multiples of 16, and the
