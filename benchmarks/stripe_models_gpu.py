@@ -21,7 +21,8 @@ of each model (the same BN-folded models, so no BatchNorm in either; fp32 weight
 channels_last, train mode, StripeConv2d weights trainable), forward and backward timed apart, eager and with the
 forward and the backward each replayed from a CUDA graph (torch.cuda.make_graphed_callables; the compact model
 in the modes chosen by GPU time, as for the graphed inference). Eager steps run stripe-mode layers through cuDNN
-(StripeConv2d._eager_cuda_training); the graphed ones through the kernel and its Triton backward. Correctness: max |compact - skeleton| / max |skeleton| of the outputs in
+(StripeConv2d._eager_cuda_training); the graphed ones through the kernel and its Triton backward, and so do compiled
+ones (--train-compile: both models through torch.compile, inductor; result ``train_compiled``). Correctness: max |compact - skeleton| / max |skeleton| of the outputs in
 fp32 on the device (TF32 off) on a few images, and of the bf16 compact model against the fp32 skeleton model.
 
     python benchmarks/stripe_models_gpu.py                       # on a GPU: all models (meant to take < 3 min on
@@ -405,6 +406,13 @@ def bench(name: str, variant: str, args, device: torch.device) -> dict | None:
             except Exception as err:  # noqa: BLE001 - reported, the eager numbers stand
                 result["train_graphed"] = {"error": f"{type(err).__name__}: {err}"}
                 print(f"   {name}/{variant}: graphed training step failed: {type(err).__name__}: {err}", flush=True)
+        if args.train_compile:  # the same step with both models through torch.compile (inductor); warm-up compiles
+            small_c = copy.deepcopy(small32)
+            set_modes(small_c, graph_modes or modes)
+            compiled = {"dense": torch.compile(dense32), "compact": torch.compile(small_c)}
+            tr = train_times(compiled, xt, yt, clock, max(2, args.warmup // 2), args.bwd_repeats, amp)
+            result["train_compiled"] = train_result(tr, amp, p_dense.macs, p_small.macs)
+            del compiled, small_c
     del dense32, small32
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -453,6 +461,15 @@ def print_table(results: list[dict]) -> None:
         "eager speedup with the cost model's modes; bwd/MAC = backward time per kept MAC, compact vs dense (eager, "
         "then with forward and backward replayed from CUDA graphs)"
     )
+    for r in results:
+        tc = r.get("train_compiled")
+        if tc:
+            print(
+                f"{r['model']}/{r['variant']} training step with torch.compile: forward+backward ms dense "
+                f"{tc['dense']['forward_ms']}+{tc['dense']['backward_ms']}, compact "
+                f"{tc['compact']['forward_ms']}+{tc['compact']['backward_ms']}; backward per kept MAC "
+                f"{tc['backward_time_per_kept_mac_vs_dense']:.2f}x"
+            )
     for r in results:
         trained = (
             ((r["masks"].get("run") or {}).get("trained_compact_macs")) if r["variant"] == "real" else None
@@ -542,6 +559,8 @@ def parse_args(argv=None):
         default=True,
         help="time a training step's forward and backward (default: on)",
     )
+    p.add_argument("--train-compile", action="store_true",
+                   help="also time the training step with both models through torch.compile (result: train_compiled)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fuse-relu", action="store_true",
                    help="compress.compact(fuse_relu=True) for both models: each conv's ReLU in its epilogue "
