@@ -21,8 +21,9 @@ of each model (the same BN-folded models, so no BatchNorm in either; fp32 weight
 channels_last, train mode, StripeConv2d weights trainable), forward and backward timed apart, eager and with the
 forward and the backward each replayed from a CUDA graph (torch.cuda.make_graphed_callables; the compact model
 in the modes chosen by GPU time, as for the graphed inference). Eager steps run stripe-mode layers through cuDNN
-(StripeConv2d._eager_cuda_training); the graphed ones through the kernel and its Triton backward, and so do compiled
-ones (--train-compile: both models through torch.compile, inductor; result ``train_compiled``). Correctness: max |compact - skeleton| / max |skeleton| of the outputs in
+(StripeConv2d._cuda_training_in_dense_mode), and so do compiled ones (--train-compile: both models through
+torch.compile, inductor; result ``train_compiled``); the graphed ones through the kernel and its Triton backward.
+Correctness: max |compact - skeleton| / max |skeleton| of the outputs in
 fp32 on the device (TF32 off) on a few images, and of the bf16 compact model against the fp32 skeleton model.
 
     python benchmarks/stripe_models_gpu.py                       # on a GPU: all models (meant to take < 3 min on

@@ -114,7 +114,8 @@ class StripeConv2d(nn.Module):
             size), for tiny feature maps (a VGG's 2x2 and 4x4 layers), and dense mode where
             `kernels.unrolled.fits` rules it out for the input or autograd records. All give the same output;
             `compress.compact` sets a cost-model choice and `compress.choose_modes` the fastest measured. It is
-            an inference choice: eager training steps on CUDA run dense mode (see `_eager_cuda_training`).
+            an inference choice: eager and compiled training steps on CUDA run dense mode (see
+            `_cuda_training_in_dense_mode`).
         relu: apply ReLU to the output, in the kernel's epilogue (stripe mode) or cuDNN's (dense mode, see
             `conv2d_relu`); set by `compress.compact(..., fuse_relu=True)` for a conv whose BN is folded and
             whose only consumer is a ReLU.
@@ -161,7 +162,8 @@ class StripeConv2d(nn.Module):
         self._trim = (0, 0)  # kernels.dense_trim of the indices: rings of offsets dense mode leaves out
         self._trim_cache: tuple | None = None  # (the dense weight it was cut from, (cut weight, padding))
         self._launch_cache: tuple[tuple, object] | None = None  # (key, kernels.prepare_stripe_conv2d launcher)
-        self._op_trained: set[tuple] = set()  # inputs an eager training step ran the op for (_eager_cuda_training)
+        self._op_trained: set[tuple] = set()  # inputs an eager training step ran the op for
+        # (_cuda_training_in_dense_mode)
 
     @property
     def mode(self) -> str:
@@ -293,7 +295,7 @@ class StripeConv2d(nn.Module):
         if self._mode == "gemm" and self._gemm_fits(x):
             return self._pooled(unrolled.unrolled_conv2d(x, *self._cached_unrolled(x), relu=self.relu,
                                                          memory_format=fmt))
-        if self._mode != "stripe" or self._eager_cuda_training(x):
+        if self._mode != "stripe" or self._cuda_training_in_dense_mode(x):
             conv = conv2d_relu if self.relu else F.conv2d
             w, pad = self._dense_mode_weight(fmt)
             return self._pooled(conv(x, w, self.bias, self.stride, pad, self.dilation))
@@ -330,26 +332,27 @@ class StripeConv2d(nn.Module):
     def _pooled(self, y: torch.Tensor) -> torch.Tensor:
         return max_pool2x2(y, self.pool_ceil) if self.pool else y
 
-    def _eager_cuda_training(self, x: torch.Tensor) -> bool:
-        """Whether this call is an eager training step on CUDA (autograd recording, no CUDA graph being captured,
-        not tracing or compiling) that runs as dense mode: cuDNN with the zero-filled weight built for the step.
+    def _cuda_training_in_dense_mode(self, x: torch.Tensor) -> bool:
+        """Whether this call is a training step on CUDA (autograd recording, no CUDA graph being captured, not
+        traced by TorchScript) that runs as dense mode: cuDNN with the zero-filled weight built for the step.
 
-        `mode` is an inference choice; in an eager training step the op's host cost (dispatch, checks, Triton
-        launches in the forward and the backward) exceeds a small layer's GPU time: about 0.35 ms more per stripe
-        layer and step than cuDNN on an H200 host. Measured, a CIFAR ResNet-56 (random masks, 46 of 55 layers in
-        stripe mode) stepped in 12.1 + 20.2 ms (forward + backward) through the kernel even with a kept forward
-        launcher, 7.2 + 9.1 ms through cuDNN (benchmarks/results/stripe_models_gpu_h200_train_eager_{kernel,cudnn}.json).
-        Steps captured
-        in CUDA graphs (`torch.cuda.make_graphed_callables`) or compiled keep the kernel and its Triton backward,
-        where only GPU time counts. So that such a capture finds the kernels compiled (Triton cannot load a kernel
-        while a stream captures), the first eager step per input shape and autocast dtype still runs the op: the
-        warm-up steps before a capture do that."""
-        if not (
-            x.is_cuda
-            and recording(x, self.weight, self.bias)
-            and not torch.cuda.is_current_stream_capturing()
-            and not tracing_or_compiling()
-        ):
+        `mode` is an inference choice; in a training step the op's host cost (dispatch, checks, Triton launches
+        in the forward and the backward) exceeds a small layer's GPU time: about 0.35 ms more per stripe layer and
+        step than cuDNN on an H200 host. Measured, a CIFAR ResNet-56 (random masks, 46 of 55 layers in stripe
+        mode) stepped in 12.1 + 20.2 ms (forward + backward) through the kernel even with a kept forward launcher,
+        7.2 + 9.1 ms through cuDNN (benchmarks/results/stripe_models_gpu_h200_train_eager_{kernel,cudnn}.json).
+        torch.compile keeps that host cost (the op is opaque to it): with the kernel, compiled ResNet-56 and VGG16
+        steps took 61.0 and 7.0 ms against 7.0 and 3.0 ms for their compiled dense models
+        (stripe_models_gpu_h200_train_compile_kernel.json), so compiled steps take dense mode too. Steps captured in
+        CUDA graphs (`torch.cuda.make_graphed_callables`) keep the kernel and its Triton backward, where only GPU
+        time counts. So that such a capture finds the kernels compiled (Triton cannot load a kernel while a stream
+        captures), the first eager step per input shape and autocast dtype still runs the op: the warm-up steps
+        before a capture do that."""
+        if not (x.is_cuda and recording(x, self.weight, self.bias)):
+            return False
+        if torch.compiler.is_compiling():  # (checked first: the capture query below is a graph break for dynamo)
+            return True
+        if torch.cuda.is_current_stream_capturing() or torch.jit.is_tracing():
             return False
         key = (stripe_triton.input_signature(x), autocast_dtype("cuda"))
         if key not in self._op_trained:

@@ -344,6 +344,36 @@ def test_eager_cuda_training_runs_cudnn_and_graph_capture_runs_the_kernel(monkey
     assert rel(y, yr.detach()) < 1e-3 and rel(xg.grad, xr.grad) < 1e-3
 
 
+@pytest.mark.cuda
+def test_compiled_cuda_training_runs_cudnn(monkeypatch):
+    """A stripe-mode layer in a torch.compile'd training step runs dense mode (the op is never called, not even
+    on the first step) in one graph (no graph break): output and input gradient against the masked dense conv in
+    float64 (relative error)."""
+    gen = torch.Generator().manual_seed(34)
+    conv = nn.Conv2d(16, 24, 3, padding=1).double()
+    mask = _random_mask(24, 3, 3, keep=0.3, gen=gen)
+    s = StripeConv2d.from_dense(conv, mask, mode="stripe").cuda().float().train()
+    calls = []
+    op = kernels.stripe_conv2d
+    monkeypatch.setattr(kernels, "stripe_conv2d", lambda *a, **k: calls.append(1) or op(*a, **k))
+    x = torch.randn(4, 16, 9, 9, generator=gen, dtype=torch.float64)
+    g = torch.randn(4, 24, 9, 9, generator=gen, dtype=torch.float64)
+    xr = x.clone().requires_grad_()
+    yr = _masked_reference(conv, mask, xr)
+    yr.backward(g)
+    compiled = torch.compile(s)
+    for step in range(2):
+        xg = x.cuda().float().requires_grad_()
+        y = compiled(xg)
+        y.backward(g.cuda().float())
+        err_y = ((y.double().cpu() - yr.detach()).norm() / yr.detach().norm()).item()
+        err_x = ((xg.grad.double().cpu() - xr.grad).norm() / xr.grad.norm()).item()
+        assert not calls and err_y < 1e-3 and err_x < 1e-3, (step, err_y, err_x)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(s)(x.cuda().float().requires_grad_())
+    assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+
+
 def test_copies_drop_the_kept_launcher_and_the_trained_inputs():
     """deepcopy and pickle give a module without the per-process state (a kept launcher, the inputs an eager
     training step compiled the kernels for) and with the same output."""
