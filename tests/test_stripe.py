@@ -236,22 +236,19 @@ def test_stripe_mode_passes_its_cached_dense_weight_to_the_kernel_dense_route(dt
     assert kernels.stripe_reads_dense(xd, s.weight, 24, 3)
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-3
 
-    def rel(a, b):
-        return ((a.double().cpu() - b).norm() / b.norm()).item()
-
     with torch.no_grad():
-        assert rel(s(xd), _masked_reference(conv, mask, x)) < tol
+        assert _rel(s(xd), _masked_reference(conv, mask, x)) < tol
         assert s._dense_cache is not None and s._dense_cache[1].is_contiguous(memory_format=torch.channels_last)
         s.weight.mul_(-2.0)
         conv.weight.mul_(-2.0)
-        assert rel(s(xd), _masked_reference(conv, mask, x)) < tol
+        assert _rel(s(xd), _masked_reference(conv, mask, x)) < tol
     s.train()
     xg = xd.detach().clone().requires_grad_()
     g = torch.randn(4, 24, 12, 12, generator=gen, dtype=torch.float64)
     s(xg).backward(g.cuda().to(dtype))
     xr = x.clone().requires_grad_()
     _masked_reference(conv, mask, xr).backward(g)
-    assert rel(xg.grad, xr.grad) < tol
+    assert _rel(xg.grad, xr.grad) < tol
 
 
 @pytest.mark.cuda
@@ -273,9 +270,6 @@ def test_eager_inference_launch_matches_the_op_and_follows_changes(dtype, layout
     s.relu = True
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-3
 
-    def rel(a, b):
-        return ((a.double().cpu() - b).norm() / b.norm()).item()
-
     def op(x):
         return kernels.stripe_conv2d(x, s.weight, s.out_index, s.offset, s.bias, 24, 3, 1, 1, 1, relu=True,
                                      plan=s.plan, dense=s._kernel_dense_weight(x))
@@ -288,14 +282,14 @@ def test_eager_inference_launch_matches_the_op_and_follows_changes(dtype, layout
         assert launch is not None and launch._compiled is not None  # later calls skip the JIT
         for y in ys:
             assert torch.equal(y, op(xd)) and y.is_contiguous(memory_format=layout)
-        assert rel(ys[0], torch.relu(_masked_reference(conv, mask, x))) < tol
+        assert _rel(ys[0], torch.relu(_masked_reference(conv, mask, x))) < tol
         xm = torch.empty(xd.numel() + 1, dtype=dtype, device="cuda")[1:].as_strided(xd.shape, xd.stride())
         for xi in (xd[:2].clone(memory_format=layout), xm.copy_(xd)):  # a new batch size; a misaligned input
             yi = s(xi)
             assert s._launch_cache[1] is not launch and torch.equal(yi, op(xi))
         s.weight.mul_(-2.0)
         conv.weight.mul_(-2.0)
-        assert rel(s(xd), torch.relu(_masked_reference(conv, mask, x))) < tol
+        assert _rel(s(xd), torch.relu(_masked_reference(conv, mask, x))) < tol
     s2 = copy.deepcopy(s)
     assert s2._launch_cache is None
     xg = xd.detach().clone().requires_grad_()
@@ -307,13 +301,11 @@ def test_eager_inference_launch_matches_the_op_and_follows_changes(dtype, layout
         assert torch.equal(y.detach(), s2(xd))
 
 
-@pytest.mark.cuda
-def test_eager_cuda_training_runs_cudnn_and_graph_capture_runs_the_kernel(monkeypatch):
-    """A stripe-mode layer's first eager CUDA training step for an input shape runs the op (compiling its
-    kernels), later ones cuDNN with the zero-filled weight (the op is not called); captured with
-    make_graphed_callables it runs the op. Output and input gradient of each against the masked dense conv in
-    float64 (relative error)."""
-    gen = torch.Generator().manual_seed(33)
+def _cuda_training_case(monkeypatch, seed: int):
+    """A stripe-mode layer (16 -> 24 channels, 3x3, keep 0.3) on CUDA in train mode, with every call of
+    kernels.stripe_conv2d counted in `calls`; an input x and output gradient g (float64, CPU); the masked dense
+    conv's output and input gradient for them in float64. Returns (layer, calls, x, g, y_ref, x_grad_ref)."""
+    gen = torch.Generator().manual_seed(seed)
     conv = nn.Conv2d(16, 24, 3, padding=1).double()
     mask = _random_mask(24, 3, 3, keep=0.3, gen=gen)
     s = StripeConv2d.from_dense(conv, mask, mode="stripe").cuda().float().train()
@@ -325,15 +317,22 @@ def test_eager_cuda_training_runs_cudnn_and_graph_capture_runs_the_kernel(monkey
     xr = x.clone().requires_grad_()
     yr = _masked_reference(conv, mask, xr)
     yr.backward(g)
+    return s, calls, x, g, yr.detach(), xr.grad
 
-    def rel(a, b):
-        return ((a.double().cpu() - b).norm() / b.norm()).item()
+
+@pytest.mark.cuda
+def test_eager_cuda_training_runs_cudnn_and_graph_capture_runs_the_kernel(monkeypatch):
+    """A stripe-mode layer's first eager CUDA training step for an input shape runs the op (compiling its
+    kernels), later ones cuDNN with the zero-filled weight (the op is not called); captured with
+    make_graphed_callables it runs the op. Output and input gradient of each against the masked dense conv in
+    float64 (relative error)."""
+    s, calls, x, g, yr, xr_grad = _cuda_training_case(monkeypatch, 33)
 
     for step in range(2):
         xg = x.cuda().float().requires_grad_()
         y = s(xg)
         y.backward(g.cuda().float())
-        assert len(calls) == 1 and rel(y, yr.detach()) < 1e-3 and rel(xg.grad, xr.grad) < 1e-3, step
+        assert len(calls) == 1 and _rel(y, yr) < 1e-3 and _rel(xg.grad, xr_grad) < 1e-3, step
     s.weight.grad = s.bias.grad = None
     del y, xg  # (no autograd graph of an eager step may stay alive into the capture)
     graphed = torch.cuda.make_graphed_callables(s, (x.cuda().float().requires_grad_(),))
@@ -341,7 +340,7 @@ def test_eager_cuda_training_runs_cudnn_and_graph_capture_runs_the_kernel(monkey
     xg = x.cuda().float().requires_grad_()
     y = graphed(xg)
     y.backward(g.cuda().float())
-    assert rel(y, yr.detach()) < 1e-3 and rel(xg.grad, xr.grad) < 1e-3
+    assert _rel(y, yr) < 1e-3 and _rel(xg.grad, xr_grad) < 1e-3
 
 
 @pytest.mark.cuda
@@ -349,25 +348,13 @@ def test_compiled_cuda_training_runs_cudnn(monkeypatch):
     """A stripe-mode layer in a torch.compile'd training step runs dense mode (the op is never called, not even
     on the first step) in one graph (no graph break): output and input gradient against the masked dense conv in
     float64 (relative error)."""
-    gen = torch.Generator().manual_seed(34)
-    conv = nn.Conv2d(16, 24, 3, padding=1).double()
-    mask = _random_mask(24, 3, 3, keep=0.3, gen=gen)
-    s = StripeConv2d.from_dense(conv, mask, mode="stripe").cuda().float().train()
-    calls = []
-    op = kernels.stripe_conv2d
-    monkeypatch.setattr(kernels, "stripe_conv2d", lambda *a, **k: calls.append(1) or op(*a, **k))
-    x = torch.randn(4, 16, 9, 9, generator=gen, dtype=torch.float64)
-    g = torch.randn(4, 24, 9, 9, generator=gen, dtype=torch.float64)
-    xr = x.clone().requires_grad_()
-    yr = _masked_reference(conv, mask, xr)
-    yr.backward(g)
+    s, calls, x, g, yr, xr_grad = _cuda_training_case(monkeypatch, 34)
     compiled = torch.compile(s)
     for step in range(2):
         xg = x.cuda().float().requires_grad_()
         y = compiled(xg)
         y.backward(g.cuda().float())
-        err_y = ((y.double().cpu() - yr.detach()).norm() / yr.detach().norm()).item()
-        err_x = ((xg.grad.double().cpu() - xr.grad).norm() / xr.grad.norm()).item()
+        err_y, err_x = _rel(y, yr), _rel(xg.grad, xr_grad)
         assert not calls and err_y < 1e-3 and err_x < 1e-3, (step, err_y, err_x)
     torch._dynamo.reset()
     explained = torch._dynamo.explain(s)(x.cuda().float().requires_grad_())
@@ -421,6 +408,7 @@ def _pool_reference(conv: nn.Conv2d, mask: torch.Tensor, x: torch.Tensor) -> tor
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative error of a (any device and dtype) against the float64 CPU reference b."""
     return ((a.double().cpu() - b).norm() / b.norm()).item()
 
 
