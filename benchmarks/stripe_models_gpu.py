@@ -408,12 +408,11 @@ def bench(name: str, variant: str, args, device: torch.device) -> dict | None:
                 result["train_graphed"] = {"error": f"{type(err).__name__}: {err}"}
                 print(f"   {name}/{variant}: graphed training step failed: {type(err).__name__}: {err}", flush=True)
         if args.train_compile:  # the same step with both models through torch.compile (inductor); warm-up compiles
-            small_c = copy.deepcopy(small32)
-            set_modes(small_c, graph_modes or modes)
-            compiled = {"dense": torch.compile(dense32), "compact": torch.compile(small_c)}
+            # (modes need no setting: compiled training steps run dense mode, StripeConv2d._cuda_training_in_dense_mode)
+            compiled = {"dense": torch.compile(dense32), "compact": torch.compile(small32)}
             tr = train_times(compiled, xt, yt, clock, max(2, args.warmup // 2), args.bwd_repeats, amp)
             result["train_compiled"] = train_result(tr, amp, p_dense.macs, p_small.macs)
-            del compiled, small_c
+            del compiled
     del dense32, small32
     if device.type == "cuda":
         torch.cuda.empty_cache()
