@@ -161,7 +161,7 @@ class StripeConv2d(nn.Module):
         self._gemm_cache: tuple[tuple, tuple] | None = None  # (key, (unrolled weight, bias rows, (Ho, Wo)))
         self._trim = (0, 0)  # kernels.dense_trim of the indices: rings of offsets dense mode leaves out
         self._trim_cache: tuple | None = None  # (the dense weight it was cut from, (cut weight, padding))
-        self._launch_cache: tuple[tuple, object] | None = None  # (key, kernels.prepare_stripe_conv2d launcher)
+        self._launch_cache: tuple | None = None  # (key, launcher or None, relayout): _inference_launch
         self._op_trained: set[tuple] = set()  # inputs an eager training step ran the op for
         # (_cuda_training_in_dense_mode)
 
@@ -288,6 +288,11 @@ class StripeConv2d(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, C, H, W) -> (B, N, Ho, Wo), in x's layout (see `_layout`)."""
+        kept = self._inference_launch(x)
+        if kept is not None:  # eager CUDA inference in stripe mode: checked first, the path whose host time counts
+            _, launch, relayout = kept
+            y = launch(x)  # pooled by the launcher
+            return y.contiguous(memory_format=torch.channels_last) if relayout else y
         fmt = _layout(x)
         if self.num_stripes == 0:
             out = self._constant_output(x, fmt)
@@ -299,12 +304,8 @@ class StripeConv2d(nn.Module):
             conv = conv2d_relu if self.relu else F.conv2d
             w, pad = self._dense_mode_weight(fmt)
             return self._pooled(conv(x, w, self.bias, self.stride, pad, self.dilation))
-        launch = self._inference_launch(x)
-        if launch is not None:
-            y = launch(x)  # pooled by the launcher
-        else:
-            args, kwargs = self._op_arguments(x)
-            y = self._pooled(kernels.stripe_conv2d(*args, **kwargs))
+        args, kwargs = self._op_arguments(x)
+        y = self._pooled(kernels.stripe_conv2d(*args, **kwargs))
         if fmt is torch.channels_last and not y.is_contiguous(memory_format=fmt):
             y = y.contiguous(memory_format=fmt)  # a 1-channel channels_last x counts as NCHW for the op
         return y
@@ -383,38 +384,45 @@ class StripeConv2d(nn.Module):
                 return self.dense_weight(torch.channels_last)
         return self._cached_dense_weight(torch.channels_last) if self.weight.dtype == x.dtype else None
 
-    def _inference_launch(self, x: torch.Tensor):
-        """The kernel launcher (`kernels.prepare_stripe_conv2d`) for `x` in eager CUDA inference, kept per input
-        signature and weight version; None where the op must run: autograd recording, autocast to another dtype,
-        tracing or compiling, or no Triton kernel for `x`.
+    def _inference_launch(self, x: torch.Tensor) -> tuple | None:
+        """(key, launcher, relayout) for `x` in eager CUDA inference in stripe mode: the kernel launcher
+        (`kernels.prepare_stripe_conv2d`) kept per input signature and weight version, and whether its output must
+        be made channels_last (a 1-channel channels_last x, which the op reads as NCHW). None where the op or
+        another mode must run: not stripe mode, no stripe, autograd recording, autocast to another dtype, tracing
+        or compiling, or no Triton kernel for `x`.
 
         Why: an eager call through the op spends most of its time on the host (dispatch, argument checks, route
         choice, Triton's per-call JIT binding), several times the GPU time of a small layer; the launcher does that
         work once per input shape (host time per call 103-112 -> 21 us on an H200 host, that of a cuDNN conv;
-        benchmarks/results/stripe_eager_gpu_h200.json)."""
-        w, b = self.weight, self.bias
-        if not x.is_cuda or tracing_or_compiling():
+        benchmarks/results/stripe_eager_gpu_h200.json). The checks here run on every eager call, so they are
+        ordered cheapest first, and the key holds only what can change without `_build_plan` (which drops the
+        launcher): the input, the weight and bias storage and version (`.to()` and in-place edits), the epilogue
+        flags. The indices move only with the weight (`.to()`/`.cuda()`) or through `_build_plan`."""
+        if self._mode != "stripe" or not x.is_cuda:
             return None
-        if recording(x, w, b):
+        w, b = self.weight, self.bias
+        if recording(x, w, b) or tracing_or_compiling():
             return None
         if w.dtype != x.dtype or autocast_dtype("cuda") not in (None, x.dtype):
             return None
         key = (
             stripe_triton.input_signature(x),
+            w.data_ptr(),
+            -1 if w.is_inference() else w._version,
+            None if b is None else (b.data_ptr(), -1 if b.is_inference() else b._version),
             self.relu,
             self.pool,
             self.pool_ceil,
-            w.data_ptr(),
-            -1 if w.is_inference() else w._version,
-            self.out_index.data_ptr(),
-            None if self.plan is None else self.plan.data_ptr(),
-            None if b is None else (b.data_ptr(), b.dtype),
         )
-        if self._launch_cache is None or self._launch_cache[0] != key:
+        cache = self._launch_cache
+        if cache is None or cache[0] != key:
+            if self.num_stripes == 0:
+                return None
             args, kwargs = self._op_arguments(x)
-            self._launch_cache = (key, kernels.prepare_stripe_conv2d(*args, **kwargs, pool=self.pool,
-                                                                      pool_ceil=self.pool_ceil))
-        return self._launch_cache[1]
+            launch = kernels.prepare_stripe_conv2d(*args, **kwargs, pool=self.pool, pool_ceil=self.pool_ceil)
+            relayout = _layout(x) is torch.channels_last and not is_channels_last(x)
+            self._launch_cache = cache = (key, launch, relayout)
+        return None if cache[1] is None else cache
 
     def graph_keepalive(self) -> tuple:
         """What a CUDA graph captured through this module reads besides its parameters and buffers: the kept dense

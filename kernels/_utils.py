@@ -95,8 +95,11 @@ def tracing_or_compiling() -> bool:
 
 
 def recording(*tensors: torch.Tensor | None) -> bool:
-    """Whether autograd records an op on `tensors` (grad mode on and one of them requires grad)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    """Whether autograd records an op on `tensors` (grad mode on and one of them requires grad). Runs on every
+    eager layer call: in inference (grad mode off) it answers before looking at the tensors."""
+    if not torch.is_grad_enabled():
+        return False
+    return any(t is not None and t.requires_grad for t in tensors)
 
 
 def conv2d_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride, padding, dilation,

@@ -623,7 +623,7 @@ class Launch:
         self._args = args + [named.pop(n) for n in names[len(args):]]
         self._y_slots = (4, 5) if bias is None else (5,)
         self._launch_options = named  # num_warps, num_stages
-        self._compiled = None  # Triton's compiled kernel, after the first call
+        self._compiled = None  # Triton's compiled kernel bound to the grid, after the first call
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.empty(self._y_shape, **self._empty_kw)
@@ -645,11 +645,11 @@ class Launch:
             args[i] = y
         try:
             if self._compiled is not None:
-                self._compiled[self._grid](*args)
+                self._compiled(*args)
             else:
                 kernel = _stripe_fwd_kernel[self._grid](*args, **self._launch_options)
                 if isinstance(kernel, CompiledKernel):  # (the interpreter returns none)
-                    self._compiled = kernel
+                    self._compiled = kernel[self._grid]  # bound to the grid once, not per call
         finally:  # hold no activations between calls
             args[0] = None
             for i in self._y_slots:
