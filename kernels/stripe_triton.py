@@ -602,7 +602,6 @@ class Launch:
         self._pool_after = bool(pool) and not self.pool_fused
         self._pool_ceil = bool(pool_ceil)
         self._y_shape = (B, N, Ho // 2, Wo // 2) if self.pool_fused else (B, N, Ho, Wo)
-        self._empty_kw = dict(device=x.device, dtype=x.dtype, memory_format=fmt)
         self._M = M = B * Ho * Wo
         cfg["ONE_K"] = C <= cfg["BLOCK_K"]
         cfg.setdefault("DENSE", False)
@@ -611,7 +610,8 @@ class Launch:
         cfg.setdefault("IM2COL", False)
         cfg.setdefault("SWAP", False)
         self._grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), 1)  # 3-D for the compiled kernel
-        y_strides = torch.empty(self._y_shape, dtype=x.dtype, device="meta", memory_format=fmt).stride()  # no memory
+        # y in x's layout; new_empty_strided (dtype and device from x) costs the host the least per call
+        self._y_strides = y_strides = torch.empty(self._y_shape, device="meta", memory_format=fmt).stride()
         named = dict(
             SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1], DH=dilation[0], DW=dilation[1], KH=KH, KW=KW,
             HAS_BIAS=bias is not None, RELU=relu, IS_FP32=x.dtype == torch.float32,
@@ -626,7 +626,7 @@ class Launch:
         self._compiled = None  # Triton's compiled kernel bound to the grid, after the first call
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.empty(self._y_shape, **self._empty_kw)
+        y = x.new_empty_strided(self._y_shape, self._y_strides)
         if self._M:
             self._run(x, y)
         return max_pool2x2(y, self._pool_ceil) if self._pool_after else y
