@@ -519,10 +519,21 @@ def residual_relu(out: Tensor, identity: Tensor) -> Tensor:
         ext = _ext.load() if same_layout else None
         if ext is not None:
             cl = fmt == torch.channels_last
-            y, pooled = _ResidualReluCUDA.apply(out, identity, cl) if recording else ext.add_relu_pool(out, identity, cl)
+            y, pooled = _ResidualReluCUDA.apply(out, identity, cl) if recording else _add_relu_pool(ext, out, identity, cl)
             setattr(y, _MEAN_ATTR, (pooled, y._version))
             return y
     return out.add_(identity).relu_()
+
+
+def _add_relu_pool(ext, out: Tensor, identity: Tensor, cl: bool) -> tuple[Tensor, Tensor]:
+    """The extension's (relu(out + identity), channel mean) without autograd. Under ``torch.inference_mode`` the
+    result is made a normal tensor (the call runs outside inference mode; its inputs may be inference tensors): an
+    inference tensor keeps no version counter, and the kept mean is valid only while the result's version is the
+    one it was computed at (in-place changes to a normal tensor bump it inside inference mode too)."""
+    if torch.is_inference_mode_enabled():
+        with torch.inference_mode(False):
+            return ext.add_relu_pool(out, identity, cl)
+    return ext.add_relu_pool(out, identity, cl)
 
 
 def _attached_mean(x: Tensor) -> Tensor | None:

@@ -545,7 +545,10 @@ def test_residual_relu_cpu_gradients_match_autograd_of_torch_ops():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 @pytest.mark.parametrize("shape", [(3, 16, 7, 7), (2, 64, 14, 14), (2, 24, 1, 37)])
-def test_residual_relu_cuda_feeds_pix_squeeze(dtype, layout, shape):
+@pytest.mark.parametrize("inference", [False, True])
+def test_residual_relu_cuda_feeds_pix_squeeze(dtype, layout, shape, inference):
+    """Also under torch.inference_mode (as compress.profile and export run models), where the result must stay a
+    tensor with a version counter so that an in-place change still drops the kept mean."""
     from kernels.pix import _attached_mean
 
     assert _ext.load() is not None, "CUDA extension failed to build"
@@ -555,17 +558,19 @@ def test_residual_relu_cuda_feeds_pix_squeeze(dtype, layout, shape):
     b64 = torch.randn(shape, generator=gen, dtype=torch.float64)
     w = (torch.randn(shape[1] // 4, shape[1], 1, 1, generator=gen) / shape[1] ** 0.5).cuda()
     a, b = (t.to(dtype).cuda().contiguous(memory_format=fmt) for t in (a64, b64))
-    y = kernels.residual_relu(a.clone(), b)
-    # the sum is rounded once to dtype, as PyTorch's add does; the ReLU is exact
-    assert torch.equal(y, torch.relu(a + b)) and y.is_contiguous(memory_format=fmt)
-    pooled = _attached_mean(y)
-    torch.testing.assert_close(pooled, y.double().mean((2, 3)).float(), rtol=1e-5, atol=1e-6)
-    # pix_squeeze takes the kept mean: the same output as computing it itself
-    fresh = y.clone()
-    assert _attached_mean(fresh) is None
-    torch.testing.assert_close(kernels.pix_squeeze(y, w, 4), kernels.pix_squeeze(fresh, w, 4), rtol=1e-3, atol=1e-3)
-    y.mul_(-1)  # an in-place change makes the kept mean stale: it is not used
-    assert _attached_mean(y) is None
+    with torch.inference_mode(inference):
+        y = kernels.residual_relu(a.clone(), b)
+        # the sum is rounded once to dtype, as PyTorch's add does; the ReLU is exact
+        assert torch.equal(y, torch.relu(a + b)) and y.is_contiguous(memory_format=fmt)
+        pooled = _attached_mean(y)
+        torch.testing.assert_close(pooled, y.double().mean((2, 3)).float(), rtol=1e-5, atol=1e-6)
+        # pix_squeeze takes the kept mean: the same output as computing it itself
+        fresh = y.clone()
+        assert _attached_mean(fresh) is None
+        torch.testing.assert_close(kernels.pix_squeeze(y, w, 4), kernels.pix_squeeze(fresh, w, 4), rtol=1e-3,
+                                   atol=1e-3)
+        y.mul_(-1)  # an in-place change makes the kept mean stale: it is not used
+        assert _attached_mean(y) is None
 
 
 @pytest.mark.cuda

@@ -417,3 +417,30 @@ def test_block_cuda_matches_float64_reference(dtype):
     torch.testing.assert_close(y.double().cpu(), y_ref.detach(), **tol)
     torch.testing.assert_close(xg.grad.double().cpu(), x_ref.grad, **tol)
     torch.testing.assert_close(gpu.weight.grad.double().cpu(), w_ref.grad, rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.cuda
+def test_pix_resnet50_cuda_inference_mode_matches_the_float64_reference():
+    """A PiX ResNet-50 on CUDA under torch.inference_mode, as compress.profile and export run models (its residual
+    tails keep the next block's channel mean on their output, which needs a version counter): the output matches the
+    float64 CPU model and the no_grad run, and compress.profile measures its latency on CUDA."""
+    import copy
+
+    torch.manual_seed(0)
+    model = create_model("resnet50", num_classes=10)
+    insert_pix(model, 4)
+    model.eval()
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        ref = copy.deepcopy(model).double()(x.double())
+    gpu = model.cuda()
+    xg = x.cuda()
+    with torch.no_grad():
+        plain = gpu(xg)
+    with torch.inference_mode():
+        got = gpu(xg)
+    rel = ((got.double().cpu() - ref).norm() / ref.norm()).item()
+    assert rel < 1e-2  # TF32 convs
+    torch.testing.assert_close(got, plain, rtol=1e-5, atol=1e-6)
+    report = profile(gpu, (3, 64, 64), batch_size=2, device="cuda", repeats=2)
+    assert report.device.startswith("cuda") and report.latency_ms > 0
