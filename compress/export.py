@@ -22,6 +22,7 @@ from compress.compaction import choose_modes, compact
 from compress.graphs import CUDAGraphModel
 from compress.models import create_model
 from compress.onnx_export import check_onnx, export_onnx
+from compress.pix import apply_pix
 from compress.profile import measure_latencies, profile
 from compress.report import plot_stripes, render_markdown, report_dict, stripes_per_layer
 from compress.skeleton import SkeletonConv2d
@@ -58,8 +59,9 @@ def load_training_checkpoint(path: str | os.PathLike) -> tuple[nn.Module, dict]:
     """(skeleton model with the trained weights, training config) from a train.py checkpoint.
 
     The architecture comes from the checkpoint's "arch" (model.compress_arch) when present, else
-    from its config; every conv with a `<name>.skeleton` tensor becomes a SkeletonConv2d.
-    """
+    from its config, with PiX inserted where the config's `pix.zeta` is set; every conv with a `<name>.skeleton`
+    tensor becomes a SkeletonConv2d. A run that fine-tuned a compact model (`init=<file>`) is rebuilt from that
+    file (`_fine_tuned`)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"export: no checkpoint at {path}; pass ckpt=<run dir>/checkpoints/last.pt")
@@ -67,8 +69,13 @@ def load_training_checkpoint(path: str | os.PathLike) -> tuple[nn.Module, dict]:
     if not isinstance(state, dict) or "model" not in state or "config" not in state:
         raise ValueError(f"export: {path} is not a train.py checkpoint (no 'model' and 'config' entries)")
     cfg = state["config"]
-    arch = state.get("arch") or _arch_from_config(cfg, path)
-    model = create_model(arch["name"], **arch["kwargs"])
+    if cfg.get("init"):  # a fine-tuning run of a compact model: its structure is that file's
+        return _fine_tuned(path, state, str(cfg["init"])), cfg
+    arch = dict(state.get("arch") or _arch_from_config(cfg, path))
+    pix = cfg.get("pix") or {}
+    if "pix" not in arch and pix.get("zeta") is not None:  # checkpoints whose arch predates its "pix" entry
+        arch["pix"] = {"zeta": int(pix["zeta"]), "tau": float(pix.get("tau", 0.5))}
+    model = architecture(arch)  # as the engine built it: PiX first, then the skeletons
     for key in state["model"]:
         if key.endswith(".skeleton"):
             name = key[: -len(".skeleton")]
@@ -79,6 +86,45 @@ def load_training_checkpoint(path: str | os.PathLike) -> tuple[nn.Module, dict]:
         detail = " ".join(str(err).split())
         raise ValueError(f"export: the weights in {path} do not fit {arch['name']}: {detail}") from None
     return model.eval(), cfg
+
+
+def _fine_tuned(path: Path, state: dict, init: str) -> nn.Module:
+    """The model of a checkpoint of `train.py init=<compact file>`: the compact file's structure (rebuilt by
+    `compress.load`) with the checkpoint's weights."""
+    if not Path(init).is_file():
+        raise FileNotFoundError(
+            f"export: {path} fine-tuned the compact model {init} (init=), whose file rebuilds its structure, and it "
+            "is not there; restore it at that path, or export with ckpt=<that file> for the weights before fine-tuning"
+        )
+    model = load(init)
+    try:
+        model.load_state_dict(state["model"], strict=True)
+    except RuntimeError as err:
+        detail = " ".join(str(err).split())
+        raise ValueError(f"export: the weights in {path} do not fit the compact model {init}: {detail}") from None
+    return model.eval()
+
+
+def architecture(arch: dict) -> nn.Module:
+    """A fresh model of `arch` (a `compress_arch`): `create_model(name, **kwargs)`, with PiX inserted where `arch`
+    records it ("pix": {"zeta", "tau"}, written by `compress.pix.apply_pix`)."""
+    model = create_model(arch["name"], **arch["kwargs"])
+    pix = arch.get("pix")
+    if pix is not None:
+        apply_pix(model, int(pix["zeta"]), float(pix["tau"]))
+    return model
+
+
+def dense_baseline(arch: dict, fold_bn: bool, fuse_relu: bool) -> nn.Module:
+    """The dense model a report compares the compact one with: `architecture(arch)` in eval, with BN folded and
+    ReLUs fused as in the compact model. Its weights are random (only its shapes and speed count), and every BN
+    weight is set to 1 first: a BN that starts at 0 (`zero_init_last` of the CIFAR bottleneck ResNets) would fold
+    into an all-zero conv, which compaction removes as dead filters, leaving a baseline smaller than the model."""
+    dense = architecture(arch).eval()
+    for m in dense.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.weight is not None:
+            nn.init.ones_(m.weight)
+    return compact(dense, fold_bn=True, fuse_relu=fuse_relu) if fold_bn else dense
 
 
 def load_any(path: str | os.PathLike) -> tuple[nn.Module, dict]:
@@ -152,9 +198,7 @@ def export_checkpoint(
     small = compact(model, threshold=threshold, fold_bn=fold_bn, target_macs=target_macs, input_size=size,
                     channel_multiple=channel_multiple, fuse_relu=fuse_relu)
     used = small.compress_compaction["threshold"]
-    dense = create_model(model.compress_arch["name"], **model.compress_arch["kwargs"]).eval()
-    if fold_bn:
-        dense = compact(dense, fold_bn=True, fuse_relu=fuse_relu)
+    dense = dense_baseline(model.compress_arch, fold_bn, fuse_relu)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if cuda_graphs and torch.device(device).type != "cuda":
         raise ValueError(f"export: profile.cuda_graphs needs a CUDA device, got device {device!r}; set "

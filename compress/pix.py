@@ -254,12 +254,19 @@ _SUPPORTED = (
 
 
 def apply_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
-    """Insert PiX in place, choosing the mode from the family (see _SUPPORTED); returns the changed names."""
+    """Insert PiX in place, choosing the mode from the family (see _SUPPORTED); returns the changed names. A model
+    from `create_model` records it in `compress_arch["pix"]` ({"zeta", "tau"}), so that checkpoints and compact
+    files say which architecture they hold (export rebuilds the dense baseline from it)."""
     modules = list(model.modules())
     if any(isinstance(m, _bottleneck_types()) for m in modules):
-        return insert_pix(model, zeta, tau)
-    if isinstance(model, (CifarVGG, tvm.VGG)) or any(isinstance(m, _basic_block_types()) for m in modules):
-        return downscale_pix(model, zeta, tau)
-    raise ValueError(f"apply_pix: unsupported model {type(model).__name__}; {_SUPPORTED}")
+        changed = insert_pix(model, zeta, tau)
+    elif isinstance(model, (CifarVGG, tvm.VGG)) or any(isinstance(m, _basic_block_types()) for m in modules):
+        changed = downscale_pix(model, zeta, tau)
+    else:
+        raise ValueError(f"apply_pix: unsupported model {type(model).__name__}; {_SUPPORTED}")
+    arch = getattr(model, "compress_arch", None)
+    if isinstance(arch, dict):
+        arch["pix"] = {"zeta": int(zeta), "tau": float(tau)}
+    return changed
 
 

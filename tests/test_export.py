@@ -12,22 +12,28 @@ import pytest
 import torch
 import torch.nn as nn
 
+import compress
 from compress.checkpoint import load
 from compress.compaction import compact
 from compress.export import FILES, export_checkpoint
 from compress.models import create_model
 from compress.onnx_export import ShiftAddConv2d, check_onnx, export_onnx
+from compress.pix import PiXBlock, apply_pix
+from compress.profile import profile
 from compress.skeleton import attach_skeletons
 from compress.stripe import StripeConv2d
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _skeleton_model(name: str, keep: float = 0.5, seed: int = 0, **kwargs) -> nn.Module:
-    """`name` with skeletons (about `keep` of the stripes kept, two dead filters per layer) and random
-    BN statistics; conv/linear weights keep create_model's random init, so outputs vary with the input."""
+def _skeleton_model(name: str, keep: float = 0.5, seed: int = 0, pix: int | None = None, **kwargs) -> nn.Module:
+    """`name` (with PiX at zeta `pix` if given, inserted first as the engine does) with skeletons (about `keep` of
+    the stripes kept, two dead filters per layer) and random BN statistics; conv/linear weights keep create_model's
+    random init, so outputs vary with the input."""
     g = torch.Generator().manual_seed(seed)
     model = create_model(name, **kwargs)
+    if pix is not None:
+        apply_pix(model, pix)
     attach_skeletons(model)
     with torch.no_grad():
         for pname, t in model.named_parameters():
@@ -118,6 +124,57 @@ def training_checkpoint(tmp_path_factory):
     path.parent.mkdir()
     torch.save({"model": model.state_dict(), "config": config, "epoch": 1, "step": 10}, path)
     return path, model
+
+
+def test_export_of_a_swp_pix_run_keeps_pix_and_a_full_dense_baseline(tmp_path):
+    """A SWP + PiX checkpoint (CIFAR resnet29_bottleneck, zeta 4; config as compress.engine writes it, no "arch"):
+    export rebuilds PiX before the skeletons, the compact model keeps the PiX blocks and computes the skeleton
+    model's function, and the dense baseline is the whole PiX architecture (its MACs those of a fresh PiX model:
+    the zero-initialised last BNs of this family must not fold into convs that compaction removes)."""
+    model = _skeleton_model("resnet29_bottleneck", keep=0.5, seed=3, pix=4, num_classes=10, input_size=32)
+    config = {
+        "model": {"name": "resnet29_bottleneck", "kwargs": {}},
+        "data": {"name": "fake", "input_size": 32, "num_classes": 10, "batch_size": 64},
+        "prune": {"name": "swp", "alpha": 1e-5, "threshold": 0.01, "target_flops": None},
+        "pix": {"zeta": 4, "tau": 0.5},
+    }  # fmt: skip
+    path = tmp_path / "last.pt"
+    torch.save({"model": model.state_dict(), "config": config, "epoch": 1, "step": 10}, path)
+    report = export_checkpoint(path, tmp_path / "out", latency=False, choose_stripe_modes=False)
+    small = load(tmp_path / "out" / FILES[0])
+    assert sum(isinstance(m, PiXBlock) for m in small.modules()) == 9
+    assert small.compress_arch["pix"] == {"zeta": 4, "tau": 0.5}
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        _assert_same_function(small(x), model(x))
+    fresh = create_model("resnet29_bottleneck", num_classes=10, input_size=32)
+    apply_pix(fresh, 4)
+    assert report["dense"]["macs"] == profile(fresh.eval(), (3, 32, 32), latency=False).macs
+    assert report["compact"]["macs"] < 0.7 * report["dense"]["macs"]
+    assert report["onnx"]["max_rel_error"] <= 1e-4
+
+
+def test_export_of_a_fine_tuning_run_rebuilds_the_compact_structure(training_checkpoint, tmp_path):
+    """A checkpoint of `train.py init=<compact file>` holds a compact model's weights: export rebuilds that file's
+    structure, so the exported model computes the fine-tuned function; without the file the error names it."""
+    _, skeleton = training_checkpoint
+    small = compact(skeleton, fold_bn=True)
+    init = tmp_path / "init.safetensors"
+    compress.save(small, init)
+    with torch.no_grad():
+        for prm in small.parameters():
+            prm.mul_(1.5)  # "fine-tuned" weights, unlike the init file's
+    config = {"model": {"name": "resnet20", "kwargs": {}}, "data": {"name": "digits", "input_size": 32},
+              "prune": {"name": "none"}, "init": str(init)}  # fmt: skip
+    path = tmp_path / "last.pt"
+    torch.save({"model": small.state_dict(), "config": config, "epoch": 1, "step": 3}, path)
+    export_checkpoint(path, tmp_path / "out", onnx=False, latency=False, choose_stripe_modes=False)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        _assert_same_function(load(tmp_path / "out" / FILES[0])(x), small.eval()(x))
+    init.unlink()
+    with pytest.raises(FileNotFoundError, match="init.safetensors"):
+        export_checkpoint(path, tmp_path / "out2", onnx=False, latency=False)
 
 
 def test_export_flow(training_checkpoint, tmp_path):
