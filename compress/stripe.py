@@ -416,10 +416,10 @@ class StripeConv2d(nn.Module):
         )
         cache = self._launch_cache
         if cache is None or cache[0] != key:
-            if self.num_stripes == 0:
-                return None
-            args, kwargs = self._op_arguments(x)
-            launch = kernels.prepare_stripe_conv2d(*args, **kwargs, pool=self.pool, pool_ceil=self.pool_ceil)
+            launch = None  # kept for a layer with no stripe too: forward's constant output, without a rebuild per call
+            if self.num_stripes:
+                args, kwargs = self._op_arguments(x)
+                launch = kernels.prepare_stripe_conv2d(*args, **kwargs, pool=self.pool, pool_ceil=self.pool_ceil)
             relayout = _layout(x) is torch.channels_last and not is_channels_last(x)
             self._launch_cache = cache = (key, launch, relayout)
         return None if cache[1] is None else cache
