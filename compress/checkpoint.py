@@ -236,7 +236,9 @@ def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             metadata = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
+            # copies: safetensors may hand out empty tensors whose data pointer is another tensor's, and
+            # torch.save then refuses the loaded model's state_dict (two dtypes viewing one storage)
+            tensors = {k: f.get_tensor(k).clone() for k in f.keys()}
     except Exception as err:  # safetensors raises its own error types for bad headers and short files
         raise ValueError(
             f"compress.load: {path} is not a readable safetensors file ({err}); it is truncated or "
