@@ -12,6 +12,8 @@
   StripeConv2d with 0 stripes, which outputs its bias without reading its input, and the branch's
   earlier convs shrink to one zero channel: only the shortcut path does work;
 - optionally BN is folded into the preceding conv, and a MAC budget picks the threshold;
+- a StripeConv2d already in `model` (a compact model fine-tuned and compacted again) is treated like a
+  skeleton conv whose kept stripes are its stripes, so its BN folds and its dead filters go too;
 - `channel_multiple=8` keeps each shrunk conv's output channels a multiple of 8 where it can (extra kept
   channels are ones that change nothing: all-zero filters whose outputs are zero or are never read). GPU
   tensor-core convolutions (cuDNN, bf16/fp16 channels_last) take a slow path for other channel counts:
@@ -116,6 +118,12 @@ def _compact_at(model: nn.Module, threshold: float, fold: bool, multiple: int = 
     for name, m in list(out.named_modules()):
         if isinstance(m, SkeletonConv2d):
             replace_module(out, name, masked_conv(m, threshold))
+            pruned.append(name)
+        elif isinstance(m, StripeConv2d) and not (m.relu or m.pool):
+            # a compact model compacted again (one exported with fold_bn=false and fine-tuned with init=): its
+            # stripe convs go back to zero-filled convs, so that dead filters, BN folding and ReLU fusion see
+            # them, and return as stripe convs below. Ones with an epilogue are final already (no BN after them).
+            replace_module(out, name, m.to_dense())
             pruned.append(name)
     graph = trace(out)
     if graph is not None:

@@ -140,6 +140,29 @@ def test_fuse_relu_takes_each_conv_relu_into_the_conv(name, size, fused, pools, 
         compact(model, fuse_relu=True)
 
 
+def test_compacting_a_compact_model_folds_its_bn_and_removes_new_dead_filters():
+    """A compact model with its BN (fold_bn=False, what init= fine-tunes) compacted again with fold_bn and
+    fuse_relu (export): every BN folds, ReLUs fuse into its stripe convs, a filter that lost all its stripes
+    since (here: zeroed) is removed, and the output is unchanged."""
+    model = skeleton_model("resnet20", 32)
+    first = compact(model)
+    gen = torch.Generator().manual_seed(3)
+    _randomize_bn(first, gen)  # "fine-tuned": BN statistics moved
+    conv = first.layer1[0].conv1
+    assert isinstance(conv, StripeConv2d) and conv.out_channels > 1
+    with torch.no_grad():
+        conv.weight[conv.out_index == conv.out_index[0]] = 0  # one filter lost its last stripes
+    x = torch.randn(2, 3, 32, 32, generator=gen)
+    again = compact(first, fold_bn=True, fuse_relu=True)
+    assert_same_output(first, again, x)
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in again.modules())
+    assert again.compress_compaction["relu_fused"] > 0
+    assert again.layer1[0].conv1.out_channels == conv.out_channels - 1
+    stripes = {n: m.num_stripes for n, m in first.named_modules() if isinstance(m, StripeConv2d)}
+    assert {n: m.num_stripes for n, m in again.named_modules() if isinstance(m, StripeConv2d)} == stripes | {
+        "layer1.0.conv1": stripes["layer1.0.conv1"] - int((conv.out_index == conv.out_index[0]).sum())}
+
+
 @pytest.mark.parametrize("name", ["resnet56", "vgg16"])
 def test_channel_multiple_keeps_harmless_channels_exactly(name):
     size, chains, _ = CASES[name]
