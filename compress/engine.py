@@ -3,8 +3,10 @@
 `run(cfg, run_dir)` is what train.py calls. One process by default; under torchrun the environment
 variables select DDP (gloo on CPU, NCCL on CUDA), and only rank 0 logs and writes checkpoints,
 TensorBoard and summary.json (the other ranks wait at a barrier after each checkpoint).
-Checkpoints (`<run_dir>/checkpoints/last.pt`, `best.pt`) are written atomically at every epoch end;
-`resume=true` continues from `<run_dir>/checkpoints/last.pt`, `resume=<path>` from that file.
+Checkpoints (`<run_dir>/checkpoints/last.pt`, `best.pt`) are written atomically at every epoch end and
+where trainer.max_steps stops a run inside an epoch; `resume=true` continues from
+`<run_dir>/checkpoints/last.pt`, `resume=<path>` from that file, with the checkpoint's config (see
+`_resume_config`) and, inside an epoch, from the batch after the last one trained (`_resume_mid_epoch`).
 
 DDP details: rank r seeds its RNGs with trainer.seed + r (rank 0 = a single-process run) and DDP
 copies rank 0's initial weights to all ranks. Gradients are all-reduced inside backward(), so the
@@ -209,32 +211,52 @@ def train_step(s: _Step, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor
     return loss.detach(), out.detach()
 
 
-def train_one_epoch(s: _Step, loader, step: int, max_steps: int | None, log, show: bool) -> tuple[dict, int]:
-    """One pass over `loader` (or until `max_steps` optimizer steps).
+def _skipping(loader, skip: int, after_skip=None):
+    """The batches of one pass over `loader` after its first `skip`, which are loaded and dropped (so data RNG
+    streams advance as in the run that trained them); `after_skip()` runs once they are dropped."""
+    batches = iter(loader)
+    for _ in range(skip):
+        next(batches)
+    if after_skip is not None:
+        after_skip()
+    yield from batches
 
-    Returns ({loss, accuracy, images_per_s} over all ranks, new step). Metrics stay on the device
-    (no host sync per step); `log(step, loss, batch_images)` runs after every step and returns the
-    loss as a float on the steps it logs, else None.
+
+def train_one_epoch(s: _Step, loader, step: int, max_steps: int | None, log, show: bool, skip: int = 0,
+                    after_skip=None) -> tuple[dict, int, int]:
+    """One pass over `loader`, stopping right after optimizer step `max_steps` (no further batch is loaded).
+
+    `skip`: the first `skip` batches were trained before (a run stopped in this epoch): they are loaded and
+    dropped, then `after_skip()` runs (see `_skipping`). Returns ({loss, accuracy, images_per_s} over all ranks
+    and this call's batches, new step, batches of the epoch done, skipped ones included). Metrics stay on the
+    device (no host sync per step); `log(step, loss, batch_images)` runs after every step and returns the loss
+    as a float on the steps it logs, else None.
     """
     s.model.train()
     sums = torch.zeros(3, dtype=torch.float64, device=s.device)  # loss * n, correct, n
     start = time.perf_counter()
-    bar = progress(loader, show, leave=False, desc="train")
-    for x, y in bar:
-        if max_steps is not None and step >= max_steps:
-            break
-        x, y = _to_device(x, y, s)
-        loss, out = train_step(s, x, y)
-        step += 1
-        sums[0] += loss.double() * y.numel()
-        sums[1] += (out.argmax(1) == y).sum()
-        sums[2] += y.numel()
-        logged = log(step, loss, y.numel())
-        if logged is not None:
-            bar.set_postfix(loss=f"{logged:.3f}")
+    done = skip
+    if max_steps is None or step < max_steps:
+        batches = _skipping(loader, skip, after_skip)
+        bar = progress(batches, show, leave=False, desc="train", total=len(loader) - skip)
+        for x, y in bar:
+            x, y = _to_device(x, y, s)
+            loss, out = train_step(s, x, y)
+            step, done = step + 1, done + 1
+            sums[0] += loss.double() * y.numel()
+            sums[1] += (out.argmax(1) == y).sum()
+            sums[2] += y.numel()
+            logged = log(step, loss, y.numel())
+            if logged is not None:
+                bar.set_postfix(loss=f"{logged:.3f}")
+            if max_steps is not None and step >= max_steps:
+                if done == len(loader):  # end the pass as an uninterrupted run does: the sampler draws its
+                    next(batches, None)  # last random numbers when it runs out (no batch is loaded)
+                break
     loss_sum, correct, seen = _all_reduce_sum(sums)
     rate = seen / (time.perf_counter() - start)
-    return {"loss": loss_sum / max(seen, 1), "accuracy": correct / max(seen, 1), "images_per_s": rate}, step
+    metrics = {"loss": loss_sum / max(seen, 1), "accuracy": correct / max(seen, 1), "images_per_s": rate}
+    return metrics, step, done
 
 
 def _real_samples(loader) -> int:
@@ -325,18 +347,38 @@ def _check_config(cfg: DictConfig) -> None:
         raise ValueError("trainer.compile=true needs trainer.compile_backend (inductor, or aot_eager on CPU)")
 
 
-def _resume_config(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, dict | None]:
+def _command_line_keys() -> set[str] | None:
+    """The config keys this train.py run sets on its command line ({'resume', 'trainer.max_steps', ...}: Hydra's
+    task overrides); None outside a Hydra app (`run(cfg, run_dir)` called from Python)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if not HydraConfig.initialized():
+        return None
+    overrides = OverridesParser.create().parse_overrides(list(HydraConfig.get().overrides.task))
+    return {o.key_or_group for o in overrides}
+
+
+def _resume_config(cfg: DictConfig, run_dir: Path, given: set[str] | None = None) -> tuple[DictConfig, dict | None]:
     """The config to train with and the checkpoint to resume from (None for a fresh run).
 
-    On resume the checkpoint's config is used, except the `trainer` node (epochs, max_steps, device
-    ... may change); other differences are reported and ignored.
+    On resume the checkpoint's config is used. Only `trainer.*` may change: the keys in `given` (the command
+    line's, `_command_line_keys`) take the new value, the others keep the checkpoint's (epochs, max_steps, ...:
+    a crashed run resumed with just `resume=true` goes on as it was started). `given=None` (a config built in
+    Python) takes all of `cfg.trainer`. Other differences are reported and ignored.
     """
     if cfg.resume in (None, False):
         return cfg, None
     path = run_dir / "checkpoints" / "last.pt" if cfg.resume is True else Path(str(cfg.resume))
     ckpt = load_checkpoint(path)
     saved = OmegaConf.create(ckpt["config"])
-    merged = OmegaConf.merge(saved, {"trainer": cfg.trainer, "resume": cfg.resume})
+    if given is None:
+        trainer = cfg.trainer
+    else:  # keys the checkpoint lacks (written by an older version) take the current defaults
+        trainer = OmegaConf.merge(cfg.trainer, saved.get("trainer", {}))
+        for key in sorted(k.split(".", 1)[1] for k in given if k.startswith("trainer.")):
+            OmegaConf.update(trainer, key, OmegaConf.select(cfg.trainer, key), merge=False)
+    merged = OmegaConf.merge(saved, {"trainer": trainer, "resume": cfg.resume})
     ignored = [k for k in saved if k not in ("trainer", "resume") and saved.get(k) != cfg.get(k)]
     if ignored:
         print(f"resume: using the checkpoint's settings for {ignored} (only trainer.* may change on resume)")
@@ -407,7 +449,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     start = time.perf_counter()
     dist = setup_distributed(cfg.trainer.device)
     run_dir = _shared_run_dir(Path(run_dir) if run_dir is not None else _hydra_run_dir(), dist)
-    cfg, ckpt = _resume_config(cfg, run_dir)
+    cfg, ckpt = _resume_config(cfg, run_dir, _command_line_keys())
     _check_config(cfg)
     _seed_everything(cfg.trainer.seed + dist.rank)
 
@@ -432,13 +474,14 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     generator = getattr(data.train, "generator", None)
 
     first_epoch, step, best, test = 0, 0, -1.0, {"loss": float("nan"), "accuracy": float("nan")}
+    skip, after_skip = 0, None  # batches of the first epoch trained before (a run stopped mid-epoch)
     if ckpt is not None:
         raw.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
         scaler.load_state_dict(ckpt["scaler"])
-        _restore_rng(ckpt["rng"], generator, dist, int(cfg.trainer.seed), int(ckpt["step"]))
         first_epoch, step, best, test = ckpt["epoch"], ckpt["step"], ckpt["best_accuracy"], ckpt["test"]
+        skip, after_skip = _resume_mid_epoch(ckpt, generator, dist, int(cfg.trainer.seed))
 
     ckpt_dir = run_dir / "checkpoints"
     logger = RunLogger(run_dir / "tensorboard", dist.is_main)
@@ -446,18 +489,26 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     max_steps = cfg.trainer.max_steps
     log_step = _StepLog(logger, optimizer, int(cfg.trainer.log_every), dist.world_size)
 
-    epoch = first_epoch
+    epochs_trained = first_epoch  # the last epoch this run trained in (finished or not), 1-based
+    train = {"images_per_s": float("nan")}
+    _say_if_nothing_to_train(first_epoch, epochs, step, max_steps, dist)
     epoch_bar = progress(range(first_epoch, epochs), dist.is_main, desc="epochs")
     for epoch in epoch_bar:
+        if max_steps is not None and step >= max_steps:
+            break
         if hasattr(data.train.sampler, "set_epoch"):
             data.train.sampler.set_epoch(epoch)
-        train, step = train_one_epoch(s, data.train, step, max_steps, log_step, dist.is_main)
+        epoch_rng = ckpt["rng_epoch_start"][dist.rank] if skip else rng_state(generator)
+        train, step, done = train_one_epoch(s, data.train, step, max_steps, log_step, dist.is_main, skip, after_skip)
+        skip, after_skip, epochs_trained = 0, None, epoch + 1
+        partial = done < len(data.train)  # stopped by max_steps inside the epoch: resume goes on from batch `done`
         stopping = max_steps is not None and step >= max_steps
         evaluated = (epoch + 1) % cfg.trainer.eval_every == 0 or epoch + 1 == epochs or stopping
         if evaluated:
             test = evaluate(s, data.test, dist.is_main)
         lr = optimizer.param_groups[0]["lr"]
-        scheduler.step()
+        if not partial:
+            scheduler.step()
         stats = skeleton_stats(raw, threshold)
         macs_dense, macs_pruned = estimate_macs(raw, input_shape, threshold)
         logger.scalars(
@@ -481,11 +532,15 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
             "scaler": scaler.state_dict(),
-            "epoch": epoch + 1,
+            "epoch": epoch if partial else epoch + 1,  # the epoch to go on with
+            "epoch_batches": done if partial else 0,  # its batches already trained
             "step": step,
             "best_accuracy": best,
             "test": test,
-            "rng": _gather_rng(generator, dist),
+            "rng": _gather_rng(rng_state(generator), dist),
+            # a partial epoch: every rank's RNG streams at its start, so that resume replays its batch order
+            "rng_epoch_start": _gather_rng(epoch_rng, dist) if partial else None,
+            "world_size": dist.world_size,
             "config": OmegaConf.to_container(cfg, resolve=True),
         }
         if dist.is_main:
@@ -513,10 +568,10 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
         "macs_dense": macs_dense,
         "macs_pruned_estimate": macs_pruned,
         "params": sum(p.numel() for n, p in raw.named_parameters() if not n.endswith("skeleton")),
-        "epochs": epoch + 1 if epochs > first_epoch else first_epoch,
+        "epochs": epochs_trained,
         "steps": step,
         "seconds": time.perf_counter() - start,
-        "images_per_s": train["images_per_s"] if epochs > first_epoch else float("nan"),
+        "images_per_s": train["images_per_s"],
         "world_size": dist.world_size,
         "model": cfg.model.name,
         "data": cfg.data.name,
@@ -543,9 +598,40 @@ def _restore_rng(states: list[dict], generator: torch.Generator | None, dist: Di
         generator.manual_seed(derived)
 
 
-def _gather_rng(generator: torch.Generator | None, dist: DistInfo) -> list[dict]:
-    """RNG states of every rank (index = rank), so that each rank resumes its own streams."""
-    state = rng_state(generator)
+def _resume_mid_epoch(ckpt: dict, generator: torch.Generator | None, dist: DistInfo, seed: int) -> tuple[int, object]:
+    """Restore the RNG streams for resuming `ckpt`; returns (batches of its epoch to skip, what to run once
+    they are skipped). A checkpoint written inside an epoch (`epoch_batches` > 0) restores the streams of that
+    epoch's start, so the data loader draws the same batch order and augmentations, and the streams of the
+    checkpoint once the batches trained before are dropped: training goes on as if never stopped."""
+    skip = int(ckpt.get("epoch_batches", 0))
+    if not skip:
+        _restore_rng(ckpt["rng"], generator, dist, seed, int(ckpt["step"]))
+        return 0, None
+    saved = int(ckpt.get("world_size", 1))
+    if saved != dist.world_size:
+        raise ValueError(
+            f"resume: the checkpoint stopped inside epoch {ckpt['epoch'] + 1} (after {skip} batches) with "
+            f"{saved} process(es), and this run has {dist.world_size}: each process's share of an epoch depends on "
+            f"their number, so resume it with {saved} process(es) (after that epoch the number may change)"
+        )
+    _restore_rng(ckpt["rng_epoch_start"], generator, dist, seed, int(ckpt["step"]))
+    return skip, lambda: _restore_rng(ckpt["rng"], generator, dist, seed, int(ckpt["step"]))
+
+
+def _say_if_nothing_to_train(first_epoch: int, epochs: int, step: int, max_steps: int | None, dist: DistInfo) -> None:
+    """Print why a (resumed) run trains no step: its epochs or its max_steps are already reached."""
+    if not dist.is_main:
+        return
+    if first_epoch >= epochs:
+        print(f"nothing to train: the checkpoint has finished {first_epoch} epochs and trainer.epochs={epochs}; "
+              "pass a larger trainer.epochs to train on")
+    elif max_steps is not None and step >= max_steps:
+        print(f"nothing to train: the checkpoint is at step {step} and trainer.max_steps={max_steps}; pass a larger "
+              "trainer.max_steps (or trainer.max_steps=null) to train on")
+
+
+def _gather_rng(state: dict, dist: DistInfo) -> list[dict]:
+    """This rank's RNG `state` from every rank (index = rank), so that each rank resumes its own streams."""
     if dist.world_size == 1:
         return [state]
     states: list = [None] * dist.world_size

@@ -55,6 +55,38 @@ def test_resume_gives_the_same_weights_as_an_uninterrupted_run(tmp_path):
     _check_run_outputs(tmp_path / "full", full)
 
 
+def test_a_run_stopped_inside_an_epoch_resumes_where_it_stopped(tmp_path):
+    """max_steps=3 stops inside epoch 1 (4 batches): the checkpoint says so, the LR schedule does not advance,
+    and resume trains batches 4.. of the same shuffled order, ending with an uninterrupted run's weights."""
+    full = run(_compose(*TINY), run_dir=tmp_path / "full")
+    run(_compose(*TINY, "trainer.max_steps=3"), run_dir=tmp_path / "parts")
+    ckpt = torch.load(tmp_path / "parts" / "checkpoints" / "last.pt", weights_only=True)
+    assert (ckpt["epoch"], ckpt["epoch_batches"], ckpt["step"]) == (0, 3, 3)
+    assert ckpt["scheduler"]["last_epoch"] == 0 and len(ckpt["rng_epoch_start"]) == 1
+    resumed = run(_compose(*TINY, "resume=true"), run_dir=tmp_path / "parts")
+    assert resumed["steps"] == full["steps"] == 8 and resumed["epochs"] == 2
+    a, b = _weights(tmp_path / "full"), _weights(tmp_path / "parts")
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_train_py_resume_keeps_the_checkpoints_trainer_settings(tmp_path):
+    """`python train.py resume=true` continues with the checkpoint's trainer.* (its 2 epochs, not the 160 that
+    optim=sgd_multistep would give now); a trainer key on the command line (max_steps) takes the new value, and
+    a resume with nothing left to train says why."""
+    def train(*args):
+        proc = subprocess.run([sys.executable, "train.py", *args, f"hydra.run.dir={tmp_path}"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout, json.loads((tmp_path / "summary.json").read_text())
+
+    _, first = train(*TINY, "trainer.max_steps=3")
+    out, again = train("resume=true")
+    assert again["steps"] == 3 and "trainer.max_steps=3" in out and "nothing to train" in out
+    _, resumed = train("resume=true", "trainer.max_steps=null")
+    assert (first["steps"], resumed["steps"], resumed["epochs"]) == (3, 8, 2)
+
+
 def _check_run_outputs(run_dir: Path, summary: dict) -> None:
     written = json.loads((run_dir / "summary.json").read_text())
     assert written == pytest.approx(summary)
