@@ -10,6 +10,7 @@ The 8 fake training images are one global batch, so every epoch is one step on t
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -109,9 +110,10 @@ def test_torchrun_two_ranks_match_each_other_and_one_process(tmp_path, one_threa
 
     # Resume across world sizes. 1 -> 2: the single-process checkpoint continues on 2 ranks (its
     # batch_size 8 per rank covers the 4 images of each shard: the same global batch) and gives the
-    # weights of an uninterrupted single-process run.
+    # weights of an uninterrupted single-process run. The checkpoint's trainer.max_steps=2 holds unless the
+    # command line lifts it.
     resumed = tmp_path / "resumed"
-    _torchrun(resumed, *BASE, SINGLE, f"resume={single / 'checkpoints' / 'last.pt'}")
+    _torchrun(resumed, *BASE, SINGLE, f"resume={single / 'checkpoints' / 'last.pt'}", "trainer.max_steps=null")
     full = _run_here(tmp_path / "full", SINGLE)
     _assert_same(_state(resumed, 0), _state(resumed, 1), exact=True)
     _assert_same(_state(resumed, 0), _state(tmp_path / "full"), exact=False)
@@ -130,3 +132,23 @@ def test_compile_runs_skeleton_convs_and_matches_eager(tmp_path, one_thread):
     compiled = _run_here(tmp_path / "compiled", *steps, "trainer.compile=true", "trainer.compile_backend=aot_eager")
     _assert_same(_state(tmp_path / "eager"), _state(tmp_path / "compiled"), exact=False)
     assert compiled["stripes_kept"] == eager["stripes_kept"] < compiled["stripes_total"]
+
+
+@pytest.mark.slow
+def test_torchrun_resumes_inside_an_epoch(tmp_path):
+    # batch 2 per rank: 2 steps per epoch; max_steps=3 stops inside epoch 2. Resumed on 2 ranks it ends with the
+    # weights of an uninterrupted 2-rank run (bit-identical: same ranks, same reduction order).
+    per_rank_2 = [*BASE, "data.batch_size=2"]
+    _torchrun(tmp_path / "parts", *per_rank_2, "trainer.max_steps=3")
+    ckpt = torch.load(tmp_path / "parts" / "checkpoints" / "last.pt", weights_only=True)
+    assert (ckpt["epoch"], ckpt["epoch_batches"], ckpt["world_size"]) == (1, 1, 2)
+    assert len(ckpt["rng_epoch_start"]) == len(ckpt["rng"]) == 2
+    partial = tmp_path / "partial.pt"
+    shutil.copy(tmp_path / "parts" / "checkpoints" / "last.pt", partial)
+    _torchrun(tmp_path / "parts", *per_rank_2, "resume=true", "trainer.max_steps=null")
+    _torchrun(tmp_path / "full", *per_rank_2)
+    for rank in (0, 1):
+        _assert_same(_state(tmp_path / "parts", rank), _state(tmp_path / "full", rank), exact=True)
+    assert json.loads((tmp_path / "parts" / "summary.json").read_text())["steps"] == 6
+    with pytest.raises(ValueError, match="resume it with 2 process"):  # one process cannot take over mid-epoch
+        _run_here(tmp_path / "one", "data.batch_size=2", f"resume={partial}")
