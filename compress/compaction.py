@@ -67,8 +67,10 @@ def compact(
 
     Args:
         model: any model, usually with SkeletonConv2d layers (compress.attach_skeletons).
-        threshold: stripes with |skeleton| <= threshold are dropped (default 0: drop the zeroed ones,
-            so the compact model equals the skeleton model exactly).
+        threshold: stripes with |skeleton| <= threshold are dropped (default 0: only the exactly-zero ones,
+            so the compact model equals the skeleton model exactly). For a model trained with `swp_update`,
+            pass its training threshold: the optimizer's momentum moves the stripes swp_update zeroes slightly
+            off zero again (|skeleton| about 1e-7 after the step), so 0 would keep nearly all of them.
         fold_bn: fold every BatchNorm2d that directly follows a conv into that conv (inference only;
             the BN becomes nn.Identity).
         target_macs: a MAC budget for one input, as a fraction in (0, 1] of the dense model's MACs or
