@@ -424,6 +424,11 @@ def _training_model(raw: nn.Module, cfg: DictConfig, dist: DistInfo) -> nn.Modul
     return model
 
 
+def _plain(value):
+    """`value` with OmegaConf containers turned into dicts and lists (checkpoints load with weights_only=True)."""
+    return json.loads(json.dumps(value, default=lambda v: OmegaConf.to_container(v, resolve=True)))
+
+
 def _build_model(cfg: DictConfig, data) -> nn.Module:
     """The model to train: a compact model file (`init=`, fine-tuned as it is: its stripe convs train
     their kept weights), or a fresh registry model, with PiX applied when `pix.zeta` is set."""
@@ -455,6 +460,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
 
     data = build_data(cfg.data, rank=dist.rank, world_size=dist.world_size)
     raw = _build_model(cfg, data)
+    arch = _plain(raw.compress_arch)  # in each checkpoint: export rebuilds the model from it
     swp = None
     if cfg.prune.name == "swp" and cfg.init is None:
         attach_skeletons(raw, cfg.prune.min_kernel_size, cfg.prune.include, cfg.prune.exclude)
@@ -541,6 +547,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
             # a partial epoch: every rank's RNG streams at its start, so that resume replays its batch order
             "rng_epoch_start": _gather_rng(epoch_rng, dist) if partial else None,
             "world_size": dist.world_size,
+            "arch": arch,
             "config": OmegaConf.to_container(cfg, resolve=True),
         }
         if dist.is_main:

@@ -70,6 +70,22 @@ def test_a_run_stopped_inside_an_epoch_resumes_where_it_stopped(tmp_path):
         assert torch.equal(a[key], b[key]), key
 
 
+def test_checkpoint_records_the_architecture_export_rebuilds(tmp_path):
+    """Checkpoints hold the model's compress_arch, so export rebuilds the model even where the config cannot say
+    its class count (an imagefolder dataset: the count comes from the class folders)."""
+    from compress.checkpoint import load
+    from compress.export import FILES, export_checkpoint
+
+    run(_compose(*TINY, "trainer.max_steps=2"), run_dir=tmp_path)
+    path = tmp_path / "checkpoints" / "last.pt"
+    ckpt = torch.load(path, weights_only=True)
+    assert ckpt["arch"] == {"name": "resnet20", "kwargs": {"num_classes": 3, "input_size": 8, "in_chans": 3}}
+    ckpt["config"]["data"] = {"name": "imagefolder", "root": "/data/x", "input_size": 8}
+    torch.save(ckpt, path)
+    export_checkpoint(path, tmp_path / "out", onnx=False, latency=False, choose_stripe_modes=False)
+    assert load(tmp_path / "out" / FILES[0])(torch.randn(2, 3, 8, 8)).shape == (2, 3)
+
+
 def test_train_py_resume_keeps_the_checkpoints_trainer_settings(tmp_path):
     """`python train.py resume=true` continues with the checkpoint's trainer.* (its 2 epochs, not the 160 that
     optim=sgd_multistep would give now); a trainer key on the command line (max_steps) takes the new value, and
