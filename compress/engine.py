@@ -433,7 +433,14 @@ def _build_model(cfg: DictConfig, data) -> nn.Module:
     """The model to train: a compact model file (`init=`, fine-tuned as it is: its stripe convs train
     their kept weights), or a fresh registry model, with PiX applied when `pix.zeta` is set."""
     if cfg.init is not None:
-        return load_compact(str(cfg.init))
+        model = load_compact(str(cfg.init))
+        classes = model.compress_arch["kwargs"].get("num_classes")
+        if classes is not None and classes != data.num_classes:
+            raise ValueError(
+                f"init={cfg.init}: the compact model predicts {classes} classes and data {cfg.data.name} has "
+                f"{data.num_classes}; fine-tune it on data with {classes} classes (its classifier is kept as it is)"
+            )
+        return model
     raw = create_model(
         cfg.model.name,
         num_classes=data.num_classes,
@@ -456,6 +463,8 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     run_dir = _shared_run_dir(Path(run_dir) if run_dir is not None else _hydra_run_dir(), dist)
     cfg, ckpt = _resume_config(cfg, run_dir, _command_line_keys())
     _check_config(cfg)
+    if cfg.init is not None:  # saved with the run: export finds the file from any working directory
+        cfg.init = str(Path(str(cfg.init)).resolve())
     _seed_everything(cfg.trainer.seed + dist.rank)
 
     data = build_data(cfg.data, rank=dist.rank, world_size=dist.world_size)

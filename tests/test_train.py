@@ -155,7 +155,7 @@ def test_pix_zeta_trains_a_bottleneck_resnet_with_pix_blocks(tmp_path):
     assert len(pix_names) == 9 and all(f"{n}.weight" in state for n in pix_names)
 
 
-def test_init_fine_tunes_a_compact_model(tmp_path):
+def test_init_fine_tunes_a_compact_model(tmp_path, monkeypatch):
     import compress
     from compress.stripe import StripeConv2d
 
@@ -169,8 +169,13 @@ def test_init_fine_tunes_a_compact_model(tmp_path):
     before = {n: m.weight.detach().clone() for n, m in small.named_modules() if isinstance(m, StripeConv2d)}
     assert before
 
-    run(_compose(*TINY, f"init={tmp_path / 'small.safetensors'}", "trainer.max_steps=2"), run_dir=tmp_path / "ft")
-    tuned = _weights(tmp_path / "ft")
+    monkeypatch.chdir(tmp_path)  # init= relative to the working directory; the checkpoint keeps it absolute
+    run(_compose(*TINY, "init=small.safetensors", "trainer.max_steps=2"), run_dir=tmp_path / "ft")
+    ckpt = torch.load(tmp_path / "ft" / "checkpoints" / "last.pt", weights_only=True)
+    assert ckpt["config"]["init"] == str(tmp_path / "small.safetensors")
+    tuned = ckpt["model"]
     changed = [n for n in before if not torch.equal(tuned[f"{n}.weight"], before[n])]
     assert changed, "fine-tuning did not update any stripe conv's kept weights"
     assert all(tuned[f"{n}.weight"].shape == before[n].shape for n in before)
+    with pytest.raises(ValueError, match="predicts 3 classes and data fake has 5"):
+        run(_compose(*TINY, "init=small.safetensors", "data.num_classes=5"), run_dir=tmp_path / "ft5")
