@@ -7,6 +7,7 @@ A checkpoint is a dict of tensors and plain Python values (no pickled classes), 
 from __future__ import annotations
 
 import os
+import pickle
 import random
 from pathlib import Path
 
@@ -29,15 +30,40 @@ def atomic_save(obj: dict, path: str | os.PathLike) -> Path:
     return path
 
 
-def load_checkpoint(path: str | os.PathLike) -> dict:
-    """Load a training checkpoint on CPU with weights_only=True; a missing file is a clear error."""
+RESUME_HINT = ("resume=true continues the run directory given by hydra.run.dir=<run dir> (which must contain "
+               "checkpoints/last.pt), or pass resume=<path to a .pt>")
+
+
+def load_checkpoint(path: str | os.PathLike, hint: str = RESUME_HINT, keys: tuple[str, ...] = ("model", "config")) -> dict:
+    """A train.py checkpoint read on CPU with weights_only=True (no pickled code runs), which must hold `keys`.
+
+    A missing, unreadable (truncated, not a torch file) or foreign file (pickled objects such as a whole model,
+    or a dict without `keys`) raises an error naming the file and, for a missing one, `hint`."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(
-            f"no checkpoint at {path}; resume=true continues the run directory given by "
-            f"hydra.run.dir=<run dir> (which must contain checkpoints/last.pt), or pass resume=<path to a .pt>"
+        raise FileNotFoundError(f"no checkpoint at {path}; {hint}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise ValueError(
+            f"{path} is not a train.py checkpoint: torch.load(weights_only=True) refused it. Either it is another "
+            "kind of file, or it holds pickled Python objects (a whole model saved with torch.save(model)), which "
+            "are never loaded here because loading them can run code; save model.state_dict() instead"
+        ) from None
+    except (RuntimeError, EOFError, OSError) as err:
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ValueError(
+            f"{path} cannot be read as a torch checkpoint ({first}); it is truncated or corrupt, or not a .pt "
+            "file: take another checkpoint (checkpoints/best.pt, or an earlier copy)"
+        ) from None
+    missing = [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]
+    if missing:
+        found = sorted(ckpt)[:8] if isinstance(ckpt, dict) else type(ckpt).__name__
+        raise ValueError(
+            f"{path} is not a train.py checkpoint (it has no {missing}; found {found}); give a "
+            "checkpoints/last.pt or best.pt of a train.py run"
         )
-    return torch.load(path, map_location="cpu", weights_only=True)
+    return ckpt
 
 
 def rng_state(generator: torch.Generator | None = None) -> dict:

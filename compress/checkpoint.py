@@ -240,6 +240,12 @@ def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
             # torch.save then refuses the loaded model's state_dict (two dtypes viewing one storage)
             tensors = {k: f.get_tensor(k).clone() for k in f.keys()}
     except Exception as err:  # safetensors raises its own error types for bad headers and short files
+        with open(path, "rb") as f:
+            if f.read(4) == b"PK\x03\x04":  # a zip archive: what torch.save writes
+                raise ValueError(
+                    f"compress.load: {path} is a torch checkpoint (.pt), not a compact model file; a train.py "
+                    f"checkpoint becomes one with: python export.py ckpt={path}"
+                ) from None
         raise ValueError(
             f"compress.load: {path} is not a readable safetensors file ({err}); it is truncated or "
             "corrupt: export it again with compress.save or export.py"

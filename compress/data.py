@@ -101,6 +101,12 @@ def _options(cfg) -> dict[str, Any]:
         raise ValueError(f"build_data: {name} images have 3 channels, got data.in_chans={opts['in_chans']}")
     if opts["eval_batch_size"] is None:
         opts["eval_batch_size"] = opts["batch_size"]
+    lowest = {"batch_size": 1, "eval_batch_size": 1, "input_size": 1, "in_chans": 1, "num_workers": 0,
+              "train_size": 1, "test_size": 1, "num_classes": 1}
+    for key, least in lowest.items():
+        value = opts[key]
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
+            raise ValueError(f"build_data: data.{key}={value!r}; it must be an int >= {least}")
     if opts["pin_memory"] is None:
         opts["pin_memory"] = torch.cuda.is_available()
     return opts

@@ -49,6 +49,8 @@ __all__ = [
 ]  # fmt: skip
 
 PRUNE_METHODS = ("none", "swp")
+# what a checkpoint needs to be resumed (run writes them all)
+RESUME_KEYS = ("model", "config", "optimizer", "scheduler", "scaler", "rng", "epoch", "step", "best_accuracy", "test")
 
 
 @dataclass(frozen=True)
@@ -343,6 +345,10 @@ def _check_config(cfg: DictConfig) -> None:
         check_nonnegative(alpha=cfg.prune.alpha, threshold=cfg.prune.threshold)
     if cfg.trainer.epochs < 1:
         raise ValueError(f"trainer.epochs={cfg.trainer.epochs} must be >= 1")
+    if cfg.trainer.eval_every < 1:
+        raise ValueError(f"trainer.eval_every={cfg.trainer.eval_every} must be >= 1 (the last epoch is always evaluated)")
+    if cfg.trainer.max_steps is not None and cfg.trainer.max_steps < 1:
+        raise ValueError(f"trainer.max_steps={cfg.trainer.max_steps} must be >= 1, or null for no step limit")
     if cfg.trainer.compile and not cfg.trainer.compile_backend:
         raise ValueError("trainer.compile=true needs trainer.compile_backend (inductor, or aot_eager on CPU)")
 
@@ -370,7 +376,7 @@ def _resume_config(cfg: DictConfig, run_dir: Path, given: set[str] | None = None
     if cfg.resume in (None, False):
         return cfg, None
     path = run_dir / "checkpoints" / "last.pt" if cfg.resume is True else Path(str(cfg.resume))
-    ckpt = load_checkpoint(path)
+    ckpt = load_checkpoint(path, keys=RESUME_KEYS)
     saved = OmegaConf.create(ckpt["config"])
     if given is None:
         trainer = cfg.trainer
@@ -491,7 +497,12 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     first_epoch, step, best, test = 0, 0, -1.0, {"loss": float("nan"), "accuracy": float("nan")}
     skip, after_skip = 0, None  # batches of the first epoch trained before (a run stopped mid-epoch)
     if ckpt is not None:
-        raw.load_state_dict(ckpt["model"])
+        try:
+            raw.load_state_dict(ckpt["model"])
+        except RuntimeError as err:
+            detail = " ".join(str(err).split())[:800]
+            raise ValueError(f"resume: the checkpoint's weights do not fit the model its config builds "
+                             f"({cfg.model.name}): {detail}") from None
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
         scaler.load_state_dict(ckpt["scaler"])

@@ -16,12 +16,13 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from compress._trainstate import load_checkpoint
 from compress.checkpoint import load
 from compress.checkpoint import save as save_compact
 from compress.compaction import choose_modes, compact
 from compress.graphs import CUDAGraphModel
 from compress.models import create_model
-from compress.onnx_export import check_onnx, export_onnx
+from compress.onnx_export import STRIPE_MODES, check_onnx, export_onnx
 from compress.pix import apply_pix
 from compress.profile import measure_latencies, profile
 from compress.report import plot_stripes, render_markdown, report_dict, stripes_per_layer
@@ -63,11 +64,7 @@ def load_training_checkpoint(path: str | os.PathLike) -> tuple[nn.Module, dict]:
     tensor becomes a SkeletonConv2d. A run that fine-tuned a compact model (`init=<file>`) is rebuilt from that
     file (`_fine_tuned`)."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"export: no checkpoint at {path}; pass ckpt=<run dir>/checkpoints/last.pt")
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(state, dict) or "model" not in state or "config" not in state:
-        raise ValueError(f"export: {path} is not a train.py checkpoint (no 'model' and 'config' entries)")
+    state = load_checkpoint(path, hint="pass ckpt=<run dir>/checkpoints/last.pt (or a compact .safetensors file)")
     cfg = state["config"]
     if cfg.get("init"):  # a fine-tuning run of a compact model: its structure is that file's
         return _fine_tuned(path, state, str(cfg["init"])), cfg
@@ -140,6 +137,25 @@ def _input_size(model: nn.Module) -> tuple[int, int, int]:
     return (int(kwargs.get("in_chans", 3)), int(kwargs.get("input_size", 32)), int(kwargs.get("input_size", 32)))
 
 
+MIN_OPSET = 13  # PiX's group split (unflatten) needs it; opsets 13-22 export and match onnxruntime (tested: 13, 17)
+
+
+def _check_arguments(dtype: str, stripe_mode: str, opset: int, modes_timing: str, batch_size: int,
+                     repeats: int) -> None:
+    """Reject bad export settings before anything is computed or written, naming the config key to fix."""
+    if dtype not in DTYPES:
+        raise ValueError(f"export: profile.dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if stripe_mode not in STRIPE_MODES:
+        raise ValueError(f"export: onnx.stripe_mode must be one of {STRIPE_MODES}, got {stripe_mode!r}")
+    if not isinstance(opset, int) or opset < MIN_OPSET:
+        raise ValueError(f"export: onnx.opset={opset!r}; use {MIN_OPSET} or later (the default is 17)")
+    if modes_timing not in ("auto", "eager", "graph"):
+        raise ValueError(f"export: choose_modes_timing must be auto, eager or graph, got {modes_timing!r}")
+    for key, value in (("profile.batch_size", batch_size), ("profile.repeats", repeats)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"export: {key}={value!r}; it must be an int >= 1")
+
+
 def export_checkpoint(
     ckpt: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -183,8 +199,7 @@ def export_checkpoint(
             ("float32" | "bfloat16" | "float16"; channels_last activations; whole forwards replayed through
             compress.CUDAGraphModel, CUDA only, for the total latencies); the saved model stays float32.
     """
-    if dtype not in DTYPES:
-        raise ValueError(f"export: profile.dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    _check_arguments(dtype, stripe_mode, opset, modes_timing, batch_size, repeats)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model, cfg = load_any(ckpt)

@@ -59,6 +59,8 @@ class PiXBlock(nn.Module):
     def __init__(self, in_channels: int, zeta: int, tau: float = 0.5):
         super().__init__()
         _check_factor(f"PiXBlock(in_channels={in_channels})", in_channels, zeta)
+        if not 0.0 <= tau <= 1.0:  # p = sigmoid(...) lies in (0, 1): tau 0 always mixes, 1 always picks
+            raise ValueError(f"PiXBlock: tau={tau} must be in [0, 1] (pix.tau; the paper uses 0.5)")
         self.in_channels, self.zeta, self.tau = in_channels, zeta, float(tau)
         self.out_channels = in_channels // zeta
         self.weight = nn.Parameter(torch.empty(self.out_channels, in_channels, 1, 1))

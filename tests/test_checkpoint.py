@@ -233,3 +233,11 @@ def test_wrong_version_and_missing_recipe(saved, tmp_path):
         load(plain)
     with pytest.raises(FileNotFoundError, match="no compact model file"):
         load(tmp_path / "absent.safetensors")
+
+
+def test_a_torch_checkpoint_is_named_as_such(tmp_path):
+    """init= / compress.load given a train.py checkpoint: the error says to export it first."""
+    path = tmp_path / "last.pt"
+    torch.save({"model": {}, "config": {}}, path)
+    with pytest.raises(ValueError, match="is a torch checkpoint .* python export.py ckpt="):
+        load(path)

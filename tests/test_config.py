@@ -71,6 +71,10 @@ def test_cifar_configs_keep_the_paper_recipe():
         (["init=/nonexistent/model.safetensors"], ValueError, "no such file"),
         (["resume=true"], FileNotFoundError, "no checkpoint at .*last.pt"),
         (["optim.schedule=linear"], ValueError, "optim.schedule='linear' is not supported"),
+        (["trainer.eval_every=0"], ValueError, "trainer.eval_every=0 must be >= 1"),
+        (["trainer.max_steps=0"], ValueError, "trainer.max_steps=0 must be >= 1, or null"),
+        (["data.input_size=0"], ValueError, "data.input_size=0; it must be an int >= 1"),
+        (["model=resnet29_bottleneck", "pix.zeta=4", "pix.tau=-5"], ValueError, r"tau=-5.0 must be in \[0, 1\]"),
     ],
 )
 def test_bad_settings_give_clear_errors(tmp_path, overrides, error, match):

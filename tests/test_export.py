@@ -256,6 +256,22 @@ def test_export_deployment_options_are_checked(training_checkpoint, tmp_path):
         export_checkpoint(path, tmp_path, dtype="int8")
     with pytest.raises(ValueError, match="cuda_graphs needs a CUDA device"):
         export_checkpoint(path, tmp_path, device="cpu", cuda_graphs=True)
+    bad = [({"stripe_mode": "bogus"}, "onnx.stripe_mode must be one of"), ({"opset": 12}, "onnx.opset=12; use 13"),
+           ({"modes_timing": "gpu"}, "choose_modes_timing must be"), ({"batch_size": 0}, "profile.batch_size=0"),
+           ({"repeats": -1}, "profile.repeats=-1")]
+    for kwargs, message in bad:  # refused before anything is written
+        with pytest.raises(ValueError, match=message):
+            export_checkpoint(path, tmp_path / "bad", **kwargs)
+        assert not (tmp_path / "bad").exists()
+
+
+def test_onnx_of_a_pix_model_at_the_lowest_opset(tmp_path):
+    """Opset 13, export's lowest: PiX (group split, max/mean pick) and shift-mode stripes match onnxruntime."""
+    model = compact(_skeleton_model("resnet29_bottleneck", keep=0.5, seed=4, pix=4, num_classes=10), fold_bn=True)
+    x = torch.randn(2, 3, 32, 32)
+    for mode in ("dense", "shift"):
+        assert check_onnx(export_onnx(model, tmp_path / f"{mode}.onnx", (3, 32, 32), stripe_mode=mode, opset=13),
+                          model, x) <= 1e-4
 
 
 def test_missing_checkpoint_is_clear(tmp_path):

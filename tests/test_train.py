@@ -179,3 +179,25 @@ def test_init_fine_tunes_a_compact_model(tmp_path, monkeypatch):
     assert all(tuned[f"{n}.weight"].shape == before[n].shape for n in before)
     with pytest.raises(ValueError, match="predicts 3 classes and data fake has 5"):
         run(_compose(*TINY, "init=small.safetensors", "data.num_classes=5"), run_dir=tmp_path / "ft5")
+
+
+def test_bad_checkpoint_files_are_clear_errors(tmp_path):
+    """resume= and export's ckpt= read checkpoints with weights_only=True and name what is wrong with a file."""
+    from compress._trainstate import load_checkpoint
+    from compress.export import load_training_checkpoint
+
+    good = tmp_path / "good.pt"
+    torch.save({"model": {"w": torch.randn(2)}, "config": {}}, good)
+    (tmp_path / "truncated.pt").write_bytes(good.read_bytes()[:100])
+    (tmp_path / "summary.json").write_text('{"steps": 2}')
+    torch.save(torch.nn.Linear(2, 2), tmp_path / "whole_model.pt")
+    torch.save({"w": torch.randn(2)}, tmp_path / "state_dict.pt")
+    cases = {"truncated.pt": "truncated or corrupt", "summary.json": "refused it",
+             "whole_model.pt": "never loaded here because loading them can run code",
+             "state_dict.pt": r"not a train.py checkpoint \(it has no \['model', 'config'\]"}
+    for name, message in cases.items():
+        for read in (load_checkpoint, load_training_checkpoint):
+            with pytest.raises(ValueError, match=message):
+                read(tmp_path / name)
+    with pytest.raises(ValueError, match=r"it has no \['optimizer'"):  # resume needs the whole training state
+        run(_compose(*TINY, f"resume={good}"), run_dir=tmp_path / "run")
