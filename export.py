@@ -11,7 +11,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from compress.export import export_checkpoint
+from compress.export import FILES, export_checkpoint
 from compress.report import render_markdown
 
 
@@ -40,7 +40,7 @@ def main(cfg: DictConfig) -> None:
         cuda_graphs=cfg.profile.cuda_graphs,
     )
     print(render_markdown(report).split("\n## Per layer")[0])
-    print(f"wrote {', '.join(sorted(p.name for p in out.iterdir() if p.is_file()))} to {out}")
+    print(f"wrote {', '.join(name for name in FILES if (out / name).is_file())} to {out}")
 
 
 if __name__ == "__main__":

@@ -66,18 +66,29 @@ class RunLogger:
 
 
 def format_summary(summary: dict) -> str:
-    """A short multi-line text of the run summary for the terminal."""
-    total = max(summary["stripes_total"], 1)
-    macs_ratio = summary["macs_pruned_estimate"] / max(summary["macs_dense"], 1)
-    return "\n".join(
-        [
-            f"== {summary['model']} on {summary['data']} ({summary['device']}) ==",
-            f"test accuracy   {summary['test_accuracy']:.4f}  (best {summary['best_test_accuracy']:.4f})",
-            f"stripes kept    {summary['stripes_kept']} / {summary['stripes_total']}"
+    """A short multi-line text of the run summary for the terminal. A model without skeleton convs (prune=none,
+    or a compact model fine-tuned with init=) has no stripe figures: its MACs and params are its own."""
+    total = summary["stripes_total"]
+    if total:
+        macs_ratio = summary["macs_pruned_estimate"] / max(summary["macs_dense"], 1)
+        stripes = [
+            f"stripes kept    {summary['stripes_kept']} / {total}"
             f"  ({summary['stripes_kept'] / total:.1%}), dead filters {summary['filters_dead']}",
             f"MACs            {summary['macs_dense'] / 1e6:.2f} M dense -> {summary['macs_pruned_estimate'] / 1e6:.2f} M"
             f" estimated ({macs_ratio:.1%})",
             f"params          {summary['params'] / 1e6:.3f} M (dense)",
+        ]
+    else:
+        stripes = [
+            "stripes         no skeleton convs in this model",
+            f"MACs            {summary['macs_dense'] / 1e6:.2f} M",
+            f"params          {summary['params'] / 1e6:.3f} M",
+        ]
+    return "\n".join(
+        [
+            f"== {summary['model']} on {summary['data']} ({summary['device']}) ==",
+            f"test accuracy   {summary['test_accuracy']:.4f}  (best {summary['best_test_accuracy']:.4f})",
+            *stripes,
             f"epochs / steps  {summary['epochs']} / {summary['steps']} in {summary['seconds']:.1f} s",
             f"run dir         {summary['run_dir']}",
             f"checkpoint      {summary['checkpoint']}",

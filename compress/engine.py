@@ -510,6 +510,9 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
         skip, after_skip = _resume_mid_epoch(ckpt, generator, dist, int(cfg.trainer.seed))
 
     ckpt_dir = run_dir / "checkpoints"
+    if dist.is_main:  # temporary files of checkpoint writes that a killed run left behind (atomic_save)
+        for stale in ckpt_dir.glob(".*.pt.tmp*"):
+            stale.unlink(missing_ok=True)
     logger = RunLogger(run_dir / "tensorboard", dist.is_main)
     input_shape = (data.in_chans, data.input_size, data.input_size)
     max_steps = cfg.trainer.max_steps
@@ -600,7 +603,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
         "seconds": time.perf_counter() - start,
         "images_per_s": train["images_per_s"],
         "world_size": dist.world_size,
-        "model": cfg.model.name,
+        "model": arch["name"],  # an init= run's model is the compact file's, whatever model= says
         "data": cfg.data.name,
         "device": str(dist.device),
         "run_dir": str(run_dir),

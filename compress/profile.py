@@ -193,6 +193,21 @@ class ProfileReport:
         """JSON-ready dict with the totals and `layers` (a list of per-layer dicts)."""
         return asdict(self)
 
+    def __str__(self) -> str:
+        """The totals on a few lines (`print(profile(...))`); `layers` holds the per-layer rows."""
+        size = "x".join(str(v) for v in self.input_size)
+        latency = "not measured" if self.latency_ms is None else (
+            f"{self.latency_ms:.3f} ms (median, batch {self.batch_size}, {self.device})")
+        return "\n".join([
+            f"profile of one {size} input ({len(self.layers)} layers, MACs by the {self.convention!r} convention)",
+            f"  params            {self.params / 1e6:.3f} M",
+            f"  MACs              {self.macs / 1e6:.2f} M",
+            f"  weight bytes      {self.weight_bytes / 2**20:.2f} MiB",
+            f"  activation bytes  {self.activation_bytes['max'] / 2**20:.2f} MiB largest, "
+            f"{self.activation_bytes['sum'] / 2**20:.2f} MiB in all",
+            f"  latency           {latency}",
+        ])
+
 
 def _count(model: nn.Module, x: torch.Tensor, convention: str = "layers") -> list[LayerProfile]:
     rows: dict[str, LayerProfile] = {}

@@ -127,3 +127,10 @@ def test_cuda_profile_matches_cpu_counts():
     assert gpu.device.startswith("cuda") and gpu.latency_ms > 0
     assert (gpu.macs, gpu.params, gpu.weight_bytes) == (cpu.macs, cpu.params, cpu.weight_bytes)
     assert all(row.latency_ms is not None for row in gpu.layers)
+
+
+def test_str_gives_the_totals():
+    report = profile(create_model("resnet20"), input_size=(3, 32, 32), latency=False)
+    text = str(report)
+    assert f"MACs              {report.macs / 1e6:.2f} M" in text and "latency           not measured" in text
+    assert f"params            {report.params / 1e6:.3f} M" in text and len(text.splitlines()) == 6

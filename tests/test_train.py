@@ -9,6 +9,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+from compress._logging import format_summary
 from compress.engine import run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +44,10 @@ def test_resume_gives_the_same_weights_as_an_uninterrupted_run(tmp_path):
     full = run(_compose(*TINY), run_dir=tmp_path / "full")
     stopped = run(_compose(*TINY, "trainer.max_steps=4"), run_dir=tmp_path / "parts")
     assert stopped["epochs"] == 1 and stopped["steps"] == 4
+    stale = tmp_path / "parts" / "checkpoints" / ".last.pt.tmp12345"  # what a run killed while saving leaves
+    stale.write_bytes(b"partial")
     resumed = run(_compose(*TINY, "resume=true"), run_dir=tmp_path / "parts")
+    assert not stale.exists()
     assert resumed["epochs"] == full["epochs"] == 2 and resumed["steps"] == full["steps"] == 8
 
     a, b = _weights(tmp_path / "full"), _weights(tmp_path / "parts")
@@ -170,7 +174,10 @@ def test_init_fine_tunes_a_compact_model(tmp_path, monkeypatch):
     assert before
 
     monkeypatch.chdir(tmp_path)  # init= relative to the working directory; the checkpoint keeps it absolute
-    run(_compose(*TINY, "init=small.safetensors", "trainer.max_steps=2"), run_dir=tmp_path / "ft")
+    no_model = [o for o in TINY if not o.startswith("model=")]  # model= is the default resnet56: init= decides
+    summary = run(_compose(*no_model, "init=small.safetensors", "trainer.max_steps=2"), run_dir=tmp_path / "ft")
+    assert summary["model"] == "resnet20" and summary["stripes_total"] == 0
+    assert "no skeleton convs" in format_summary(summary)
     ckpt = torch.load(tmp_path / "ft" / "checkpoints" / "last.pt", weights_only=True)
     assert ckpt["config"]["init"] == str(tmp_path / "small.safetensors")
     tuned = ckpt["model"]
