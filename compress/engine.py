@@ -225,11 +225,11 @@ def _skipping(loader, skip: int, after_skip=None):
 
 
 def train_one_epoch(s: _Step, loader, step: int, max_steps: int | None, log, show: bool, skip: int = 0,
-                    after_skip=None) -> tuple[dict, int, int]:
+                    after_skip=None, on_step=None) -> tuple[dict, int, int]:
     """One pass over `loader`, stopping right after optimizer step `max_steps` (no further batch is loaded).
 
     `skip`: the first `skip` batches were trained before (a run stopped in this epoch): they are loaded and
-    dropped, then `after_skip()` runs (see `_skipping`). Returns ({loss, accuracy, images_per_s} over all ranks
+    dropped, then `after_skip()` runs (see `_skipping`). `on_step(step, batches done)` runs after each step. Returns ({loss, accuracy, images_per_s} over all ranks
     and this call's batches, new step, batches of the epoch done, skipped ones included). Metrics stay on the
     device (no host sync per step); `log(step, loss, batch_images)` runs after every step and returns the loss
     as a float on the steps it logs, else None.
@@ -251,6 +251,8 @@ def train_one_epoch(s: _Step, loader, step: int, max_steps: int | None, log, sho
             logged = log(step, loss, y.numel())
             if logged is not None:
                 bar.set_postfix(loss=f"{logged:.3f}")
+            if on_step is not None:
+                on_step(step, done)
             if max_steps is not None and step >= max_steps:
                 if done == len(loader):  # end the pass as an uninterrupted run does: the sampler draws its
                     next(batches, None)  # last random numbers when it runs out (no batch is loaded)
@@ -347,6 +349,8 @@ def _check_config(cfg: DictConfig) -> None:
         raise ValueError(f"trainer.epochs={cfg.trainer.epochs} must be >= 1")
     if cfg.trainer.eval_every < 1:
         raise ValueError(f"trainer.eval_every={cfg.trainer.eval_every} must be >= 1 (the last epoch is always evaluated)")
+    if cfg.trainer.get("checkpoint_every") is not None and cfg.trainer.checkpoint_every < 1:
+        raise ValueError(f"trainer.checkpoint_every={cfg.trainer.checkpoint_every} must be >= 1, or null (epoch ends only)")
     if cfg.trainer.max_steps is not None and cfg.trainer.max_steps < 1:
         raise ValueError(f"trainer.max_steps={cfg.trainer.max_steps} must be >= 1, or null for no step limit")
     if cfg.trainer.compile and not cfg.trainer.compile_backend:
@@ -518,6 +522,41 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     max_steps = cfg.trainer.max_steps
     log_step = _StepLog(logger, optimizer, int(cfg.trainer.log_every), dist.world_size)
 
+    def save(epoch: int, done: int, at: int, epoch_rng: dict, is_best: bool) -> None:
+        """Write last.pt (and best.pt) at step `at`, after `done` batches of `epoch` (all: the epoch is over)."""
+        partial = done < len(data.train)
+        state = {
+            "model": raw.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "scaler": scaler.state_dict(),
+            "epoch": epoch if partial else epoch + 1,  # the epoch to go on with
+            "epoch_batches": done if partial else 0,  # its batches already trained
+            "step": at,
+            "best_accuracy": best,
+            "test": test,
+            "rng": _gather_rng(rng_state(generator), dist),
+            # a partial epoch: every rank's RNG streams at its start, so that resume replays its batch order
+            "rng_epoch_start": _gather_rng(epoch_rng, dist) if partial else None,
+            "world_size": dist.world_size,
+            "arch": arch,
+            "config": OmegaConf.to_container(cfg, resolve=True),
+        }
+        if dist.is_main:
+            atomic_save(state, ckpt_dir / "last.pt")
+            if is_best:
+                atomic_save(state, ckpt_dir / "best.pt")
+        if dist.world_size > 1:
+            torch_dist.barrier()  # the checkpoint is on disk before any rank goes on
+
+    every = cfg.trainer.get("checkpoint_every")
+
+    def on_step(at: int, done: int) -> None:
+        """trainer.checkpoint_every: last.pt inside an epoch every `every` steps (the epoch's end and a max_steps
+        stop save anyway)."""
+        if every and at % every == 0 and done < len(data.train) and (max_steps is None or at < max_steps):
+            save(epoch, done, at, epoch_rng, is_best=False)
+
     epochs_trained = first_epoch  # the last epoch this run trained in (finished or not), 1-based
     train = {"images_per_s": float("nan")}
     _say_if_nothing_to_train(first_epoch, epochs, step, max_steps, dist)
@@ -528,7 +567,8 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
         if hasattr(data.train.sampler, "set_epoch"):
             data.train.sampler.set_epoch(epoch)
         epoch_rng = ckpt["rng_epoch_start"][dist.rank] if skip else rng_state(generator)
-        train, step, done = train_one_epoch(s, data.train, step, max_steps, log_step, dist.is_main, skip, after_skip)
+        train, step, done = train_one_epoch(s, data.train, step, max_steps, log_step, dist.is_main, skip, after_skip,
+                                            on_step)
         skip, after_skip, epochs_trained = 0, None, epoch + 1
         partial = done < len(data.train)  # stopped by max_steps inside the epoch: resume goes on from batch `done`
         stopping = max_steps is not None and step >= max_steps
@@ -556,29 +596,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
                 f"epoch {epoch + 1}/{epochs} step {step} lr {lr:.4g} train loss {train['loss']:.4f} "
                 f"acc {train['accuracy']:.4f} | test acc {test['accuracy']:.4f} | stripes kept {kept:.1%}"
             )
-        state = {
-            "model": raw.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict(),
-            "epoch": epoch if partial else epoch + 1,  # the epoch to go on with
-            "epoch_batches": done if partial else 0,  # its batches already trained
-            "step": step,
-            "best_accuracy": best,
-            "test": test,
-            "rng": _gather_rng(rng_state(generator), dist),
-            # a partial epoch: every rank's RNG streams at its start, so that resume replays its batch order
-            "rng_epoch_start": _gather_rng(epoch_rng, dist) if partial else None,
-            "world_size": dist.world_size,
-            "arch": arch,
-            "config": OmegaConf.to_container(cfg, resolve=True),
-        }
-        if dist.is_main:
-            atomic_save(state, ckpt_dir / "last.pt")
-            if is_best:
-                atomic_save(state, ckpt_dir / "best.pt")
-        if dist.world_size > 1:
-            torch_dist.barrier()  # the checkpoint is on disk before any rank goes on
+        save(epoch, done, step, epoch_rng, is_best)
         if stopping:
             break
     logger.close()

@@ -208,3 +208,30 @@ def test_bad_checkpoint_files_are_clear_errors(tmp_path):
                 read(tmp_path / name)
     with pytest.raises(ValueError, match=r"it has no \['optimizer'"):  # resume needs the whole training state
         run(_compose(*TINY, f"resume={good}"), run_dir=tmp_path / "run")
+
+
+def test_checkpoint_every_lets_a_crashed_run_resume_inside_an_epoch(tmp_path, monkeypatch):
+    """trainer.checkpoint_every=3 writes last.pt after step 3, inside epoch 1; a run that crashes in step 4
+    resumes from there and ends with an uninterrupted run's weights."""
+    import compress.engine as engine
+
+    full = run(_compose(*TINY), run_dir=tmp_path / "full")
+    real_step, calls = engine.train_step, []
+
+    def crashing_step(*args):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("simulated crash")
+        return real_step(*args)
+
+    monkeypatch.setattr(engine, "train_step", crashing_step)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run(_compose(*TINY, "trainer.checkpoint_every=3"), run_dir=tmp_path / "parts")
+    monkeypatch.setattr(engine, "train_step", real_step)
+    ckpt = torch.load(tmp_path / "parts" / "checkpoints" / "last.pt", weights_only=True)
+    assert (ckpt["epoch"], ckpt["epoch_batches"], ckpt["step"]) == (0, 3, 3)
+    resumed = run(_compose(*TINY, "trainer.checkpoint_every=3", "resume=true"), run_dir=tmp_path / "parts")
+    assert resumed["steps"] == full["steps"] == 8
+    a, b = _weights(tmp_path / "full"), _weights(tmp_path / "parts")
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
