@@ -522,8 +522,9 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     max_steps = cfg.trainer.max_steps
     log_step = _StepLog(logger, optimizer, int(cfg.trainer.log_every), dist.world_size)
 
-    def save(epoch: int, done: int, at: int, epoch_rng: dict, is_best: bool) -> None:
-        """Write last.pt (and best.pt) at step `at`, after `done` batches of `epoch` (all: the epoch is over)."""
+    def save(epoch: int, done: int, at: int, epoch_rng: dict, rng: dict, is_best: bool) -> None:
+        """Write last.pt (and best.pt) at step `at`, after `done` batches of `epoch` (all: the epoch is over), with
+        this rank's RNG streams `rng` (see the loop) and those of the epoch's start `epoch_rng`."""
         partial = done < len(data.train)
         state = {
             "model": raw.state_dict(),
@@ -535,7 +536,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
             "step": at,
             "best_accuracy": best,
             "test": test,
-            "rng": _gather_rng(rng_state(generator), dist),
+            "rng": _gather_rng(rng, dist),
             # a partial epoch: every rank's RNG streams at its start, so that resume replays its batch order
             "rng_epoch_start": _gather_rng(epoch_rng, dist) if partial else None,
             "world_size": dist.world_size,
@@ -555,7 +556,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
         """trainer.checkpoint_every: last.pt inside an epoch every `every` steps (the epoch's end and a max_steps
         stop save anyway)."""
         if every and at % every == 0 and done < len(data.train) and (max_steps is None or at < max_steps):
-            save(epoch, done, at, epoch_rng, is_best=False)
+            save(epoch, done, at, epoch_rng, rng_state(generator), is_best=False)
 
     epochs_trained = first_epoch  # the last epoch this run trained in (finished or not), 1-based
     train = {"images_per_s": float("nan")}
@@ -571,6 +572,9 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
                                             on_step)
         skip, after_skip, epochs_trained = 0, None, epoch + 1
         partial = done < len(data.train)  # stopped by max_steps inside the epoch: resume goes on from batch `done`
+        # inside an epoch, the streams right after the last step (an uninterrupted run loads the next batch from
+        # there); evaluating would move them (a DataLoader draws its iterator's seed from the global RNG)
+        rng = rng_state(generator) if partial else None
         stopping = max_steps is not None and step >= max_steps
         evaluated = (epoch + 1) % cfg.trainer.eval_every == 0 or epoch + 1 == epochs or stopping
         if evaluated:
@@ -596,7 +600,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
                 f"epoch {epoch + 1}/{epochs} step {step} lr {lr:.4g} train loss {train['loss']:.4f} "
                 f"acc {train['accuracy']:.4f} | test acc {test['accuracy']:.4f} | stripes kept {kept:.1%}"
             )
-        save(epoch, done, step, epoch_rng, is_best)
+        save(epoch, done, step, epoch_rng, rng or rng_state(generator), is_best)
         if stopping:
             break
     logger.close()
