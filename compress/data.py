@@ -114,7 +114,9 @@ def _options(cfg) -> dict[str, Any]:
 
 def _loaders(train: Dataset, test: Dataset, opts: dict, rank: int, world_size: int):
     workers = opts["num_workers"]
-    common = dict(num_workers=workers, pin_memory=opts["pin_memory"], persistent_workers=workers > 0)
+    # Workers start afresh each epoch (not persistent): their RNG streams then come from the loader's generator at
+    # the epoch's start, which a checkpoint holds, so a resumed run draws the augmentations an uninterrupted one does
+    common = dict(num_workers=workers, pin_memory=opts["pin_memory"], persistent_workers=False)
     # Seeds the shuffle order (single process) and the per-epoch worker seeds; differs across ranks.
     generator = torch.Generator().manual_seed(opts["seed"] + rank)
     if world_size > 1:

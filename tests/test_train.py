@@ -64,15 +64,18 @@ def test_resume_gives_the_same_weights_as_an_uninterrupted_run(tmp_path):
     _check_run_outputs(tmp_path / "full", full)
 
 
-def test_a_run_stopped_inside_an_epoch_resumes_where_it_stopped(tmp_path):
-    """max_steps=3 stops inside epoch 1 (4 batches of digits): the checkpoint says so, the LR schedule does not advance,
-    and resume trains batches 4.. of the same shuffled order, ending with an uninterrupted run's weights."""
-    full = run(_compose(*DIGITS), run_dir=tmp_path / "full")
-    run(_compose(*DIGITS, "trainer.max_steps=3"), run_dir=tmp_path / "parts")
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_run_stopped_inside_an_epoch_resumes_where_it_stopped(tmp_path, workers):
+    """max_steps=5 stops inside epoch 2 (4 batches of digits each): the checkpoint says so, the LR schedule does not
+    advance, and resume trains batches 2.. of the same shuffled order and shifts (drawn in the main process, or in 2 loader
+    workers seeded from the loader's generator), ending with an uninterrupted run's weights."""
+    digits = [*DIGITS, f"data.num_workers={workers}"]
+    full = run(_compose(*digits), run_dir=tmp_path / "full")
+    run(_compose(*digits, "trainer.max_steps=5"), run_dir=tmp_path / "parts")
     ckpt = torch.load(tmp_path / "parts" / "checkpoints" / "last.pt", weights_only=True)
-    assert (ckpt["epoch"], ckpt["epoch_batches"], ckpt["step"]) == (0, 3, 3)
-    assert ckpt["scheduler"]["last_epoch"] == 0 and len(ckpt["rng_epoch_start"]) == 1
-    resumed = run(_compose(*DIGITS, "resume=true"), run_dir=tmp_path / "parts")
+    assert (ckpt["epoch"], ckpt["epoch_batches"], ckpt["step"]) == (1, 1, 5)
+    assert ckpt["scheduler"]["last_epoch"] == 1 and len(ckpt["rng_epoch_start"]) == 1
+    resumed = run(_compose(*digits, "resume=true"), run_dir=tmp_path / "parts")
     assert resumed["steps"] == full["steps"] == 8 and resumed["epochs"] == 2
     a, b = _weights(tmp_path / "full"), _weights(tmp_path / "parts")
     for key in a:
