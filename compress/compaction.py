@@ -330,6 +330,8 @@ def _compact_to_budget(model, base, fold, target, input_size, multiple=1):
             f"compact: target_macs={target} ({int(budget)} MACs) is below what dropping every stripe "
             f"reaches (dense: {dense} MACs); layers without a skeleton cannot be pruned: raise the "
             "target or attach skeletons to more layers"
+            + (" (a value above 1 is an absolute MAC count; a share of the dense model is a fraction in (0, 1])"
+               if target > 1 else "")
         )
     while hi - lo > 1:
         mid = (lo + hi) // 2

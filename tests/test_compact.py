@@ -247,7 +247,7 @@ def test_target_macs_meets_budget_with_smallest_threshold():
     assert profile(below, size, latency=False).macs > 0.4 * dense
     assert_same_output(compact(model, threshold=t), out, torch.randn(2, *size, generator=gen))
     assert compact(model, target_macs=macs, input_size=size).compress_compaction["threshold"] == t
-    with pytest.raises(ValueError, match="below what dropping every stripe"):
+    with pytest.raises(ValueError, match="below what dropping every stripe.*absolute MAC count"):
         compact(model, target_macs=100, input_size=size)  # the Linear alone has 640 MACs
 
 
