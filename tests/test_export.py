@@ -3,6 +3,7 @@ training checkpoint written by hand in the engine's format."""
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -277,3 +278,24 @@ def test_onnx_of_a_pix_model_at_the_lowest_opset(tmp_path):
 def test_missing_checkpoint_is_clear(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         export_checkpoint(tmp_path / "nope.pt", tmp_path)
+
+
+def test_check_onnx_is_not_fooled_by_outputs_that_hardly_depend_on_the_input(tmp_path):
+    """A model whose outputs vary across the batch by ~1e-9 of their size (as a randomly initialised one can):
+    float32 rounding must not read as a relative error near 1, and a real difference must still show."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 5)).eval()
+    with torch.no_grad():
+        model[0].weight.mul_(1e-9)
+        model[2].bias.add_(1.0)
+    path = export_onnx(model, tmp_path / "flat.onnx", (3, 8, 8))
+    x = torch.randn(4, 3, 8, 8)
+    assert check_onnx(path, model, x) <= 1e-3
+    # a change of the input-dependent part by half: 5e-10 of the output, far below float32 rounding of it
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        rounded[0].weight.mul_(1.5)
+    assert check_onnx(path, rounded, x) <= 1e-3
+    wrong = copy.deepcopy(model)
+    with torch.no_grad():
+        wrong[2].bias.mul_(1.01)
+    assert check_onnx(path, wrong, x) >= 5e-3
