@@ -39,7 +39,7 @@ from compress._macs import estimate_macs
 from compress._trainstate import atomic_save, load_checkpoint, rng_state, set_rng_state
 from compress.checkpoint import load as load_compact
 from compress.data import build_data
-from compress.models import create_model
+from compress.models import TIMM_PREFIX, create_model
 from compress.pix import apply_pix
 from compress.skeleton import attach_skeletons, check_nonnegative, skeleton_stats, swp_update
 
@@ -439,6 +439,16 @@ def _plain(value):
     return json.loads(json.dumps(value, default=lambda v: OmegaConf.to_container(v, resolve=True)))
 
 
+def _model_name(model_cfg: DictConfig) -> str:
+    """The registry name `model_cfg` asks for. The `timm` model config (`source: timm`) takes timm
+    names with or without the `timm:` prefix, so `model=timm model.name=resnet18` builds timm's
+    resnet18, not the registry's torchvision one."""
+    name = str(model_cfg.name)
+    if model_cfg.get("source") == "timm" and not name.startswith(TIMM_PREFIX):
+        return TIMM_PREFIX + name
+    return name
+
+
 def _build_model(cfg: DictConfig, data) -> nn.Module:
     """The model to train: a compact model file (`init=`, fine-tuned as it is: its stripe convs train
     their kept weights), or a fresh registry model, with PiX applied when `pix.zeta` is set."""
@@ -452,7 +462,7 @@ def _build_model(cfg: DictConfig, data) -> nn.Module:
             )
         return model
     raw = create_model(
-        cfg.model.name,
+        _model_name(cfg.model),
         num_classes=data.num_classes,
         input_size=data.input_size,
         in_chans=data.in_chans,

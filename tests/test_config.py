@@ -7,8 +7,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from compress.data import DatasetNotFoundError
-from compress.engine import run
-from compress.models import list_models
+from compress.engine import _model_name, run
+from compress.models import create_model, list_models
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = ("model", "data", "prune", "optim")
@@ -131,3 +131,14 @@ def test_optim_skeleton_weight_decay():
     assert len(others["params"]) + n_skel == len(list(model.parameters()))
     with pytest.raises(ValueError, match="skeleton_weight_decay"):
         build_optimizer(model, _compose("++optim.skeleton_weight_decay=-1").optim)
+
+
+@pytest.mark.parametrize("name", ["resnet18", "timm:resnet18"])
+def test_timm_config_takes_bare_timm_names(name):
+    import timm
+
+    cfg = _compose("model=timm", f"model.name={name}")
+    assert _model_name(cfg.model) == "timm:resnet18"
+    assert _model_name(_compose("model=resnet18").model) == "resnet18"  # the registry's torchvision resnet18
+    model = create_model(_model_name(cfg.model), num_classes=3)
+    assert isinstance(model, timm.models.ResNet)
