@@ -10,7 +10,10 @@ Each StripeConv2d is exported as either
 - "shift": one 1x1 Conv over all kept stripes on the zero-padded input, then per (kh, kw) offset a
   strided Slice of its stripes, a Gather that places them in their output channels (a zero channel
   where a filter has no stripe at that offset) and an Add: Conv/Pad/Slice/Concat/Gather/Add only.
-The batch dimension is dynamic; the spatial size is fixed to `input_size`.
+The batch dimension is dynamic; the spatial size is fixed to `input_size`. An adaptive average pool whose
+output size does not divide its input size (torchvision's VGGs below 224x224: 7x7 from 1x1 .. 6x6) has no
+ONNX counterpart in PyTorch's exporter; at the traced size it is a fixed linear map, exported as one MatMul
+(`FixedAdaptiveAvgPool2d`).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch.nn.functional as F
 from compress.stripe import StripeConv2d
 from kernels._utils import max_pool2x2
 
-__all__ = ["ShiftAddConv2d", "onnx_ready", "export_onnx", "check_onnx", "STRIPE_MODES"]
+__all__ = ["ShiftAddConv2d", "FixedAdaptiveAvgPool2d", "onnx_ready", "export_onnx", "check_onnx", "STRIPE_MODES"]
 
 STRIPE_MODES = ("dense", "shift")
 CENTRED_FLOOR = 1e-3  # check_onnx: the smallest scale of the batch-centred outputs, relative to the outputs
@@ -75,17 +78,76 @@ class ShiftAddConv2d(nn.Module):
         return max_pool2x2(y, self.pool_ceil) if self.pool else y
 
 
-def onnx_ready(model: nn.Module, stripe_mode: str = "dense") -> nn.Module:
-    """A copy of `model` in eval mode with every StripeConv2d replaced by standard-op modules."""
+class FixedAdaptiveAvgPool2d(nn.Module):
+    """`nn.AdaptiveAvgPool2d(out_size)` for one input size: x (B, C, H, W) -> (B, C, Ho, Wo) as x.flatten(2) @ P.T,
+    P (Ho*Wo, H*W) holding 1/window size where output cell (i, j) averages input pixel (h, w) (PyTorch's
+    windows: rows floor(i*H/Ho) .. ceil((i+1)*H/Ho) - 1, columns likewise)."""
+
+    def __init__(self, in_size: tuple[int, int], out_size: tuple[int, int]):
+        super().__init__()
+        (h, w), (ho, wo) = in_size, out_size
+        self.in_size, self.out_size = (h, w), (ho, wo)
+        rows = self._windows(h, ho)  # (Ho, H)
+        cols = self._windows(w, wo)  # (Wo, W)
+        pool = rows[:, None, :, None] * cols[None, :, None, :]  # (Ho, Wo, H, W)
+        self.register_buffer("pool", pool.reshape(ho * wo, h * w))  # float64; cast to the input's dtype
+
+    @staticmethod
+    def _windows(n: int, out: int) -> torch.Tensor:
+        """(out, n): row i averages inputs floor(i*n/out) .. ceil((i+1)*n/out) - 1."""
+        weights = torch.zeros(out, n, dtype=torch.float64)
+        for i in range(out):
+            lo, hi = (i * n) // out, -(-((i + 1) * n) // out)
+            weights[i, lo:hi] = 1.0 / (hi - lo)
+        return weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.jit.is_tracing() and tuple(x.shape[2:]) != self.in_size:
+            raise ValueError(f"FixedAdaptiveAvgPool2d was built for {self.in_size} inputs, got {tuple(x.shape[2:])}")
+        y = x.flatten(2) @ self.pool.to(x.dtype).t()  # (B, C, Ho*Wo)
+        return y.unflatten(2, self.out_size)
+
+
+def onnx_ready(model: nn.Module, stripe_mode: str = "dense", example: torch.Tensor | None = None) -> nn.Module:
+    """A copy of `model` in eval mode with every StripeConv2d replaced by standard-op modules, and, given an
+    `example` input, every adaptive average pool whose output size does not divide its input size there by a
+    `FixedAdaptiveAvgPool2d` (exact at that input size only)."""
     if stripe_mode not in STRIPE_MODES:
         raise ValueError(f"stripe_mode must be one of {STRIPE_MODES}, got {stripe_mode!r}")
     ready = copy.deepcopy(model).eval()
     stripes = [(n, m) for n, m in ready.named_modules() if isinstance(m, StripeConv2d)]
     for name, m in stripes:
         new = m.to_dense() if stripe_mode == "dense" or m.num_stripes == 0 else ShiftAddConv2d(m)
-        parent, _, child = name.rpartition(".")
-        setattr(ready.get_submodule(parent), child, new.eval())
+        _replace(ready, name, new.eval())
+    if example is not None:
+        for name, in_size, out_size in _uneven_adaptive_pools(ready, example):
+            _replace(ready, name, FixedAdaptiveAvgPool2d(in_size, out_size).to(example.device))
     return ready
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, new)
+
+
+def _uneven_adaptive_pools(model: nn.Module, example: torch.Tensor) -> list[tuple[str, tuple, tuple]]:
+    """(name, input (H, W), output (Ho, Wo)) of each nn.AdaptiveAvgPool2d whose output size does not divide its
+    input size when `model` runs on `example`."""
+    found, hooks = [], []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.AdaptiveAvgPool2d):
+            def record(mod, args, out, name=name):
+                (h, w), (ho, wo) = args[0].shape[2:], out.shape[2:]
+                if h % ho or w % wo:
+                    found.append((name, (h, w), (ho, wo)))
+            hooks.append(m.register_forward_hook(record))
+    try:
+        with torch.no_grad():
+            model(example)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return found
 
 
 def export_onnx(
@@ -99,9 +161,9 @@ def export_onnx(
     with onnx.checker. Returns the path."""
     import onnx
 
-    ready = onnx_ready(model, stripe_mode)
-    param = next(ready.parameters())
+    param = next(model.parameters())
     x = torch.randn(1, *input_size, device=param.device, dtype=param.dtype)
+    ready = onnx_ready(model, stripe_mode, example=x)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with torch.no_grad(), warnings.catch_warnings():

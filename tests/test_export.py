@@ -18,7 +18,7 @@ from compress.checkpoint import load
 from compress.compaction import compact
 from compress.export import FILES, export_checkpoint
 from compress.models import create_model
-from compress.onnx_export import ShiftAddConv2d, check_onnx, export_onnx
+from compress.onnx_export import FixedAdaptiveAvgPool2d, ShiftAddConv2d, check_onnx, export_onnx
 from compress.pix import PiXBlock, apply_pix
 from compress.profile import profile
 from compress.skeleton import attach_skeletons
@@ -273,6 +273,26 @@ def test_onnx_of_a_pix_model_at_the_lowest_opset(tmp_path):
     for mode in ("dense", "shift"):
         assert check_onnx(export_onnx(model, tmp_path / f"{mode}.onnx", (3, 32, 32), stripe_mode=mode, opset=13),
                           model, x) <= 1e-4
+
+
+@pytest.mark.parametrize("in_size, out_size", [((1, 1), (7, 7)), ((2, 2), (7, 7)), ((5, 3), (7, 7)), ((9, 13), (4, 5))])
+def test_fixed_adaptive_avg_pool_equals_pytorchs(in_size, out_size):
+    x = torch.randn(3, 4, *in_size, dtype=torch.float64)
+    torch.testing.assert_close(FixedAdaptiveAvgPool2d(in_size, out_size)(x),
+                               nn.functional.adaptive_avg_pool2d(x, out_size), rtol=1e-12, atol=1e-12)
+
+
+def test_onnx_of_torchvision_vgg_below_224(tmp_path):
+    """torchvision's VGG pools its 2x2 map at 64x64 inputs to 7x7, which PyTorch's exporter refuses as an adaptive
+    pool; the export writes it as a fixed MatMul, exact at that size."""
+    import onnx
+
+    model = _skeleton_model("vgg11_bn", keep=0.5, num_classes=10)
+    compact(model)
+    path = export_onnx(model, tmp_path / "vgg.onnx", (3, 64, 64))
+    assert "MatMul" in {node.op_type for node in onnx.load(str(path)).graph.node}
+    assert check_onnx(path, model, torch.randn(3, 3, 64, 64)) <= 1e-4
+    assert isinstance(model.avgpool, nn.AdaptiveAvgPool2d)  # the model itself is left as it was
 
 
 def test_missing_checkpoint_is_clear(tmp_path):
