@@ -25,7 +25,13 @@ from compress.models import create_model
 from compress.onnx_export import STRIPE_MODES, check_onnx, export_onnx
 from compress.pix import apply_pix
 from compress.profile import measure_latencies, profile
-from compress.report import plot_stripes, render_markdown, report_dict, stripes_per_layer
+from compress.report import (
+    compact_stripes_per_layer,
+    plot_stripes,
+    render_markdown,
+    report_dict,
+    stripes_per_layer,
+)
 from compress.skeleton import SkeletonConv2d
 from compress.surgery import replace_module
 
@@ -248,7 +254,7 @@ def export_checkpoint(
         dense_prof,
         small_prof,
         threshold=used,
-        stripes=stripes_per_layer(model if cfg else small, used),
+        stripes=stripes_per_layer(model, used) if cfg else compact_stripes_per_layer(small, architecture(model.compress_arch)),
     )
     report.update(source=str(ckpt), target_macs=target_macs, fold_bn=fold_bn, onnx=onnx_info,
                   run={"dtype": dtype, "channels_last": channels_last, "cuda_graphs": cuda_graphs,

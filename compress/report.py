@@ -13,10 +13,10 @@ from pathlib import Path
 import torch.nn as nn
 
 from compress.profile import ProfileReport, compare
-from compress.skeleton import SkeletonConv2d
+from compress.skeleton import SkeletonConv2d, eligible_convs
 from compress.stripe import StripeConv2d
 
-__all__ = ["stripes_per_layer", "report_dict", "render_markdown", "plot_stripes"]
+__all__ = ["stripes_per_layer", "compact_stripes_per_layer", "report_dict", "render_markdown", "plot_stripes"]
 
 
 def stripes_per_layer(model: nn.Module, threshold: float = 0.0) -> dict[str, dict[str, int]]:
@@ -29,6 +29,28 @@ def stripes_per_layer(model: nn.Module, threshold: float = 0.0) -> dict[str, dic
             stripes[name] = {"kept": int(mask.sum()), "total": mask.numel()}
         elif isinstance(m, StripeConv2d):
             stripes[name] = {"kept": m.num_stripes, "total": m.out_channels * m.kernel_size[0] * m.kernel_size[1]}
+    return stripes
+
+
+def compact_stripes_per_layer(compact: nn.Module, dense: nn.Module) -> dict[str, dict[str, int]]:
+    """{layer: {"kept", "total"}} for a compact model without its training model (a compact file): over the
+    convs of `dense` (the uncompacted architecture) that SWP gives a skeleton by default, total = the dense conv's
+    out_channels * kh * kw and kept = the compact layer's stripes (a StripeConv2d's, or every stripe of the
+    filters a plain conv kept; 0 where the layer is gone)."""
+    stripes = {}
+    for name in eligible_convs(dense):
+        conv = dense.get_submodule(name)
+        try:
+            layer = compact.get_submodule(name)
+        except AttributeError:
+            layer = None
+        if isinstance(layer, StripeConv2d):
+            kept = layer.num_stripes
+        elif isinstance(layer, nn.Conv2d):
+            kept = layer.out_channels * layer.kernel_size[0] * layer.kernel_size[1]
+        else:
+            kept = 0
+        stripes[name] = {"kept": kept, "total": conv.out_channels * conv.kernel_size[0] * conv.kernel_size[1]}
     return stripes
 
 

@@ -87,9 +87,22 @@ def attach_skeletons(
     Eligible: groups == 1, max(kh, kw) >= min_kernel_size, the name matches one of `include`
     (fnmatch patterns; None = all) and none of `exclude`. Convs that already have a skeleton are kept.
     """
+    names = eligible_convs(model, min_kernel_size, include, exclude)
+    for name in names:
+        replace_module(model, name, SkeletonConv2d.from_conv(model.get_submodule(name)))
+    return names
+
+
+def eligible_convs(
+    model: nn.Module,
+    min_kernel_size: int = 2,
+    include: Sequence[str] | None = None,
+    exclude: Sequence[str] | None = None,
+) -> list[str]:
+    """Names of the plain Conv2d modules of `model` that `attach_skeletons` (same arguments) gives a skeleton."""
     if isinstance(include, str) or isinstance(exclude, str):
         raise TypeError("attach_skeletons: include/exclude are lists of patterns, e.g. ['layer1.*']")
-    names = [
+    return [
         name
         for name, m in model.named_modules()
         if type(m) is nn.Conv2d
@@ -97,9 +110,6 @@ def attach_skeletons(
         and max(m.kernel_size) >= min_kernel_size
         and _selected(name, include, exclude)
     ]
-    for name in names:
-        replace_module(model, name, SkeletonConv2d.from_conv(model.get_submodule(name)))
-    return names
 
 
 def _skeleton_convs(model: nn.Module) -> list[tuple[str, SkeletonConv2d]]:

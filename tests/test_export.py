@@ -203,6 +203,10 @@ def test_export_flow(training_checkpoint, tmp_path):
     assert "| MACs | 40.55 M |" in (tmp_path / FILES[3]).read_text()
     assert (tmp_path / FILES[4]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+    # the compact file exported again reports the same stripes, over the dense layers (two filters per layer died)
+    again = export_checkpoint(tmp_path / FILES[0], tmp_path / "again", onnx=False, latency=False)
+    assert again["stripes"] == data["stripes"]
+
 
 def test_export_script(training_checkpoint, tmp_path):
     path, _ = training_checkpoint
