@@ -128,8 +128,10 @@ def _same(model_mod: nn.Module, ref_mod: nn.Module | None) -> bool:
     return key is None or _config(model_mod, key) == _config(ref_mod, key)
 
 
-def _shapes(model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    return {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+def _shapes(model: nn.Module) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """{state_dict key: (shape, floating point?)}: what a recipe must rebuild. The precision is not part of it:
+    `load` assigns the saved tensors, so a float16/bfloat16 model comes back in its own dtypes."""
+    return {k: (tuple(v.shape), v.is_floating_point()) for k, v in model.state_dict().items()}
 
 
 def _apply(model: nn.Module, replacements: list[dict], removed: list[str], where: str) -> None:
@@ -178,7 +180,7 @@ def build_recipe(model: nn.Module) -> dict:
     """The JSON recipe that rebuilds `model`'s structure from `create_model(**model.compress_arch)`.
 
     Raises ValueError when a changed module's type is not in the allowlist, or when the rebuilt
-    structure would not match the model's state_dict (names, shapes, dtypes).
+    structure would not match the model's state_dict (names, shapes, floating point or integer).
     """
     arch = _arch(model)
     ref = _reference(arch, "compress.save")

@@ -118,6 +118,27 @@ def test_compact_model_round_trip(tmp_path, fold_bn):
     assert all(torch.equal(back[k], v) for k, v in loaded.state_dict().items())
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, "mixed"])
+def test_16_bit_models_round_trip_in_their_dtypes(tmp_path, dtype):
+    """A compact model cast to float16/bfloat16 (or with only its classifier in float16) saves and loads with every
+    tensor in its own dtype, and computes what it did."""
+    model = create_model("resnet20")
+    attach_skeletons(model)
+    small = compact(_randomise(model, keep=0.4), fold_bn=True)
+    if dtype == "mixed":
+        small.fc.half()  # saved and loaded as it is (not run: its input would be float32)
+    else:
+        small.to(dtype)
+    path = save(small, tmp_path / "m.safetensors")
+    loaded = load(path)
+    want = {k: v.dtype for k, v in small.state_dict().items()}
+    assert {k: v.dtype for k, v in loaded.state_dict().items()} == want
+    if dtype != "mixed":
+        x = torch.randn(2, 3, 32, 32, dtype=dtype)
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(x), small(x), rtol=0, atol=0)
+
+
 def test_removed_block_round_trip(tmp_path):
     model = _randomise(create_model("resnet18", input_size=32))
     del model.layer3[1]  # a whole residual block removed
