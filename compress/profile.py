@@ -209,13 +209,17 @@ class ProfileReport:
         ])
 
 
-def _count(model: nn.Module, x: torch.Tensor, convention: str = "layers") -> list[LayerProfile]:
+def _count(model: nn.Module, x: torch.Tensor, convention: str = "layers") -> tuple[list[LayerProfile], int]:
+    """Per-layer rows for one forward of `x` (a module called more than once sums its calls), and the bytes of the
+    largest single new output tensor."""
     rows: dict[str, LayerProfile] = {}
+    largest = 0
     seen_storage: set[int] = set()
     keep_alive: list[torch.Tensor] = []  # holds outputs so a freed pointer is not reused and miscounted
 
     def hook(name: str, module: nn.Module, handler: MacsHandler | None):
         def fn(mod: nn.Module, inputs: tuple, out) -> None:
+            nonlocal largest
             inp = inputs[0] if inputs else None
             out_t = out if isinstance(out, torch.Tensor) else None
             macs = int(handler(mod, inp, out_t)) if handler is not None and out_t is not None else 0
@@ -225,6 +229,7 @@ def _count(model: nn.Module, x: torch.Tensor, convention: str = "layers") -> lis
                 if ptr not in seen_storage:
                     seen_storage.add(ptr)
                     act = out_t.numel() * out_t.element_size()
+                    largest = max(largest, act)
                 keep_alive.append(out_t)
             row = rows.get(name)
             if row is None:  # first call; a module called twice accumulates
@@ -251,7 +256,7 @@ def _count(model: nn.Module, x: torch.Tensor, convention: str = "layers") -> lis
     finally:
         for h in handles:
             h.remove()
-    return list(rows.values())
+    return list(rows.values()), largest
 
 
 def _sync(device: torch.device) -> None:
@@ -353,7 +358,7 @@ def profile(
     try:
         gen = torch.Generator().manual_seed(0)  # a private generator: profiling never moves the global RNG
         x = torch.randn(1, *input_size, dtype=dtype, generator=gen).to(device)
-        layers = _count(model, x, convention)
+        layers, largest = _count(model, x, convention)
         ms = None
         if latency:
             xb = torch.randn(batch_size, *input_size, device=device, dtype=dtype)
@@ -363,13 +368,12 @@ def profile(
                 row.latency_ms = per_layer.get(row.name)
     finally:
         model.train(was_training)
-    acts = [row.activation_bytes for row in layers]
     return ProfileReport(
         input_size=list(input_size),
         params=sum(p.numel() for p in model.parameters()),
         macs=sum(row.macs for row in layers),
         weight_bytes=_nbytes(_weight_tensors(model)),
-        activation_bytes={"max": max(acts, default=0), "sum": sum(acts)},
+        activation_bytes={"max": largest, "sum": sum(row.activation_bytes for row in layers)},
         latency_ms=ms,
         device=str(device),
         batch_size=batch_size,

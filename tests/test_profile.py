@@ -54,6 +54,25 @@ def test_small_net_by_hand():
     assert rep.latency_ms is None and rep.device == "cpu"
 
 
+class SharedReLU(nn.Module):
+    """conv (3 -> 8) -> ReLU -> conv (8 -> 16, stride 2) -> the same (out-of-place) ReLU module again."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2, self.relu = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 16, 3, 2, 1), nn.ReLU()
+
+    def forward(self, x):
+        return self.relu(self.conv2(self.relu(self.conv1(x))))
+
+
+def test_a_module_called_twice_sums_its_calls_but_not_into_the_largest_activation():
+    rep = profile(SharedReLU(), (3, 16, 16), latency=False)
+    big, small = 8 * 16 * 16 * 4, 16 * 8 * 8 * 4  # float32 outputs at 16x16 and 8x8: 8192 and 4096 bytes
+    assert {row.name: row.activation_bytes for row in rep.layers} == {"conv1": big, "conv2": small,
+                                                                      "relu": big + small}
+    assert rep.activation_bytes == {"max": big, "sum": 2 * (big + small)}
+
+
 def test_small_net_paper_convention():
     """convention="paper" adds conv/Linear bias (1 per output), BN (2 per element), ReLU (1 per element),
     pooling (1 per input element); custom macs() modules and the rest are unchanged."""
