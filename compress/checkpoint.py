@@ -67,6 +67,11 @@ _TYPES: dict[str, tuple[str | type, Callable[[nn.Module], dict]]] = {
     "Linear": (nn.Linear, _linear_config),
     "Identity": (nn.Identity, _no_config),
     "ReLU": (nn.ReLU, lambda m: {"inplace": m.inplace}),
+    # the activations of timm's BatchNormAct2d, which stand in its place once BN folding takes the BN part
+    "ReLU6": (nn.ReLU6, lambda m: {"inplace": m.inplace}),
+    "SiLU": (nn.SiLU, lambda m: {"inplace": m.inplace}),
+    "Hardswish": (nn.Hardswish, lambda m: {"inplace": m.inplace}),
+    "GELU": (nn.GELU, lambda m: {"approximate": m.approximate}),
     "Sequential": (nn.Sequential, _no_config),
     "SkeletonConv2d": ("compress.skeleton:SkeletonConv2d", conv_config),
     "StripeConv2d": ("compress.stripe:StripeConv2d", _own_config),

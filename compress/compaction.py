@@ -38,6 +38,7 @@ from compress.skeleton import SkeletonConv2d
 from compress.stripe import Conv2dReLU, StripeConv2d, masked_conv
 from compress.surgery import (
     Chain,
+    bn_remainder,
     chain_constants,
     consumer_columns,
     consumers_unpadded,
@@ -134,8 +135,9 @@ def _compact_at(model: nn.Module, threshold: float, fold: bool, multiple: int = 
             pass
         if fold:
             for conv_name, bn_name in conv_bn_pairs_traced(out, graph).items():
-                fold_bn_into_conv(get_module(out, conv_name), get_module(out, bn_name))
-                replace_module(out, bn_name, nn.Identity())
+                bn = get_module(out, bn_name)
+                fold_bn_into_conv(get_module(out, conv_name), bn)
+                replace_module(out, bn_name, bn_remainder(bn))
     _to_stripe_convs(out, pruned)
     return out
 

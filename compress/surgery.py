@@ -23,6 +23,7 @@ __all__ = [
     "trace",
     "find_chains",
     "conv_bn_pairs_traced",
+    "bn_remainder",
     "chain_constants",
     "consumer_columns",
     "consumers_unpadded",
@@ -130,7 +131,7 @@ class _Tracer(fx.Tracer):
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return (
-            isinstance(m, nn.Conv2d)
+            isinstance(m, (nn.Conv2d, nn.BatchNorm2d))  # BN subclasses too (timm's BatchNormAct2d)
             or callable(getattr(m, "config", None))
             or super().is_leaf_module(m, qualname)
         )
@@ -245,8 +246,28 @@ def find_chains(model: nn.Module, graph: fx.Graph) -> list[Chain]:
     return chains
 
 
+def _timm_bn_act() -> tuple[type, ...]:
+    try:
+        from timm.layers import BatchNormAct2d
+    except ImportError:
+        return ()
+    return (BatchNormAct2d,)
+
+
+def bn_remainder(bn: nn.Module) -> nn.Module | None:
+    """What stands in the place of BatchNorm module `bn` once it is folded into the conv before it: nn.Identity for
+    a BatchNorm2d, the activation of timm's BatchNormAct2d (BN -> drop -> act; only with drop an Identity); None for
+    other BN subclasses, which are not folded (their forward may do more than normalise)."""
+    if type(bn) is nn.BatchNorm2d:
+        return nn.Identity()
+    if type(bn) in _timm_bn_act() and isinstance(bn.drop, nn.Identity):
+        return bn.act
+    return None
+
+
 def conv_bn_pairs_traced(model: nn.Module, graph: fx.Graph) -> dict[str, str]:
-    """Map each Conv2d (called once) whose only user is a BatchNorm2d (called once) to that BN's name."""
+    """Map each Conv2d (called once) whose only user is a BatchNorm2d that `bn_remainder` can fold (called once) to
+    that BN's name."""
     calls = _module_calls(graph)
     pairs = {}
     for node in graph.nodes:
@@ -256,7 +277,7 @@ def conv_bn_pairs_traced(model: nn.Module, graph: fx.Graph) -> dict[str, str]:
             continue
         (user,) = node.users
         if user.op == "call_module" and user.args == (node,) and calls[user.target] == 1:
-            if isinstance(model.get_submodule(user.target), nn.BatchNorm2d):
+            if bn_remainder(model.get_submodule(user.target)) is not None:
                 pairs[node.target] = user.target
     return pairs
 

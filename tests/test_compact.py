@@ -140,6 +140,23 @@ def test_fuse_relu_takes_each_conv_relu_into_the_conv(name, size, fused, pools, 
         compact(model, fuse_relu=True)
 
 
+@pytest.mark.parametrize("name, act", [("timm:regnetx_002", nn.ReLU), ("timm:efficientnet_b0", nn.SiLU)])
+def test_timm_batchnorm_act_folds_into_its_activation(name, act, tmp_path):
+    """timm's BatchNormAct2d (BN -> act in one module) folds like a BatchNorm2d and leaves its activation in its
+    place, which fuse_relu then takes into the conv where it is a ReLU; same output (float64), also after save/load."""
+    from timm.layers import BatchNormAct2d
+
+    model = skeleton_model(name, 32).double()
+    assert sum(type(m) is BatchNormAct2d for m in model.modules()) > 10
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    out = compact(model, fold_bn=True, fuse_relu=True)
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in out.modules())
+    assert (out.compress_compaction["relu_fused"] > 10) == (act is nn.ReLU)
+    assert any(type(m) is act for m in out.modules())
+    assert_same_output(model, out, x)
+    assert_same_output(model, load(save(out.float(), tmp_path / "m.safetensors")).double(), x)
+
+
 def test_compacting_a_compact_model_folds_its_bn_and_removes_new_dead_filters():
     """A compact model with its BN (fold_bn=False, what init= fine-tunes) compacted again with fold_bn and
     fuse_relu (export): every BN folds, ReLUs fuse into its stripe convs, a filter that lost all its stripes
