@@ -97,6 +97,12 @@ def compact(
         raise ValueError(f"compact: channel_multiple must be an int >= 1 (8 for GPU tensor cores), got {channel_multiple!r}")
     if fuse_relu and not fold_bn:
         raise ValueError("compact: fuse_relu=True needs fold_bn=True (a BatchNorm sits between a conv and its ReLU)")
+    if target_macs is not None and not any(isinstance(m, SkeletonConv2d) for m in model.modules()):
+        raise ValueError(
+            f"compact: target_macs={target_macs} needs a model with skeletons (a SWP training model) to choose "
+            "stripes from; this one has none (a compact model, or one never given skeletons). Compact the training "
+            "checkpoint with target_macs instead (python export.py ckpt=<run>/checkpoints/last.pt target_macs=...)"
+        )
     if target_macs is None:
         out, macs, dense = _compact_at(model, base, fold_bn, channel_multiple), None, None
     else:

@@ -206,8 +206,13 @@ def export_checkpoint(
             compress.CUDAGraphModel, CUDA only, for the total latencies); the saved model stays float32.
     """
     _check_arguments(dtype, stripe_mode, opset, modes_timing, batch_size, repeats)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if cuda_graphs and torch.device(device).type != "cuda":
+        raise ValueError(f"export: profile.cuda_graphs needs a CUDA device, got device {device!r}; set "
+                         "profile.device=cuda on a GPU machine or profile.cuda_graphs=false")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"export: out={out} is a file; give a directory (created if missing)")
     model, cfg = load_any(ckpt)
     prune = cfg.get("prune") or {}
     if threshold is None:
@@ -220,10 +225,6 @@ def export_checkpoint(
                     channel_multiple=channel_multiple, fuse_relu=fuse_relu)
     used = small.compress_compaction["threshold"]
     dense = dense_baseline(model.compress_arch, fold_bn, fuse_relu)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if cuda_graphs and torch.device(device).type != "cuda":
-        raise ValueError(f"export: profile.cuda_graphs needs a CUDA device, got device {device!r}; set "
-                         "profile.device=cuda on a GPU machine or profile.cuda_graphs=false")
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
 
     def deployed(m: nn.Module) -> nn.Module:
@@ -237,6 +238,7 @@ def export_checkpoint(
         for name, mode in modes.items():
             small.get_submodule(name).mode = mode
 
+    out.mkdir(parents=True, exist_ok=True)
     save_compact(small, out / FILES[0])
     onnx_info = None
     if onnx:

@@ -350,6 +350,9 @@ def profile(
         raise ValueError(f"profile: convention must be one of {CONVENTIONS}, got {convention!r}")
     if len(input_size) != 3:
         raise ValueError(f"profile: input_size is (C, H, W), got {tuple(input_size)}")
+    if latency and (batch_size < 1 or repeats < 1 or warmup < 0):
+        raise ValueError(f"profile: latency needs batch_size >= 1, repeats >= 1 and warmup >= 0; got batch_size="
+                         f"{batch_size}, repeats={repeats}, warmup={warmup}")
     model_device, dtype = _model_device_dtype(model)
     device = torch.device(device) if device is not None else model_device
     model.to(device)

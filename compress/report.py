@@ -115,7 +115,7 @@ def render_markdown(report: dict) -> str:
         f"Input {'x'.join(map(str, dense['input_size']))}, one input for counts; latency: median at batch "
         f"{dense['batch_size']} on {dense['device']}. MACs are multiply-adds (FLOPs = 2 MACs), counted by "
         f"the '{dense.get('convention', 'layers')}' convention of compress.profile. "
-        f"Stripe threshold: {report['threshold']}.",
+        f"Stripe threshold: {report['threshold']:.6g}.",
         "",
     ]
     run = report.get("run")

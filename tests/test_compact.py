@@ -263,6 +263,8 @@ def test_target_macs_meets_budget_with_smallest_threshold():
     below = compact(model, threshold=t - 1 / 8)  # the next smaller candidate misses the budget
     assert profile(below, size, latency=False).macs > 0.4 * dense
     assert_same_output(compact(model, threshold=t), out, torch.randn(2, *size, generator=gen))
+    with pytest.raises(ValueError, match="target_macs=0.4 needs a model with skeletons"):
+        compact(out, target_macs=0.4, input_size=size)  # a compact model has no stripes left to choose
     assert compact(model, target_macs=macs, input_size=size).compress_compaction["threshold"] == t
     with pytest.raises(ValueError, match="below what dropping every stripe.*absolute MAC count"):
         compact(model, target_macs=100, input_size=size)  # the Linear alone has 640 MACs

@@ -259,15 +259,18 @@ def test_export_deployment_options_are_checked(training_checkpoint, tmp_path):
     path, _ = training_checkpoint
     with pytest.raises(ValueError, match="profile.dtype must be one of"):
         export_checkpoint(path, tmp_path, dtype="int8")
-    with pytest.raises(ValueError, match="cuda_graphs needs a CUDA device"):
-        export_checkpoint(path, tmp_path, device="cpu", cuda_graphs=True)
-    bad = [({"stripe_mode": "bogus"}, "onnx.stripe_mode must be one of"), ({"opset": 12}, "onnx.opset=12; use 13"),
+    bad = [({"device": "cpu", "cuda_graphs": True}, "cuda_graphs needs a CUDA device"),
+           ({"stripe_mode": "bogus"}, "onnx.stripe_mode must be one of"), ({"opset": 12}, "onnx.opset=12; use 13"),
            ({"modes_timing": "gpu"}, "choose_modes_timing must be"), ({"batch_size": 0}, "profile.batch_size=0"),
            ({"repeats": -1}, "profile.repeats=-1")]
     for kwargs, message in bad:  # refused before anything is written
         with pytest.raises(ValueError, match=message):
             export_checkpoint(path, tmp_path / "bad", **kwargs)
         assert not (tmp_path / "bad").exists()
+    (tmp_path / "file").write_text("mine")
+    with pytest.raises(ValueError, match="is a file; give a directory"):
+        export_checkpoint(path, tmp_path / "file")
+    assert (tmp_path / "file").read_text() == "mine"
 
 
 def test_onnx_of_a_pix_model_at_the_lowest_opset(tmp_path):

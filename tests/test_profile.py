@@ -153,3 +153,9 @@ def test_str_gives_the_totals():
     text = str(report)
     assert f"MACs              {report.macs / 1e6:.2f} M" in text and "latency           not measured" in text
     assert f"params            {report.params / 1e6:.3f} M" in text and len(text.splitlines()) == 6
+
+
+@pytest.mark.parametrize("kwargs", [{"batch_size": 0}, {"repeats": 0}, {"warmup": -1}])
+def test_bad_latency_settings_are_clear(kwargs):
+    with pytest.raises(ValueError, match="latency needs batch_size >= 1, repeats >= 1 and warmup >= 0"):
+        profile(_small_net(), (3, 8, 8), **kwargs)
