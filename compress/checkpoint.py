@@ -219,7 +219,11 @@ def build_recipe(model: nn.Module) -> dict:
             f"compress.save: the recipe would not rebuild this model (state_dict entries differ: {diff}); "
             "a module changed in a way its config() does not describe"
         )
-    return {"format": FORMAT, "version": VERSION, "arch": arch, "replacements": replacements, "removed": removed}
+    recipe = {"format": FORMAT, "version": VERSION, "arch": arch, "replacements": replacements, "removed": removed}
+    compaction = getattr(model, "compress_compaction", None)
+    if isinstance(compaction, dict):  # how compress.compact made it (threshold, BN folding, MAC budget): kept as is
+        recipe["compaction"] = json.loads(json.dumps(compaction))
+    return recipe
 
 
 def save(model: nn.Module, path: str | os.PathLike) -> Path:
@@ -298,4 +302,6 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> nn.Modu
         detail = " ".join(str(err).split())
         raise ValueError(f"{where}: the tensors do not fit the recipe's model: {detail}") from None
     model.compress_arch = copy.deepcopy(arch)
+    if isinstance(recipe.get("compaction"), dict):
+        model.compress_compaction = recipe["compaction"]
     return model.to(device).eval()

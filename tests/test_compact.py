@@ -86,7 +86,9 @@ def test_compact_equals_skeleton_model(name, tmp_path):
         out = compact(model, fold_bn=fold)
         assert_same_output(model, out, x)
         save(out, tmp_path / f"{name}-{fold}.safetensors")  # and after a save/load round trip
-        assert_same_output(model, load(tmp_path / f"{name}-{fold}.safetensors"), x)
+        loaded = load(tmp_path / f"{name}-{fold}.safetensors")
+        assert_same_output(model, loaded, x)
+        assert loaded.compress_compaction == out.compress_compaction
         assert out.compress_arch == model.compress_arch and out.compress_compaction["threshold"] == 0.0
         assert any(isinstance(m, StripeConv2d) for m in out.modules())
         assert not any(isinstance(m, SkeletonConv2d) for m in out.modules())
