@@ -135,6 +135,7 @@ def _loaders(train: Dataset, test: Dataset, opts: dict, rank: int, world_size: i
 def _require_root(opts: dict, expected: str, how: str) -> Path:
     """The configured root as a Path; DatasetNotFoundError naming what belongs there if unset or missing."""
     name, root = opts["name"], opts["root"]
+    root = None if root == "???" else root  # OmegaConf's mark of a value the config leaves to the command line
     where = "data.root is not set" if root is None else f"data.root={root} does not exist"
     if root is None or not Path(root).expanduser().is_dir():
         raise DatasetNotFoundError(f"{name}: {where}; expected {expected} there. {how}")

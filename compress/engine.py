@@ -23,6 +23,7 @@ import json
 import os
 import random
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -369,13 +370,29 @@ def _command_line_keys() -> set[str] | None:
     return {o.key_or_group for o in overrides}
 
 
+# keys a resumed run may change besides trainer.*: where the data is read from and how many processes load it
+# (neither changes what is trained; other loader worker counts draw other augmentation streams)
+RESUME_MAY_CHANGE = ("data.root", "data.num_workers")
+
+
+def _may_change_on_resume(key: str) -> bool:
+    return key.startswith("trainer.") or key in RESUME_MAY_CHANGE
+
+
+def _plain_value(cfg: DictConfig, key: str):
+    """The value at dotted `key` of `cfg` as plain Python (a group as a resolved dict), None if absent."""
+    value = OmegaConf.select(cfg, key, default=None)
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
 def _resume_config(cfg: DictConfig, run_dir: Path, given: set[str] | None = None) -> tuple[DictConfig, dict | None]:
     """The config to train with and the checkpoint to resume from (None for a fresh run).
 
-    On resume the checkpoint's config is used. Only `trainer.*` may change: the keys in `given` (the command
-    line's, `_command_line_keys`) take the new value, the others keep the checkpoint's (epochs, max_steps, ...:
-    a crashed run resumed with just `resume=true` goes on as it was started). `given=None` (a config built in
-    Python) takes all of `cfg.trainer`. Other differences are reported and ignored.
+    On resume the checkpoint's config is used. Only `trainer.*`, `data.root` and `data.num_workers` may change:
+    the keys in `given` (the command line's, `_command_line_keys`) take the new value, the others keep the
+    checkpoint's (epochs, max_steps, ...: a crashed run resumed with just `resume=true` goes on as it was started);
+    any other key or group in `given` whose value differs from the checkpoint's is a ValueError. `given=None` (a
+    config built in Python) takes all of `cfg.trainer` and reports other differences, which it ignores.
     """
     if cfg.resume in (None, False):
         return cfg, None
@@ -383,16 +400,41 @@ def _resume_config(cfg: DictConfig, run_dir: Path, given: set[str] | None = None
     ckpt = load_checkpoint(path, keys=RESUME_KEYS)
     saved = OmegaConf.create(ckpt["config"])
     if given is None:
-        trainer = cfg.trainer
-    else:  # keys the checkpoint lacks (written by an older version) take the current defaults
-        trainer = OmegaConf.merge(cfg.trainer, saved.get("trainer", {}))
-        for key in sorted(k.split(".", 1)[1] for k in given if k.startswith("trainer.")):
-            OmegaConf.update(trainer, key, OmegaConf.select(cfg.trainer, key), merge=False)
-    merged = OmegaConf.merge(saved, {"trainer": trainer, "resume": cfg.resume})
-    ignored = [k for k in saved if k not in ("trainer", "resume") and saved.get(k) != cfg.get(k)]
-    if ignored:
-        print(f"resume: using the checkpoint's settings for {ignored} (only trainer.* may change on resume)")
+        merged = OmegaConf.merge(saved, {"trainer": cfg.trainer, "resume": cfg.resume})
+        ignored = [k for k in saved if k not in ("trainer", "resume") and saved.get(k) != cfg.get(k)]
+        if ignored:
+            print(f"resume: using the checkpoint's settings for {ignored} (only trainer.* may change on resume)")
+        return merged, ckpt
+    conflicts = sorted(
+        k for k in given
+        if k != "resume" and not k.startswith("hydra") and not _may_change_on_resume(k)
+        and _plain_value(saved, k) != _plain_value(cfg, k)
+    )  # fmt: skip
+    if conflicts:
+        shown = ", ".join(f"{k}={_plain_value(cfg, k)} (checkpoint: {_plain_value(saved, k)})" for k in conflicts)
+        raise ValueError(
+            f"resume: {shown}: a resumed run keeps its checkpoint's model, data, prune, optim and pix settings; only "
+            f"trainer.* and {', '.join(RESUME_MAY_CHANGE)} may change. Drop those overrides, or start a new run in "
+            "another hydra.run.dir (init=<compact model file> fine-tunes an exported model)"
+        )
+    # keys the checkpoint lacks (written by an older version) take the current defaults
+    merged = OmegaConf.merge(saved, {"trainer": OmegaConf.merge(cfg.trainer, saved.get("trainer", {}))},
+                             {"resume": cfg.resume})
+    for key in sorted(k for k in given if _may_change_on_resume(k)):
+        OmegaConf.update(merged, key, OmegaConf.select(cfg, key), merge=False)
     return merged, ckpt
+
+
+def _record_resumed_config(cfg: DictConfig, run_dir: Path) -> None:
+    """In a Hydra app, Hydra wrote the resuming command line's config into <run dir>/.hydra/config.yaml over the
+    run's own; write the config the resumed run trains with there instead."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized() or not HydraConfig.get().output_subdir:
+        return
+    config_file = run_dir / HydraConfig.get().output_subdir / "config.yaml"
+    if config_file.parent.is_dir():
+        config_file.write_text(OmegaConf.to_yaml(cfg))
 
 
 def _hydra_run_dir() -> Path:
@@ -482,9 +524,18 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     dist = setup_distributed(cfg.trainer.device)
     run_dir = _shared_run_dir(Path(run_dir) if run_dir is not None else _hydra_run_dir(), dist)
     cfg, ckpt = _resume_config(cfg, run_dir, _command_line_keys())
+    if ckpt is None and (run_dir / "checkpoints" / "last.pt").exists():
+        raise ValueError(
+            f"{run_dir} already holds a run (checkpoints/last.pt); a fresh run would overwrite its checkpoints. Pass "
+            "resume=true to continue it, or another hydra.run.dir (or delete the old run) to start anew"
+        )
     _check_config(cfg)
+    if ckpt is not None and dist.is_main:
+        _record_resumed_config(cfg, run_dir)
     if cfg.init is not None:  # saved with the run: export finds the file from any working directory
         cfg.init = str(Path(str(cfg.init)).resolve())
+    if "root" in cfg.data and not OmegaConf.is_missing(cfg.data, "root") and cfg.data.root is not None:
+        cfg.data.root = str(Path(str(cfg.data.root)).expanduser().resolve())  # resume works from any directory
     _seed_everything(cfg.trainer.seed + dist.rank)
 
     data = build_data(cfg.data, rank=dist.rank, world_size=dist.world_size)
@@ -518,7 +569,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
             raise ValueError(f"resume: the checkpoint's weights do not fit the model its config builds "
                              f"({cfg.model.name}): {detail}") from None
         optimizer.load_state_dict(ckpt["optimizer"])
-        scheduler.load_state_dict(ckpt["scheduler"])
+        scheduler = _resumed_scheduler(scheduler, optimizer, cfg.optim, ckpt, epochs, dist)
         scaler.load_state_dict(ckpt["scaler"])
         first_epoch, step, best, test = ckpt["epoch"], ckpt["step"], ckpt["best_accuracy"], ckpt["test"]
         skip, after_skip = _resume_mid_epoch(ckpt, generator, dist, int(cfg.trainer.seed))
@@ -678,6 +729,28 @@ def _resume_mid_epoch(ckpt: dict, generator: torch.Generator | None, dist: DistI
         )
     _restore_rng(ckpt["rng_epoch_start"], generator, dist, seed, int(ckpt["step"]))
     return skip, lambda: _restore_rng(ckpt["rng"], generator, dist, seed, int(ckpt["step"]))
+
+
+def _resumed_scheduler(scheduler, optimizer: torch.optim.Optimizer, optim_cfg: DictConfig, ckpt: dict, epochs: int,
+                       dist: DistInfo):
+    """The LR schedule a resumed run goes on with: the checkpoint's when trainer.epochs is the checkpoint's, else that
+    of a run of the new `epochs` length, at the checkpoint's epoch (cosine's length and a warmup-cosine's follow
+    `epochs`; multistep milestones are absolute epochs), so that the LR never comes from a mix of both."""
+    saved_epochs = int(ckpt["config"].get("trainer", {}).get("epochs", epochs))
+    if saved_epochs == epochs:
+        scheduler.load_state_dict(ckpt["scheduler"])
+        return scheduler
+    if dist.is_main:
+        print(f"resume: trainer.epochs {saved_epochs} -> {epochs}: the LR schedule is that of a {epochs}-epoch run, "
+              f"going on at epoch {ckpt['epoch'] + 1}")
+    for group in optimizer.param_groups:  # back to the base LR, then the new schedule's steps up to the epoch
+        group["lr"] = group["initial_lr"]
+    fresh = build_scheduler(optimizer, optim_cfg, epochs)
+    with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": no training step is meant
+        warnings.simplefilter("ignore", UserWarning)
+        for _ in range(int(ckpt["epoch"])):
+            fresh.step()
+    return fresh
 
 
 def _say_if_nothing_to_train(first_epoch: int, epochs: int, step: int, max_steps: int | None, dist: DistInfo) -> None:

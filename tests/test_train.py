@@ -1,12 +1,14 @@
 """The training engine end to end on CPU: resume equals an uninterrupted run, outputs, smoke runs."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from hydra import compose, initialize_config_dir
 
 from compress._logging import format_summary
@@ -111,8 +113,51 @@ def test_train_py_resume_keeps_the_checkpoints_trainer_settings(tmp_path):
     _, first = train(*TINY, "trainer.max_steps=3")
     out, again = train("resume=true")
     assert again["steps"] == 3 and "trainer.max_steps=3" in out and "nothing to train" in out
+    # .hydra/config.yaml holds the config the resumed run trains with, not the resume command line's defaults
+    written = yaml.safe_load((tmp_path / ".hydra" / "config.yaml").read_text())
+    assert written["model"]["name"] == "resnet20" and written["data"]["name"] == "fake"
+    for refused, message in [(["model=vgg11"], r"model=\{'name': 'vgg11'.*a resumed run keeps its checkpoint's"),
+                             ([], r"already holds a run \(checkpoints/last.pt\).*Pass resume=true")]:
+        proc = subprocess.run([sys.executable, "train.py", *(["resume=true", *refused] if refused else TINY),
+                               f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode != 0 and re.search(message, proc.stderr), proc.stderr[-2000:]
     _, resumed = train("resume=true", "trainer.max_steps=null")
     assert (first["steps"], resumed["steps"], resumed["epochs"]) == (3, 8, 2)
+
+
+@pytest.mark.parametrize("optim", [["optim=sgd_cosine"], ["optim=sgd_digits", "optim.warmup_epochs=1"]])
+def test_resuming_with_more_epochs_follows_the_longer_schedule(tmp_path, optim):
+    """A finished 2-epoch run resumed with trainer.epochs=4 trains epoch 3 at the LR a 4-epoch run has there (cosine
+    to 0 over 4 epochs, with and without warmup), not the old schedule's end nor a mix of both."""
+    cosine = [o for o in TINY if not o.startswith("optim")] + optim
+    run(_compose(*cosine, "optim.epochs=2"), run_dir=tmp_path / "extended")
+    extended = run(_compose(*cosine, "optim.epochs=2", "trainer.epochs=4", "trainer.max_steps=10", "resume=true"),
+                   run_dir=tmp_path / "extended")
+    straight = run(_compose(*cosine, "optim.epochs=4", "trainer.max_steps=10"), run_dir=tmp_path / "straight")
+    assert extended["steps"] == straight["steps"] == 10  # inside epoch 3: the checkpoint holds the LR it trains at
+    lrs = [torch.load(tmp_path / d / "checkpoints" / "last.pt", weights_only=True)["optimizer"]["param_groups"][0]["lr"]
+           for d in ("extended", "straight")]
+    assert lrs[0] == pytest.approx(lrs[1], rel=1e-12) and lrs[1] > 0.01
+
+
+def test_resume_takes_trainer_and_data_location_keys_and_refuses_others(tmp_path, monkeypatch):
+    """On the command line of a resume, trainer.*, data.root and data.num_workers take their new values (a relative
+    data.root is stored absolute, so the run resumes from any directory); any other key that differs is refused, one
+    equal to the checkpoint's passes."""
+    from compress.engine import _resume_config
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    run(_compose(*TINY, "trainer.max_steps=1", "data.root=data"), run_dir=tmp_path / "run")
+    saved = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["config"]
+    assert saved["data"]["root"] == str(tmp_path / "data")
+    given = {"resume", "trainer.max_steps", "data.root", "data.num_workers", "optim.lr"}
+    cfg = _compose(*TINY, "resume=true", "trainer.max_steps=3", "data.root=/elsewhere", "data.num_workers=2")
+    merged, _ = _resume_config(cfg, tmp_path / "run", given)
+    assert (merged.trainer.max_steps, merged.data.root, merged.data.num_workers) == (3, "/elsewhere", 2)
+    assert merged.optim.lr == saved["optim"]["lr"] and merged.trainer.epochs == 2
+    with pytest.raises(ValueError, match=r"optim.lr=0.5 \(checkpoint: 0.1\): a resumed run keeps"):
+        _resume_config(_compose(*TINY, "resume=true", "optim.lr=0.5"), tmp_path / "run", given)
 
 
 def _check_run_outputs(run_dir: Path, summary: dict) -> None:
