@@ -119,15 +119,18 @@ def _loaders(train: Dataset, test: Dataset, opts: dict, rank: int, world_size: i
     common = dict(num_workers=workers, pin_memory=opts["pin_memory"], persistent_workers=False)
     # Seeds the shuffle order (single process) and the per-epoch worker seeds; differs across ranks.
     generator = torch.Generator().manual_seed(opts["seed"] + rank)
+    # A last training batch of one image is dropped: BatchNorm cannot train on one value per channel (a 1x1 map)
+    per_rank = -(-len(train) // world_size)  # DistributedSampler pads every rank's share to this
+    drop_single = per_rank % opts["batch_size"] == 1 and per_rank > 1
     if world_size > 1:
         train_sampler = DistributedSampler(train, world_size, rank, shuffle=True, seed=opts["seed"])
         test_sampler = DistributedSampler(test, world_size, rank, shuffle=False)
-        train_loader = DataLoader(
-            train, opts["batch_size"], sampler=train_sampler, generator=generator, **common
-        )
+        train_loader = DataLoader(train, opts["batch_size"], sampler=train_sampler, generator=generator,
+                                  drop_last=drop_single, **common)
     else:
         test_sampler = None
-        train_loader = DataLoader(train, opts["batch_size"], shuffle=True, generator=generator, **common)
+        train_loader = DataLoader(train, opts["batch_size"], shuffle=True, generator=generator,
+                                  drop_last=drop_single, **common)
     test_loader = DataLoader(test, opts["eval_batch_size"], shuffle=False, sampler=test_sampler, **common)
     return train_loader, test_loader
 
