@@ -70,7 +70,12 @@ class DistInfo:
 def _resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"trainer.device={name!r} is not a device; use auto, cpu, cuda or cuda:<index>") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"trainer.device={name!r}: training runs on auto, cpu, cuda or cuda:<index>")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"trainer.device={name} but CUDA is not available; use trainer.device=auto or cpu")
     return device
@@ -336,6 +341,19 @@ def _peak_gpu_memory(device: torch.device) -> dict[str, float]:
     return {"epoch/peak_gpu_memory_gib": peak}
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _require_int(key: str, value, least: int, null: str | None = None, note: str | None = None) -> None:
+    """ValueError unless `value` is an int >= `least` (or None where `null` says what None means)."""
+    if value is None and null is not None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        rule = f"an int >= {least}" + (f", or null ({null})" if null else "") + (f"; {note}" if note else "")
+        raise ValueError(f"{key}={value!r} must be {rule}")
+
+
 def _check_config(cfg: DictConfig) -> None:
     """Reject settings this version cannot honour, with the fix in the message."""
     if cfg.init is not None and not Path(str(cfg.init)).is_file():
@@ -346,14 +364,22 @@ def _check_config(cfg: DictConfig) -> None:
         raise ValueError(f"prune.name={cfg.prune.name!r} is unknown; choose one of {PRUNE_METHODS} (prune=none|swp)")
     if cfg.prune.name == "swp":
         check_nonnegative(alpha=cfg.prune.alpha, threshold=cfg.prune.threshold)
-    if cfg.trainer.epochs < 1:
-        raise ValueError(f"trainer.epochs={cfg.trainer.epochs} must be >= 1")
-    if cfg.trainer.eval_every < 1:
-        raise ValueError(f"trainer.eval_every={cfg.trainer.eval_every} must be >= 1 (the last epoch is always evaluated)")
-    if cfg.trainer.get("checkpoint_every") is not None and cfg.trainer.checkpoint_every < 1:
-        raise ValueError(f"trainer.checkpoint_every={cfg.trainer.checkpoint_every} must be >= 1, or null (epoch ends only)")
-    if cfg.trainer.max_steps is not None and cfg.trainer.max_steps < 1:
-        raise ValueError(f"trainer.max_steps={cfg.trainer.max_steps} must be >= 1, or null for no step limit")
+    _require_int("trainer.epochs", cfg.trainer.epochs, 1)
+    _require_int("trainer.eval_every", cfg.trainer.eval_every, 1, note="the last epoch is always evaluated")
+    _require_int("trainer.checkpoint_every", cfg.trainer.get("checkpoint_every"), 1, null="epoch ends only")
+    _require_int("trainer.max_steps", cfg.trainer.max_steps, 1, null="no step limit")
+    _require_int("trainer.log_every", cfg.trainer.log_every, 1)
+    _require_int("trainer.seed", cfg.trainer.seed, 0)
+    if cfg.trainer.amp_dtype not in ("bfloat16", "float16"):
+        raise ValueError(f"trainer.amp_dtype={cfg.trainer.amp_dtype!r}; use bfloat16 or float16")
+    for key in ("lr", "momentum", "weight_decay", "gamma"):
+        value = cfg.optim.get(key)
+        least = "> 0" if key in ("lr", "gamma") else ">= 0"
+        if value is not None and (not _is_number(value) or (value <= 0 if least == "> 0" else value < 0)):
+            raise ValueError(f"optim.{key}={value!r} must be a number {least}")
+    if cfg.prune.name == "swp" and _is_number(cfg.prune.threshold) and cfg.prune.threshold >= 1:
+        raise ValueError(f"prune.threshold={cfg.prune.threshold} zeroes every stripe at the first step (skeletons "
+                         "start at 1); use a small value (the paper's is 0.01)")
     if cfg.trainer.compile and not cfg.trainer.compile_backend:
         raise ValueError("trainer.compile=true needs trainer.compile_backend (inductor, or aot_eager on CPU)")
 
@@ -449,8 +475,6 @@ def _amp_dtype(cfg: DictConfig, device: torch.device) -> torch.dtype | None:
     """Autocast dtype on CUDA when trainer.amp is on ('bfloat16' or 'float16'); None (fp32) on CPU."""
     if not cfg.trainer.amp or device.type != "cuda":
         return None
-    if cfg.trainer.amp_dtype not in ("bfloat16", "float16"):
-        raise ValueError(f"trainer.amp_dtype={cfg.trainer.amp_dtype!r}; use bfloat16 or float16")
     return getattr(torch, cfg.trainer.amp_dtype)
 
 
@@ -489,6 +513,13 @@ def _model_name(model_cfg: DictConfig) -> str:
     if model_cfg.get("source") == "timm" and not name.startswith(TIMM_PREFIX):
         return TIMM_PREFIX + name
     return name
+
+
+def _patterns(value) -> list[str] | None:
+    """prune.include / prune.exclude as a list of fnmatch patterns (one pattern may be given as a string)."""
+    if value is None:
+        return None
+    return [str(value)] if isinstance(value, str) else [str(v) for v in value]
 
 
 def _build_model(cfg: DictConfig, data) -> nn.Module:
@@ -543,7 +574,13 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     arch = _plain(raw.compress_arch)  # in each checkpoint: export rebuilds the model from it
     swp = None
     if cfg.prune.name == "swp" and cfg.init is None:
-        attach_skeletons(raw, cfg.prune.min_kernel_size, cfg.prune.include, cfg.prune.exclude)
+        include, exclude = _patterns(cfg.prune.include), _patterns(cfg.prune.exclude)
+        if not attach_skeletons(raw, cfg.prune.min_kernel_size, include, exclude):
+            raise ValueError(
+                f"prune=swp: no conv of {cfg.model.name} gets a skeleton with prune.include={include}, "
+                f"prune.exclude={exclude}, prune.min_kernel_size={cfg.prune.min_kernel_size}; check the patterns "
+                "against the model's module names (print(model)), or train with prune=none"
+            )
         swp = (float(cfg.prune.alpha), float(cfg.prune.threshold))
     raw = _sync_bn(raw, cfg, dist)
     threshold = swp[1] if swp else 0.0

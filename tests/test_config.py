@@ -71,8 +71,18 @@ def test_cifar_configs_keep_the_paper_recipe():
         (["init=/nonexistent/model.safetensors"], ValueError, "no such file"),
         (["resume=true"], FileNotFoundError, "no checkpoint at .*last.pt"),
         (["optim.schedule=linear"], ValueError, "optim.schedule='linear' is not supported"),
-        (["trainer.eval_every=0"], ValueError, "trainer.eval_every=0 must be >= 1"),
-        (["trainer.max_steps=0"], ValueError, "trainer.max_steps=0 must be >= 1, or null"),
+        (["trainer.eval_every=0"], ValueError, "trainer.eval_every=0 must be an int >= 1"),
+        (["trainer.max_steps=0"], ValueError, r"trainer.max_steps=0 must be an int >= 1, or null \(no step limit\)"),
+        (["trainer.max_steps=2.5"], ValueError, "trainer.max_steps=2.5 must be an int >= 1"),
+        (["trainer.log_every=0"], ValueError, "trainer.log_every=0 must be an int >= 1"),
+        (["trainer.seed=-1"], ValueError, "trainer.seed=-1 must be an int >= 0"),
+        (["trainer.amp_dtype=float8"], ValueError, "trainer.amp_dtype='float8'; use bfloat16 or float16"),
+        (["trainer.device=gpu"], ValueError, "trainer.device='gpu' is not a device; use auto, cpu, cuda"),
+        (["optim.lr=-0.1"], ValueError, r"optim.lr=-0.1 must be a number > 0"),
+        (["optim.lr=abc"], ValueError, r"optim.lr='abc' must be a number > 0"),
+        (["optim=sgd_multistep", "optim.gamma=-1"], ValueError, r"optim.gamma=-1 must be a number > 0"),
+        (["prune=swp", "prune.threshold=2"], ValueError, "prune.threshold=2 zeroes every stripe"),
+        (["prune=swp", "prune.include=layr1.*"], ValueError, r"no conv of resnet56 gets a skeleton with prune.include=\['layr1.\*'\]"),
         (["data.input_size=0"], ValueError, "data.input_size=0; it must be an int >= 1"),
         (["model=resnet29_bottleneck", "pix.zeta=4", "pix.tau=-5"], ValueError, r"tau=-5.0 must be in \[0, 1\]"),
     ],
@@ -142,3 +152,9 @@ def test_timm_config_takes_bare_timm_names(name):
     assert _model_name(_compose("model=resnet18").model) == "resnet18"  # the registry's torchvision resnet18
     model = create_model(_model_name(cfg.model), num_classes=3)
     assert isinstance(model, timm.models.ResNet)
+
+
+def test_prune_include_takes_one_pattern_as_a_string(tmp_path):
+    tiny = ["data=fake", "data.input_size=8", "data.train_size=4", "data.test_size=4", "trainer.max_steps=1"]
+    summary = run(_compose(*tiny, "prune=swp", "prune.include=layer1.*"), run_dir=tmp_path)
+    assert summary["skeleton_layers"] == 18  # resnet56's layer1: 9 blocks of two 3x3 convs
