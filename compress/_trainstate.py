@@ -50,8 +50,9 @@ def load_checkpoint(path: str | os.PathLike, hint: str = RESUME_HINT, keys: tupl
             "kind of file, or it holds pickled Python objects (a whole model saved with torch.save(model)), which "
             "are never loaded here because loading them can run code; save model.state_dict() instead"
         ) from None
-    except (RuntimeError, EOFError, OSError) as err:
+    except (RuntimeError, EOFError, OSError, KeyError, ValueError) as err:  # KeyError: a text file read as a pickle
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        first = first if not isinstance(err, KeyError) else f"not a pickle: {type(err).__name__} {first}"
         raise ValueError(
             f"{path} cannot be read as a torch checkpoint ({first}); it is truncated or corrupt, or not a .pt "
             "file: take another checkpoint (checkpoints/best.pt, or an earlier copy)"

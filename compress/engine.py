@@ -656,7 +656,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
         if every and at % every == 0 and done < len(data.train) and (max_steps is None or at < max_steps):
             save(epoch, done, at, epoch_rng, rng_state(generator), is_best=False)
 
-    epochs_trained = first_epoch  # the last epoch this run trained in (finished or not), 1-based
+    epochs_trained = first_epoch + (1 if skip else 0)  # the last epoch trained in (finished or not), 1-based
     train = {"images_per_s": float("nan")}
     _say_if_nothing_to_train(first_epoch, epochs, step, max_steps, dist)
     epoch_bar = progress(range(first_epoch, epochs), dist.is_main, desc="epochs")
@@ -696,7 +696,8 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
             kept = stats["stripes_kept"] / max(stats["stripes_total"], 1)
             epoch_bar.write(
                 f"epoch {epoch + 1}/{epochs} step {step} lr {lr:.4g} train loss {train['loss']:.4f} "
-                f"acc {train['accuracy']:.4f} | test acc {test['accuracy']:.4f} | stripes kept {kept:.1%}"
+                f"acc {train['accuracy']:.4f} | test acc {test['accuracy']:.4f}"
+                + (f" | stripes kept {kept:.1%}" if stats["stripes_total"] else "")
             )
         save(epoch, done, step, epoch_rng, rng or rng_state(generator), is_best)
         if stopping:
@@ -721,13 +722,13 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
         "epochs": epochs_trained,
         "steps": step,
         "seconds": time.perf_counter() - start,
-        "images_per_s": train["images_per_s"],
+        "images_per_s": None if np.isnan(train["images_per_s"]) else train["images_per_s"],  # None: no step ran
         "world_size": dist.world_size,
         "model": arch["name"],  # an init= run's model is the compact file's, whatever model= says
         "data": cfg.data.name,
         "device": str(dist.device),
         "run_dir": str(run_dir),
-        "checkpoint": str(ckpt_dir / "last.pt"),
+        "checkpoint": str(ckpt_dir / "last.pt") if (ckpt_dir / "last.pt").is_file() else None,  # None: none written
     }
     if dist.is_main:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -113,6 +113,9 @@ def test_train_py_resume_keeps_the_checkpoints_trainer_settings(tmp_path):
     _, first = train(*TINY, "trainer.max_steps=3")
     out, again = train("resume=true")
     assert again["steps"] == 3 and "trainer.max_steps=3" in out and "nothing to train" in out
+    # strict JSON (no NaN): no step ran, so no images/s; still inside the run's first epoch
+    json.loads((tmp_path / "summary.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in summary.json"))
+    assert again["images_per_s"] is None and again["epochs"] == first["epochs"] == 1
     # .hydra/config.yaml holds the config the resumed run trains with, not the resume command line's defaults
     written = yaml.safe_load((tmp_path / ".hydra" / "config.yaml").read_text())
     assert written["model"]["name"] == "resnet20" and written["data"]["name"] == "fake"
@@ -252,7 +255,8 @@ def test_bad_checkpoint_files_are_clear_errors(tmp_path):
     (tmp_path / "summary.json").write_text('{"steps": 2}')
     torch.save(torch.nn.Linear(2, 2), tmp_path / "whole_model.pt")
     torch.save({"w": torch.randn(2)}, tmp_path / "state_dict.pt")
-    cases = {"truncated.pt": "truncated or corrupt", "summary.json": "refused it",
+    (tmp_path / "text.pt").write_text("hello\n")
+    cases = {"truncated.pt": "truncated or corrupt", "summary.json": "refused it", "text.pt": "truncated or corrupt",
              "whole_model.pt": "never loaded here because loading them can run code",
              "state_dict.pt": r"not a train.py checkpoint \(it has no \['model', 'config'\]"}
     for name, message in cases.items():
