@@ -317,6 +317,10 @@ class _StepLog:
     def __init__(self, logger: RunLogger, optimizer: torch.optim.Optimizer, every: int, world_size: int):
         self.logger, self.optimizer = logger, optimizer
         self.every, self.world_size = max(every, 1), world_size
+        self.restart()
+
+    def restart(self) -> None:
+        """Start a new rate window (at each epoch's start: evaluation and checkpoint writes stay out of the rate)."""
         self.images, self.since = 0, time.perf_counter()
 
     def __call__(self, step: int, loss: torch.Tensor, batch_images: int) -> float | None:
@@ -666,6 +670,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
         if hasattr(data.train.sampler, "set_epoch"):
             data.train.sampler.set_epoch(epoch)
         epoch_rng = ckpt["rng_epoch_start"][dist.rank] if skip else rng_state(generator)
+        log_step.restart()
         train, step, done = train_one_epoch(s, data.train, step, max_steps, log_step, dist.is_main, skip, after_skip,
                                             on_step)
         skip, after_skip, epochs_trained = 0, None, epoch + 1
