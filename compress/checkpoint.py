@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 
 from compress.surgery import conv_config, get_module
 
-__all__ = ["save", "load", "register_module_type", "build_recipe", "FORMAT", "VERSION"]
+__all__ = ["save", "load", "rebuild", "register_module_type", "build_recipe", "FORMAT", "VERSION"]
 
 FORMAT = "compress.compact"
 VERSION = 1
@@ -278,15 +278,9 @@ def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return recipe, tensors
 
 
-def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> nn.Module:
-    """Rebuild the model saved by `save` at `path` on `device`, in eval mode.
-
-    Raises ValueError naming the file and the problem for a truncated or tampered file (bad header,
-    missing or extra tensors, shape mismatch, unknown module type).
-    """
-    path = Path(path)
-    recipe, tensors = _read(path)
-    where = f"compress.load({path})"
+def rebuild(recipe: dict, where: str = "compress.rebuild") -> nn.Module:
+    """The module structure a recipe (`build_recipe`) describes, with fresh weights: the architecture rebuilt, the
+    replacements (allowlisted types only) and removals applied; `compress_arch` and `compress_compaction` set."""
     try:
         arch, replacements, removed = recipe["arch"], recipe["replacements"], recipe["removed"]
         model = _reference(arch, where)
@@ -296,12 +290,25 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> nn.Modu
         use_pix_bottlenecks(model)
     except (KeyError, TypeError) as err:
         raise ValueError(f"{where}: the recipe is incomplete or malformed ({err!r})") from None
+    model.compress_arch = copy.deepcopy(arch)
+    if isinstance(recipe.get("compaction"), dict):
+        model.compress_compaction = recipe["compaction"]
+    return model
+
+
+def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> nn.Module:
+    """Rebuild the model saved by `save` at `path` on `device`, in eval mode.
+
+    Raises ValueError naming the file and the problem for a truncated or tampered file (bad header,
+    missing or extra tensors, shape mismatch, unknown module type).
+    """
+    path = Path(path)
+    recipe, tensors = _read(path)
+    where = f"compress.load({path})"
+    model = rebuild(recipe, where)
     try:
         model.load_state_dict(tensors, strict=True, assign=True)
     except RuntimeError as err:
         detail = " ".join(str(err).split())
         raise ValueError(f"{where}: the tensors do not fit the recipe's model: {detail}") from None
-    model.compress_arch = copy.deepcopy(arch)
-    if isinstance(recipe.get("compaction"), dict):
-        model.compress_compaction = recipe["compaction"]
     return model.to(device).eval()

@@ -38,6 +38,7 @@ from torch.utils.data import DistributedSampler
 from compress._logging import RunLogger, format_summary, progress
 from compress._macs import estimate_macs
 from compress._trainstate import atomic_save, load_checkpoint, rng_state, set_rng_state
+from compress.checkpoint import build_recipe, rebuild
 from compress.checkpoint import load as load_compact
 from compress.data import build_data
 from compress.models import TIMM_PREFIX, create_model
@@ -358,9 +359,10 @@ def _require_int(key: str, value, least: int, null: str | None = None, note: str
         raise ValueError(f"{key}={value!r} must be {rule}")
 
 
-def _check_config(cfg: DictConfig) -> None:
-    """Reject settings this version cannot honour, with the fix in the message."""
-    if cfg.init is not None and not Path(str(cfg.init)).is_file():
+def _check_config(cfg: DictConfig, ckpt: dict | None = None) -> None:
+    """Reject settings this version cannot honour, with the fix in the message. A resumed fine-tuning run whose
+    checkpoint holds its model's recipe (`init_recipe`) does not need its init= file any more."""
+    if cfg.init is not None and not Path(str(cfg.init)).is_file() and not (ckpt or {}).get("init_recipe"):
         raise ValueError(f"init={cfg.init}: no such file; give a compact model file written by export.py or compress.save")
     if cfg.init is not None and cfg.pix.zeta is not None:
         raise ValueError("init and pix.zeta are both set: a compact model already has its PiX blocks; leave pix.zeta=null")
@@ -526,11 +528,13 @@ def _patterns(value) -> list[str] | None:
     return [str(value)] if isinstance(value, str) else [str(v) for v in value]
 
 
-def _build_model(cfg: DictConfig, data) -> nn.Module:
+def _build_model(cfg: DictConfig, data, ckpt: dict | None = None) -> nn.Module:
     """The model to train: a compact model file (`init=`, fine-tuned as it is: its stripe convs train
-    their kept weights), or a fresh registry model, with PiX applied when `pix.zeta` is set."""
+    their kept weights; on resume its structure comes from the checkpoint's `init_recipe`), or a fresh registry
+    model, with PiX applied when `pix.zeta` is set."""
     if cfg.init is not None:
-        model = load_compact(str(cfg.init))
+        recipe = (ckpt or {}).get("init_recipe")
+        model = rebuild(json.loads(recipe), f"resume: init_recipe of {cfg.init}") if recipe else load_compact(str(cfg.init))
         classes = model.compress_arch["kwargs"].get("num_classes")
         if classes is not None and classes != data.num_classes:
             raise ValueError(
@@ -564,7 +568,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
             f"{run_dir} already holds a run (checkpoints/last.pt); a fresh run would overwrite its checkpoints. Pass "
             "resume=true to continue it, or another hydra.run.dir (or delete the old run) to start anew"
         )
-    _check_config(cfg)
+    _check_config(cfg, ckpt)
     if ckpt is not None and dist.is_main:
         _record_resumed_config(cfg, run_dir)
     if cfg.init is not None:  # saved with the run: export finds the file from any working directory
@@ -574,8 +578,10 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     _seed_everything(cfg.trainer.seed + dist.rank)
 
     data = build_data(cfg.data, rank=dist.rank, world_size=dist.world_size)
-    raw = _build_model(cfg, data)
+    raw = _build_model(cfg, data, ckpt)
     arch = _plain(raw.compress_arch)  # in each checkpoint: export rebuilds the model from it
+    # a fine-tuning run's structure, so that resume and export need not find the init= file again
+    init_recipe = json.dumps(build_recipe(raw)) if cfg.init is not None else None
     swp = None
     if cfg.prune.name == "swp" and cfg.init is None:
         include, exclude = _patterns(cfg.prune.include), _patterns(cfg.prune.exclude)
@@ -643,6 +649,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
             "rng_epoch_start": _gather_rng(epoch_rng, dist) if partial else None,
             "world_size": dist.world_size,
             "arch": arch,
+            "init_recipe": init_recipe,
             "config": OmegaConf.to_container(cfg, resolve=True),
         }
         if dist.is_main:

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from compress._trainstate import load_checkpoint
-from compress.checkpoint import load
+from compress.checkpoint import load, rebuild
 from compress.checkpoint import save as save_compact
 from compress.compaction import choose_modes, compact
 from compress.graphs import CUDAGraphModel
@@ -92,14 +92,18 @@ def load_training_checkpoint(path: str | os.PathLike) -> tuple[nn.Module, dict]:
 
 
 def _fine_tuned(path: Path, state: dict, init: str) -> nn.Module:
-    """The model of a checkpoint of `train.py init=<compact file>`: the compact file's structure (rebuilt by
-    `compress.load`) with the checkpoint's weights."""
-    if not Path(init).is_file():
+    """The model of a checkpoint of `train.py init=<compact file>`: the compact model's structure (from the
+    checkpoint's `init_recipe`, or for older checkpoints from the file, rebuilt by `compress.load`) with the
+    checkpoint's weights."""
+    if state.get("init_recipe"):
+        model = rebuild(json.loads(state["init_recipe"]), f"export: init_recipe in {path}")
+    elif not Path(init).is_file():
         raise FileNotFoundError(
             f"export: {path} fine-tuned the compact model {init} (init=), whose file rebuilds its structure, and it "
             "is not there; restore it at that path, or export with ckpt=<that file> for the weights before fine-tuning"
         )
-    model = load(init)
+    else:
+        model = load(init)
     try:
         model.load_state_dict(state["model"], strict=True)
     except RuntimeError as err:

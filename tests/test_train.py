@@ -243,6 +243,21 @@ def test_init_fine_tunes_a_compact_model(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="predicts 3 classes and data fake has 5"):
         run(_compose(*TINY, "init=small.safetensors", "data.num_classes=5"), run_dir=tmp_path / "ft5")
 
+    # the checkpoint holds the compact structure: with the init file gone, the run resumes and exports
+    (tmp_path / "small.safetensors").rename(tmp_path / "moved.safetensors")
+    resumed = run(_compose(*no_model, "init=small.safetensors", "trainer.max_steps=4", "resume=true"),
+                  run_dir=tmp_path / "ft")
+    assert resumed["steps"] == 4 and resumed["model"] == "resnet20"
+    from compress.export import export_checkpoint
+
+    export_checkpoint(tmp_path / "ft" / "checkpoints" / "last.pt", tmp_path / "out", onnx=False, latency=False)
+    exported = compress.load(tmp_path / "out" / "model.compact.safetensors")
+    x = torch.randn(2, 3, 8, 8)
+    tuned = compress.load(tmp_path / "moved.safetensors")
+    tuned.load_state_dict(torch.load(tmp_path / "ft" / "checkpoints" / "last.pt", weights_only=True)["model"])
+    with torch.no_grad():
+        torch.testing.assert_close(exported(x), tuned.eval()(x), rtol=1e-5, atol=1e-5)
+
 
 def test_bad_checkpoint_files_are_clear_errors(tmp_path):
     """resume= and export's ckpt= read checkpoints with weights_only=True and name what is wrong with a file."""
