@@ -5,7 +5,9 @@ Only rank 0 logs; on other ranks (or with enabled=False) every method is a no-op
 
 from __future__ import annotations
 
+import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -14,7 +16,16 @@ from tqdm import tqdm
 
 from compress.skeleton import SkeletonConv2d
 
-__all__ = ["RunLogger", "progress", "skeleton_heatmap", "format_summary"]
+__all__ = ["RunLogger", "progress", "skeleton_heatmap", "format_summary", "say"]
+
+_log = logging.getLogger("compress")
+
+
+def say(text: str, write: Callable[[str], object] = print) -> None:
+    """Show `text` on the terminal with `write` (print, or a progress bar's write) and log it at INFO: under train.py,
+    Hydra's job logging (conf/train.yaml) puts it in <run dir>/train.log."""
+    write(text)
+    _log.info(text)
 
 
 def progress(iterable, enabled: bool, **kwargs) -> tqdm:

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DistributedSampler
 
-from compress._logging import RunLogger, format_summary, progress
+from compress._logging import RunLogger, format_summary, progress, say
 from compress._macs import estimate_macs
 from compress._trainstate import atomic_save, load_checkpoint, rng_state, set_rng_state
 from compress.checkpoint import build_recipe, rebuild
@@ -435,7 +435,7 @@ def _resume_config(cfg: DictConfig, run_dir: Path, given: set[str] | None = None
         merged = OmegaConf.merge(saved, {"trainer": cfg.trainer, "resume": cfg.resume})
         ignored = [k for k in saved if k not in ("trainer", "resume") and saved.get(k) != cfg.get(k)]
         if ignored:
-            print(f"resume: using the checkpoint's settings for {ignored} (only trainer.* may change on resume)")
+            say(f"resume: using the checkpoint's settings for {ignored} (only trainer.* may change on resume)")
         return merged, ckpt
     conflicts = sorted(
         k for k in given
@@ -706,10 +706,11 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
         best = max(best, test["accuracy"]) if evaluated else best
         if dist.is_main:
             kept = stats["stripes_kept"] / max(stats["stripes_total"], 1)
-            epoch_bar.write(
+            say(
                 f"epoch {epoch + 1}/{epochs} step {step} lr {lr:.4g} train loss {train['loss']:.4f} "
                 f"acc {train['accuracy']:.4f} | test acc {test['accuracy']:.4f}"
-                + (f" | stripes kept {kept:.1%}" if stats["stripes_total"] else "")
+                + (f" | stripes kept {kept:.1%}" if stats["stripes_total"] else ""),
+                epoch_bar.write,
             )
         save(epoch, done, step, epoch_rng, rng or rng_state(generator), is_best)
         if stopping:
@@ -744,7 +745,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     }
     if dist.is_main:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        print(format_summary(summary))
+        say(format_summary(summary))
     _finish_distributed(dist)
     return summary
 
@@ -791,7 +792,7 @@ def _resumed_scheduler(scheduler, optimizer: torch.optim.Optimizer, optim_cfg: D
         scheduler.load_state_dict(ckpt["scheduler"])
         return scheduler
     if dist.is_main:
-        print(f"resume: trainer.epochs {saved_epochs} -> {epochs}: the LR schedule is that of a {epochs}-epoch run, "
+        say(f"resume: trainer.epochs {saved_epochs} -> {epochs}: the LR schedule is that of a {epochs}-epoch run, "
               f"going on at epoch {ckpt['epoch'] + 1}")
     for group in optimizer.param_groups:  # back to the base LR, then the new schedule's steps up to the epoch
         group["lr"] = group["initial_lr"]
@@ -808,10 +809,10 @@ def _say_if_nothing_to_train(first_epoch: int, epochs: int, step: int, max_steps
     if not dist.is_main:
         return
     if first_epoch >= epochs:
-        print(f"nothing to train: the checkpoint has finished {first_epoch} epochs and trainer.epochs={epochs}; "
+        say(f"nothing to train: the checkpoint has finished {first_epoch} epochs and trainer.epochs={epochs}; "
               "pass a larger trainer.epochs to train on")
     elif max_steps is not None and step >= max_steps:
-        print(f"nothing to train: the checkpoint is at step {step} and trainer.max_steps={max_steps}; pass a larger "
+        say(f"nothing to train: the checkpoint is at step {step} and trainer.max_steps={max_steps}; pass a larger "
               "trainer.max_steps (or trainer.max_steps=null) to train on")
 
 

@@ -196,7 +196,9 @@ def test_train_py_entry_point_resnet50(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["model"] == "resnet50" and summary["steps"] == 2
     assert summary["stripes_total"] == 9 * (64 * 3 + 128 * 4 + 256 * 6 + 512 * 3) + 49 * 64
-    assert (tmp_path / ".hydra" / "config.yaml").is_file() and "test accuracy" in proc.stdout
+    assert (tmp_path / ".hydra" / "config.yaml").is_file() and proc.stdout.count("test accuracy") == 1
+    log = (tmp_path / "train.log").read_text()  # the run's messages, with times, beside its outputs
+    assert "epoch 1/" in log and "test accuracy" in log and "[INFO]" in log
 
 
 def test_pix_zeta_trains_a_bottleneck_resnet_with_pix_blocks(tmp_path):
