@@ -521,6 +521,27 @@ def _model_name(model_cfg: DictConfig) -> str:
     return name
 
 
+def _check_input_size(raw: nn.Module, data, device: torch.device) -> None:
+    """One eval forward of a random image of the data's size, so that a model that cannot take it fails here with
+    the data key named (not at the first training step with a bare shape error)."""
+    gen = torch.Generator().manual_seed(0)  # a private generator: the check never moves the training RNG streams
+    x = torch.randn(1, data.in_chans, data.input_size, data.input_size, generator=gen).to(device)
+    was_training = raw.training
+    raw.eval()
+    try:
+        with torch.no_grad():
+            raw(x)
+    except (RuntimeError, ValueError, AssertionError) as err:
+        first = (str(err).splitlines() or [type(err).__name__])[0]
+        raise ValueError(
+            f"the model cannot take a {data.in_chans}x{data.input_size}x{data.input_size} input (data.input_size="
+            f"{data.input_size}): {first}. Use a data.input_size the model allows (timm models with a fixed size take "
+            f"+model.kwargs.img_size=<size>)"
+        ) from err
+    finally:
+        raw.train(was_training)
+
+
 def _patterns(value) -> list[str] | None:
     """prune.include / prune.exclude as a list of fnmatch patterns (one pattern may be given as a string)."""
     if value is None:
@@ -596,6 +617,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     threshold = swp[1] if swp else 0.0
     channels_last = bool(cfg.trainer.channels_last) and dist.device.type == "cuda"
     raw.to(dist.device, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    _check_input_size(raw, data, dist.device)
     model = _training_model(raw, cfg, dist)
 
     epochs = int(cfg.trainer.epochs)

@@ -71,6 +71,7 @@ def test_cifar_configs_keep_the_paper_recipe():
         (["init=/nonexistent/model.safetensors"], ValueError, "no such file"),
         (["resume=true"], FileNotFoundError, "no checkpoint at .*last.pt"),
         (["optim.schedule=linear"], ValueError, "optim.schedule='linear' is not supported"),
+        (["model=vgg11_bn"], ValueError, r"the model cannot take a 3x8x8 input \(data.input_size=8\)"),
         (["trainer.eval_every=0"], ValueError, "trainer.eval_every=0 must be an int >= 1"),
         (["trainer.max_steps=0"], ValueError, r"trainer.max_steps=0 must be an int >= 1, or null \(no step limit\)"),
         (["trainer.max_steps=2.5"], ValueError, "trainer.max_steps=2.5 must be an int >= 1"),
