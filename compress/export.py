@@ -142,6 +142,14 @@ def load_any(path: str | os.PathLike) -> tuple[nn.Module, dict]:
     return load_training_checkpoint(path)
 
 
+def _bn_folded(model: nn.Module) -> bool:
+    """Whether compact `model` had its BatchNorms folded: it has none left while its architecture has some."""
+    def has_bn(m: nn.Module) -> bool:
+        return any(isinstance(x, nn.modules.batchnorm._BatchNorm) for x in m.modules())
+
+    return not has_bn(model) and has_bn(architecture(model.compress_arch))
+
+
 def _input_size(model: nn.Module) -> tuple[int, int, int]:
     kwargs = model.compress_arch["kwargs"]
     return (int(kwargs.get("in_chans", 3)), int(kwargs.get("input_size", 32)), int(kwargs.get("input_size", 32)))
@@ -192,7 +200,8 @@ def export_checkpoint(
     Args:
         threshold, target_macs: compaction settings (see compress.compact); None takes the training
             config's prune.threshold / prune.target_flops (threshold 0 without one).
-        fold_bn: fold BN into convs, in the compact model and (for a fair latency) the dense baseline.
+        fold_bn: fold BN into convs, in the compact model and (for a fair latency) the dense baseline. A compact
+            file whose BN is folded already is compared with a folded baseline whatever fold_bn says.
         channel_multiple: keep shrunk convs' channel counts a multiple of this (8 for GPU deployment).
         fuse_relu: with fold_bn, fold each conv's ReLU into it (compress.compact), in the compact model and the
             dense baseline alike.
@@ -224,6 +233,8 @@ def export_checkpoint(
     if target_macs is None:
         target_macs = prune.get("target_flops")
     size = _input_size(model)
+    if not cfg and _bn_folded(model):  # a compact file with its BN folded: its dense baseline folds too
+        fold_bn = True
     fuse_relu = fuse_relu and fold_bn
     small = compact(model, threshold=threshold, fold_bn=fold_bn, target_macs=target_macs, input_size=size,
                     channel_multiple=channel_multiple, fuse_relu=fuse_relu)

@@ -206,6 +206,9 @@ def test_export_flow(training_checkpoint, tmp_path):
     # the compact file exported again reports the same stripes, over the dense layers (two filters per layer died)
     again = export_checkpoint(tmp_path / FILES[0], tmp_path / "again", onnx=False, latency=False)
     assert again["stripes"] == data["stripes"]
+    # asked not to fold, it still compares the (folded) compact file with a folded dense baseline
+    unfolded = export_checkpoint(tmp_path / FILES[0], tmp_path / "again2", onnx=False, latency=False, fold_bn=False)
+    assert unfolded["dense"]["params"] == again["dense"]["params"] == data["dense"]["params"]
 
 
 def test_export_script(training_checkpoint, tmp_path):
