@@ -34,6 +34,12 @@ def _pair(v) -> tuple[int, int]:
     return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
 
 
+def _sources(*tensors: torch.Tensor | None) -> tuple:
+    """Detached views of the tensors a cache entry was built from: held with the entry, they keep those storages
+    alive, so a cache key of storage address and version can never match a later tensor at a reused address."""
+    return tuple(None if t is None else t.detach() for t in tensors)
+
+
 def _layout(x: torch.Tensor) -> torch.memory_format:
     """channels_last if x is stored channels_last, as torch's suggest_memory_format decides: also a 1-channel
     tensor made channels_last (channel stride 1, ambiguous by shape alone), so that a shrunk 1-channel layer
@@ -266,11 +272,13 @@ class StripeConv2d(nn.Module):
         if recording(w):
             return self.dense_weight(fmt)
         # cheap key (this runs on every eager call): the weight's storage and version (a move or cast makes a new
-        # tensor), the indices' storage; _build_plan (new indices from a state dict) clears the cache
+        # tensor), the indices' storage; _build_plan (new indices from a state dict) clears the cache. The cache
+        # holds the weight it was built from, so that a weight assigned later (`.data =`, a new Parameter) cannot
+        # get its freed address and pass for it.
         key = (fmt, w.data_ptr(), -1 if w.is_inference() else w._version, self.out_index.data_ptr())
         if self._dense_cache is None or self._dense_cache[0] != key:
             with torch.no_grad():
-                self._dense_cache = (key, self.dense_weight(fmt))
+                self._dense_cache = (key, self.dense_weight(fmt), _sources(w))
         return self._dense_cache[1]
 
     def _dense_mode_weight(self, fmt: torch.memory_format) -> tuple[torch.Tensor, tuple[int, int]]:
@@ -290,7 +298,7 @@ class StripeConv2d(nn.Module):
         """x (B, C, H, W) -> (B, N, Ho, Wo), in x's layout (see `_layout`)."""
         kept = self._inference_launch(x)
         if kept is not None:  # eager CUDA inference in stripe mode: checked first, the path whose host time counts
-            _, launch, relayout = kept
+            launch, relayout = kept[1], kept[2]
             y = launch(x)  # pooled by the launcher
             return y.contiguous(memory_format=torch.channels_last) if relayout else y
         fmt = _layout(x)
@@ -327,7 +335,8 @@ class StripeConv2d(nn.Module):
         if self._gemm_cache is None or self._gemm_cache[0] != key:
             with torch.no_grad():
                 self._gemm_cache = (key, unrolled.unrolled_operands(
-                    self.dense_weight().to(x.dtype), self.bias, x.shape[2:], self.stride, self.padding, self.dilation))
+                    self.dense_weight().to(x.dtype), self.bias, x.shape[2:], self.stride, self.padding, self.dilation),
+                    _sources(self.weight, self.bias))  # held: see _cached_dense_weight
         return self._gemm_cache[1]
 
     def _pooled(self, y: torch.Tensor) -> torch.Tensor:
@@ -421,7 +430,7 @@ class StripeConv2d(nn.Module):
                 args, kwargs = self._op_arguments(x)
                 launch = kernels.prepare_stripe_conv2d(*args, **kwargs, pool=self.pool, pool_ceil=self.pool_ceil)
             relayout = _layout(x) is torch.channels_last and not is_channels_last(x)
-            self._launch_cache = cache = (key, launch, relayout)
+            self._launch_cache = cache = (key, launch, relayout, _sources(w, b))  # held: see _cached_dense_weight
         return None if cache[1] is None else cache
 
     def graph_keepalive(self) -> tuple:

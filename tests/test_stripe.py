@@ -251,6 +251,28 @@ def test_stripe_mode_passes_its_cached_dense_weight_to_the_kernel_dense_route(dt
     assert _rel(xg.grad, xr.grad) < tol
 
 
+@pytest.mark.parametrize("mode, hw", [("dense", 6), ("gemm", 3)])
+def test_kept_weights_follow_a_replaced_weight(mode, hw):
+    """A weight replaced by assignment (`.data =`, or a new Parameter), whose storage the allocator may place at
+    the freed address of the old one with the same version, is never mistaken for the cached one."""
+    gen = torch.Generator().manual_seed(31)
+    conv = nn.Conv2d(8, 8, 3, padding=1)
+    s = StripeConv2d.from_dense(conv, _random_mask(8, 3, 3, keep=0.5, gen=gen), mode=mode).eval()
+    x = torch.randn(1, 8, hw, hw, generator=gen)
+    with torch.no_grad():
+        for trial in range(20):
+            s(x)
+            for _ in range(2):  # the second new weight may take the first one's freed address
+                new = torch.randn(s.weight.shape, generator=gen)
+                if trial % 2:
+                    s.weight.data = new
+                else:
+                    s.weight = nn.Parameter(new)
+                del new
+            want = F.conv2d(x.double(), s.dense_weight().double(), s.bias.double(), 1, 1)
+            torch.testing.assert_close(s(x).double(), want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
@@ -290,6 +312,10 @@ def test_eager_inference_launch_matches_the_op_and_follows_changes(dtype, layout
         s.weight.mul_(-2.0)
         conv.weight.mul_(-2.0)
         assert _rel(s(xd), torch.relu(_masked_reference(conv, mask, x))) < tol
+        for _ in range(5):  # a replaced weight (its storage may land at the old address) is not the kept one
+            s.weight.data = -s.weight.data
+            conv.weight.mul_(-1.0)
+            assert _rel(s(xd), torch.relu(_masked_reference(conv, mask, x))) < tol
     s2 = copy.deepcopy(s)
     assert s2._launch_cache is None
     xg = xd.detach().clone().requires_grad_()
