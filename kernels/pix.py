@@ -14,7 +14,8 @@ so that its backward never materialises the pooling gradient: the pool's (B, C) 
 inside the kernel that writes dx (PyTorch's mean backward expands it to a full-size tensor and adds that to dx:
 two extra full passes, 20% of a bf16 PiX ResNet-50 training step on an H200). Backward = a dp-only pass, the
 tiny predictor math, and a dx pass. The pooled mean and the predictor run in float32 (float64 for float64 x)
-whatever the autocast state; p is then cast to x's dtype for the fusion. On CUDA the whole forward and the
+whatever the autocast state; p is then cast to x's dtype for the fusion, and the p < tau test reads that cast p
+(as a PyTorch PiX under bf16 autocast does): in bfloat16 a p within one bf16 step below tau takes the mean branch. On CUDA the whole forward and the
 whole backward are one C++ call each (``pix_squeeze_forward/backward`` in csrc/pix.cu: the predictor math as
 ATen calls there, not a dozen Python-level ops, which cost 20% of a batch-64 bf16 training step in host time).
 On CPU (float32/float64, NCHW or channels_last) both ops run small C++ kernels (``kernels/_cpu.py``, compiled on

@@ -240,7 +240,14 @@ def _windows(k, KW, H, W, ho, wo, stride, padding, dilation):
 
 
 # ----------------------------------------------------------------------------------------------- torch path
+_HALF = (torch.float16, torch.bfloat16)
+
+
 def _forward_torch(x, weight, out_index, offset, bias, plan, N, kernel_size, stride, padding, dilation, relu):
+    if x.dtype in _HALF:  # float32 products and sums over the offsets, rounded once (as a 16-bit conv accumulates)
+        y = _forward_torch(x.float(), weight.float(), out_index, offset, None if bias is None else bias.float(), plan,
+                           N, kernel_size, stride, padding, dilation, relu)
+        return y.to(x.dtype)
     B, C, H, W = x.shape
     ho = conv_out_size(H, kernel_size[0], stride[0], padding[0], dilation[0])
     wo = conv_out_size(W, kernel_size[1], stride[1], padding[1], dilation[1])
@@ -269,6 +276,10 @@ def _forward_torch(x, weight, out_index, offset, bias, plan, N, kernel_size, str
 
 def _backward_torch(grad, x, weight, out_index, offset, plan, N, kernel_size, stride, padding, dilation,
                     need_x: bool, need_w: bool):
+    if x.dtype in _HALF:  # in float32, as the forward
+        dx, dw = _backward_torch(grad.float(), x.float(), weight.float(), out_index, offset, plan, N, kernel_size,
+                                 stride, padding, dilation, need_x, need_w)
+        return (None if dx is None else dx.to(x.dtype)), (None if dw is None else dw.to(weight.dtype))
     B, C, H, W = x.shape
     S = weight.shape[0]
     ho, wo = grad.shape[2:]

@@ -88,6 +88,34 @@ def test_float32_and_empty_batch():
     assert x0.grad.shape == x0.shape
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_cpu_path_rounds_like_a_16_bit_conv(dtype):
+    """On CPU a 16-bit stripe conv sums its offsets in float32 and rounds once: forward and gradients as close to the
+    float64 reference as F.conv2d's in the same dtype (64 input channels, 9 offsets, all stripes kept)."""
+    gen = torch.Generator().manual_seed(41)
+    w, oi, off = random_layer(16, 64, (3, 3), 1.0, gen)
+    x = torch.randn(2, 64, 10, 10, generator=gen, dtype=torch.float64)
+    b = torch.randn(16, generator=gen, dtype=torch.float64)
+    g = torch.randn(2, 16, 10, 10, generator=gen, dtype=torch.float64)
+    dense = stripe_to_dense(w, oi, off, 16, (3, 3))
+
+    def run(fn, weight):
+        xh, wh = x.to(dtype).requires_grad_(), weight.to(dtype).requires_grad_()
+        y = fn(xh, wh)
+        y.backward(g.to(dtype))
+        return y.double(), xh.grad.double(), wh.grad.double()
+
+    ours = run(lambda xh, wh: kernels.stripe_conv2d(xh, wh, oi, off, b.to(dtype), 16, (3, 3), (1, 1), (1, 1), (1, 1)), w)
+    conv = run(lambda xh, wh: F.conv2d(xh, wh, b.to(dtype), 1, 1), dense)
+    xr, wr = x.clone().requires_grad_(), dense.clone().requires_grad_()
+    yr = F.conv2d(xr, wr, b, 1, 1)
+    yr.backward(g)
+    want = (yr.detach(), xr.grad, wr.grad[oi, :, off[:, 0], off[:, 1]])
+    conv = (conv[0], conv[1], conv[2][oi, :, off[:, 0], off[:, 1]])
+    for got, cudnn_like, ref in zip(ours, conv, want):
+        assert (got - ref).abs().max() <= 1.5 * (cudnn_like - ref).abs().max() + 1e-6
+
+
 def test_all_stripes_kept_equals_dense_conv():
     gen = torch.Generator().manual_seed(3)
     w, oi, off = random_layer(4, 3, (3, 3), 1.1, gen)
