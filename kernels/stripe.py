@@ -145,20 +145,27 @@ def stripe_plan(out_index: Tensor, offset: Tensor, out_channels: int, kernel_siz
     kernel_size = pair(kernel_size, "kernel_size")
     S = out_index.shape[0] if out_index.dim() == 1 else -1
     _check_index("stripe_plan", out_index, offset, S, out_index.device)
-    if validate and S > 0:
-        KH, KW = kernel_size
-        o, kh, kw = out_index.cpu(), offset[:, 0].cpu(), offset[:, 1].cpu()
-        if int(o.min()) < 0 or int(o.max()) >= out_channels:
-            raise ValueError(f"stripe_plan: 'out_index' values must lie in [0, {out_channels}), "
-                             f"got [{int(o.min())}, {int(o.max())}]")
-        if int(kh.min()) < 0 or int(kh.max()) >= KH or int(kw.min()) < 0 or int(kw.max()) >= KW:
-            raise ValueError(f"stripe_plan: 'offset' values must lie in [0, {KH}) x [0, {KW}) for kernel "
-                             f"{(KH, KW)}")
-        key = (kh * KW + kw) * out_channels + o
-        if S > 1 and not bool((key[1:] > key[:-1]).all()):
-            raise ValueError("stripe_plan: stripes must be in canonical order (sorted by offset kh*KW+kw, then "
-                             "output channel) with at most one stripe per (offset, output channel)")
+    if validate:
+        _validate_indices("stripe_plan", out_index, offset, out_channels, kernel_size)
     return _plan_torch(out_index, offset, out_channels, kernel_size)
+
+
+def _validate_indices(op: str, out_index: Tensor, offset: Tensor, out_channels: int, kernel_size) -> None:
+    """ValueError unless the stripes' output channels and offsets are in range and in canonical order (a host read
+    of the indices: ``stripe_plan`` does it once per layer; the ops do it on calls without a plan)."""
+    if out_index.shape[0] == 0:
+        return
+    KH, KW = kernel_size
+    o, kh, kw = out_index.cpu(), offset[:, 0].cpu(), offset[:, 1].cpu()
+    if int(o.min()) < 0 or int(o.max()) >= out_channels:
+        raise ValueError(f"{op}: 'out_index' values must lie in [0, {out_channels}), got [{int(o.min())}, "
+                         f"{int(o.max())}]")
+    if int(kh.min()) < 0 or int(kh.max()) >= KH or int(kw.min()) < 0 or int(kw.max()) >= KW:
+        raise ValueError(f"{op}: 'offset' values must lie in [0, {KH}) x [0, {KW}) for kernel {(KH, KW)}")
+    key = (kh * KW + kw) * out_channels + o
+    if len(key) > 1 and not bool((key[1:] > key[:-1]).all()):
+        raise ValueError(f"{op}: stripes must be in canonical order (sorted by offset kh*KW+kw, then output "
+                         "channel) with at most one stripe per (offset, output channel)")
 
 
 def stripe_rows(out_index: Tensor, offset: Tensor, kernel_size) -> Tensor:
@@ -313,6 +320,8 @@ def _stripe_op(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, bia
                padding: list[int], dilation: list[int], relu: bool, dense: Tensor | None = None) -> Tensor:
     # the CPU path does not read `dense` (its GEMM runs on the stripes); it is checked all the same
     _check(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding, dilation, dense=dense)
+    if plan is None:
+        _validate_indices(OP, out_index, offset, out_channels, kernel_size)
     return _forward_torch(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding,
                           dilation, relu)
 
@@ -323,6 +332,8 @@ def _stripe_cuda(x, weight, out_index, offset, bias, plan, out_channels, kernel_
     _check(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding, dilation, dense=dense)
     from kernels import stripe_triton
 
+    if plan is None:
+        _validate_indices(OP, out_index, offset, out_channels, kernel_size)
     if stripe_triton.available(x):
         if plan is None:
             plan = _plan_torch(out_index, offset, out_channels, kernel_size)
@@ -348,6 +359,8 @@ def _stripe_backward_op(grad: Tensor, x: Tensor, weight: Tensor, out_index: Tens
     """grad_x and grad_weight (placeholders where not needed). ``dense``: the forward's channels_last zero-filled
     weight, if it had one (the CUDA path reads it instead of building it again)."""
     _check_grad(grad, x, weight, out_index, offset, plan, out_channels, kernel_size, stride, padding, dilation)
+    if plan is None:
+        _validate_indices(BOP, out_index, offset, out_channels, kernel_size)
     dx, dw = _backward_torch(grad, x, weight, out_index, offset, plan, out_channels, kernel_size, stride, padding,
                              dilation, need_x, need_w)
     return _fill(dx, dw, x, weight)
@@ -357,6 +370,8 @@ def _stripe_backward_op(grad: Tensor, x: Tensor, weight: Tensor, out_index: Tens
 def _stripe_backward_cuda(grad, x, weight, out_index, offset, plan, out_channels, kernel_size, stride, padding,
                           dilation, need_x, need_w, dense=None):
     _check_grad(grad, x, weight, out_index, offset, plan, out_channels, kernel_size, stride, padding, dilation)
+    if plan is None:
+        _validate_indices(BOP, out_index, offset, out_channels, kernel_size)
     if dense is not None:
         _check_dense(dense, weight, out_channels, kernel_size, BOP)
     if x.dtype == torch.float64:
@@ -485,7 +500,8 @@ def stripe_conv2d(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, 
         weight: (S, C) kept stripes, canonical order.  out_index: (S,) int64.  offset: (S, 2) int64 (kh, kw).
         bias: (N,) or None.  out_channels: N.  kernel_size, stride, padding, dilation: int or pair.
         relu: apply ReLU after the bias (fused in the CUDA kernel).
-        plan: ``stripe_plan(out_index, offset, N, kernel_size)``, built once per layer (optional).
+        plan: ``stripe_plan(out_index, offset, N, kernel_size)``, built (and the indices validated) once per layer;
+            without it every call checks the indices on the host (ranges, canonical order) and builds the table.
         dense: ``stripe_to_dense(weight, out_index, offset, N, kernel_size, memory_format=torch.channels_last)``,
             kept by the caller for inference (optional; no gradient flows into it). The CUDA kernel's dense route
             (``stripe_reads_dense``) reads it instead of building it per call; it must equal the stripes.
@@ -523,7 +539,7 @@ def prepare_stripe_conv2d(x: Tensor, weight: Tensor, out_index: Tensor, offset: 
     if not (stripe_triton.available(x) and use_kernel(x)):
         return None
     if plan is None:
-        plan = _plan_torch(out_index, offset, int(out_channels), ks)
+        plan = stripe_plan(out_index, offset, int(out_channels), ks)  # validated once: the launcher is kept
     return stripe_triton.prepare(x, weight, out_index, offset, bias, plan, int(out_channels), ks, st, pd, dl,
                                  bool(relu), dense=dense, pool=bool(pool), pool_ceil=bool(pool_ceil))
 

@@ -202,6 +202,19 @@ def test_errors():
         kernels.stripe_conv2d(x, w, oi, off, None, 4, 3, 1, 1, 1, plan=torch.zeros(9, 5, dtype=torch.int64))
     with pytest.raises(ValueError, match="must be contiguous NCHW or channels_last"):
         kernels.stripe_conv2d(x.transpose(2, 3), w, oi, off, None, 4, 3, 1, 1, 1)
+    # without a plan the op checks the indices (with one, stripe_plan checked them when it was built)
+    order = torch.argsort(oi * 9 + off[:, 0] * 3 + off[:, 1])  # by output channel first: not canonical
+    out_of_range, off_kernel = oi.clone(), off.clone()
+    out_of_range[-1], off_kernel[-1, 1] = 4, 3  # the last stripe: output channel 4 of 4; column 3 of a 3x3 kernel
+    bad = [(oi[order], off[order], "stripes must be in canonical order"),
+           (out_of_range, off, r"'out_index' values must lie in \[0, 4\)"),
+           (oi, off_kernel, r"'offset' values must lie in \[0, 3\) x \[0, 3\)")]
+    for o, f, message in bad:
+        with pytest.raises(ValueError, match=f"compress::stripe_conv2d: {message}"):
+            kernels.stripe_conv2d(x, w, o, f, None, 4, 3, 1, 1, 1)
+        with pytest.raises(ValueError, match=f"compress::stripe_conv2d_backward: {message}"):
+            torch.ops.compress.stripe_conv2d_backward(torch.randn(1, 4, 5, 5), x, w, o, f, None, 4, [3, 3], [1, 1],
+                                                      [1, 1], [1, 1], True, True)
 
 
 def test_dense_argument_is_checked_and_leaves_the_result_unchanged():
