@@ -97,18 +97,22 @@ BOP = "compress::depthwise_conv2d_backward"
 @torch.library.custom_op(BOP, mutates_args=())
 def _dw_backward_op(grad: Tensor, x: Tensor, weight: Tensor, stride: list[int], padding: list[int],
                     dilation: list[int]) -> tuple[Tensor, Tensor]:
-    _check(x, weight, None, stride, padding, dilation, BOP)
+    _check_grad(grad, x, weight, stride, padding, dilation)
     return _dw_backward_torch(grad, x, weight, stride, padding, dilation)
 
 
-@_dw_backward_op.register_kernel("cuda")
-def _dw_backward_cuda(grad, x, weight, stride, padding, dilation):
+def _check_grad(grad, x, weight, stride, padding, dilation) -> None:
     ho, wo = _check(x, weight, None, stride, padding, dilation, BOP)
     check_4d(BOP, "grad", grad)
     check_like(BOP, "grad", grad, x)
     if tuple(grad.shape) != (x.shape[0], x.shape[1], ho, wo):
         raise ValueError(f"{BOP}: tensor 'grad' must have shape {(x.shape[0], x.shape[1], ho, wo)}, "
                          f"got {tuple(grad.shape)}")
+
+
+@_dw_backward_op.register_kernel("cuda")
+def _dw_backward_cuda(grad, x, weight, stride, padding, dilation):
+    _check_grad(grad, x, weight, stride, padding, dilation)
     ext = _ext.load() if use_kernel(x) and not _to_cudnn(x) else None
     if ext is None or x.numel() == 0:
         return _dw_backward_torch(grad, x, weight, stride, padding, dilation)

@@ -22,6 +22,8 @@ On CPU (float32/float64, NCHW or channels_last) both ops run small C++ kernels (
 first use, PyTorch ops where no compiler is found): ``pix`` one fused pass; ``pix_squeeze`` one call that reads x
 once for the pool and every group's max and sum, runs the predictor GEMV and then selects and scales (its CPU
 backward recomputes p with the same GEMV). Eager CPU inference calls the CPU kernel without the dispatcher.
+NaN: the C++ max keeps a group's first value against a later NaN (``v > m ? v : m``, which vectorises), where
+PyTorch's amax (the fallback, CUDA reference paths) propagates it; outputs for NaN inputs may differ between paths.
 """
 
 from __future__ import annotations
@@ -177,6 +179,7 @@ def _pix_fake(x: Tensor, p: Tensor, zeta: int, tau: float) -> Tensor:
 @torch.library.custom_op("compress::pix_backward", mutates_args=())
 def _pix_backward_op(grad: Tensor, x: Tensor, p: Tensor, zeta: int, tau: float) -> tuple[Tensor, Tensor]:
     _check(x, p, zeta, "compress::pix_backward")
+    _check_grad(grad, x, zeta)
     return _backward_torch(grad, x, p, zeta, tau)
 
 
@@ -508,6 +511,9 @@ def residual_relu(out: Tensor, identity: Tensor) -> Tensor:
     no mean is kept there, since the CPU ``pix_squeeze``
     pools in the same read of x that finds the group max and sum. Elsewhere: ``out.add_(identity).relu_()``.
     """
+    if type(out) is torch.Tensor and type(identity) is torch.Tensor and out.shape != identity.shape:  # not traced
+        raise ValueError(f"residual_relu: 'identity' must have the shape of 'out' {tuple(out.shape)}, got "
+                         f"{tuple(identity.shape)} (no broadcasting: a shortcut that changes shape needs its downsample)")
     plain = (out.dtype == identity.dtype and out.shape == identity.shape and out.device == identity.device
              and type(identity) is torch.Tensor and plain_eager(out, identity))
     recording = torch.is_grad_enabled() and (out.requires_grad or identity.requires_grad)

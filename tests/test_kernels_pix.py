@@ -143,6 +143,10 @@ def test_errors():
         kernels.pix(x.long(), p, 4)
     with pytest.raises(ValueError, match=r"compress::pix: tensor 'p' is on meta but 'x' is on cpu"):
         kernels.pix(x, p.to("meta"), 4)
+    with pytest.raises(ValueError, match=r"compress::pix_backward: tensor 'grad' must have shape \(2, 2, 5, 6\)"):
+        torch.ops.compress.pix_backward(torch.randn(2, 2, 1, 1), x, p, 4, 0.5)  # would broadcast
+    with pytest.raises(ValueError, match=r"residual_relu: 'identity' must have the shape of 'out' \(2, 8, 5, 6\)"):
+        kernels.residual_relu(x.clone(), x[:, :, :, :1])  # would broadcast
 
 
 def test_opcheck_cpu():
