@@ -443,6 +443,7 @@ def _resume_config(cfg: DictConfig, run_dir: Path, given: set[str] | None = None
         and _plain_value(saved, k) != _plain_value(cfg, k)
     )  # fmt: skip
     if conflicts:
+        _record_run_config(saved, run_dir)
         shown = ", ".join(f"{k}={_plain_value(cfg, k)} (checkpoint: {_plain_value(saved, k)})" for k in conflicts)
         raise ValueError(
             f"resume: {shown}: a resumed run keeps its checkpoint's model, data, prune, optim and pix settings; only "
@@ -457,16 +458,16 @@ def _resume_config(cfg: DictConfig, run_dir: Path, given: set[str] | None = None
     return merged, ckpt
 
 
-def _record_resumed_config(cfg: DictConfig, run_dir: Path) -> None:
-    """In a Hydra app, Hydra wrote the resuming command line's config into <run dir>/.hydra/config.yaml over the
-    run's own; write the config the resumed run trains with there instead."""
+def _record_run_config(cfg: DictConfig | dict, run_dir: Path) -> None:
+    """In a Hydra app, Hydra wrote this command line's config into <run dir>/.hydra/config.yaml over the run's own;
+    write `cfg` there instead: the config a resumed run trains with, or the run's own when this command is refused."""
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized() or not HydraConfig.get().output_subdir:
         return
     config_file = run_dir / HydraConfig.get().output_subdir / "config.yaml"
     if config_file.parent.is_dir():
-        config_file.write_text(OmegaConf.to_yaml(cfg))
+        config_file.write_text(OmegaConf.to_yaml(cfg if OmegaConf.is_config(cfg) else OmegaConf.create(cfg)))
 
 
 def _hydra_run_dir() -> Path:
@@ -585,13 +586,17 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     run_dir = _shared_run_dir(Path(run_dir) if run_dir is not None else _hydra_run_dir(), dist)
     cfg, ckpt = _resume_config(cfg, run_dir, _command_line_keys())
     if ckpt is None and (run_dir / "checkpoints" / "last.pt").exists():
+        try:  # the refused command's config must not stand in the run's .hydra/
+            _record_run_config(load_checkpoint(run_dir / "checkpoints" / "last.pt")["config"], run_dir)
+        except (ValueError, FileNotFoundError):
+            pass  # an unreadable checkpoint: nothing to restore from
         raise ValueError(
             f"{run_dir} already holds a run (checkpoints/last.pt); a fresh run would overwrite its checkpoints. Pass "
             "resume=true to continue it, or another hydra.run.dir (or delete the old run) to start anew"
         )
     _check_config(cfg, ckpt)
     if ckpt is not None and dist.is_main:
-        _record_resumed_config(cfg, run_dir)
+        _record_run_config(cfg, run_dir)
     if cfg.init is not None:  # saved with the run: export finds the file from any working directory
         cfg.init = str(Path(str(cfg.init)).resolve())
     if "root" in cfg.data and not OmegaConf.is_missing(cfg.data, "root") and cfg.data.root is not None:

@@ -124,6 +124,8 @@ def test_train_py_resume_keeps_the_checkpoints_trainer_settings(tmp_path):
         proc = subprocess.run([sys.executable, "train.py", *(["resume=true", *refused] if refused else TINY),
                                f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert proc.returncode != 0 and re.search(message, proc.stderr), proc.stderr[-2000:]
+        kept = yaml.safe_load((tmp_path / ".hydra" / "config.yaml").read_text())  # the run's, not the refused one's
+        assert kept["model"]["name"] == "resnet20" and kept["trainer"]["max_steps"] == 3
     _, resumed = train("resume=true", "trainer.max_steps=null")
     assert (first["steps"], resumed["steps"], resumed["epochs"]) == (3, 8, 2)
 
