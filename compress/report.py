@@ -136,6 +136,10 @@ def render_markdown(report: dict) -> str:
         kept = sum(s["kept"] for s in stripes.values())
         total = sum(s["total"] for s in stripes.values())
         lines += ["", f"Stripes kept: {kept} / {total} ({kept / max(total, 1):.1%}) in {len(stripes)} layers."]
+    onnx = report.get("onnx")
+    if onnx:
+        lines += ["", f"ONNX: {onnx['file']} (opset {onnx['opset']}, stripe convs as {onnx['stripe_mode']}); largest "
+                      f"relative difference from PyTorch in onnxruntime {onnx['max_rel_error']:.2e}."]
     lines += ["", "## Per layer", ""]
     compact_layers = {row["name"]: row for row in compact["layers"]}
     rows = []

@@ -211,6 +211,16 @@ def test_export_flow(training_checkpoint, tmp_path):
     assert unfolded["dense"]["params"] == again["dense"]["params"] == data["dense"]["params"]
 
 
+def test_export_warns_when_onnxruntime_disagrees(training_checkpoint, tmp_path, monkeypatch):
+    import compress.export as export_module
+
+    path, _ = training_checkpoint
+    monkeypatch.setattr(export_module, "check_onnx", lambda *args: 3e-3)
+    with pytest.warns(UserWarning, match=r"differs from the PyTorch model by 3.00e-03 \(relative\) in onnxruntime"):
+        export_checkpoint(path, tmp_path, latency=False, choose_stripe_modes=False)
+    assert "onnxruntime 3.00e-03" in (tmp_path / FILES[3]).read_text()
+
+
 def test_export_script(training_checkpoint, tmp_path):
     path, _ = training_checkpoint
     out = tmp_path / "out"
