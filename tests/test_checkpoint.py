@@ -41,6 +41,7 @@ def _round_trip(model: nn.Module, tmp_path, size: int = 32) -> nn.Module:
     loaded = load(path)
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+    assert {k: v.dtype for k, v in loaded.state_dict().items()} == {k: v.dtype for k, v in model.state_dict().items()}
     assert not list(tmp_path.glob(".*tmp*")), "the temporary file of the atomic write was left behind"
     return loaded
 
@@ -110,6 +111,10 @@ def test_compact_model_round_trip(tmp_path, fold_bn):
     loaded = _round_trip(small, tmp_path)
     assert loaded.layer1[0].conv1.out_channels == small.layer1[0].conv1.out_channels < 16
     assert loaded.layer2[1].conv2.num_stripes == 0
+    with safe_open(str(tmp_path / "m.safetensors"), framework="pt") as f:  # indices stored narrow, loaded as int64
+        assert f.get_tensor("layer1.0.conv2.out_index").dtype == torch.int8  # 16 output channels
+        assert f.get_tensor("layer1.0.conv2.offset").dtype == torch.int8
+    assert loaded.layer1[0].conv2.out_index.dtype == torch.int64
     # the loaded state_dict saves with torch.save (train.py's checkpoints when init= fine-tunes it), empty
     # tensors of a stripe-less layer included, and reads back equal
     torch.save(loaded.state_dict(), tmp_path / "ckpt.pt")
