@@ -226,6 +226,11 @@ def _cifar(opts: dict):
         raise DatasetNotFoundError(
             f"{name}: files under {root / folder}/ are missing or corrupted ({e}). {how}"
         ) from e
+    except OSError as e:  # the download itself (no network, a refused or broken connection)
+        raise DatasetNotFoundError(
+            f"{name}: downloading into data.root={root} failed ({e}); on a machine without access to the dataset's "
+            f"site, fetch the python version elsewhere and extract it there as {folder}/"
+        ) from e
     return train, test, num_classes
 
 

@@ -371,6 +371,19 @@ def test_missing_cifar(tmp_path, name, folder):
         build_data({"name": name})
 
 
+def test_failed_cifar_download_is_clear(tmp_path, monkeypatch):
+    """No network here: the download's error becomes one naming data.root and what to put there."""
+    import urllib.request
+
+    def refuse(*args, **kwargs):
+        raise urllib.error.URLError("no route to host")
+
+    monkeypatch.setattr(urllib.request, "urlopen", refuse)
+    monkeypatch.setattr(urllib.request.OpenerDirector, "open", refuse)
+    with pytest.raises(DatasetNotFoundError, match=r"downloading into data.root=.*failed.*cifar-10-batches-py/"):
+        build_data({"name": "cifar10", "root": str(tmp_path / "new"), "download": True})
+
+
 def test_missing_imagenet(tmp_path):
     missing = tmp_path / "nowhere"
     with pytest.raises(
