@@ -144,12 +144,13 @@ def load_any(path: str | os.PathLike) -> tuple[nn.Module, dict]:
     return load_training_checkpoint(path)
 
 
-def _bn_folded(model: nn.Module) -> bool:
-    """Whether compact `model` had its BatchNorms folded: it has none left while its architecture has some."""
+def _bn_folded(model: nn.Module, arch_model: nn.Module) -> bool:
+    """Whether compact `model` had its BatchNorms folded: it has none left while its architecture `arch_model` has
+    some."""
     def has_bn(m: nn.Module) -> bool:
         return any(isinstance(x, nn.modules.batchnorm._BatchNorm) for x in m.modules())
 
-    return not has_bn(model) and has_bn(architecture(model.compress_arch))
+    return not has_bn(model) and has_bn(arch_model)
 
 
 def _input_size(model: nn.Module) -> tuple[int, int, int]:
@@ -235,7 +236,8 @@ def export_checkpoint(
     if target_macs is None:
         target_macs = prune.get("target_flops")
     size = _input_size(model)
-    if not cfg and _bn_folded(model):  # a compact file with its BN folded: its dense baseline folds too
+    arch_model = None if cfg else architecture(model.compress_arch)  # a compact file's uncompacted architecture
+    if arch_model is not None and _bn_folded(model, arch_model):  # its BN folded: the dense baseline folds too
         fold_bn = True
     fuse_relu = fuse_relu and fold_bn
     small = compact(model, threshold=threshold, fold_bn=fold_bn, target_macs=target_macs, input_size=size,
@@ -277,7 +279,7 @@ def export_checkpoint(
         dense_prof,
         small_prof,
         threshold=used,
-        stripes=stripes_per_layer(model, used) if cfg else compact_stripes_per_layer(small, architecture(model.compress_arch)),
+        stripes=stripes_per_layer(model, used) if arch_model is None else compact_stripes_per_layer(small, arch_model),
     )
     report.update(source=str(ckpt), target_macs=target_macs, fold_bn=fold_bn, onnx=onnx_info,
                   run={"dtype": dtype, "channels_last": channels_last, "cuda_graphs": cuda_graphs,

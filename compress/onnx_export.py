@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from compress.stripe import StripeConv2d
+from compress.surgery import replace_module
 from kernels._utils import max_pool2x2
 
 __all__ = ["ShiftAddConv2d", "FixedAdaptiveAvgPool2d", "onnx_ready", "export_onnx", "check_onnx", "STRIPE_MODES"]
@@ -118,16 +119,11 @@ def onnx_ready(model: nn.Module, stripe_mode: str = "dense", example: torch.Tens
     stripes = [(n, m) for n, m in ready.named_modules() if isinstance(m, StripeConv2d)]
     for name, m in stripes:
         new = m.to_dense() if stripe_mode == "dense" or m.num_stripes == 0 else ShiftAddConv2d(m)
-        _replace(ready, name, new.eval())
+        replace_module(ready, name, new.eval())
     if example is not None:
         for name, in_size, out_size in _uneven_adaptive_pools(ready, example):
-            _replace(ready, name, FixedAdaptiveAvgPool2d(in_size, out_size).to(example.device))
+            replace_module(ready, name, FixedAdaptiveAvgPool2d(in_size, out_size).to(example.device))
     return ready
-
-
-def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent), child, new)
 
 
 def _uneven_adaptive_pools(model: nn.Module, example: torch.Tensor) -> list[tuple[str, tuple, tuple]]:

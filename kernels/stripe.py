@@ -334,9 +334,8 @@ def _stripe_cuda(x, weight, out_index, offset, bias, plan, out_channels, kernel_
 
     if plan is None:
         _validate_indices(OP, out_index, offset, out_channels, kernel_size)
+        plan = _plan_torch(out_index, offset, out_channels, kernel_size)
     if stripe_triton.available(x):
-        if plan is None:
-            plan = _plan_torch(out_index, offset, out_channels, kernel_size)
         return stripe_triton.forward(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride,
                                      padding, dilation, relu, dense=dense)
     return _forward_torch(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding,
