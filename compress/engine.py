@@ -605,6 +605,12 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
 
     data = build_data(cfg.data, rank=dist.rank, world_size=dist.world_size)
     raw = _build_model(cfg, data, ckpt)
+    if cfg.init is not None and ckpt is None and dist.is_main and (getattr(raw, "compress_compaction", None) or {}).get("fold_bn"):
+        say(
+            f"note: init={cfg.init} has its BatchNorms folded into its convs (export's default fold_bn=true), so it "
+            "fine-tunes without BN and can diverge at a from-scratch learning rate; lower optim.lr, or export with "
+            "fold_bn=false to fine-tune with BN"
+        )
     arch = _plain(raw.compress_arch)  # in each checkpoint: export rebuilds the model from it
     # a fine-tuning run's structure, so that resume and export need not find the init= file again
     init_recipe = json.dumps(build_recipe(raw)) if cfg.init is not None else None

@@ -311,3 +311,16 @@ def test_checkpoint_every_lets_a_crashed_run_resume_inside_an_epoch(tmp_path, mo
     a, b = _weights(tmp_path / "full"), _weights(tmp_path / "parts")
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.parametrize("fold_bn", [True, False])
+def test_init_notes_a_bn_folded_compact_model(tmp_path, monkeypatch, capsys, fold_bn):
+    import compress
+
+    skeleton = compress.create_model("resnet20", num_classes=3, input_size=8)
+    compress.attach_skeletons(skeleton)
+    compress.save(compress.compact(skeleton.eval(), threshold=0.0, fold_bn=fold_bn), tmp_path / "small.safetensors")
+    monkeypatch.chdir(tmp_path)
+    no_model = [o for o in TINY if not o.startswith("model=")]
+    run(_compose(*no_model, "init=small.safetensors", "trainer.max_steps=1"), run_dir=tmp_path / "ft")
+    assert ("has its BatchNorms folded" in capsys.readouterr().out) == fold_bn
