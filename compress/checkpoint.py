@@ -12,11 +12,14 @@ Loading rebuilds `create_model(arch)`, replaces the listed modules (parents befo
 types from an allowlist table of type keys, deletes removed modules, and loads the tensors with
 `load_state_dict(strict=True)`. Module types outside the table cannot be saved or loaded; custom
 modules join with `register_module_type(key, cls)` and implement `config()` (docs/INTERFACES.md).
+The metadata key "compress.sha256" holds a SHA-256 of the tensors, checked by `load` (against corruption, not
+tampering; files written before it have none and load unchecked).
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import importlib
 import json
 import os
@@ -35,6 +38,7 @@ __all__ = ["save", "load", "rebuild", "register_module_type", "build_recipe", "F
 FORMAT = "compress.compact"
 VERSION = 1
 _META_KEY = "compress.recipe"
+_DIGEST_KEY = "compress.sha256"  # of the tensors (`_digest`): load detects a corrupted file
 
 
 def _bn_config(m: nn.BatchNorm2d) -> dict:
@@ -234,7 +238,7 @@ def save(model: nn.Module, path: str | os.PathLike) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        save_file(tensors, str(tmp), metadata={_META_KEY: json.dumps(recipe)})
+        save_file(tensors, str(tmp), metadata={_META_KEY: json.dumps(recipe), _DIGEST_KEY: _digest(tensors)})
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -255,6 +259,16 @@ def _narrowest(t: torch.Tensor) -> torch.Tensor:
         if info.min <= lo and hi <= info.max:
             return t.to(dtype)
     return t
+
+
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 (hex) of every tensor's name, dtype, shape and bytes, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.contiguous().view(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
 
 
 def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -290,6 +304,11 @@ def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         raise ValueError(
             f"compress.load: {path} is format version {recipe.get('version')}; this code reads version "
             f"{VERSION}: upgrade compress or re-export the model"
+        )
+    if _DIGEST_KEY in metadata and metadata[_DIGEST_KEY] != _digest(tensors):  # files before it have none
+        raise ValueError(
+            f"compress.load: {path} is corrupt: its tensors do not match the SHA-256 saved with them; export it "
+            "again with compress.save or export.py"
         )
     return recipe, tensors
 
