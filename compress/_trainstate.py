@@ -1,7 +1,7 @@
 """Training checkpoints: atomic writes, RNG state capture/restore, weights_only-safe contents.
 
 A checkpoint is a dict of tensors and plain Python values (no pickled classes), so it loads with
-`torch.load(path, weights_only=True)`.
+`torch.load(path, weights_only=True)`, plus the SHA-256 of the rest under "sha256", checked on load.
 """
 
 from __future__ import annotations
@@ -14,16 +14,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from compress._digest import digest
+
 __all__ = ["atomic_save", "load_checkpoint", "rng_state", "set_rng_state"]
+
+DIGEST_KEY = "sha256"
 
 
 def atomic_save(obj: dict, path: str | os.PathLike) -> Path:
-    """torch.save `obj` to a temporary file next to `path`, then os.replace it onto `path`."""
+    """torch.save `obj`, with the SHA-256 of its contents under "sha256" (`load_checkpoint` checks it), to a temporary
+    file next to `path`, then os.replace it onto `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        torch.save(obj, tmp)
+        torch.save({**obj, DIGEST_KEY: digest(obj)}, tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -57,6 +62,12 @@ def load_checkpoint(path: str | os.PathLike, hint: str = RESUME_HINT, keys: tupl
             f"{path} cannot be read as a torch checkpoint ({first}); it is truncated or corrupt, or not a .pt "
             "file: take another checkpoint (checkpoints/best.pt, or an earlier copy)"
         ) from None
+    if isinstance(ckpt, dict) and DIGEST_KEY in ckpt:  # checkpoints written before it have none
+        if ckpt.pop(DIGEST_KEY) != digest(ckpt):
+            raise ValueError(
+                f"{path} is corrupt: its contents do not match the SHA-256 saved with them; take another "
+                "checkpoint (checkpoints/best.pt, or an earlier copy)"
+            )
     missing = [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         found = sorted(ckpt)[:8] if isinstance(ckpt, dict) else type(ckpt).__name__

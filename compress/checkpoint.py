@@ -19,7 +19,6 @@ tampering; files written before it have none and load unchecked).
 from __future__ import annotations
 
 import copy
-import hashlib
 import importlib
 import json
 import os
@@ -31,6 +30,7 @@ import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from compress._digest import digest
 from compress.surgery import conv_config, get_module
 
 __all__ = ["save", "load", "rebuild", "register_module_type", "build_recipe", "FORMAT", "VERSION"]
@@ -38,7 +38,7 @@ __all__ = ["save", "load", "rebuild", "register_module_type", "build_recipe", "F
 FORMAT = "compress.compact"
 VERSION = 1
 _META_KEY = "compress.recipe"
-_DIGEST_KEY = "compress.sha256"  # of the tensors (`_digest`): load detects a corrupted file
+_DIGEST_KEY = "compress.sha256"  # of the tensors (`compress._digest`): load detects a corrupted file
 
 
 def _bn_config(m: nn.BatchNorm2d) -> dict:
@@ -238,7 +238,7 @@ def save(model: nn.Module, path: str | os.PathLike) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        save_file(tensors, str(tmp), metadata={_META_KEY: json.dumps(recipe), _DIGEST_KEY: _digest(tensors)})
+        save_file(tensors, str(tmp), metadata={_META_KEY: json.dumps(recipe), _DIGEST_KEY: digest(tensors)})
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -259,16 +259,6 @@ def _narrowest(t: torch.Tensor) -> torch.Tensor:
         if info.min <= lo and hi <= info.max:
             return t.to(dtype)
     return t
-
-
-def _digest(tensors: dict[str, torch.Tensor]) -> str:
-    """SHA-256 (hex) of every tensor's name, dtype, shape and bytes, in name order."""
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name]
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.contiguous().view(-1).view(torch.uint8).numpy())
-    return h.hexdigest()
 
 
 def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -305,7 +295,7 @@ def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
             f"compress.load: {path} is format version {recipe.get('version')}; this code reads version "
             f"{VERSION}: upgrade compress or re-export the model"
         )
-    if _DIGEST_KEY in metadata and metadata[_DIGEST_KEY] != _digest(tensors):  # files before it have none
+    if _DIGEST_KEY in metadata and metadata[_DIGEST_KEY] != digest(tensors):  # files before it have none
         raise ValueError(
             f"compress.load: {path} is corrupt: its tensors do not match the SHA-256 saved with them; export it "
             "again with compress.save or export.py"

@@ -95,6 +95,7 @@ def test_checkpoint_records_the_architecture_export_rebuilds(tmp_path):
     ckpt = torch.load(path, weights_only=True)
     assert ckpt["arch"] == {"name": "resnet20", "kwargs": {"num_classes": 3, "input_size": 8, "in_chans": 3}}
     ckpt["config"]["data"] = {"name": "imagefolder", "root": "/data/x", "input_size": 8}
+    del ckpt["sha256"]  # edited by hand: saved without a digest, like a checkpoint from before digests
     torch.save(ckpt, path)
     export_checkpoint(path, tmp_path / "out", onnx=False, latency=False, choose_stripe_modes=False)
     assert load(tmp_path / "out" / FILES[0])(torch.randn(2, 3, 8, 8)).shape == (2, 3)
@@ -284,6 +285,22 @@ def test_bad_checkpoint_files_are_clear_errors(tmp_path):
                 read(tmp_path / name)
     with pytest.raises(ValueError, match=r"it has no \['optimizer'"):  # resume needs the whole training state
         run(_compose(*TINY, f"resume={good}"), run_dir=tmp_path / "run")
+
+
+def test_a_flipped_byte_in_a_checkpoint_is_detected(tmp_path):
+    from compress._trainstate import atomic_save, load_checkpoint
+
+    weights = torch.randn(1000)
+    path = atomic_save({"model": {"w": weights}, "config": {"lr": 0.1}}, tmp_path / "last.pt")
+    assert torch.equal(load_checkpoint(path)["model"]["w"], weights) and "sha256" not in load_checkpoint(path)
+    data = bytearray(path.read_bytes())
+    at = data.find(weights[:4].numpy().tobytes())  # the tensor's stored bytes: the file still parses
+    assert at > 0
+    data[at + 2001] ^= 0x10
+    path.write_bytes(bytes(data))
+    assert not torch.equal(torch.load(path, weights_only=True)["model"]["w"], weights)  # torch.load does not notice
+    with pytest.raises(ValueError, match="last.pt is corrupt.*SHA-256"):
+        load_checkpoint(path)
 
 
 def test_checkpoint_every_lets_a_crashed_run_resume_inside_an_epoch(tmp_path, monkeypatch):
