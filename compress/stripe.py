@@ -17,6 +17,7 @@ from compress.surgery import conv_config
 from kernels import stripe_triton, unrolled
 from kernels._utils import (
     autocast_dtype,
+    contiguous_input,
     conv2d_relu,
     conv_out_size,
     is_channels_last,
@@ -269,7 +270,7 @@ class StripeConv2d(nn.Module):
         layout is ambiguous by shape), cached in eval / without grad; built anew (two small kernels for
         channels_last) while training."""
         w = self.weight
-        if recording(w):
+        if recording(w) or tracing_or_compiling():  # a tracer or compiler gets the build in its graph
             return self.dense_weight(fmt)
         # cheap key (this runs on every eager call): the weight's storage and version (a move or cast makes a new
         # tensor), the indices' storage; _build_plan (new indices from a state dict) clears the cache. The cache
@@ -288,14 +289,19 @@ class StripeConv2d(nn.Module):
         w = self._cached_dense_weight(fmt)
         if not any(self._trim):
             return w, self.padding
-        if recording(self.weight):
+        if recording(self.weight) or tracing_or_compiling():
             return kernels.trimmed_dense(w, self._trim, self.padding, self.dilation, fmt)
         if self._trim_cache is None or self._trim_cache[0] is not w:
             self._trim_cache = (w, kernels.trimmed_dense(w, self._trim, self.padding, self.dilation, fmt))
         return self._trim_cache[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (B, C, H, W) -> (B, N, Ho, Wo), in x's layout (see `_layout`)."""
+        """x (B, C, H, W) -> (B, N, Ho, Wo), in x's layout (see `_layout`); an unbatched x (C, H, W) -> (N, Ho, Wo),
+        as nn.Conv2d. Any strides: an x that is neither contiguous NCHW nor channels_last (a channel slice) is
+        copied first."""
+        if x.dim() == 3:
+            return self.forward(x.unsqueeze(0)).squeeze(0)
+        x = contiguous_input(x)
         kept = self._inference_launch(x)
         if kept is not None:  # eager CUDA inference in stripe mode: checked first, the path whose host time counts
             launch, relayout = kept[1], kept[2]
@@ -322,7 +328,7 @@ class StripeConv2d(nn.Module):
         """Whether gemm mode runs its GEMM on `x`: the unrolled weight fits (`kernels.unrolled.fits`), autograd
         does not record (the weight is unrolled without grad; a training step runs dense mode) and no tracer or
         compiler is looking (they get dense mode, not the unrolling loop)."""
-        return not (recording(x, self.weight, self.bias) or tracing_or_compiling()) and unrolled.fits(
+        return x.shape[0] > 0 and not (recording(x, self.weight, self.bias) or tracing_or_compiling()) and unrolled.fits(
             self.in_channels, self.out_channels, x.shape[2:], self.kernel_size, self.stride, self.padding,
             self.dilation, x.element_size())
 
@@ -440,12 +446,23 @@ class StripeConv2d(nn.Module):
         size, which replaces them, cannot free memory the graph reads)."""
         return self._dense_cache, self._trim_cache, self._gemm_cache, self._launch_cache
 
+    def _drop_caches(self) -> None:
+        self._dense_cache = self._trim_cache = self._gemm_cache = self._launch_cache = None
+
+    def train(self, mode: bool = True) -> StripeConv2d:
+        """Also drops the kept weights (dense, unrolled, launcher): writes that bypass a tensor's version counter
+        (`.data`, fused optimizers such as `SGD(fused=True)`) leave the cache keys unchanged, so a switch to or from
+        eval, as every training loop makes, rebuilds them from the current weights. Such a write made in eval shows
+        after the next `train()`/`eval()`."""
+        self._drop_caches()
+        return super().train(mode)
+
     def __getstate__(self) -> dict:
-        """Copies and pickles drop the kept launcher (it holds a compiled kernel; rebuilt on first use) and forget
-        which inputs an eager training step ran the op for (a copy in another process has compiled nothing)."""
+        """Copies and pickles drop the kept weights and launcher (a launcher holds a compiled kernel, and a cache key
+        a memory format, which torch.save cannot pickle; all are rebuilt on first use) and forget which inputs an
+        eager training step ran the op for (a copy in another process has compiled nothing)."""
         state = dict(super().__getstate__())
-        state["_launch_cache"] = None
-        state["_op_trained"] = set()
+        state.update(_dense_cache=None, _trim_cache=None, _gemm_cache=None, _launch_cache=None, _op_trained=set())
         return state
 
     def _constant_output(self, x: torch.Tensor, fmt: torch.memory_format) -> torch.Tensor:
@@ -498,10 +515,7 @@ class StripeConv2d(nn.Module):
         self.plan = plan
         self.rows = kernels.stripe_rows(self.out_index, self.offset, self.kernel_size)
         self._trim = kernels.dense_trim(self.offset, self.kernel_size, self.padding, self.dilation)
-        self._dense_cache = None
-        self._trim_cache = None
-        self._gemm_cache = None
-        self._launch_cache = None
+        self._drop_caches()
 
     def extra_repr(self) -> str:
         total = self.out_channels * self.kernel_size[0] * self.kernel_size[1]

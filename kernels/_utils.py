@@ -14,7 +14,13 @@ KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 def pair(v, name: str = "value") -> list[int]:
     if isinstance(v, int):
         return [v, v]
-    v = [int(a) for a in v]
+    if isinstance(v, str):
+        raise ValueError(f"{name} must be an int or a pair of ints, got {v!r}: string padding ('same', 'valid') is not "
+                         "supported; give the padding in pixels")
+    try:
+        v = [int(a) for a in v]
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be an int or a pair of ints, got {v!r}") from None
     if len(v) == 1:
         return [v[0], v[0]]
     if len(v) != 2:
@@ -75,6 +81,14 @@ def use_kernel(t: torch.Tensor) -> bool:
 def autocast_dtype(device_type: str) -> torch.dtype | None:
     """The dtype autocast casts to on `device_type` ("cuda", "cpu"), None where autocast is off."""
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+def contiguous_input(x: torch.Tensor) -> torch.Tensor:
+    """x itself when it is contiguous NCHW or channels_last (what the stripe kernels read), else a contiguous copy
+    (e.g. a channel slice of a larger tensor, as Res2Net's split branches give)."""
+    if x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last):
+        return x
+    return x.contiguous()
 
 
 def autocast_inputs(*ts):

@@ -46,6 +46,7 @@ from kernels._utils import (
     check_4d,
     check_conv_params,
     check_like,
+    contiguous_input,
     conv2d_relu,
     conv_out_size,
     max_pool2x2,
@@ -251,6 +252,10 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 def _forward_torch(x, weight, out_index, offset, bias, plan, N, kernel_size, stride, padding, dilation, relu):
+    if torch.is_autocast_enabled(x.device.type):  # the op's inputs are cast already (stripe_conv2d); its GEMM and
+        with torch.autocast(x.device.type, enabled=False):  # scatter-add must not be cast again, apart
+            return _forward_torch(x, weight, out_index, offset, bias, plan, N, kernel_size, stride, padding,
+                                  dilation, relu)
     if x.dtype in _HALF:  # float32 products and sums over the offsets, rounded once (as a 16-bit conv accumulates)
         y = _forward_torch(x.float(), weight.float(), out_index, offset, None if bias is None else bias.float(), plan,
                            N, kernel_size, stride, padding, dilation, relu)
@@ -283,6 +288,10 @@ def _forward_torch(x, weight, out_index, offset, bias, plan, N, kernel_size, str
 
 def _backward_torch(grad, x, weight, out_index, offset, plan, N, kernel_size, stride, padding, dilation,
                     need_x: bool, need_w: bool):
+    if torch.is_autocast_enabled(x.device.type):  # as in _forward_torch
+        with torch.autocast(x.device.type, enabled=False):
+            return _backward_torch(grad, x, weight, out_index, offset, plan, N, kernel_size, stride, padding,
+                                   dilation, need_x, need_w)
     if x.dtype in _HALF:  # in float32, as the forward
         dx, dw = _backward_torch(grad.float(), x.float(), weight.float(), out_index, offset, plan, N, kernel_size,
                                  stride, padding, dilation, need_x, need_w)
@@ -495,7 +504,7 @@ def stripe_conv2d(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, 
     """Stripe convolution, equal to ``F.conv2d`` with the zero-filled dense weight (see ``stripe_to_dense``).
 
     Args:
-        x: (B, C, H, W), contiguous NCHW or channels_last.
+        x: (B, C, H, W); read as it is when contiguous NCHW or channels_last, else copied to contiguous NCHW.
         weight: (S, C) kept stripes, canonical order.  out_index: (S,) int64.  offset: (S, 2) int64 (kh, kw).
         bias: (N,) or None.  out_channels: N.  kernel_size, stride, padding, dilation: int or pair.
         relu: apply ReLU after the bias (fused in the CUDA kernel).
@@ -508,6 +517,8 @@ def stripe_conv2d(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, 
     Returns:
         y: (B, N, Ho, Wo), channels_last if ``x`` is.
     """
+    if isinstance(x, Tensor):
+        x = contiguous_input(x)
     x, weight, bias, dense = autocast_inputs(x, weight, bias, dense)
     return _stripe_op(x, weight, out_index, offset, bias, plan, int(out_channels),
                       pair(kernel_size, "kernel_size"), pair(stride, "stride"), pair(padding, "padding"),

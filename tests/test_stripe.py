@@ -561,3 +561,125 @@ def test_dense_mode_runs_the_trimmed_kernel(case, layout):
                                torch.contiguous_format)
     if any(want_trim):
         assert m._trim_cache[1][0].shape[2:] == (k - 2, k - 2)
+
+
+def _layer(mode: str, seed: int, in_channels: int = 6, out_channels: int = 8):
+    gen = torch.Generator().manual_seed(seed)
+    conv = nn.Conv2d(in_channels, out_channels, 3, padding=1)
+    mask = _random_mask(out_channels, 3, 3, keep=0.5, gen=gen)
+    return conv, mask, StripeConv2d.from_dense(conv, mask, mode=mode).eval(), gen
+
+
+@pytest.mark.parametrize("mode, hw", [("stripe", 6), ("dense", 6), ("gemm", 3)])
+def test_any_input_strides_and_unbatched_inputs(mode, hw):
+    """A channel slice of a larger tensor (Res2Net's split branches) and an unbatched (C, H, W) input give the
+    masked dense conv's output in every mode, as nn.Conv2d takes them."""
+    conv, mask, s, gen = _layer(mode, 40)
+    wide = torch.randn(3, 10, hw, hw, generator=gen)
+    for x in (wide[:, 2:8], wide[:, 2:8].contiguous(memory_format=torch.channels_last)[:, :, :, :],
+              wide.contiguous(memory_format=torch.channels_last)[:, 2:8]):
+        with torch.no_grad():
+            torch.testing.assert_close(s(x), _masked_reference(conv, mask, x), rtol=1e-5, atol=1e-5)
+        y = s.train()(x)  # autograd records: the op (stripe mode) or the rebuilt weight
+        torch.testing.assert_close(y, _masked_reference(conv, mask, x), rtol=1e-5, atol=1e-5)
+        s.eval()
+    one = wide[0, 2:8]
+    with torch.no_grad():
+        assert s(one).shape == (8, hw, hw)
+        torch.testing.assert_close(s(one), _masked_reference(conv, mask, one[None])[0], rtol=1e-5, atol=1e-5)
+    x = wide[:, 2:8]
+    y = kernels.stripe_conv2d(x, s.weight, s.out_index, s.offset, s.bias, 8, 3, 1, 1)
+    torch.testing.assert_close(y, _masked_reference(conv, mask, x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode, hw", [("stripe", 6), ("dense", 6), ("gemm", 3)])
+def test_empty_batch(mode, hw):
+    conv, mask, s, gen = _layer(mode, 41)
+    with torch.no_grad():
+        y = s(torch.randn(0, 6, hw, hw, generator=gen))
+    assert y.shape == (0, 8, hw, hw)
+
+
+@pytest.mark.parametrize("mode, hw", [("dense", 6), ("gemm", 3)])
+def test_writes_that_bypass_the_version_counter_show_after_train_eval(mode, hw):
+    """`.data` writes and fused optimizers leave a tensor's version as it was, so the kept weights cannot see them by
+    their key; the train()/eval() switch of every training loop drops them."""
+    conv, mask, s, gen = _layer(mode, 42)
+    x = torch.randn(2, 6, hw, hw, generator=gen)
+    with torch.no_grad():
+        s(x)  # builds the kept weight
+    opt = torch.optim.SGD(s.parameters(), lr=0.5, fused=True)
+    s.train()
+    s(x).square().sum().backward()
+    opt.step()
+    s.eval()
+    with torch.no_grad():
+        want = F.conv2d(x, s.dense_weight(), s.bias, 1, 1)
+        torch.testing.assert_close(s(x), want, rtol=1e-5, atol=1e-5)
+        s.weight.data.mul_(-3.0)
+        s.bias.data.add_(1.0)
+        s.eval()
+        torch.testing.assert_close(s(x), F.conv2d(x, s.dense_weight(), s.bias, 1, 1), rtol=1e-5, atol=1e-5)
+
+
+def test_stripe_layer_under_cpu_autocast():
+    """Under CPU autocast (bf16) the op runs on bf16-cast inputs and accumulates in float32, forward and backward."""
+    conv, mask, s, gen = _layer("stripe", 43)
+    x = torch.randn(2, 6, 7, 7, generator=gen, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = s.train()(x)
+    assert y.dtype == torch.bfloat16
+    xb, wb = x.detach().bfloat16().double().requires_grad_(), conv.weight.detach().bfloat16().double()
+    wb.requires_grad_()
+    ref = F.conv2d(xb, wb * mask[:, None], conv.bias.detach().bfloat16().double(), 1, 1)
+    torch.testing.assert_close(y.double(), ref, rtol=1e-2, atol=1e-2)
+    g = torch.randn(y.shape, generator=gen, dtype=torch.float64)
+    y.backward(g.bfloat16())
+    ref.backward(g.bfloat16().double())
+    torch.testing.assert_close(x.grad.double(), xb.grad, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("mode", ["stripe", "dense"])
+def test_compile_export_trace_and_save_in_inference(mode):
+    """In inference the kept weights stay out of traced graphs: torch.compile gives one graph (fullgraph), and
+    torch.export, torch.jit.trace and torch.save of the whole module work after an eager call; outputs equal
+    eager."""
+    conv, mask, s, gen = _layer(mode, 44)
+    x = torch.randn(2, 6, 7, 7, generator=gen)
+    want = _masked_reference(conv, mask, x).detach()
+    with torch.no_grad():
+        s(x)  # the kept weights exist
+        torch.testing.assert_close(torch.compile(s, backend="eager", fullgraph=True)(x), want, rtol=1e-5, atol=1e-5)
+        exported = torch.export.export(s, (x,))
+        torch.testing.assert_close(exported.module()(x), want, rtol=1e-5, atol=1e-5)
+        fresh = StripeConv2d.from_dense(conv, mask, mode=mode).eval()
+        traced = torch.jit.trace(fresh, (x,))
+        torch.testing.assert_close(traced(x), want, rtol=1e-5, atol=1e-5)
+        buf = io.BytesIO()
+        torch.save(s, buf)
+        buf.seek(0)
+        torch.testing.assert_close(torch.load(buf, weights_only=False)(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_string_padding_is_a_clear_error():
+    x, w = torch.randn(1, 4, 5, 5), torch.randn(2, 4)
+    with pytest.raises(ValueError, match="padding must be an int or a pair of ints, got 'same'.*in pixels"):
+        kernels.stripe_conv2d(x, w, torch.tensor([0, 1]), torch.tensor([[1, 1], [1, 1]]), None, 2, 3, 1, "same")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_channel_slice_input_on_cuda(dtype):
+    """A channel slice (neither contiguous layout) through the kept launcher (eval) and the op (training)."""
+    conv, mask, s, gen = _layer("stripe", 45, in_channels=16, out_channels=24)
+    conv, s = conv.double(), s.cuda().to(dtype)
+    wide = torch.randn(3, 20, 9, 9, generator=gen, dtype=torch.float64)
+    x = wide[:, 2:18]
+    want = _masked_reference(conv, mask, x)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-3
+    for layout in (torch.contiguous_format, torch.channels_last):
+        xd = wide.cuda().to(dtype).contiguous(memory_format=layout)[:, 2:18]
+        with torch.no_grad():
+            assert _rel(s(xd), want) < tol
+        assert _rel(s.train()(xd).detach(), want) < tol
+        s.eval()
