@@ -48,12 +48,15 @@ def skeleton_heatmap(conv: SkeletonConv2d, threshold: float, scale: int = 4) -> 
 class RunLogger:
     """TensorBoard writer at `log_dir` (created lazily, rank 0 only)."""
 
-    def __init__(self, log_dir: str | Path, enabled: bool):
+    def __init__(self, log_dir: str | Path, enabled: bool, purge_step: int | None = None):
+        """`purge_step`: on resume, the first step not in the checkpoint; TensorBoard hides events from that step on
+        that earlier processes wrote (a killed run's steps after its last checkpoint, which the resumed run logs
+        again)."""
         self.writer = None
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(str(log_dir))
+            self.writer = SummaryWriter(str(log_dir), purge_step=purge_step)
 
     def scalars(self, values: dict[str, float], step: int) -> None:
         if self.writer is not None:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from compress._digest import digest
+from compress._files import atomic_write
 
 __all__ = ["atomic_save", "load_checkpoint", "rng_state", "set_rng_state"]
 
@@ -22,17 +23,10 @@ DIGEST_KEY = "sha256"
 
 
 def atomic_save(obj: dict, path: str | os.PathLike) -> Path:
-    """torch.save `obj`, with the SHA-256 of its contents under "sha256" (`load_checkpoint` checks it), to a temporary
-    file next to `path`, then os.replace it onto `path`."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        torch.save({**obj, DIGEST_KEY: digest(obj)}, tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    """torch.save `obj`, with the SHA-256 of its contents under "sha256" (`load_checkpoint` checks it), to `path`
+    atomically (`compress._files.atomic_write`)."""
+    data = {**obj, DIGEST_KEY: digest(obj)}
+    return atomic_write(path, lambda tmp: torch.save(data, tmp))
 
 
 RESUME_HINT = ("resume=true continues the run directory given by hydra.run.dir=<run dir> (which must contain "
@@ -45,8 +39,15 @@ def load_checkpoint(path: str | os.PathLike, hint: str = RESUME_HINT, keys: tupl
     A missing, unreadable (truncated, not a torch file) or foreign file (pickled objects such as a whole model,
     or a dict without `keys`) raises an error naming the file and, for a missing one, `hint`."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory, not a checkpoint; {hint}")
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}; {hint}")
+    if _is_safetensors(path):
+        raise ValueError(
+            f"{path} is a safetensors file (a compact model written by export.py or compress.save?), not a train.py "
+            "checkpoint; fine-tune a compact model with train.py init=<file>, and load it with compress.load"
+        )
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
@@ -55,9 +56,9 @@ def load_checkpoint(path: str | os.PathLike, hint: str = RESUME_HINT, keys: tupl
             "kind of file, or it holds pickled Python objects (a whole model saved with torch.save(model)), which "
             "are never loaded here because loading them can run code; save model.state_dict() instead"
         ) from None
-    except (RuntimeError, EOFError, OSError, KeyError, ValueError) as err:  # KeyError: a text file read as a pickle
-        first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        first = first if not isinstance(err, KeyError) else f"not a pickle: {type(err).__name__} {first}"
+    except Exception as err:  # a damaged archive or pickle surfaces as almost any error type inside torch.load
+        first = str(err).splitlines()[0] if str(err) else ""
+        first = f"{type(err).__name__}: {first}" if first else type(err).__name__
         raise ValueError(
             f"{path} cannot be read as a torch checkpoint ({first}); it is truncated or corrupt, or not a .pt "
             "file: take another checkpoint (checkpoints/best.pt, or an earlier copy)"
@@ -76,6 +77,13 @@ def load_checkpoint(path: str | os.PathLike, hint: str = RESUME_HINT, keys: tupl
             "checkpoints/last.pt or best.pt of a train.py run"
         )
     return ckpt
+
+
+def _is_safetensors(path: Path) -> bool:
+    """Whether the file starts as safetensors files do: an 8-byte little-endian header size, then a JSON header."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+    return len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < path.stat().st_size
 
 
 def rng_state(generator: torch.Generator | None = None) -> dict:

@@ -31,6 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from compress._digest import digest
+from compress._files import atomic_write
 from compress.surgery import conv_config, get_module
 
 __all__ = ["save", "load", "rebuild", "register_module_type", "build_recipe", "FORMAT", "VERSION"]
@@ -123,7 +124,7 @@ def _build(key: str, config: dict, where: str) -> nn.Module:
         )
     try:
         return _resolve(key)(**config)
-    except (TypeError, ValueError) as err:
+    except (TypeError, ValueError, RuntimeError) as err:  # RuntimeError: e.g. a negative size reaching torch.zeros
         raise ValueError(f"{where}: cannot build {key} from config {config}: {err}") from None
 
 
@@ -234,15 +235,8 @@ def save(model: nn.Module, path: str | os.PathLike) -> Path:
     """Write `model` (recipe + state_dict) to one safetensors file at `path`, atomically."""
     recipe = build_recipe(model)
     tensors = {k: _narrowest(v.detach().to("cpu")).clone().contiguous() for k, v in model.state_dict().items()}
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        save_file(tensors, str(tmp), metadata={_META_KEY: json.dumps(recipe), _DIGEST_KEY: digest(tensors)})
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    metadata = {_META_KEY: json.dumps(recipe), _DIGEST_KEY: digest(tensors)}
+    return atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
 _INT_WIDTHS = (torch.int8, torch.int16, torch.int32, torch.int64)
@@ -313,7 +307,7 @@ def rebuild(recipe: dict, where: str = "compress.rebuild") -> nn.Module:
         from compress.pix import use_pix_bottlenecks  # here: compress.pix imports the model zoo
 
         use_pix_bottlenecks(model)
-    except (KeyError, TypeError) as err:
+    except (KeyError, TypeError, AttributeError) as err:  # a missing entry, or a value of the wrong type
         raise ValueError(f"{where}: the recipe is incomplete or malformed ({err!r})") from None
     model.compress_arch = copy.deepcopy(arch)
     if isinstance(recipe.get("compaction"), dict):
@@ -337,7 +331,7 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> nn.Modu
             tensors[key] = t.to(types[key])
     try:
         model.load_state_dict(tensors, strict=True, assign=True)
-    except RuntimeError as err:
+    except (RuntimeError, ValueError, TypeError) as err:  # ValueError/TypeError: indices StripeConv2d rejects
         detail = " ".join(str(err).split())
         raise ValueError(f"{where}: the tensors do not fit the recipe's model: {detail}") from None
     return model.to(device).eval()

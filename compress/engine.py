@@ -417,6 +417,27 @@ def _plain_value(cfg: DictConfig, key: str):
     return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 
+def _refuse_to_overwrite_a_run(cfg: DictConfig, run_dir: Path) -> None:
+    """ValueError when `run_dir` holds a run (checkpoints/last.pt) that this command does not continue: a fresh run,
+    or `resume=<file>` of another checkpoint (its best.pt included), would overwrite its checkpoints and summary.
+    The refused command's config is taken out of the run's .hydra/ again."""
+    existing = run_dir / "checkpoints" / "last.pt"
+    if not existing.exists():
+        return
+    if cfg.resume is True or (cfg.resume not in (None, False) and Path(str(cfg.resume)).resolve() == existing.resolve()):
+        return
+    try:
+        _record_run_config(load_checkpoint(existing)["config"], run_dir)
+    except (ValueError, FileNotFoundError):
+        pass  # an unreadable checkpoint: nothing to restore from
+    what = "a fresh run" if cfg.resume in (None, False) else f"resume={cfg.resume} (another checkpoint)"
+    raise ValueError(
+        f"{run_dir} already holds a run (checkpoints/last.pt); {what} would overwrite its checkpoints. Pass "
+        "resume=true to continue that run, or another hydra.run.dir (or delete the old run) to start anew"
+        + ("; resume=<file> continues a file in a new run dir" if cfg.resume not in (None, False) else "")
+    )
+
+
 def _resume_config(cfg: DictConfig, run_dir: Path, given: set[str] | None = None) -> tuple[DictConfig, dict | None]:
     """The config to train with and the checkpoint to resume from (None for a fresh run).
 
@@ -584,16 +605,8 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     start = time.perf_counter()
     dist = setup_distributed(cfg.trainer.device)
     run_dir = _shared_run_dir(Path(run_dir) if run_dir is not None else _hydra_run_dir(), dist)
+    _refuse_to_overwrite_a_run(cfg, run_dir)
     cfg, ckpt = _resume_config(cfg, run_dir, _command_line_keys())
-    if ckpt is None and (run_dir / "checkpoints" / "last.pt").exists():
-        try:  # the refused command's config must not stand in the run's .hydra/
-            _record_run_config(load_checkpoint(run_dir / "checkpoints" / "last.pt")["config"], run_dir)
-        except (ValueError, FileNotFoundError):
-            pass  # an unreadable checkpoint: nothing to restore from
-        raise ValueError(
-            f"{run_dir} already holds a run (checkpoints/last.pt); a fresh run would overwrite its checkpoints. Pass "
-            "resume=true to continue it, or another hydra.run.dir (or delete the old run) to start anew"
-        )
     _check_config(cfg, ckpt)
     if ckpt is not None and dist.is_main:
         _record_run_config(cfg, run_dir)
@@ -640,6 +653,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     generator = getattr(data.train, "generator", None)
 
     first_epoch, step, best, test = 0, 0, -1.0, {"loss": float("nan"), "accuracy": float("nan")}
+    seconds_before, train = 0.0, {"images_per_s": float("nan")}  # of the processes before a resume
     skip, after_skip = 0, None  # batches of the first epoch trained before (a run stopped mid-epoch)
     if ckpt is not None:
         try:
@@ -652,13 +666,16 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
         scheduler = _resumed_scheduler(scheduler, optimizer, cfg.optim, ckpt, epochs, dist)
         scaler.load_state_dict(ckpt["scaler"])
         first_epoch, step, best, test = ckpt["epoch"], ckpt["step"], ckpt["best_accuracy"], ckpt["test"]
+        seconds_before = float(ckpt.get("seconds", 0.0))  # checkpoints before these keys: this process only
+        train = {"images_per_s": float("nan") if ckpt.get("images_per_s") is None else ckpt["images_per_s"]}
         skip, after_skip = _resume_mid_epoch(ckpt, generator, dist, int(cfg.trainer.seed))
 
     ckpt_dir = run_dir / "checkpoints"
     if dist.is_main:  # temporary files of checkpoint writes that a killed run left behind (atomic_save)
         for stale in ckpt_dir.glob(".*.pt.tmp*"):
             stale.unlink(missing_ok=True)
-    logger = RunLogger(run_dir / "tensorboard", dist.is_main)
+    # on resume, events a killed process logged after its checkpoint are dropped: the resumed run logs them again
+    logger = RunLogger(run_dir / "tensorboard", dist.is_main, purge_step=step + 1 if ckpt is not None else None)
     input_shape = (data.in_chans, data.input_size, data.input_size)
     max_steps = cfg.trainer.max_steps
     log_step = _StepLog(logger, optimizer, int(cfg.trainer.log_every), dist.world_size)
@@ -684,11 +701,13 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
             "arch": arch,
             "init_recipe": init_recipe,
             "config": OmegaConf.to_container(cfg, resolve=True),
+            "seconds": seconds_before + time.perf_counter() - start,  # wall time of the run so far, resumes included
+            "images_per_s": None if np.isnan(train["images_per_s"]) else train["images_per_s"],  # the last epoch's
         }
-        if dist.is_main:
-            atomic_save(state, ckpt_dir / "last.pt")
+        if dist.is_main:  # best.pt first: a run killed between the two writes still has its best weights
             if is_best:
                 atomic_save(state, ckpt_dir / "best.pt")
+            atomic_save(state, ckpt_dir / "last.pt")
         if dist.world_size > 1:
             torch_dist.barrier()  # the checkpoint is on disk before any rank goes on
 
@@ -701,7 +720,6 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
             save(epoch, done, at, epoch_rng, rng_state(generator), is_best=False)
 
     epochs_trained = first_epoch + (1 if skip else 0)  # the last epoch trained in (finished or not), 1-based
-    train = {"images_per_s": float("nan")}
     _say_if_nothing_to_train(first_epoch, epochs, step, max_steps, dist)
     epoch_bar = progress(range(first_epoch, epochs), dist.is_main, desc="epochs")
     for epoch in epoch_bar:
@@ -767,7 +785,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
         "params": sum(p.numel() for n, p in raw.named_parameters() if not n.endswith("skeleton")),
         "epochs": epochs_trained,
         "steps": step,
-        "seconds": time.perf_counter() - start,
+        "seconds": seconds_before + time.perf_counter() - start,
         "images_per_s": None if np.isnan(train["images_per_s"]) else train["images_per_s"],  # None: no step ran
         "world_size": dist.world_size,
         "model": arch["name"],  # an init= run's model is the compact file's, whatever model= says

@@ -229,6 +229,9 @@ def export_checkpoint(
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"export: out={out} is a file; give a directory (created if missing)")
+    if (out / FILES[0]).resolve() == Path(ckpt).resolve():
+        raise ValueError(f"export: out={out} would overwrite the input {ckpt} with the new compact model; give "
+                         "another out=")
     model, cfg = load_any(ckpt)
     prune = cfg.get("prune") or {}
     if threshold is None:
@@ -236,7 +239,8 @@ def export_checkpoint(
     if target_macs is None:
         target_macs = prune.get("target_flops")
     size = _input_size(model)
-    arch_model = None if cfg else architecture(model.compress_arch)  # a compact file's uncompacted architecture
+    # a compact model (a compact file, or an init= run that fine-tuned one): its architecture before compaction
+    arch_model = architecture(model.compress_arch) if not cfg or cfg.get("init") else None
     if arch_model is not None and _bn_folded(model, arch_model):  # its BN folded: the dense baseline folds too
         fold_bn = True
     fuse_relu = fuse_relu and fold_bn
@@ -268,6 +272,10 @@ def export_checkpoint(
                           f"onnxruntime, above {ONNX_TOLERANCE:g}; check it before deploying (onnx.stripe_mode=dense "
                           "is the plainest export)", stacklevel=2)
         onnx_info = {"file": FILES[1], "stripe_mode": stripe_mode, "opset": opset, "max_rel_error": err}
+    elif (out / FILES[1]).is_file():  # an earlier export's, of another model maybe: not left beside this one
+        (out / FILES[1]).unlink()
+        warnings.warn(f"export: removed {out / FILES[1]}, written by an earlier export into {out} (onnx is off now)",
+                      stacklevel=2)
     dense, small = deployed(dense), deployed(small)
     common = {"batch_size": batch_size, "device": device, "latency": latency, "repeats": repeats}
     dense_prof, small_prof = profile(dense, size, **common), profile(small, size, **common)

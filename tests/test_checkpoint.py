@@ -280,3 +280,51 @@ def test_a_torch_checkpoint_is_named_as_such(tmp_path):
     torch.save({"model": {}, "config": {}}, path)
     with pytest.raises(ValueError, match="is a torch checkpoint .* python export.py ckpt="):
         load(path)
+
+
+def test_atomic_write_keeps_the_old_file_on_a_failed_write_and_sets_umask_permissions(tmp_path):
+    import os
+
+    from compress._files import atomic_write
+
+    path = tmp_path / "m.safetensors"
+    save(create_model("resnet20"), path)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # not safetensors' owner-only default
+    before = path.read_bytes()
+
+    def full_disk(tmp):
+        tmp.write_bytes(b"partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+
+    with pytest.raises(OSError, match=r"could not write .*m.safetensors .*unexpected pos.*disk full.*unchanged"):
+        atomic_write(path, full_disk)
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
+
+
+def _first_stripe(recipe):
+    return next(r for r in recipe["replacements"] if r["type"] == "StripeConv2d")
+
+
+def _set(entry, key, value):
+    entry[key] = value
+
+
+@pytest.mark.parametrize("edit_recipe, edit_tensors", [
+    (lambda r: _set(r["arch"], "name", 7), None),
+    (lambda r: _set(r["replacements"][0], "name", 3), None),
+    (lambda r: _set(_first_stripe(r)["config"], "out_channels", -4), None),
+    (lambda r: _set(r["arch"]["kwargs"], "checkpoint_path", "/etc/passwd"), None),
+    (None, lambda t: t.update({k: v.float() for k, v in t.items() if k.endswith("out_index")})),
+    (None, lambda t: t.update({k: v + 1000 for k, v in t.items() if k.endswith("out_index")})),
+])
+def test_tampered_compact_files_are_errors_naming_the_file(tmp_path, edit_recipe, edit_tensors):
+    """Recipe values of the wrong type or range, a recipe asking the constructor to read a file, and stripe indices
+    of the wrong type or range: each a ValueError naming the file, never another exception or a file read."""
+    model = create_model("resnet20")
+    attach_skeletons(model)
+    path = save(compact(_randomise(model)), tmp_path / "m.safetensors")
+    _rewrite(path, edit_tensors=edit_tensors, edit_recipe=edit_recipe)
+    with pytest.raises(ValueError, match="m.safetensors"):
+        load(path)

@@ -169,10 +169,13 @@ def test_export_of_a_fine_tuning_run_rebuilds_the_compact_structure(training_che
               "prune": {"name": "none"}, "init": str(init)}  # fmt: skip
     path = tmp_path / "last.pt"
     torch.save({"model": small.state_dict(), "config": config, "epoch": 1, "step": 3}, path)
-    export_checkpoint(path, tmp_path / "out", onnx=False, latency=False, choose_stripe_modes=False)
+    report = export_checkpoint(path, tmp_path / "out", onnx=False, latency=False, choose_stripe_modes=False)
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         _assert_same_function(load(tmp_path / "out" / FILES[0])(x), small.eval()(x))
+    # stripes counted over the dense layers, as for the init file itself (also the layers it kept whole)
+    from_init = export_checkpoint(init, tmp_path / "out_init", onnx=False, latency=False, choose_stripe_modes=False)
+    assert report["stripes"] == from_init["stripes"] and len(report["stripes"]) == 19
     init.unlink()
     with pytest.raises(FileNotFoundError, match="init.safetensors"):
         export_checkpoint(path, tmp_path / "out2", onnx=False, latency=False)
@@ -209,6 +212,14 @@ def test_export_flow(training_checkpoint, tmp_path):
     # asked not to fold, it still compares the (folded) compact file with a folded dense baseline
     unfolded = export_checkpoint(tmp_path / FILES[0], tmp_path / "again2", onnx=False, latency=False, fold_bn=False)
     assert unfolded["dense"]["params"] == again["dense"]["params"] == data["dense"]["params"]
+    # the input file is never the output; an ONNX file of an earlier export is not left beside a new model
+    before = (tmp_path / FILES[0]).read_bytes()
+    with pytest.raises(ValueError, match="would overwrite the input"):
+        export_checkpoint(tmp_path / FILES[0], tmp_path, onnx=False, latency=False)
+    assert (tmp_path / FILES[0]).read_bytes() == before
+    with pytest.warns(UserWarning, match="removed .*model.onnx, written by an earlier export"):
+        export_checkpoint(path, tmp_path, onnx=False, latency=False, choose_stripe_modes=False)
+    assert not (tmp_path / FILES[1]).exists()
 
 
 def test_export_warns_when_onnxruntime_disagrees(training_checkpoint, tmp_path, monkeypatch):

@@ -2,6 +2,7 @@
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -114,15 +115,19 @@ def test_train_py_resume_keeps_the_checkpoints_trainer_settings(tmp_path):
     _, first = train(*TINY, "trainer.max_steps=3")
     out, again = train("resume=true")
     assert again["steps"] == 3 and "trainer.max_steps=3" in out and "nothing to train" in out
-    # strict JSON (no NaN): no step ran, so no images/s; still inside the run's first epoch
+    # strict JSON (no NaN); no step ran: the checkpoint's images/s and wall time carry over; still in epoch 1
     json.loads((tmp_path / "summary.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in summary.json"))
-    assert again["images_per_s"] is None and again["epochs"] == first["epochs"] == 1
+    assert again["images_per_s"] == first["images_per_s"] > 0 and again["epochs"] == first["epochs"] == 1
+    assert again["seconds"] > first["seconds"] - 5  # the first process's time (less its summary and exit) + this one
+    other = tmp_path.parent / f"{tmp_path.name}_other.pt"
+    shutil.copy(tmp_path / "checkpoints" / "last.pt", other)
     # .hydra/config.yaml holds the config the resumed run trains with, not the resume command line's defaults
     written = yaml.safe_load((tmp_path / ".hydra" / "config.yaml").read_text())
     assert written["model"]["name"] == "resnet20" and written["data"]["name"] == "fake"
-    for refused, message in [(["model=vgg11"], r"model=\{'name': 'vgg11'.*a resumed run keeps its checkpoint's"),
-                             ([], r"already holds a run \(checkpoints/last.pt\).*Pass resume=true")]:
-        proc = subprocess.run([sys.executable, "train.py", *(["resume=true", *refused] if refused else TINY),
+    for refused, message in [(["resume=true", "model=vgg11"], r"model=\{'name': 'vgg11'.*a resumed run keeps its"),
+                             (TINY, r"already holds a run \(checkpoints/last.pt\); a fresh run.*Pass resume=true"),
+                             ([f"resume={other}"], r"already holds a run.*resume=.*\(another checkpoint\) would")]:
+        proc = subprocess.run([sys.executable, "train.py", *refused,
                                f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert proc.returncode != 0 and re.search(message, proc.stderr), proc.stderr[-2000:]
         kept = yaml.safe_load((tmp_path / ".hydra" / "config.yaml").read_text())  # the run's, not the refused one's
@@ -276,7 +281,13 @@ def test_bad_checkpoint_files_are_clear_errors(tmp_path):
     torch.save(torch.nn.Linear(2, 2), tmp_path / "whole_model.pt")
     torch.save({"w": torch.randn(2)}, tmp_path / "state_dict.pt")
     (tmp_path / "text.pt").write_text("hello\n")
+    (tmp_path / "folder.pt").mkdir()
+    import compress
+
+    compress.save(compress.create_model("resnet20", num_classes=3), tmp_path / "compact.safetensors")
     cases = {"truncated.pt": "truncated or corrupt", "summary.json": "refused it", "text.pt": "truncated or corrupt",
+             "folder.pt": "is a directory, not a checkpoint",
+             "compact.safetensors": "is a safetensors file.*fine-tune a compact model with train.py init=",
              "whole_model.pt": "never loaded here because loading them can run code",
              "state_dict.pt": r"not a train.py checkpoint \(it has no \['model', 'config'\]"}
     for name, message in cases.items():
@@ -301,6 +312,31 @@ def test_a_flipped_byte_in_a_checkpoint_is_detected(tmp_path):
     assert not torch.equal(torch.load(path, weights_only=True)["model"]["w"], weights)  # torch.load does not notice
     with pytest.raises(ValueError, match="last.pt is corrupt.*SHA-256"):
         load_checkpoint(path)
+
+
+def test_every_single_byte_flip_of_a_checkpoint_loads_unchanged_or_is_a_clear_error(tmp_path):
+    """Flipping any one byte of a (small) checkpoint: load_checkpoint returns the saved contents or raises ValueError
+    naming the file, never altered values or another exception from inside torch.load."""
+    from compress._digest import digest
+    from compress._trainstate import atomic_save, load_checkpoint
+
+    saved = {"model": {"w": torch.randn(5), "n": torch.tensor(3)}, "config": {"lr": 0.1, "name": "x"}, "step": 7}
+    good = atomic_save(saved, tmp_path / "good.pt").read_bytes()
+    bad = tmp_path / "bad.pt"
+    errors = 0
+    for at in range(len(good)):
+        data = bytearray(good)
+        data[at] ^= 0x5A
+        bad.write_bytes(bytes(data))
+        try:
+            ckpt = load_checkpoint(bad)
+        except ValueError as err:
+            assert "bad.pt" in str(err)
+            errors += 1
+            continue
+        # (a flip inside the digest's own key name loads as a checkpoint from before digests, contents intact)
+        assert digest({k: ckpt.get(k) for k in saved}) == digest(saved), f"byte {at}: loaded altered contents"
+    assert errors > len(good) // 4
 
 
 def test_checkpoint_every_lets_a_crashed_run_resume_inside_an_epoch(tmp_path, monkeypatch):
@@ -341,3 +377,35 @@ def test_init_notes_a_bn_folded_compact_model(tmp_path, monkeypatch, capsys, fol
     no_model = [o for o in TINY if not o.startswith("model=")]
     run(_compose(*no_model, "init=small.safetensors", "trainer.max_steps=1"), run_dir=tmp_path / "ft")
     assert ("has its BatchNorms folded" in capsys.readouterr().out) == fold_bn
+
+
+def test_resume_after_a_crash_logs_each_step_once_and_best_pt_is_written_first(tmp_path, monkeypatch):
+    """A run killed after its checkpoint at step 2 had logged step 3; resumed, it logs step 3 again, and TensorBoard
+    (purge_step) shows each step once. best.pt is written before last.pt, so a kill between the two cannot leave a
+    last.pt that claims best weights which were never written."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import compress.engine as engine
+
+    real_step, calls = engine.train_step, []
+
+    def crashing_step(*args):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("simulated crash")
+        return real_step(*args)
+
+    monkeypatch.setattr(engine, "train_step", crashing_step)
+    options = [*TINY, "trainer.checkpoint_every=2", "trainer.log_every=1"]
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run(_compose(*options), run_dir=tmp_path)
+    monkeypatch.setattr(engine, "train_step", real_step)
+    written = []
+    real_save = engine.atomic_save
+    monkeypatch.setattr(engine, "atomic_save", lambda obj, path: (written.append(Path(path).name), real_save(obj, path))[1])
+    summary = run(_compose(*options, "resume=true"), run_dir=tmp_path)
+    assert written.index("best.pt") < len(written) - 1 and written[written.index("best.pt") + 1] == "last.pt"
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    steps = [e.step for e in events.Scalars("train/loss_step")]
+    assert steps == list(range(1, summary["steps"] + 1))

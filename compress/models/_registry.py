@@ -36,6 +36,11 @@ def list_models(pattern: str = "*", module: str | None = None) -> list[str]:
     )
 
 
+# constructor arguments of timm/torchvision that name weights to load (a file, a download): refused by create_model
+WEIGHT_SOURCES = frozenset({"pretrained", "weights", "checkpoint_path", "pretrained_cfg", "pretrained_cfg_overlay",
+                            "cache_dir", "weights_backbone"})
+
+
 def create_model(
     name: str, num_classes: int = 10, input_size: int = 32, in_chans: int = 3, **kwargs
 ) -> nn.Module:
@@ -57,6 +62,15 @@ def create_model(
         The model, with `model.compress_arch = {"name": name, "kwargs": {...}}` such that
         `create_model(name, **model.compress_arch["kwargs"])` rebuilds the same architecture.
     """
+    if not isinstance(name, str):
+        raise ValueError(f"create_model: the model name must be a string, got {name!r}")
+    sources = sorted(set(kwargs) & WEIGHT_SOURCES)
+    if sources:
+        raise ValueError(
+            f"create_model: {sources} would make the constructor read weights; create_model builds random weights "
+            "and never reads a file or the network (compact files and checkpoints carry their own weights): drop "
+            "them, and load a state dict into the built model instead"
+        )
     if name.startswith(TIMM_PREFIX):
         from .external import create_timm_model
 

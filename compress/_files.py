@@ -1,0 +1,52 @@
+"""Atomic file writes for checkpoints and compact model files."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = ["atomic_write"]
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+    """Call `write(tmp)` to fill a temporary file next to `path`, flush it to disk (fsync), give it the permissions a
+    new file gets under the umask, then rename it onto `path` and fsync the folder: a reader sees the old file or the
+    whole new one, also after a crash or power loss. A failed write (a full disk) leaves `path` as it was and raises
+    OSError naming it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        try:
+            write(tmp)
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except (OSError, RuntimeError) as err:  # torch.save reports a full disk as a RuntimeError
+            detail = " ".join(str(err).split())[:300]
+            raise OSError(f"could not write {path} ({type(err).__name__}: {detail}); is the disk full? The previous "
+                          f"{path.name}, if any, is unchanged") from err
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # safetensors creates its files owner-only
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # a platform without directory handles
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
