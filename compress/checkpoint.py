@@ -82,6 +82,7 @@ _TYPES: dict[str, tuple[str | type, Callable[[nn.Module], dict]]] = {
     "StripeConv2d": ("compress.stripe:StripeConv2d", _own_config),
     "Conv2dReLU": ("compress.stripe:Conv2dReLU", conv_config),
     "PiXBlock": ("compress.pix:PiXBlock", _own_config),
+    "ResidualReLU": ("compress.pix:ResidualReLU", _no_config),
 }
 
 

@@ -370,6 +370,7 @@ def _check_config(cfg: DictConfig, ckpt: dict | None = None) -> None:
         raise ValueError(f"prune.name={cfg.prune.name!r} is unknown; choose one of {PRUNE_METHODS} (prune=none|swp)")
     if cfg.prune.name == "swp":
         check_nonnegative(alpha=cfg.prune.alpha, threshold=cfg.prune.threshold)
+    _require_int("pix.zeta", cfg.pix.zeta, 1, null="no PiX", note="the bottleneck width is out_channels / zeta")
     _require_int("trainer.epochs", cfg.trainer.epochs, 1)
     _require_int("trainer.eval_every", cfg.trainer.eval_every, 1, note="the last epoch is always evaluated")
     _require_int("trainer.checkpoint_every", cfg.trainer.get("checkpoint_every"), 1, null="epoch ends only")
@@ -593,7 +594,7 @@ def _build_model(cfg: DictConfig, data, ckpt: dict | None = None) -> nn.Module:
         **cfg.model.get("kwargs", {}),
     )
     if cfg.pix.zeta is not None:
-        apply_pix(raw, int(cfg.pix.zeta), float(cfg.pix.tau))
+        apply_pix(raw, cfg.pix.zeta, float(cfg.pix.tau))
     return raw
 
 

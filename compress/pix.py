@@ -31,12 +31,18 @@ from compress.surgery import replace_module
 from kernels import residual_relu
 from kernels._utils import plain_eager
 
-__all__ = ["PiXBlock", "PiXBottleneck", "insert_pix", "use_pix_bottlenecks", "downscale_pix", "apply_pix"]
+__all__ = ["PiXBlock", "PiXBottleneck", "ResidualReLU", "insert_pix", "use_pix_bottlenecks", "downscale_pix", "apply_pix"]
 
 
 def _check_zeta(where: str, zeta: int) -> None:
     if not isinstance(zeta, int) or isinstance(zeta, bool) or zeta < 1:
         raise ValueError(f"{where}: zeta must be a positive int, got {zeta!r}")
+
+
+def _check_tau(where: str, tau: float) -> None:
+    # p = sigmoid(...) lies in (0, 1): tau 0 always mixes, 1 always picks
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0.0 <= tau <= 1.0:
+        raise ValueError(f"{where}: tau={tau!r} must be a number in [0, 1] (pix.tau; the paper uses 0.5)")
 
 
 def _check_factor(where: str, channels: int, zeta: int) -> None:
@@ -59,8 +65,7 @@ class PiXBlock(nn.Module):
     def __init__(self, in_channels: int, zeta: int, tau: float = 0.5):
         super().__init__()
         _check_factor(f"PiXBlock(in_channels={in_channels})", in_channels, zeta)
-        if not 0.0 <= tau <= 1.0:  # p = sigmoid(...) lies in (0, 1): tau 0 always mixes, 1 always picks
-            raise ValueError(f"PiXBlock: tau={tau} must be in [0, 1] (pix.tau; the paper uses 0.5)")
+        _check_tau("PiXBlock", tau)
         self.in_channels, self.zeta, self.tau = in_channels, zeta, float(tau)
         self.out_channels = in_channels // zeta
         self.weight = nn.Parameter(torch.empty(self.out_channels, in_channels, 1, 1))
@@ -111,9 +116,16 @@ def _basic_block_types() -> tuple[type, ...]:
     return (tvm.resnet.BasicBlock, CifarBasicBlock, *_timm_types("BasicBlock"))
 
 
-def _resized(module: nn.Module, where: str, in_channels: int, out_channels: int) -> nn.Module:
+def _check_resizable(module: nn.Module, where: str) -> None:
+    if type(module) not in (nn.Conv2d, nn.BatchNorm2d):
+        raise ValueError(
+            f"{where}: expected a plain Conv2d or BatchNorm2d to resize, got {type(module).__name__}"
+        )
+
+
+def _resized(module: nn.Module, in_channels: int, out_channels: int) -> nn.Module:
     """A freshly initialised copy of a plain Conv2d (same kernel, stride, padding, dilation, groups, bias)
-    or BatchNorm2d (same eps, momentum) with new channel counts."""
+    or BatchNorm2d (same eps, momentum) with new channel counts (`_check_resizable` checked the type)."""
     if type(module) is nn.BatchNorm2d:
         new = nn.BatchNorm2d(out_channels, eps=module.eps, momentum=module.momentum)
     elif type(module) is nn.Conv2d:
@@ -128,10 +140,6 @@ def _resized(module: nn.Module, where: str, in_channels: int, out_channels: int)
             module.bias is not None,
             module.padding_mode,
         )
-    else:
-        raise ValueError(
-            f"{where}: expected a plain Conv2d or BatchNorm2d to resize, got {type(module).__name__}"
-        )
     init_weights(new)
     return new
 
@@ -139,37 +147,43 @@ def _resized(module: nn.Module, where: str, in_channels: int, out_channels: int)
 torch.fx.wrap("residual_relu")  # a leaf in torch.fx graphs (compaction traces models): its fast path branches
 
 
+class ResidualReLU(nn.Module):
+    """relu(out + identity), `kernels.residual_relu`, as a module (no parameters): PiXBottleneck's tail, so that
+    profilers see its ReLU as they see the dense Bottleneck's (`compress.profile`'s "paper" convention counts 1 per
+    output element)."""
+
+    def forward(self, out: torch.Tensor, identity: torch.Tensor) -> torch.Tensor:
+        return residual_relu(out, identity)
+
+
 class PiXBottleneck(tvm.resnet.Bottleneck):
-    """torchvision's Bottleneck after `insert_pix` (same modules and state dict; conv1 is the PiXBlock, bn1 an
-    Identity). Its forward is torchvision's without the ReLU after PiX (a no-op there: see `_squeeze_with_pix`)
-    and with the residual sum + ReLU as `kernels.residual_relu`, which on CUDA also pools the block output for the
-    next block's PiX in the same pass (H200: benchmarks/results/pix_gpu_h200.json, pix_profile_h200_b64.txt)."""
+    """torchvision's Bottleneck after `insert_pix` (same state dict; conv1 is the PiXBlock, bn1 an Identity, and
+    the tail a `ResidualReLU` module). Its forward is torchvision's without the ReLU after PiX (a no-op there: see
+    `_squeeze_with_pix`) and with the residual sum + ReLU as `kernels.residual_relu`, which on CUDA also pools the
+    block output for the next block's PiX in the same pass (H200: benchmarks/results/pix_gpu_h200.json,
+    pix_profile_h200_b64.txt)."""
 
     recipe_base = tvm.resnet.Bottleneck  # compress.save records the base type; compress.load restores this one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.relu(self.bn2(self.conv2(self.conv1(x))))
         out = self.bn3(self.conv3(out))
-        return residual_relu(out, x if self.downsample is None else self.downsample(x))
+        return self.residual(out, x if self.downsample is None else self.downsample(x))
 
 
 def use_pix_bottlenecks(model: nn.Module) -> int:
-    """Give every torchvision Bottleneck of `model` whose conv1 is a PiXBlock the PiXBottleneck forward (same
-    modules and state dict), in place; returns how many. `insert_pix` and `compress.load` call it."""
+    """Give every torchvision Bottleneck of `model` whose conv1 is a PiXBlock the PiXBottleneck forward and its
+    `residual` module, in place; returns how many. `insert_pix` and `compress.load` call it."""
     blocks = [m for m in model.modules() if type(m) is tvm.resnet.Bottleneck and isinstance(m.conv1, PiXBlock)]
     for block in blocks:
         block.__class__ = PiXBottleneck
+        block.residual = ResidualReLU()
     return len(blocks)
 
 
-def _squeeze_with_pix(name: str, block: nn.Module, zeta: int, tau: float) -> None:
-    """Replace `block`'s squeeze conv1 + bn1 + act1 by PiXBlock(in, in / width), width = out / zeta, and
-    resize conv2, bn2 and conv3's input to that width when it differs from the current one.
-
-    torchvision's Bottleneck applies one shared ReLU after bn1, bn2 and the residual sum; it stays after
-    PiX and is exact there: the block input is the output of a ReLU (previous block or stem), so PiX's
-    p * max / p * mean with p > 0 is non-negative and the ReLU leaves it unchanged.
-    """
+def _squeeze_width(name: str, block: nn.Module, zeta: int) -> int:
+    """Check that `insert_pix` can squeeze `block` at `zeta` (ValueError naming the layer otherwise); return its new
+    bottleneck width, out_channels / zeta. Changes nothing."""
     where = f"insert_pix: layer '{name}' ({type(block).__module__}.{type(block).__name__})"
     conv1, conv2, conv3 = block.conv1, block.conv2, block.conv3
     if (
@@ -194,9 +208,6 @@ def _squeeze_with_pix(name: str, block: nn.Module, zeta: int, tau: float) -> Non
             f"{where}: input channels {in_ch} are not divisible by the new width {width} "
             f"(= output channels {out_ch} / zeta {zeta}); PiX can only squeeze, choose a larger zeta"
         )
-    block.conv1, block.bn1 = PiXBlock(in_ch, in_ch // width, tau), nn.Identity()
-    if hasattr(block, "act1"):
-        block.act1 = nn.Identity()
     if (conv2.in_channels, conv2.out_channels) != (width, width):
         aa = getattr(block, "aa", None)
         if aa is not None and not isinstance(aa, nn.Identity):
@@ -205,35 +216,68 @@ def _squeeze_with_pix(name: str, block: nn.Module, zeta: int, tau: float) -> Non
             )
         if width % conv2.groups:
             raise ValueError(f"{where}: new width {width} is not divisible by conv2's groups={conv2.groups}")
-        block.conv2 = _resized(conv2, f"{where} conv2", width, width)
-        block.bn2 = _resized(block.bn2, f"{where} bn2", width, width)
-        block.conv3 = _resized(conv3, f"{where} conv3", width, out_ch)
+        for part in ("conv2", "bn2", "conv3"):
+            _check_resizable(getattr(block, part), f"{where} {part}")
+    return width
+
+
+def _squeeze_with_pix(name: str, block: nn.Module, width: int, tau: float) -> None:
+    """Replace `block`'s squeeze conv1 + bn1 + act1 by PiXBlock(in, in / width) and resize conv2, bn2 and conv3's
+    input to `width` when it differs from the current one (`_squeeze_width` checked it all).
+
+    torchvision's Bottleneck applies one shared ReLU after bn1, bn2 and the residual sum; it stays after
+    PiX and is exact there: the block input is the output of a ReLU (previous block or stem), so PiX's
+    p * max / p * mean with p > 0 is non-negative and the ReLU leaves it unchanged.
+    """
+    in_ch = block.conv1.in_channels
+    block.conv1, block.bn1 = PiXBlock(in_ch, in_ch // width, tau), nn.Identity()
+    if hasattr(block, "act1"):
+        block.act1 = nn.Identity()
+    if (block.conv2.in_channels, block.conv2.out_channels) != (width, width):
+        block.conv2 = _resized(block.conv2, width, width)
+        block.bn2 = _resized(block.bn2, width, width)
+        block.conv3 = _resized(block.conv3, width, block.conv3.out_channels)
+
+
+def _record(model: nn.Module, zeta: int, tau: float) -> None:
+    """A model from `create_model` records PiX in `compress_arch["pix"]` ({"zeta", "tau"}), so that checkpoints and
+    compact files say which architecture they hold (export rebuilds the dense baseline from it)."""
+    arch = getattr(model, "compress_arch", None)
+    if isinstance(arch, dict):
+        arch["pix"] = {"zeta": int(zeta), "tau": float(tau)}
 
 
 def insert_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
     """Channel squeezing mode, in place: in every bottleneck (torchvision, timm, our CIFAR ones) PiX replaces
-    the squeeze conv + BN + ReLU, and the bottleneck width becomes out_channels / zeta.
+    the squeeze conv + BN + ReLU, and the bottleneck width becomes out_channels / zeta (conv2, bn2 and conv3 are
+    rebuilt, freshly initialised, where that changes it: at zeta 8, or for bottlenecks wider than out_channels / 4
+    such as wide_resnet50_2's and resnext50_32x4d's, which keep their width at zeta 2).
 
     The PiX factor of a block is in_channels / width. With zeta = 4 (standard widths) it is 4, except 1 in
     stage 1's first block (64 -> 64: a pure gate, y = p * x) and 2 in the first block of the later stages
     (e.g. 256 -> 128). With zeta = 8 (thin): 2 in stage 1's first block (64 -> 32), 4 in the other first
-    blocks, 8 elsewhere. Returns the names of the changed blocks.
+    blocks, 8 elsewhere. Every block is checked before any changes: an error leaves the model as it was.
+    Records PiX in `model.compress_arch` (see `_record`). Returns the names of the changed blocks.
     """
     _check_zeta("insert_pix", zeta)
+    _check_tau("insert_pix", tau)
     names = [n for n, m in model.named_modules() if isinstance(m, _bottleneck_types())]
     if not names:
         raise ValueError(f"insert_pix: {type(model).__name__} has no bottleneck block; {_SUPPORTED}")
-    for name in names:
-        _squeeze_with_pix(name, model.get_submodule(name), zeta, tau)
+    widths = [_squeeze_width(name, model.get_submodule(name), zeta) for name in names]
+    for name, width in zip(names, widths):
+        _squeeze_with_pix(name, model.get_submodule(name), width, tau)
     use_pix_bottlenecks(model)
+    _record(model, zeta, tau)
     return names
 
 
 def downscale_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
     """Network downscaling mode, in place: every 3x3 Conv2d after the network's first conv becomes
-    Sequential(PiXBlock(in, zeta), the conv with in / zeta inputs, freshly initialised).
-    Returns the names of the replaced convs."""
+    Sequential(PiXBlock(in, zeta), the conv with in / zeta inputs, freshly initialised). Every conv is checked
+    before any changes; records PiX in `model.compress_arch`. Returns the names of the replaced convs."""
     _check_zeta("downscale_pix", zeta)
+    _check_tau("downscale_pix", tau)
     convs = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Conv2d)]
     targets = [(n, m) for n, m in convs[1:] if m.kernel_size == (3, 3)]
     if not targets:
@@ -243,8 +287,11 @@ def downscale_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
         if conv.groups != 1:
             raise ValueError(f"{where}: PiX needs a conv with groups=1, got groups={conv.groups}")
         _check_factor(where, conv.in_channels, zeta)
-        new_conv = _resized(conv, where, conv.in_channels // zeta, conv.out_channels)
+        _check_resizable(conv, where)
+    for name, conv in targets:
+        new_conv = _resized(conv, conv.in_channels // zeta, conv.out_channels)
         replace_module(model, name, nn.Sequential(PiXBlock(conv.in_channels, zeta, tau), new_conv))
+    _record(model, zeta, tau)
     return [n for n, _ in targets]
 
 
@@ -257,8 +304,7 @@ _SUPPORTED = (
 
 def apply_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
     """Insert PiX in place, choosing the mode from the family (see _SUPPORTED); returns the changed names. A model
-    from `create_model` records it in `compress_arch["pix"]` ({"zeta", "tau"}), so that checkpoints and compact
-    files say which architecture they hold (export rebuilds the dense baseline from it)."""
+    from `create_model` records it in `compress_arch["pix"]` (see `_record`)."""
     modules = list(model.modules())
     if any(isinstance(m, _bottleneck_types()) for m in modules):
         changed = insert_pix(model, zeta, tau)
@@ -266,9 +312,6 @@ def apply_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
         changed = downscale_pix(model, zeta, tau)
     else:
         raise ValueError(f"apply_pix: unsupported model {type(model).__name__}; {_SUPPORTED}")
-    arch = getattr(model, "compress_arch", None)
-    if isinstance(arch, dict):
-        arch["pix"] = {"zeta": int(zeta), "tau": float(tau)}
     return changed
 
 

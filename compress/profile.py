@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn as nn
 
+from compress.pix import ResidualReLU
 from compress.stripe import Conv2dReLU, StripeConv2d
 
 __all__ = ["LayerProfile", "ProfileReport", "profile", "compare", "measure_latencies", "register_macs_handler"]
@@ -83,6 +84,7 @@ _PAPER_EXTRA: dict[type[nn.Module], MacsHandler] = {
     nn.Conv1d: _bias, nn.Conv2d: _bias, nn.Conv3d: _bias, nn.Linear: _bias,
     nn.BatchNorm1d: _per_output(2), nn.BatchNorm2d: _per_output(2), nn.BatchNorm3d: _per_output(2),
     nn.ReLU: _per_output(1), nn.ReLU6: _per_output(1), nn.LeakyReLU: _per_output(1), nn.PReLU: _per_output(1),
+    ResidualReLU: _per_output(1),  # a PiX bottleneck's residual tail (the dense Bottleneck's ReLU module there)
     # a ReLU fused into its conv (compact(fuse_relu=True)) counts as it did as a module
     Conv2dReLU: lambda m, inp, out: _bias(m, inp, out) + out.numel(),
     # and a pool fused into a StripeConv2d as nn.MaxPool2d (per input: the conv's output)

@@ -77,6 +77,8 @@ def test_cifar_configs_keep_the_paper_recipe():
         (["trainer.max_steps=2.5"], ValueError, "trainer.max_steps=2.5 must be an int >= 1"),
         (["trainer.log_every=0"], ValueError, "trainer.log_every=0 must be an int >= 1"),
         (["trainer.seed=-1"], ValueError, "trainer.seed=-1 must be an int >= 0"),
+        (["pix.zeta=4.7"], ValueError, r"pix.zeta=4.7 must be an int >= 1, or null \(no PiX\)"),
+        (["pix.zeta=true"], ValueError, "pix.zeta=True must be an int >= 1"),
         (["trainer.amp_dtype=float8"], ValueError, "trainer.amp_dtype='float8'; use bfloat16 or float16"),
         (["trainer.device=gpu"], ValueError, "trainer.device='gpu' is not a device; use auto, cpu, cuda"),
         (["optim.lr=-0.1"], ValueError, r"optim.lr=-0.1 must be a number > 0"),
@@ -85,7 +87,7 @@ def test_cifar_configs_keep_the_paper_recipe():
         (["prune=swp", "prune.threshold=2"], ValueError, "prune.threshold=2 zeroes every stripe"),
         (["prune=swp", "prune.include=layr1.*"], ValueError, r"no conv of resnet56 gets a skeleton with prune.include=\['layr1.\*'\]"),
         (["data.input_size=0"], ValueError, "data.input_size=0; it must be an int >= 1"),
-        (["model=resnet29_bottleneck", "pix.zeta=4", "pix.tau=-5"], ValueError, r"tau=-5.0 must be in \[0, 1\]"),
+        (["model=resnet29_bottleneck", "pix.zeta=4", "pix.tau=-5"], ValueError, r"tau=-5.0 must be a number in \[0, 1\]"),
     ],
 )
 def test_bad_settings_give_clear_errors(tmp_path, overrides, error, match):

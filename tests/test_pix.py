@@ -444,3 +444,42 @@ def test_pix_resnet50_cuda_inference_mode_matches_the_float64_reference():
     torch.testing.assert_close(got, plain, rtol=1e-5, atol=1e-6)
     report = profile(gpu, (3, 64, 64), batch_size=2, device="cuda", repeats=2)
     assert report.device.startswith("cuda") and report.latency_ms > 0
+
+
+def test_torchvision_and_timm_pix_resnet50_count_alike_in_the_paper_convention():
+    """The same architecture from two libraries gets one count: torchvision's PiX bottleneck runs its residual ReLU
+    as the ResidualReLU module, counted like timm's act3 (and the dense Bottleneck's ReLU)."""
+    counts = {}
+    for name in ("resnet50", "timm:resnet50"):
+        with torch.device("meta"):
+            model = create_model(name, num_classes=1000, input_size=224)
+            insert_pix(model, 4)
+        counts[name] = profile(model, (3, 224, 224), latency=False, convention="paper").macs
+    assert counts["resnet50"] == counts["timm:resnet50"]
+
+
+@pytest.mark.parametrize("build, zeta, tau, message", [
+    (lambda: torchvision.models.resnext50_32x4d(), 16, 0.5, "new width 16 is not divisible by conv2's groups=32"),
+    (lambda: torchvision.models.resnet50(), 4, 1.5, r"tau=1.5 must be a number in \[0, 1\]"),
+    (lambda: create_model("vgg11"), 3, 0.5, "not divisible by zeta=3"),
+])
+def test_a_failed_insertion_leaves_the_model_as_it_was(build, zeta, tau, message):
+    model = build().eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    structure = [(n, type(m)) for n, m in model.named_modules()]
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        want = model(x)
+    with pytest.raises(ValueError, match=message):
+        apply_pix(model, zeta, tau)
+    assert [(n, type(m)) for n, m in model.named_modules()] == structure
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("insert, name, zeta", [(insert_pix, "resnet29_bottleneck", 4), (downscale_pix, "resnet20", 2)])
+def test_insert_and_downscale_record_pix_in_the_architecture(insert, name, zeta):
+    model = create_model(name)
+    insert(model, zeta, 0.4)
+    assert model.compress_arch["pix"] == {"zeta": zeta, "tau": 0.4}
