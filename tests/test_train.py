@@ -339,12 +339,10 @@ def test_every_single_byte_flip_of_a_checkpoint_loads_unchanged_or_is_a_clear_er
     assert errors > len(good) // 4
 
 
-def test_checkpoint_every_lets_a_crashed_run_resume_inside_an_epoch(tmp_path, monkeypatch):
-    """trainer.checkpoint_every=3 writes last.pt after step 3, inside epoch 1; a run that crashes in step 4
-    resumes from there and ends with an uninterrupted run's weights."""
+def _crash_in_step_4(monkeypatch, cfg, run_dir) -> None:
+    """Run `cfg` into `run_dir` until its 4th training step raises, as a crash there would."""
     import compress.engine as engine
 
-    full = run(_compose(*DIGITS), run_dir=tmp_path / "full")
     real_step, calls = engine.train_step, []
 
     def crashing_step(*args):
@@ -355,8 +353,16 @@ def test_checkpoint_every_lets_a_crashed_run_resume_inside_an_epoch(tmp_path, mo
 
     monkeypatch.setattr(engine, "train_step", crashing_step)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        run(_compose(*DIGITS, "trainer.checkpoint_every=3"), run_dir=tmp_path / "parts")
+        run(cfg, run_dir=run_dir)
     monkeypatch.setattr(engine, "train_step", real_step)
+
+
+def test_checkpoint_every_lets_a_crashed_run_resume_inside_an_epoch(tmp_path, monkeypatch):
+    """trainer.checkpoint_every=3 writes last.pt after step 3, inside epoch 1; a run that crashes in step 4
+    resumes from there and ends with an uninterrupted run's weights."""
+
+    full = run(_compose(*DIGITS), run_dir=tmp_path / "full")
+    _crash_in_step_4(monkeypatch, _compose(*DIGITS, "trainer.checkpoint_every=3"), tmp_path / "parts")
     ckpt = torch.load(tmp_path / "parts" / "checkpoints" / "last.pt", weights_only=True)
     assert (ckpt["epoch"], ckpt["epoch_batches"], ckpt["step"]) == (0, 3, 3)
     resumed = run(_compose(*DIGITS, "trainer.checkpoint_every=3", "resume=true"), run_dir=tmp_path / "parts")
@@ -387,19 +393,8 @@ def test_resume_after_a_crash_logs_each_step_once_and_best_pt_is_written_first(t
 
     import compress.engine as engine
 
-    real_step, calls = engine.train_step, []
-
-    def crashing_step(*args):
-        calls.append(1)
-        if len(calls) == 4:
-            raise RuntimeError("simulated crash")
-        return real_step(*args)
-
-    monkeypatch.setattr(engine, "train_step", crashing_step)
     options = [*TINY, "trainer.checkpoint_every=2", "trainer.log_every=1"]
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        run(_compose(*options), run_dir=tmp_path)
-    monkeypatch.setattr(engine, "train_step", real_step)
+    _crash_in_step_4(monkeypatch, _compose(*options), tmp_path)
     written = []
     real_save = engine.atomic_save
     monkeypatch.setattr(engine, "atomic_save", lambda obj, path: (written.append(Path(path).name), real_save(obj, path))[1])
