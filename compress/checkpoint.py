@@ -22,6 +22,7 @@ import copy
 import importlib
 import json
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -60,6 +61,26 @@ def _no_config(m: nn.Module) -> dict:
     return {}
 
 
+def _bn_act_config(m: nn.Module) -> dict:
+    """timm's BatchNormAct2d (BN then drop then act): the BN's config and its activation's type key and config."""
+    if not isinstance(m.drop, nn.Identity):
+        raise ValueError(f"compress.save: a BatchNormAct2d with a drop layer ({type(m.drop).__name__}) is not "
+                         "supported in compact files")
+    key = _type_key(m.act)
+    if key is None:
+        raise ValueError(f"compress.save: the activation {type(m.act).__name__} of a BatchNormAct2d is not an "
+                         f"allowed type ({', '.join(sorted(_TYPES))})")
+    return {**_bn_config(m), "act": {"type": key, "config": _config(m.act, key)}}
+
+
+def _build_bn_act(config: dict, where: str) -> nn.Module:
+    from timm.layers import BatchNormAct2d
+
+    bn = BatchNormAct2d(**{k: v for k, v in config.items() if k != "act"}, apply_act=False)
+    bn.act = _build(config["act"]["type"], config["act"]["config"], f"{where} (its activation)")
+    return bn
+
+
 def _own_config(m: nn.Module) -> dict:
     return m.config()
 
@@ -82,6 +103,8 @@ _TYPES: dict[str, tuple[str | type, Callable[[nn.Module], dict]]] = {
     "StripeConv2d": ("compress.stripe:StripeConv2d", _own_config),
     "Conv2dReLU": ("compress.stripe:Conv2dReLU", conv_config),
     "PiXBlock": ("compress.pix:PiXBlock", _own_config),
+    # timm's BN + activation (RegNet, EfficientNet, ...), which compaction shrinks with dead filters when BN is kept
+    "BatchNormAct2d": ("timm.layers:BatchNormAct2d", _bn_act_config),
     "ResidualReLU": ("compress.pix:ResidualReLU", _no_config),
 }
 
@@ -97,17 +120,25 @@ def register_module_type(key: str, cls: type[nn.Module], config: Callable[[nn.Mo
     _TYPES[key] = (cls, config or _own_config)
 
 
-def _resolve(key: str) -> type[nn.Module]:
+# keys whose modules are not built as cls(**config): key -> builder(config, where)
+_BUILDERS: dict[str, Callable[[dict, str], nn.Module]] = {"BatchNormAct2d": _build_bn_act}
+
+
+def _resolve(key: str, imported_only: bool = False) -> type[nn.Module] | None:
+    """The class of type key `key`; with `imported_only`, None where its module is not imported yet (then no
+    instance of it can exist: `_type_key` need not import timm for a model that has none of its modules)."""
     cls, _ = _TYPES[key]
     if isinstance(cls, str):
         module, _, attr = cls.partition(":")
+        if imported_only and module not in sys.modules:
+            return None
         cls = getattr(importlib.import_module(module), attr)
     return cls
 
 
 def _type_key(module: nn.Module) -> str | None:
     for key in _TYPES:
-        if type(module) is _resolve(key):
+        if type(module) is _resolve(key, imported_only=True):
             return key
     return None
 
@@ -124,7 +155,7 @@ def _build(key: str, config: dict, where: str) -> nn.Module:
             "your own module, call compress.checkpoint.register_module_type(key, cls) before loading"
         )
     try:
-        return _resolve(key)(**config)
+        return _BUILDERS[key](config, where) if key in _BUILDERS else _resolve(key)(**config)
     except (TypeError, ValueError, RuntimeError) as err:  # RuntimeError: e.g. a negative size reaching torch.zeros
         raise ValueError(f"{where}: cannot build {key} from config {config}: {err}") from None
 

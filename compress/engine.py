@@ -44,6 +44,7 @@ from compress.data import build_data
 from compress.models import TIMM_PREFIX, create_model
 from compress.pix import apply_pix
 from compress.skeleton import attach_skeletons, check_nonnegative, skeleton_stats, swp_update
+from compress.surgery import conv_bn_pairs
 
 __all__ = [
     "DistInfo", "setup_distributed", "build_optimizer", "build_scheduler",
@@ -186,7 +187,7 @@ class _Step:
     device: torch.device
     amp_dtype: torch.dtype | None
     channels_last: bool
-    swp: tuple[float, float] | None  # (alpha, threshold) or None
+    swp: tuple[float, float, dict[str, str]] | None  # (alpha, threshold, BN pairs) or None: swp_update's arguments
 
 
 def _to_device(x: torch.Tensor, y: torch.Tensor, s: _Step) -> tuple[torch.Tensor, torch.Tensor]:
@@ -637,7 +638,8 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
                 f"prune.exclude={exclude}, prune.min_kernel_size={cfg.prune.min_kernel_size}; check the patterns "
                 "against the model's module names (print(model)), or train with prune=none"
             )
-        swp = (float(cfg.prune.alpha), float(cfg.prune.threshold))
+        # dead filters' BN channels, found by data flow once (before SyncBatchNorm, which keeps the names)
+        swp = (float(cfg.prune.alpha), float(cfg.prune.threshold), conv_bn_pairs(raw))
     raw = _sync_bn(raw, cfg, dist)
     threshold = swp[1] if swp else 0.0
     channels_last = bool(cfg.trainer.channels_last) and dist.device.type == "cuda"

@@ -117,12 +117,13 @@ def _skeleton_convs(model: nn.Module) -> list[tuple[str, SkeletonConv2d]]:
 
 
 @torch.no_grad()
-def swp_update(model: nn.Module, alpha: float, threshold: float) -> None:
+def swp_update(model: nn.Module, alpha: float, threshold: float, bn_pairs: dict[str, str] | None = None) -> None:
     """The SWP step between backward (and the DDP gradient all-reduce) and optimizer.step().
 
     For each skeleton FS: FS.grad += alpha * sign(FS); entries with |FS| <= threshold get value and
     gradient zeroed. Filters without a kept stripe have weight, bias and their gradients of the
-    paired BatchNorm channel (compress.surgery.conv_bn_pairs) zeroed.
+    paired BatchNorm channel zeroed. `bn_pairs` ({conv name: BN name}): `compress.surgery.conv_bn_pairs(model)`,
+    which traces the model, so a training loop finds it once and passes it to every step; None finds it here.
 
     All layers at once with torch._foreach_* ops (a few multi-tensor kernels instead of ~8 per layer,
     which made a CIFAR ResNet-56 step launch-bound on a GPU) and no host sync: keep = clamp_min(sign(
@@ -145,7 +146,7 @@ def swp_update(model: nn.Module, alpha: float, threshold: float) -> None:
     torch._foreach_clamp_min_(keep, 0.0)
     torch._foreach_mul_(fss, keep)
     torch._foreach_mul_(grads, keep)
-    pairs = conv_bn_pairs(model)
+    pairs = conv_bn_pairs(model) if bn_pairs is None else bn_pairs
     bn_tensors, alive = [], []
     for (name, _), k in zip(convs, keep):
         if name not in pairs:

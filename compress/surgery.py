@@ -66,24 +66,13 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
 
 
 def conv_bn_pairs(model: nn.Module) -> dict[str, str]:
-    """Map each Conv2d to the BatchNorm2d (or SyncBatchNorm) that normalises its output.
-
-    A BatchNorm2d is paired with the Conv2d registered directly before it when its `num_features`
-    equals the conv's `out_channels`. This holds for our CIFAR models and for torchvision's and
-    timm's ResNets, VGGs and MobileNets, where a conv's BN is the next module in registration order.
-    """
-    pairs: dict[str, str] = {}
-    prev_conv: tuple[str, nn.Conv2d] | None = None
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Conv2d):
-            prev_conv = (name, module)
-        elif isinstance(module, (nn.BatchNorm2d, nn.SyncBatchNorm)):
-            if prev_conv is not None and prev_conv[1].out_channels == module.num_features:
-                pairs[prev_conv[0]] = name
-            prev_conv = None
-        elif len(module._modules) == 0 and not isinstance(module, (nn.ReLU, nn.Identity)):
-            prev_conv = None
-    return pairs
+    """Map each Conv2d to the BatchNorm2d (a subclass, e.g. timm's BatchNormAct2d, or SyncBatchNorm) that normalises
+    its output, by data flow: the conv's only user in the model's torch.fx graph is that BN, each called once
+    (`conv_bn_pairs_traced(..., foldable=False)`). Registration order is not enough: Res2Net keeps its convs and BNs
+    in two ModuleLists, and a pre-activation ResNet's next BN reads the residual sum. {} (with a warning) for a
+    model torch.fx cannot trace."""
+    graph = trace(model, "no BatchNorm channel is zeroed with its dead filter")
+    return {} if graph is None else conv_bn_pairs_traced(model, graph, foldable=False)
 
 
 # ---- graph analysis ------------------------------------------------------------------------------
@@ -137,16 +126,17 @@ class _Tracer(fx.Tracer):
         )
 
 
-def trace(model: nn.Module) -> fx.Graph | None:
-    """The torch.fx graph of `model` traced in eval mode, or None (with a warning) if tracing fails."""
+def trace(model: nn.Module, consequence: str = "dead filters are kept and BatchNorm is not folded") -> fx.Graph | None:
+    """The torch.fx graph of `model` traced in eval mode, or None (with a warning saying the `consequence`) if
+    tracing fails."""
     was_training = model.training
     model.eval()
     try:
         return _Tracer().trace(model)
     except Exception as err:  # any tracing failure means: no graph-based surgery
         warnings.warn(
-            f"torch.fx cannot trace {type(model).__name__} ({type(err).__name__}: {err}); dead filters "
-            "are kept and BatchNorm is not folded. Make the forward traceable to enable them.",
+            f"torch.fx cannot trace {type(model).__name__} ({type(err).__name__}: {err}); {consequence}. Make "
+            "the forward traceable to enable that.",
             stacklevel=3,
         )
         return None
@@ -265,9 +255,9 @@ def bn_remainder(bn: nn.Module) -> nn.Module | None:
     return None
 
 
-def conv_bn_pairs_traced(model: nn.Module, graph: fx.Graph) -> dict[str, str]:
-    """Map each Conv2d (called once) whose only user is a BatchNorm2d that `bn_remainder` can fold (called once) to
-    that BN's name."""
+def conv_bn_pairs_traced(model: nn.Module, graph: fx.Graph, foldable: bool = True) -> dict[str, str]:
+    """Map each Conv2d (called once) whose only user is a BatchNorm2d (called once) to that BN's name; with
+    `foldable`, only BNs that `bn_remainder` can fold."""
     calls = _module_calls(graph)
     pairs = {}
     for node in graph.nodes:
@@ -277,7 +267,8 @@ def conv_bn_pairs_traced(model: nn.Module, graph: fx.Graph) -> dict[str, str]:
             continue
         (user,) = node.users
         if user.op == "call_module" and user.args == (node,) and calls[user.target] == 1:
-            if bn_remainder(model.get_submodule(user.target)) is not None:
+            bn = model.get_submodule(user.target)
+            if isinstance(bn, nn.BatchNorm2d) and (not foldable or bn_remainder(bn) is not None):
                 pairs[node.target] = user.target
     return pairs
 

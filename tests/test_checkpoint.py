@@ -328,3 +328,21 @@ def test_tampered_compact_files_are_errors_naming_the_file(tmp_path, edit_recipe
     _rewrite(path, edit_tensors=edit_tensors, edit_recipe=edit_recipe)
     with pytest.raises(ValueError, match="m.safetensors"):
         load(path)
+
+
+def test_a_shrunk_timm_batchnormact_saves_and_loads(tmp_path):
+    """compact(fold_bn=False) shrinks timm's BatchNormAct2d with its conv's dead filters; the file records it (BN
+    config and activation) and loads to the same function."""
+    model = create_model("timm:regnetx_002", num_classes=10, input_size=32)
+    attach_skeletons(model)
+    _randomise(model, keep=1.0)
+    with torch.no_grad():
+        model.get_submodule("stem.conv").skeleton[:8] = 0  # 8 dead filters
+    small = compact(model, fold_bn=False)
+    assert small.stem.bn.num_features == 24 and type(small.stem.bn).__name__ == "BatchNormAct2d"
+    loaded = load(save(small, tmp_path / "m.safetensors"))
+    assert type(loaded.stem.bn) is type(small.stem.bn) and type(loaded.stem.bn.act) is type(small.stem.bn.act)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), small(x), rtol=0, atol=0)
+        torch.testing.assert_close(small(x), model(x), rtol=1e-4, atol=1e-5)

@@ -138,3 +138,38 @@ def test_attach_skeletons_cifar_resnet():
     assert len(names) == 19  # stem + 9 blocks x 2 (option-A shortcuts have no conv)
     stats = skeleton_stats(model, 0.01)
     assert stats["stripes_total"] == 9 * (16 + 6 * 16 + 6 * 32 + 6 * 64) and stats["filters_dead"] == 0
+
+
+@pytest.mark.parametrize("name", ["resnet20", "timm:res2net50_14w_8s", "timm:resnetv2_18"])
+def test_bn_pairs_follow_data_flow_and_swp_zeroes_the_bn_that_reads_the_dead_filter(name):
+    """Each paired BN receives its conv's output tensor itself (forward hooks: the independent reference), also in
+    Res2Net (convs and BNs in two ModuleLists) and a pre-activation ResNet (the next BN reads the residual sum and
+    must not be paired); swp_update zeroes the BN channel of a dead filter there and leaves the others."""
+    from compress.surgery import conv_bn_pairs
+
+    model = create_model(name, num_classes=10, input_size=32).eval()
+    attach_skeletons(model)
+    pairs = conv_bn_pairs(model)
+    outputs, inputs = {}, {}
+    for n, m in model.named_modules():
+        if isinstance(m, nn.Conv2d):
+            m.register_forward_hook(lambda mod, inp, out, n=n: outputs.setdefault(n, out))
+        if isinstance(m, nn.BatchNorm2d):
+            m.register_forward_pre_hook(lambda mod, inp, n=n: inputs.setdefault(n, inp[0]))
+    with torch.no_grad():
+        model(torch.randn(2, 3, 32, 32))
+    reads = {bn: conv for bn, x in inputs.items() for conv, y in outputs.items() if x is y}
+    assert pairs and all(reads.get(bn) == conv for conv, bn in pairs.items())
+    assert {conv for conv in pairs} == {conv for bn, conv in reads.items()}  # every conv -> BN edge is found
+    conv = next(iter(pairs))
+    bns = {n: (m.weight.detach().clone(), m.bias.detach().clone()) for n, m in model.named_modules()
+           if isinstance(m, nn.BatchNorm2d)}
+    with torch.no_grad():
+        model.get_submodule(conv).skeleton[0] = 0.0
+    swp_update(model, alpha=0.0, threshold=0.0, bn_pairs=pairs)
+    for n, (w, b) in bns.items():
+        bn = model.get_submodule(n)
+        if n == pairs[conv]:
+            assert bn.weight[0] == 0 and bn.bias[0] == 0 and torch.equal(bn.weight[1:], w[1:])
+        else:
+            assert torch.equal(bn.weight, w) and torch.equal(bn.bias, b), n
