@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import time
 import warnings
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ import torch
 import torch.distributed as torch_dist
 import torch.nn as nn
 import torch.nn.functional as F
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from torch.utils.data import DistributedSampler
 
 from compress._logging import RunLogger, format_summary, progress, say
@@ -98,12 +99,25 @@ def setup_distributed(device: str = "auto") -> DistInfo:
 
 
 def _shared_run_dir(run_dir: Path, dist: DistInfo) -> Path:
-    """Rank 0's run directory on every rank (Hydra's time-stamped default may differ between ranks)."""
+    """Rank 0's run directory on every rank (Hydra's time-stamped default may differ between ranks: a rank that
+    started in another second removes the directory Hydra made for it, if it holds only Hydra's files)."""
     if dist.world_size == 1:
         return run_dir
     shared = [str(run_dir)]
     torch_dist.broadcast_object_list(shared, src=0)
+    if dist.rank != 0 and run_dir.resolve() != Path(shared[0]).resolve():
+        _remove_if_only_hydra(run_dir)
     return Path(shared[0])
+
+
+def _remove_if_only_hydra(run_dir: Path) -> None:
+    """Delete `run_dir` when all it holds is what Hydra writes at a job's start (.hydra/*.yaml, an empty train.log)."""
+    entries = {p.name for p in run_dir.iterdir()} if run_dir.is_dir() else {"?"}
+    hydra = run_dir / ".hydra"
+    only_yaml = not hydra.exists() or all(p.suffix == ".yaml" and p.is_file() for p in hydra.iterdir())
+    log = run_dir / "train.log"
+    if entries <= {".hydra", "train.log"} and only_yaml and (not log.exists() or log.stat().st_size == 0):
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _finish_distributed(dist: DistInfo) -> None:
@@ -404,6 +418,25 @@ def _command_line_keys() -> set[str] | None:
     return {o.key_or_group for o in overrides}
 
 
+FIXED_GROUPS = ("prune", "optim", "trainer", "pix")  # every key they read is in their yaml files
+
+
+def _refuse_added_keys(cfg: DictConfig) -> None:
+    """ValueError for a key added with '+' to a group whose keys all exist already (`FIXED_GROUPS`): such a key is
+    misspelled or belongs to another option of the group, and would be ignored."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if not HydraConfig.initialized():
+        return
+    for o in OverridesParser.create().parse_overrides(list(HydraConfig.get().overrides.task)):
+        group, _, leaf = o.key_or_group.partition(".")
+        if o.is_add() and group in FIXED_GROUPS and leaf:
+            known = sorted(k for k in cfg[group] if k != leaf)
+            raise ValueError(f"+{o.key_or_group}: {group} has no key {leaf!r}, so it would be ignored (its keys: "
+                             f"{', '.join(known)}); set existing keys without '+', and check the spelling")
+
+
 # keys a resumed run may change besides trainer.*: where the data is read from and how many processes load it
 # (neither changes what is trained; other loader worker counts draw other augmentation streams)
 RESUME_MAY_CHANGE = ("data.root", "data.num_workers")
@@ -607,9 +640,13 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     start = time.perf_counter()
     dist = setup_distributed(cfg.trainer.device)
     run_dir = _shared_run_dir(Path(run_dir) if run_dir is not None else _hydra_run_dir(), dist)
+    _refuse_added_keys(cfg)
     _refuse_to_overwrite_a_run(cfg, run_dir)
     cfg, ckpt = _resume_config(cfg, run_dir, _command_line_keys())
     _check_config(cfg, ckpt)
+    if ckpt is None and "seed" not in cfg.data:  # trainer.seed also seeds the data order, worker seeds, fake data
+        with open_dict(cfg):
+            cfg.data.seed = cfg.trainer.seed
     if ckpt is not None and dist.is_main:
         _record_run_config(cfg, run_dir)
     if cfg.init is not None:  # saved with the run: export finds the file from any working directory

@@ -404,3 +404,51 @@ def test_resume_after_a_crash_logs_each_step_once_and_best_pt_is_written_first(t
     events.Reload()
     steps = [e.step for e in events.Scalars("train/loss_step")]
     assert steps == list(range(1, summary["steps"] + 1))
+
+
+def test_trainer_seed_seeds_the_data_unless_data_seed_is_given(tmp_path):
+    """trainer.seed also seeds the data (shuffle order, worker seeds, fake images), so a seed sweep varies it; an
+    explicit data.seed stays. The checkpoint records the seed the data used."""
+    def first_batch_and_seed(*overrides):
+        run_dir = tmp_path / "_".join(overrides)
+        run(_compose(*TINY, "trainer.max_steps=1", *overrides), run_dir=run_dir)
+        config = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["config"]
+        from compress.data import build_data
+
+        x, _ = next(iter(build_data(config["data"]).train))
+        return x, config["data"]["seed"]
+
+    x0, seed0 = first_batch_and_seed("trainer.seed=0")
+    x1, seed1 = first_batch_and_seed("trainer.seed=1")
+    x5, seed5 = first_batch_and_seed("trainer.seed=1", "+data.seed=5")
+    assert (seed0, seed1, seed5) == (0, 1, 5)
+    assert not torch.equal(x0, x1) and not torch.equal(x1, x5)
+
+
+def test_a_key_added_with_plus_to_a_fixed_group_is_refused(tmp_path):
+    proc = subprocess.run([sys.executable, "train.py", *TINY, "trainer.max_steps=1", "+prune.alpah=1e-5",
+                           f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert re.search(r"\+prune.alpah: prune has no key 'alpah', so it would be ignored \(its keys: alpha,", proc.stderr)
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_a_ranks_own_hydra_dir_is_removed_only_when_it_holds_nothing_else(tmp_path):
+    """Under torchrun a rank that started in another second than rank 0 got its own Hydra run dir; it is removed when
+    it holds only Hydra's start-up files, never otherwise."""
+    from compress.engine import _remove_if_only_hydra
+
+    def make(name, extra=None, log=""):
+        d = tmp_path / name
+        (d / ".hydra").mkdir(parents=True)
+        for f in ("config.yaml", "hydra.yaml", "overrides.yaml"):
+            (d / ".hydra" / f).write_text("a: 1\n")
+        (d / "train.log").write_text(log)
+        if extra:
+            (d / extra).write_text("x")
+        return d
+
+    cases = {make("bare"): False, make("logged", log="[INFO] epoch 1\n"): True, make("work", "summary.json"): True}
+    for d, kept in cases.items():
+        _remove_if_only_hydra(d)
+        assert d.exists() == kept, d.name
