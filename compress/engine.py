@@ -446,6 +446,15 @@ def _may_change_on_resume(key: str) -> bool:
     return key.startswith("trainer.") or key in RESUME_MAY_CHANGE
 
 
+def _saved_value(saved: DictConfig, cfg: DictConfig, key: str):
+    """The checkpoint's value at `key`, as `_plain_value`, to compare with the command line's: a data group that the
+    command line gives without a seed is compared without the seed the run derived from trainer.seed."""
+    value = _plain_value(saved, key)
+    if key == "data" and isinstance(value, dict) and "seed" not in cfg.data:
+        value = {k: v for k, v in value.items() if k != "seed"}
+    return value
+
+
 def _plain_value(cfg: DictConfig, key: str):
     """The value at dotted `key` of `cfg` as plain Python (a group as a resolved dict), None if absent."""
     value = OmegaConf.select(cfg, key, default=None)
@@ -496,7 +505,7 @@ def _resume_config(cfg: DictConfig, run_dir: Path, given: set[str] | None = None
     conflicts = sorted(
         k for k in given
         if k != "resume" and not k.startswith("hydra") and not _may_change_on_resume(k)
-        and _plain_value(saved, k) != _plain_value(cfg, k)
+        and _saved_value(saved, cfg, k) != _plain_value(cfg, k)
     )  # fmt: skip
     if conflicts:
         _record_run_config(saved, run_dir)
