@@ -98,6 +98,12 @@ _TYPES: dict[str, tuple[str | type, Callable[[nn.Module], dict]]] = {
     "SiLU": (nn.SiLU, lambda m: {"inplace": m.inplace}),
     "Hardswish": (nn.Hardswish, lambda m: {"inplace": m.inplace}),
     "GELU": (nn.GELU, lambda m: {"approximate": m.approximate}),
+    "LeakyReLU": (nn.LeakyReLU, lambda m: {"negative_slope": m.negative_slope, "inplace": m.inplace}),  # CSP/Darknet
+    "ELU": (nn.ELU, lambda m: {"alpha": m.alpha, "inplace": m.inplace}),
+    "Mish": (nn.Mish, lambda m: {"inplace": m.inplace}),
+    "Hardsigmoid": (nn.Hardsigmoid, lambda m: {"inplace": m.inplace}),
+    "Sigmoid": (nn.Sigmoid, _no_config),
+    "Tanh": (nn.Tanh, _no_config),
     "Sequential": (nn.Sequential, _no_config),
     "SkeletonConv2d": ("compress.skeleton:SkeletonConv2d", conv_config),
     "StripeConv2d": ("compress.stripe:StripeConv2d", _own_config),

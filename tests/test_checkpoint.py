@@ -346,3 +346,25 @@ def test_a_shrunk_timm_batchnormact_saves_and_loads(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), small(x), rtol=0, atol=0)
         torch.testing.assert_close(small(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("act", [nn.LeakyReLU(0.1, inplace=True), nn.ELU(0.5), nn.Mish(), nn.Hardsigmoid(),
+                                 nn.Sigmoid(), nn.Tanh(), nn.GELU("tanh"), nn.SiLU(inplace=True)])
+def test_allowlisted_activations_rebuild_from_their_config(act):
+    from compress.checkpoint import _build, _config, _type_key
+
+    key = _type_key(act)
+    rebuilt = _build(key, _config(act, key), "test")
+    x = torch.randn(50)
+    assert type(rebuilt) is type(act) and torch.equal(rebuilt(x.clone()), act(x.clone()))
+
+
+def test_a_folded_timm_leaky_relu_model_saves_and_loads(tmp_path):
+    """fold_bn leaves a BatchNormAct2d's LeakyReLU (CSP/Darknet) in the BN's place; the file records it."""
+    model = create_model("timm:darknet17", num_classes=10, input_size=32)
+    attach_skeletons(model)
+    small = compact(_randomise(model, keep=0.6).eval(), fold_bn=True)
+    loaded = load(save(small, tmp_path / "m.safetensors"))
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), small(x), rtol=0, atol=0)
