@@ -109,6 +109,8 @@ _TYPES: dict[str, tuple[str | type, Callable[[nn.Module], dict]]] = {
     "StripeConv2d": ("compress.stripe:StripeConv2d", _own_config),
     "Conv2dReLU": ("compress.stripe:Conv2dReLU", conv_config),
     "PiXBlock": ("compress.pix:PiXBlock", _own_config),
+    # timm's TF-"same"-padding conv (tf_* models), which takes a bias when BN folds into it
+    "Conv2dSame": ("timm.layers:Conv2dSame", lambda m: {k: v for k, v in conv_config(m).items() if k != "padding_mode"}),
     # timm's BN + activation (RegNet, EfficientNet, ...), which compaction shrinks with dead filters when BN is kept
     "BatchNormAct2d": ("timm.layers:BatchNormAct2d", _bn_act_config),
     "ResidualReLU": ("compress.pix:ResidualReLU", _no_config),

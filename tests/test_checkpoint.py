@@ -368,3 +368,15 @@ def test_a_folded_timm_leaky_relu_model_saves_and_loads(tmp_path):
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), small(x), rtol=0, atol=0)
+
+
+def test_a_folded_timm_conv2dsame_model_saves_and_loads(tmp_path):
+    """BN folding gives timm's Conv2dSame (tf_* models) a bias; the file records it."""
+    model = create_model("timm:tf_efficientnet_b0", num_classes=10, input_size=32)
+    attach_skeletons(model)
+    small = compact(_randomise(model, keep=0.6).eval(), fold_bn=True)
+    assert any(type(m).__name__ == "Conv2dSame" and m.bias is not None for m in small.modules())
+    loaded = load(save(small, tmp_path / "m.safetensors"))
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), small(x), rtol=0, atol=0)
