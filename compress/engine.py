@@ -406,16 +406,22 @@ def _check_config(cfg: DictConfig, ckpt: dict | None = None) -> None:
         raise ValueError("trainer.compile=true needs trainer.compile_backend (inductor, or aot_eager on CPU)")
 
 
-def _command_line_keys() -> set[str] | None:
-    """The config keys this train.py run sets on its command line ({'resume', 'trainer.max_steps', ...}: Hydra's
-    task overrides); None outside a Hydra app (`run(cfg, run_dir)` called from Python)."""
+def _command_line_overrides() -> list | None:
+    """This train.py run's command-line overrides, parsed (Hydra's task overrides); None outside a Hydra app
+    (`run(cfg, run_dir)` called from Python)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     if not HydraConfig.initialized():
         return None
-    overrides = OverridesParser.create().parse_overrides(list(HydraConfig.get().overrides.task))
-    return {o.key_or_group for o in overrides}
+    return OverridesParser.create().parse_overrides(list(HydraConfig.get().overrides.task))
+
+
+def _command_line_keys() -> set[str] | None:
+    """The config keys this train.py run sets on its command line ({'resume', 'trainer.max_steps', ...}); None
+    outside a Hydra app."""
+    overrides = _command_line_overrides()
+    return None if overrides is None else {o.key_or_group for o in overrides}
 
 
 FIXED_GROUPS = ("prune", "optim", "trainer", "pix")  # every key they read is in their yaml files
@@ -424,12 +430,7 @@ FIXED_GROUPS = ("prune", "optim", "trainer", "pix")  # every key they read is in
 def _refuse_added_keys(cfg: DictConfig) -> None:
     """ValueError for a key added with '+' to a group whose keys all exist already (`FIXED_GROUPS`): such a key is
     misspelled or belongs to another option of the group, and would be ignored."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    if not HydraConfig.initialized():
-        return
-    for o in OverridesParser.create().parse_overrides(list(HydraConfig.get().overrides.task)):
+    for o in _command_line_overrides() or []:
         group, _, leaf = o.key_or_group.partition(".")
         if o.is_add() and group in FIXED_GROUPS and leaf:
             known = sorted(k for k in cfg[group] if k != leaf)

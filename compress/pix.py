@@ -221,7 +221,7 @@ def _squeeze_width(name: str, block: nn.Module, zeta: int) -> int:
     return width
 
 
-def _squeeze_with_pix(name: str, block: nn.Module, width: int, tau: float) -> None:
+def _squeeze_with_pix(block: nn.Module, width: int, tau: float) -> None:
     """Replace `block`'s squeeze conv1 + bn1 + act1 by PiXBlock(in, in / width) and resize conv2, bn2 and conv3's
     input to `width` when it differs from the current one (`_squeeze_width` checked it all).
 
@@ -266,7 +266,7 @@ def insert_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
         raise ValueError(f"insert_pix: {type(model).__name__} has no bottleneck block; {_SUPPORTED}")
     widths = [_squeeze_width(name, model.get_submodule(name), zeta) for name in names]
     for name, width in zip(names, widths):
-        _squeeze_with_pix(name, model.get_submodule(name), width, tau)
+        _squeeze_with_pix(model.get_submodule(name), width, tau)
     use_pix_bottlenecks(model)
     _record(model, zeta, tau)
     return names
