@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -24,6 +23,7 @@ import torch.nn as nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]  # the repo (compress, kernels) and benchmarks/ (_masks)
+from _host import cpu_model  # noqa: E402
 from _masks import swp_like  # noqa: E402
 
 import compress  # noqa: E402
@@ -46,13 +46,8 @@ def timed(model: nn.Module, x: torch.Tensor) -> float:
 
 
 def machine() -> dict:
-    cpu = next(
-        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-         if line.startswith("model name")),
-        platform.processor(),
-    )  # fmt: skip
     return {
-        "cpu": cpu,
+        "cpu": cpu_model(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "load_average_1m_before": Path("/proc/loadavg").read_text().split()[0],

@@ -7,7 +7,8 @@ with the load average before and after. With one thread (the default) the median
 recorded too (``*_cpu_ms``, ``speedup_cpu``): other jobs sharing the cores stretch wall time, not that.
 
     python benchmarks/pix_cpu.py [--repeats 15] [--batches 1 8] [--size 224] [--threads N] [--no-fold]
-                                 [--layouts nchw channels_last] [--trials 1] [--malloc default|keep] [--out PATH]
+                                 [--layouts nchw channels_last] [--trials 1] [--malloc default|keep] [--compile]
+                                 [--out PATH]
 
 --trials N repeats each measurement N times in a row and records every trial's medians (the row's figures
 are then the medians over all N * repeats pairs), to show how far the ratio moves on a shared machine.
@@ -17,6 +18,12 @@ no mmap below 1 GiB; what MALLOC_TRIM_THRESHOLD_ / MALLOC_MMAP_THRESHOLD_ or jem
 By default glibc returns large freed blocks to the OS and the next forward's activations fault in fresh pages:
 tens of thousands of 4 KiB page faults per batch-8 ResNet-50 forward on this machine. The per-forward page fault
 count of each model is recorded (``*_faults``).
+
+--compile runs both models through torch.compile (Inductor, CPU) with weight freezing
+(``torch._inductor.config.freezing``: BN-folded weights prepacked for oneDNN, constant folding), the usual
+recipe for CPU deployment, one static-shape compile per batch size. The PiX op enters the graph as an opaque
+custom op (its C++ CPU kernel), tagged ``flexible_layout`` so that Inductor hands it its channels_last
+activations instead of converting them to NCHW and back.
 
 --threads 1 (default) gives steady ratios on a shared machine (2 OpenMP threads spin on a busy core);
 --threads 0 keeps torch's choice. PiX's CPU kernels (kernels/_cpu.py) run on torch's OpenMP threads too.
@@ -28,7 +35,6 @@ import argparse
 import ctypes
 import json
 import os
-import platform
 import resource
 import statistics
 import sys
@@ -40,7 +46,9 @@ import torch.nn as nn
 import torchvision
 from torch.nn.utils.fusion import fuse_conv_bn_eval
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).parent)]  # the repo and benchmarks/
+
+from _host import cpu_model  # noqa: E402
 
 from compress.pix import insert_pix  # noqa: E402
 from compress.surgery import conv_bn_pairs, replace_module  # noqa: E402
@@ -116,6 +124,7 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=1, help="measure each row this many times (see above)")
     ap.add_argument("--malloc", choices=("default", "keep"), default="default",
                     help="keep: glibc malloc keeps freed memory, for both models (see above)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile both models, weights frozen (see above)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "pix_cpu.json"))
     args = ap.parse_args()
 
@@ -124,6 +133,10 @@ def main() -> None:
         keep_freed_memory()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.compile:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.freezing = True
     load_before = os.getloadavg()
     rows = []
     for channels_last in [layout == "channels_last" for layout in args.layouts]:
@@ -131,6 +144,8 @@ def main() -> None:
             "resnet50": build(False, fold, channels_last),
             "pix_resnet50": build(True, fold, channels_last),
         }
+        if args.compile:
+            models = {k: torch.compile(m, dynamic=False) for k, m in models.items()}
         fmt = torch.channels_last if channels_last else torch.contiguous_format
         for b in args.batches:
             x = torch.randn(b, 3, args.size, args.size).contiguous(memory_format=fmt)
@@ -183,13 +198,14 @@ def main() -> None:
         "dtype": "float32",
         "input": [3, args.size, args.size],
         "bn_folded": fold,
+        "compiled": "torch.compile, inductor freezing" if args.compile else False,
         "malloc": args.malloc,
         "repeats": args.repeats,
         "statistic": "median (and min) ms per forward over the repeats, models interleaved; *_cpu_ms: median "
         "CPU time of the calling thread (1 thread only); *_faults: median minor page faults of the process per forward",
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "loadavg_before": [round(v, 2) for v in load_before],
         "loadavg_after": [round(v, 2) for v in os.getloadavg()],

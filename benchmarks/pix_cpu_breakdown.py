@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -26,6 +25,7 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _host import cpu_model  # noqa: E402
 from pix_cpu import build  # noqa: E402
 
 from compress.pix import PiXBlock  # noqa: E402
@@ -99,7 +99,7 @@ def main() -> None:
                   "PiX ResNet-50); pix_blocks: PiX ResNet-50's 16 PiX blocks, whole forward; rest: total - the "
                   "parts (residual tails, head, Python); parts timed with wrappers, totals without, interleaved",
         "torch": torch.__version__, "threads": torch.get_num_threads(), "batch": args.batch,
-        "layout": args.layout, "repeats": args.repeats, "cpu": platform.processor() or platform.machine(),
+        "layout": args.layout, "repeats": args.repeats, "cpu": cpu_model(),
         "cpu_count": os.cpu_count(), "rows": rows,
         "speedup": round(r["total_ms"] / p["total_ms"], 3),
         "speedup_without_maxpool": round((r["total_ms"] - r["maxpool_ms"]) / (p["total_ms"] - p["maxpool_ms"]), 3),

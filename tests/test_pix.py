@@ -483,3 +483,82 @@ def test_insert_and_downscale_record_pix_in_the_architecture(insert, name, zeta)
     model = create_model(name)
     insert(model, zeta, 0.4)
     assert model.compress_arch["pix"] == {"zeta": zeta, "tau": 0.4}
+
+
+def test_inductor_with_frozen_weights_hands_pix_its_channels_last_activations(monkeypatch):
+    """torch.compile (Inductor on the CPU, weights frozen: the CPU deployment recipe) of a PiX bottleneck ResNet
+    from an NCHW input: the output matches eager (float32 within 1e-4 relative), and every PiX block receives the
+    channels_last activations Inductor keeps around its oneDNN convs (the ops are tagged flexible_layout;
+    without the tag Inductor converts each one to NCHW and back, and the compiled PiX ResNet-50 lost its speed)."""
+    import importlib
+
+    import torch._inductor.config as inductor_config
+
+    pix_ops = importlib.import_module("kernels.pix")  # the module (the package's `pix` is the function)
+    torch.manual_seed(0)
+    model = create_model("resnet29_bottleneck", num_classes=10)
+    insert_pix(model, 4)
+    model.eval()
+    x = torch.randn(2, 3, 32, 32)
+    layouts = []
+    squeeze_cpu = pix_ops._squeeze_cpu
+
+    def recording(x, *args, **kwargs):
+        layouts.append(x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous())
+        return squeeze_cpu(x, *args, **kwargs)
+
+    monkeypatch.setattr(pix_ops, "_squeeze_cpu", recording)
+    monkeypatch.setattr(inductor_config, "freezing", True)
+    torch._dynamo.reset()
+    try:
+        with torch.inference_mode():
+            want = model(x)
+            layouts.clear()
+            got = torch.compile(model, dynamic=False)(x)
+    finally:
+        torch._dynamo.reset()
+    n_blocks = sum(isinstance(m, PiXBlock) for m in model.modules())
+    assert len(layouts) == n_blocks and all(layouts), layouts
+    assert ((got - want).norm() / want.norm()).item() < 1e-4
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+def test_inductor_cuda_training_step_matches_the_float64_reference(channels_last, monkeypatch):
+    """A torchvision PiX ResNet-50 (train mode, BN batch statistics) through torch.compile with Inductor on CUDA,
+    from NCHW and channels_last inputs: the loss, the input gradient and a PiX predictor's gradient match the
+    float64 CPU model (relative error; TF32 off, so that no p near tau changes branch), in two steps (the second
+    reuses the compiled graph)."""
+    import copy
+
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    torch.manual_seed(0)
+    model = torchvision.models.resnet50(num_classes=10)
+    insert_pix(model, 4)
+    x = torch.randn(4, 3, 64, 64)
+    ref = copy.deepcopy(model).double()
+    x_ref = x.double().requires_grad_()
+    loss_ref = ref(x_ref).square().mean()
+    loss_ref.backward()
+    gpu = model.cuda()
+    if channels_last:
+        gpu = gpu.to(memory_format=torch.channels_last)
+    compiled = torch.compile(gpu)
+    torch._dynamo.reset()
+    try:
+        for step in range(2):
+            gpu.zero_grad()
+            xg = x.cuda().contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+            xg.requires_grad_()
+            loss = compiled(xg).square().mean()
+            loss.backward()
+            errors = {
+                "loss": abs(loss.item() - loss_ref.item()) / abs(loss_ref.item()),
+                "x.grad": ((xg.grad.double().cpu() - x_ref.grad).norm() / x_ref.grad.norm()).item(),
+                "pix weight grad": ((gpu.layer2[1].conv1.weight.grad.double().cpu() - ref.layer2[1].conv1.weight.grad).norm()
+                                    / ref.layer2[1].conv1.weight.grad.norm()).item(),
+            }
+            assert all(e < 1e-3 for e in errors.values()), (step, errors)
+    finally:
+        torch._dynamo.reset()
