@@ -527,8 +527,9 @@ def test_inductor_with_frozen_weights_hands_pix_its_channels_last_activations(mo
 def test_inductor_cuda_training_step_matches_the_float64_reference(channels_last, monkeypatch):
     """A torchvision PiX ResNet-50 (train mode, BN batch statistics) through torch.compile with Inductor on CUDA,
     from NCHW and channels_last inputs: the loss, the input gradient and a PiX predictor's gradient match the
-    float64 CPU model (relative error; TF32 off, so that no p near tau changes branch), in two steps (the second
-    reuses the compiled graph)."""
+    float64 CPU model (relative error, TF32 off), in two steps (the second reuses the compiled graph). The gradients
+    of a random-init ResNet-50 are sensitive to rounding (ReLU kinks, max ties): on an H100 the float32 CPU model
+    was 4e-4-3.6e-3 off the float64 one, CUDA eager 2e-3-3.6e-3, compiled 5e-3-7e-3; hence 2e-2 for them."""
     import copy
 
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
@@ -559,6 +560,6 @@ def test_inductor_cuda_training_step_matches_the_float64_reference(channels_last
                 "pix weight grad": ((gpu.layer2[1].conv1.weight.grad.double().cpu() - ref.layer2[1].conv1.weight.grad).norm()
                                     / ref.layer2[1].conv1.weight.grad.norm()).item(),
             }
-            assert all(e < 1e-3 for e in errors.values()), (step, errors)
+            assert errors["loss"] < 1e-4 and errors["x.grad"] < 2e-2 and errors["pix weight grad"] < 2e-2, (step, errors)
     finally:
         torch._dynamo.reset()
