@@ -102,11 +102,16 @@ def _options(cfg) -> dict[str, Any]:
     if opts["eval_batch_size"] is None:
         opts["eval_batch_size"] = opts["batch_size"]
     lowest = {"batch_size": 1, "eval_batch_size": 1, "input_size": 1, "in_chans": 1, "num_workers": 0,
-              "train_size": 1, "test_size": 1, "num_classes": 1}
+              "train_size": 1, "test_size": 1, "num_classes": 1, "seed": 0}
     for key, least in lowest.items():
-        value = opts[key]
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
-            raise ValueError(f"build_data: data.{key}={value!r}; it must be an int >= {least}")
+        value, most = opts[key], 2**32 - 1 if key == "seed" else None
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least
+                                  or (most is not None and value > most)):
+            raise ValueError(f"build_data: data.{key}={value!r}; it must be an int >= {least}"
+                             + (f" and <= {most}" if most is not None else ""))
+    for key in ("download", "pin_memory"):
+        if opts[key] is not None and not isinstance(opts[key], bool):
+            raise ValueError(f"build_data: data.{key}={opts[key]!r}; it must be true or false")
     if opts["pin_memory"] is None:
         opts["pin_memory"] = torch.cuda.is_available()
     return opts

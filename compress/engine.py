@@ -20,11 +20,13 @@ where the rank exists and reseeds new ranks from (trainer.seed, rank, step).
 from __future__ import annotations
 
 import json
+import operator
 import os
 import random
 import shutil
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -365,13 +367,28 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _require_int(key: str, value, least: int, null: str | None = None, note: str | None = None) -> None:
-    """ValueError unless `value` is an int >= `least` (or None where `null` says what None means)."""
+def _require_int(key: str, value, least: int, null: str | None = None, note: str | None = None,
+                 most: int | None = None) -> None:
+    """ValueError unless `value` is an int in [`least`, `most`] (or None where `null` says what None means)."""
     if value is None and null is not None:
         return
-    if not isinstance(value, int) or isinstance(value, bool) or value < least:
-        rule = f"an int >= {least}" + (f", or null ({null})" if null else "") + (f"; {note}" if note else "")
+    if not isinstance(value, int) or isinstance(value, bool) or value < least or (most is not None and value > most):
+        rule = (f"an int >= {least}" + (f" and <= {most}" if most is not None else "") + (f", or null ({null})" if null
+                else "") + (f"; {note}" if note else ""))
         raise ValueError(f"{key}={value!r} must be {rule}")
+
+
+def _check_milestones(milestones, epochs) -> None:
+    """ValueError unless the multistep schedule's milestones are increasing epochs inside the run (1..epochs-1):
+    one at or past the last epoch never lowers the learning rate."""
+    values = list(milestones) if isinstance(milestones, Sequence) and not isinstance(milestones, str) else None
+    if not values or not all(isinstance(m, int) and not isinstance(m, bool) for m in values) or values != sorted(set(values)):
+        raise ValueError(f"optim.milestones={milestones!r} must be a list of increasing epoch numbers, e.g. "
+                         "optim.milestones=[80,120]")
+    if isinstance(epochs, int) and not 0 < values[0] <= values[-1] < epochs:
+        raise ValueError(f"optim.milestones={values}: a multistep run of {epochs} epochs lowers the learning rate "
+                         f"only at epochs 1..{epochs - 1}; set milestones inside the run (e.g. "
+                         f"optim.milestones=[{epochs // 2},{3 * epochs // 4}]) or optim.epochs past {values[-1]}")
 
 
 def _check_config(cfg: DictConfig, ckpt: dict | None = None) -> None:
@@ -384,14 +401,24 @@ def _check_config(cfg: DictConfig, ckpt: dict | None = None) -> None:
     if cfg.prune.name not in PRUNE_METHODS:
         raise ValueError(f"prune.name={cfg.prune.name!r} is unknown; choose one of {PRUNE_METHODS} (prune=none|swp)")
     if cfg.prune.name == "swp":
+        for key in ("alpha", "threshold"):
+            if not _is_number(cfg.prune[key]):
+                raise ValueError(f"prune.{key}={cfg.prune[key]!r} must be a number >= 0")
         check_nonnegative(alpha=cfg.prune.alpha, threshold=cfg.prune.threshold)
+        _require_int("prune.min_kernel_size", cfg.prune.min_kernel_size, 1,
+                     note="convs with a smaller kernel get no skeleton")
     _require_int("pix.zeta", cfg.pix.zeta, 1, null="no PiX", note="the bottleneck width is out_channels / zeta")
+    if not _is_number(cfg.pix.tau):
+        raise ValueError(f"pix.tau={cfg.pix.tau!r} must be a number in [0, 1] (the paper's is 0.5)")
     _require_int("trainer.epochs", cfg.trainer.epochs, 1)
     _require_int("trainer.eval_every", cfg.trainer.eval_every, 1, note="the last epoch is always evaluated")
     _require_int("trainer.checkpoint_every", cfg.trainer.get("checkpoint_every"), 1, null="epoch ends only")
     _require_int("trainer.max_steps", cfg.trainer.max_steps, 1, null="no step limit")
     _require_int("trainer.log_every", cfg.trainer.log_every, 1)
-    _require_int("trainer.seed", cfg.trainer.seed, 0)
+    _require_int("trainer.seed", cfg.trainer.seed, 0, most=2**32 - 1)
+    _require_int("optim.warmup_epochs", cfg.optim.get("warmup_epochs", 0), 0, null="none")
+    if cfg.optim.get("schedule") == "multistep":
+        _check_milestones(cfg.optim.get("milestones"), cfg.trainer.epochs)
     if cfg.trainer.amp_dtype not in ("bfloat16", "float16"):
         raise ValueError(f"trainer.amp_dtype={cfg.trainer.amp_dtype!r}; use bfloat16 or float16")
     for key in ("lr", "momentum", "weight_decay", "gamma"):
@@ -428,14 +455,23 @@ FIXED_GROUPS = ("prune", "optim", "trainer", "pix")  # every key they read is in
 
 
 def _refuse_added_keys(cfg: DictConfig) -> None:
-    """ValueError for a key added with '+' to a group whose keys all exist already (`FIXED_GROUPS`): such a key is
-    misspelled or belongs to another option of the group, and would be ignored."""
+    """ValueError for a key added with '+' where nothing reads it: in a group whose keys all exist already
+    (`FIXED_GROUPS`), in the model group outside model.kwargs (passed to the model's constructor), or at the top
+    level. Such a key is misspelled or belongs elsewhere, and would be ignored. (Data groups differ in their keys:
+    +data.seed and the like are checked by build_data.)"""
     for o in _command_line_overrides() or []:
         group, _, leaf = o.key_or_group.partition(".")
-        if o.is_add() and group in FIXED_GROUPS and leaf:
+        if not o.is_add() or group == "hydra" or (group == "data" and leaf):
+            continue
+        if not leaf:
+            known = ", ".join(sorted(k for k in cfg if k != group))
+            raise ValueError(f"+{group}: the config has no top-level key {group!r}, so it would be ignored (its keys: "
+                             f"{known}); check the spelling and the group (e.g. optim.epochs, not epochs)")
+        if group in FIXED_GROUPS or (group == "model" and leaf.partition(".")[0] != "kwargs"):
             known = sorted(k for k in cfg[group] if k != leaf)
+            fix = "; model arguments go under +model.kwargs.<name>" if group == "model" else ""
             raise ValueError(f"+{o.key_or_group}: {group} has no key {leaf!r}, so it would be ignored (its keys: "
-                             f"{', '.join(known)}); set existing keys without '+', and check the spelling")
+                             f"{', '.join(known)}); set existing keys without '+', and check the spelling{fix}")
 
 
 # keys a resumed run may change besides trainer.*: where the data is read from and how many processes load it
@@ -447,13 +483,17 @@ def _may_change_on_resume(key: str) -> bool:
     return key.startswith("trainer.") or key in RESUME_MAY_CHANGE
 
 
-def _saved_value(saved: DictConfig, cfg: DictConfig, key: str):
-    """The checkpoint's value at `key`, as `_plain_value`, to compare with the command line's: a data group that the
-    command line gives without a seed is compared without the seed the run derived from trainer.seed."""
-    value = _plain_value(saved, key)
-    if key == "data" and isinstance(value, dict) and "seed" not in cfg.data:
-        value = {k: v for k, v in value.items() if k != "seed"}
-    return value
+def _compared_values(saved: DictConfig, cfg: DictConfig, key: str) -> tuple:
+    """(the checkpoint's, the command line's) value at `key`, as `_plain_value`, for the resume check. A group given
+    whole (data=cifar10) is compared without the keys that may change on resume (data.root, data.num_workers), and
+    a data group given without a seed without the seed the run derived from trainer.seed."""
+    old, new = _plain_value(saved, key), _plain_value(cfg, key)
+    if isinstance(old, dict) and isinstance(new, dict):
+        free = {k.partition(".")[2] for k in RESUME_MAY_CHANGE if k.startswith(key + ".")}
+        if key == "data" and "seed" not in new:
+            free.add("seed")
+        old, new = ({k: v for k, v in d.items() if k not in free} for d in (old, new))
+    return old, new
 
 
 def _plain_value(cfg: DictConfig, key: str):
@@ -506,7 +546,7 @@ def _resume_config(cfg: DictConfig, run_dir: Path, given: set[str] | None = None
     conflicts = sorted(
         k for k in given
         if k != "resume" and not k.startswith("hydra") and not _may_change_on_resume(k)
-        and _saved_value(saved, cfg, k) != _plain_value(cfg, k)
+        and operator.ne(*_compared_values(saved, cfg, k))
     )  # fmt: skip
     if conflicts:
         _record_run_config(saved, run_dir)
@@ -630,16 +670,31 @@ def _build_model(cfg: DictConfig, data, ckpt: dict | None = None) -> nn.Module:
                 f"{data.num_classes}; fine-tune it on data with {classes} classes (its classifier is kept as it is)"
             )
         return model
-    raw = create_model(
-        _model_name(cfg.model),
-        num_classes=data.num_classes,
-        input_size=data.input_size,
-        in_chans=data.in_chans,
-        **cfg.model.get("kwargs", {}),
-    )
+    kwargs = dict(cfg.model.get("kwargs", {}))
+    from_data = sorted(set(kwargs) & {"num_classes", "input_size", "in_chans"})
+    if from_data:
+        raise ValueError(f"model.kwargs.{from_data[0]}: the data sets it (data.{from_data[0]}); remove it from "
+                         "model.kwargs and set it in the data group, or pick another data=")
+    try:
+        raw = create_model(_model_name(cfg.model), num_classes=data.num_classes, input_size=data.input_size,
+                           in_chans=data.in_chans, **kwargs)
+    except TypeError as err:  # a keyword the model's constructor does not take
+        if not kwargs:
+            raise
+        raise ValueError(f"model.kwargs={kwargs}: {cfg.model.name} does not take them ({err}); check the "
+                         "constructor's arguments, or drop model.kwargs") from None
     if cfg.pix.zeta is not None:
         apply_pix(raw, cfg.pix.zeta, float(cfg.pix.tau))
     return raw
+
+
+def _absolute_paths(cfg: DictConfig) -> None:
+    """Make `init` and `data.root` absolute, in place: saved with the run, they let resume and export find the
+    files from any working directory."""
+    if cfg.init is not None:
+        cfg.init = str(Path(str(cfg.init)).resolve())
+    if "root" in cfg.data and not OmegaConf.is_missing(cfg.data, "root") and cfg.data.root is not None:
+        cfg.data.root = str(Path(str(cfg.data.root)).expanduser().resolve())
 
 
 def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
@@ -652,6 +707,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     run_dir = _shared_run_dir(Path(run_dir) if run_dir is not None else _hydra_run_dir(), dist)
     _refuse_added_keys(cfg)
     _refuse_to_overwrite_a_run(cfg, run_dir)
+    _absolute_paths(cfg)  # as the checkpoint holds them, so that the same command line resumes
     cfg, ckpt = _resume_config(cfg, run_dir, _command_line_keys())
     _check_config(cfg, ckpt)
     if ckpt is None and "seed" not in cfg.data:  # trainer.seed also seeds the data order, worker seeds, fake data
@@ -659,10 +715,6 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
             cfg.data.seed = cfg.trainer.seed
     if ckpt is not None and dist.is_main:
         _record_run_config(cfg, run_dir)
-    if cfg.init is not None:  # saved with the run: export finds the file from any working directory
-        cfg.init = str(Path(str(cfg.init)).resolve())
-    if "root" in cfg.data and not OmegaConf.is_missing(cfg.data, "root") and cfg.data.root is not None:
-        cfg.data.root = str(Path(str(cfg.data.root)).expanduser().resolve())  # resume works from any directory
     _seed_everything(cfg.trainer.seed + dist.rank)
 
     data = build_data(cfg.data, rank=dist.rank, world_size=dist.world_size)

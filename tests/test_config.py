@@ -88,6 +88,21 @@ def test_cifar_configs_keep_the_paper_recipe():
         (["prune=swp", "prune.include=layr1.*"], ValueError, r"no conv of resnet56 gets a skeleton with prune.include=\['layr1.\*'\]"),
         (["data.input_size=0"], ValueError, "data.input_size=0; it must be an int >= 1"),
         (["model=resnet29_bottleneck", "pix.zeta=4", "pix.tau=-5"], ValueError, r"tau=-5.0 must be a number in \[0, 1\]"),
+        (["pix.tau=abc"], ValueError, r"pix.tau='abc' must be a number in \[0, 1\]"),
+        (["prune=swp", "prune.alpha=abc"], ValueError, r"prune.alpha='abc' must be a number >= 0"),
+        (["prune=swp", "prune.min_kernel_size=abc"], ValueError, r"prune.min_kernel_size='abc' must be an int >= 1"),
+        (["optim.warmup_epochs=1.5"], ValueError, r"optim.warmup_epochs=1.5 must be an int >= 0"),
+        (["trainer.seed=4294967296"], ValueError, r"trainer.seed=4294967296 must be an int >= 0 and <= 4294967295"),
+        (["+data.seed=abc"], ValueError, r"data.seed='abc'; it must be an int >= 0"),
+        (["data.download=no"], ValueError, r"data.download='no'; it must be true or false"),
+        (["optim=sgd_multistep", "optim.epochs=10"], ValueError,
+         r"optim.milestones=\[80, 120\]: a multistep run of 10 epochs lowers the learning rate only at epochs 1..9; "
+         r"set milestones inside the run \(e.g. optim.milestones=\[5,7\]\)"),
+        (["optim=sgd_multistep", "optim.milestones=abc"], ValueError,
+         r"optim.milestones='abc' must be a list of increasing epoch numbers"),
+        (["optim=sgd_multistep", "optim.milestones=[120,80]"], ValueError, "must be a list of increasing epoch numbers"),
+        (["+model.kwargs.num_classes=5"], ValueError, r"model.kwargs.num_classes: the data sets it \(data.num_classes\)"),
+        (["+model.kwargs.width=2"], ValueError, r"model.kwargs=\{'width': 2\}: resnet56 does not take them"),
     ],
 )
 def test_bad_settings_give_clear_errors(tmp_path, overrides, error, match):
@@ -161,3 +176,28 @@ def test_prune_include_takes_one_pattern_as_a_string(tmp_path):
     tiny = ["data=fake", "data.input_size=8", "data.train_size=4", "data.test_size=4", "trainer.max_steps=1"]
     summary = run(_compose(*tiny, "prune=swp", "prune.include=layer1.*"), run_dir=tmp_path)
     assert summary["skeleton_layers"] == 18  # resnet56's layer1: 9 blocks of two 3x3 convs
+
+
+@pytest.mark.parametrize("override, match", [
+    ("+model.pretrained=true", r"\+model.pretrained: model has no key 'pretrained', so it would be ignored \(its keys: "
+                               r"kwargs, name\).*model arguments go under \+model.kwargs.<name>"),
+    ("+epochs=10", r"\+epochs: the config has no top-level key 'epochs', so it would be ignored \(its keys: data, "
+                   r"init, model, optim, pix, prune, resume, trainer\).*optim.epochs"),
+    ("+optim.lr_min=0", r"\+optim.lr_min: optim has no key 'lr_min'"),
+])
+def test_keys_added_with_plus_that_nothing_reads_are_refused(monkeypatch, override, match):
+    """train.py's check of its command line (Hydra's parsed overrides, here given directly): a '+' key in the model
+    group outside model.kwargs, at the top level, or in a fixed group is refused; +model.kwargs.* (the model's
+    constructor takes them) and +data.* (build_data checks them) are not."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    import compress.engine as engine
+
+    def check(*overrides):
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+        monkeypatch.setattr(engine, "_command_line_overrides", lambda: parsed)
+        engine._refuse_added_keys(_compose(*overrides))
+
+    with pytest.raises(ValueError, match=match):
+        check(override)
+    check("+model.kwargs.drop_rate=0.1", "+data.seed=3")

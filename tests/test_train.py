@@ -1,6 +1,7 @@
 """The training engine end to end on CPU: resume equals an uninterrupted run, outputs, smoke runs."""
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -452,3 +453,24 @@ def test_a_ranks_own_hydra_dir_is_removed_only_when_it_holds_nothing_else(tmp_pa
     for d, kept in cases.items():
         _remove_if_only_hydra(d)
         assert d.exists() == kept, d.name
+
+
+def test_train_py_resumes_with_its_own_command_line_repeated(tmp_path):
+    """A crashed run resumes with the command that started it plus resume=true (how requeue scripts restart a job):
+    the repeated data group and its relative data.root match the checkpoint's (which holds the root made absolute),
+    and data.num_workers may change with it."""
+    root = tmp_path / "unused_root"  # data=fake reads no files; the root is recorded all the same
+    root.mkdir()
+    command = [*TINY, f"data.root={os.path.relpath(root, ROOT)}", f"hydra.run.dir={tmp_path / 'run'}"]
+
+    def train(*extra):
+        proc = subprocess.run([sys.executable, "train.py", *command, *extra], cwd=ROOT, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return json.loads((tmp_path / "run" / "summary.json").read_text())
+
+    assert train("trainer.max_steps=1")["steps"] == 1
+    resumed = train("trainer.max_steps=2", "data.num_workers=1", "resume=true")
+    assert resumed["steps"] == 2
+    config = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["config"]
+    assert config["data"]["root"] == str(root) and config["data"]["num_workers"] == 1
