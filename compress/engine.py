@@ -225,7 +225,14 @@ def train_step(s: _Step, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor
     gradients (identical on every rank) and keeps the skeletons identical across ranks.
     """
     with torch.autocast(s.device.type, dtype=s.amp_dtype, enabled=s.amp_dtype is not None):
-        out = s.model(x)
+        try:
+            out = s.model(x)
+        except ValueError as err:
+            if "more than 1 value per channel" not in str(err):
+                raise
+            raise ValueError(f"a training batch of {x.shape[0]} image(s) of {tuple(x.shape[1:])} reaches a BatchNorm "
+                             "with one value per channel (a 1x1 feature map), which it cannot train on; use "
+                             "data.batch_size >= 2 (per process) or a larger data.input_size") from err
         loss = F.cross_entropy(out, y)
     s.optimizer.zero_grad(set_to_none=True)
     s.scaler.scale(loss).backward()

@@ -201,3 +201,13 @@ def test_keys_added_with_plus_that_nothing_reads_are_refused(monkeypatch, overri
     with pytest.raises(ValueError, match=match):
         check(override)
     check("+model.kwargs.drop_rate=0.1", "+data.seed=3")
+
+
+def test_a_batch_of_one_that_reaches_a_1x1_batchnorm_names_the_fix(tmp_path):
+    """torchvision's ResNet-18 on 32x32 images ends at 1x1 feature maps: with one image per batch its BatchNorm
+    cannot train, and the error says which settings to change."""
+    cfg = _compose("model=resnet18", "data=fake", "data.input_size=32", "data.num_classes=3", "data.train_size=3",
+                   "data.test_size=2", "data.batch_size=1", "trainer.max_steps=1", "prune=none")
+    with pytest.raises(ValueError, match=r"a training batch of 1 image\(s\) of \(3, 32, 32\) reaches a BatchNorm "
+                                         r"with one value per channel.*data.batch_size >= 2"):
+        run(cfg, run_dir=tmp_path)
