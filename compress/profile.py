@@ -49,6 +49,11 @@ def _conv_macs(m: nn.Module, inp: torch.Tensor, out: torch.Tensor) -> int:
     return out.numel() * (m.in_channels // m.groups) * math.prod(m.kernel_size)
 
 
+def _conv_transpose_macs(m: nn.Module, inp: torch.Tensor, out: torch.Tensor) -> int:
+    """Each input element is scattered to out_channels/groups * prod(kernel_size) outputs, one MAC each."""
+    return inp.numel() * (m.out_channels // m.groups) * math.prod(m.kernel_size)
+
+
 def _linear_macs(m: nn.Linear, inp: torch.Tensor, out: torch.Tensor) -> int:
     return out.numel() * m.in_features
 
@@ -57,6 +62,9 @@ _MACS_HANDLERS: dict[type[nn.Module], MacsHandler] = {
     nn.Conv1d: _conv_macs,
     nn.Conv2d: _conv_macs,
     nn.Conv3d: _conv_macs,
+    nn.ConvTranspose1d: _conv_transpose_macs,
+    nn.ConvTranspose2d: _conv_transpose_macs,
+    nn.ConvTranspose3d: _conv_transpose_macs,
     nn.Linear: _linear_macs,
 }
 
@@ -82,13 +90,16 @@ def _stripe_conv_outputs(m: StripeConv2d, inp: torch.Tensor) -> int:
 # Extra MACs of the "paper" convention (ptflops style), added to the layer's own count.
 _PAPER_EXTRA: dict[type[nn.Module], MacsHandler] = {
     nn.Conv1d: _bias, nn.Conv2d: _bias, nn.Conv3d: _bias, nn.Linear: _bias,
+    nn.ConvTranspose1d: _bias, nn.ConvTranspose2d: _bias, nn.ConvTranspose3d: _bias,
     nn.BatchNorm1d: _per_output(2), nn.BatchNorm2d: _per_output(2), nn.BatchNorm3d: _per_output(2),
     nn.ReLU: _per_output(1), nn.ReLU6: _per_output(1), nn.LeakyReLU: _per_output(1), nn.PReLU: _per_output(1),
     ResidualReLU: _per_output(1),  # a PiX bottleneck's residual tail (the dense Bottleneck's ReLU module there)
     # a ReLU fused into its conv (compact(fuse_relu=True)) counts as it did as a module
     Conv2dReLU: lambda m, inp, out: _bias(m, inp, out) + out.numel(),
-    # and a pool fused into a StripeConv2d as nn.MaxPool2d (per input: the conv's output)
-    StripeConv2d: lambda m, inp, out: _stripe_conv_outputs(m, inp) * (int(m.relu) + int(m.pool)),
+    # a StripeConv2d's bias adds as a Conv2d's, and a pool fused into it as nn.MaxPool2d (per input: the conv's
+    # output), all on the conv's output before the pool
+    StripeConv2d: lambda m, inp, out: _stripe_conv_outputs(m, inp) * (int(m.bias is not None) + int(m.relu)
+                                                                       + int(m.pool)),
     nn.MaxPool1d: _per_input, nn.MaxPool2d: _per_input, nn.MaxPool3d: _per_input,
     nn.AvgPool1d: _per_input, nn.AvgPool2d: _per_input, nn.AvgPool3d: _per_input,
     nn.AdaptiveAvgPool1d: _per_input, nn.AdaptiveAvgPool2d: _per_input, nn.AdaptiveAvgPool3d: _per_input,
@@ -131,7 +142,7 @@ def _profiled_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Leaf modules and modules with `macs()`, skipping the descendants of the latter."""
     found, covered = [], []
     for name, m in model.named_modules():
-        if any(name.startswith(c + ".") for c in covered):
+        if any(c == "" or name.startswith(c + ".") for c in covered):  # "": the root has macs()
             continue
         if _is_profiled(m):
             found.append((name, m))

@@ -85,6 +85,42 @@ def test_small_net_paper_convention():
         profile(model, (3, 8, 8), latency=False, convention="ptflops")
 
 
+class RootWithMacs(nn.Module):
+    """A model whose root module has macs() (a 1x1 conv child it accounts for itself): 7 MACs in all."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 1, bias=False)
+
+    def forward(self, x):
+        return self.conv(x)
+
+    def macs(self, inp, out):
+        return 7
+
+
+def test_a_root_module_with_macs_is_counted_once_and_transposed_convs_by_hand():
+    assert profile(RootWithMacs(), (3, 2, 2), latency=False).macs == 7
+    # each of the 3*4*4 input elements goes to out_channels/groups * 3*3 = 2*9 outputs: 48 * 18 = 864 MACs;
+    # the paper convention adds one bias add per output element (4 x 9 x 9 = 324)
+    up = nn.ConvTranspose2d(3, 4, 3, stride=2, groups=1, bias=True)
+    up_grouped = nn.ConvTranspose2d(4, 4, 3, stride=2, groups=2, bias=False)  # 64 inputs * 2*9 = 1152 MACs
+    assert profile(up, (3, 4, 4), latency=False).macs == 48 * 4 * 9
+    assert profile(up, (3, 4, 4), latency=False, convention="paper").macs == 48 * 4 * 9 + 4 * 9 * 9
+    assert profile(up_grouped, (4, 4, 4), latency=False).macs == 1152
+
+
+def test_paper_convention_counts_a_stripe_convs_bias_as_a_convs():
+    """A StripeConv2d that keeps every stripe of a biased conv counts, in the paper convention, what the conv does."""
+    from compress.stripe import StripeConv2d
+
+    conv = nn.Conv2d(4, 8, 3, padding=1, bias=True)
+    stripe = StripeConv2d.from_dense(conv, torch.ones(8, 3, 3, dtype=torch.bool))
+    for convention in ("layers", "paper"):
+        want = profile(conv, (4, 6, 6), latency=False, convention=convention).macs
+        assert profile(stripe, (4, 6, 6), latency=False, convention=convention).macs == want
+
+
 def test_latency_and_mode_restored():
     model = _small_net().train()
     rep = profile(model, (3, 8, 8), batch_size=4, repeats=3)
