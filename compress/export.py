@@ -11,13 +11,15 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
+import tempfile
 import warnings
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from compress._trainstate import load_checkpoint
+from compress._trainstate import _is_safetensors, load_checkpoint
 from compress.checkpoint import load, rebuild
 from compress.checkpoint import save as save_compact
 from compress.compaction import choose_modes, compact
@@ -26,13 +28,7 @@ from compress.models import create_model
 from compress.onnx_export import STRIPE_MODES, check_onnx, export_onnx
 from compress.pix import apply_pix
 from compress.profile import measure_latencies, profile
-from compress.report import (
-    compact_stripes_per_layer,
-    plot_stripes,
-    render_markdown,
-    report_dict,
-    stripes_per_layer,
-)
+from compress.report import compact_stripes_per_layer, plot_stripes, render_markdown, report_dict
 from compress.skeleton import SkeletonConv2d
 from compress.surgery import replace_module
 
@@ -137,9 +133,10 @@ def dense_baseline(arch: dict, fold_bn: bool, fuse_relu: bool) -> nn.Module:
 
 
 def load_any(path: str | os.PathLike) -> tuple[nn.Module, dict]:
-    """A training checkpoint (.pt) or a compact model file (.safetensors) -> (model, training config
-    or {} for a compact file)."""
-    if Path(path).suffix == ".safetensors":
+    """A training checkpoint (.pt) or a compact model file (safetensors, whatever its name) -> (model, training
+    config or {} for a compact file)."""
+    path = Path(path)
+    if path.suffix == ".safetensors" or (path.is_file() and _is_safetensors(path)):
         return load(path), {}
     return load_training_checkpoint(path)
 
@@ -162,8 +159,21 @@ MIN_OPSET = 13  # PiX's group split (unflatten) needs it; opsets 13-22 export an
 
 
 def _check_arguments(dtype: str, stripe_mode: str, opset: int, modes_timing: str, batch_size: int,
-                     repeats: int) -> None:
+                     repeats: int, device: str, choose_stripe_modes: bool, cuda_graphs: bool) -> None:
     """Reject bad export settings before anything is computed or written, naming the config key to fix."""
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise ValueError(f"export: profile.device={device!r} is not a device; use cpu, cuda or cuda:N") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"export: profile.device={device} but this machine has no usable CUDA device; set "
+                         "profile.device=cpu (or leave it null)")
+    if kind != "cuda" and cuda_graphs:
+        raise ValueError(f"export: profile.cuda_graphs needs a CUDA device, got device {device!r}; set "
+                         "profile.device=cuda on a GPU machine or profile.cuda_graphs=false")
+    if kind != "cuda" and choose_stripe_modes and modes_timing == "graph":
+        raise ValueError(f"export: choose_modes_timing=graph times GPU work and needs a CUDA device, got device "
+                         f"{device!r}; use choose_modes_timing=auto or eager")
     if dtype not in DTYPES:
         raise ValueError(f"export: profile.dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if stripe_mode not in STRIPE_MODES:
@@ -221,31 +231,44 @@ def export_checkpoint(
             ("float32" | "bfloat16" | "float16"; channels_last activations; whole forwards replayed through
             compress.CUDAGraphModel, CUDA only, for the total latencies); the saved model stays float32.
     """
-    _check_arguments(dtype, stripe_mode, opset, modes_timing, batch_size, repeats)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if cuda_graphs and torch.device(device).type != "cuda":
-        raise ValueError(f"export: profile.cuda_graphs needs a CUDA device, got device {device!r}; set "
-                         "profile.device=cuda on a GPU machine or profile.cuda_graphs=false")
+    _check_arguments(dtype, stripe_mode, opset, modes_timing, batch_size, repeats, device, choose_stripe_modes,
+                     cuda_graphs)
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"export: out={out} is a file; give a directory (created if missing)")
+    ancestor = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
+    if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ValueError(f"export: cannot write out={out}: {ancestor} is "
+                         f"{'a file' if not ancestor.is_dir() else 'not writable'}; give a writable directory")
     if (out / FILES[0]).resolve() == Path(ckpt).resolve():
         raise ValueError(f"export: out={out} would overwrite the input {ckpt} with the new compact model; give "
                          "another out=")
     model, cfg = load_any(ckpt)
     prune = cfg.get("prune") or {}
+    # a compact model (a compact file, or an init= run that fine-tuned one) was compacted before: its stripes
+    # and its record (compress_compaction) stay, and only its layout options (fold_bn, ...) can change
+    before = getattr(model, "compress_compaction", None)
+    if before is not None and threshold is not None:
+        warnings.warn(f"export: threshold={threshold} is ignored: {ckpt} holds a compact model, whose stripes were "
+                      f"chosen when it was compacted (threshold {before.get('threshold')})", stacklevel=2)
     if threshold is None:
         threshold = prune.get("threshold", 0.0) if prune.get("name") == "swp" else 0.0
-    if target_macs is None:
+    has_skeletons = any(isinstance(m, SkeletonConv2d) for m in model.modules())
+    if target_macs is None and has_skeletons:
         target_macs = prune.get("target_flops")
+    elif target_macs is None and prune.get("target_flops") is not None:
+        warnings.warn(f"export: the training config's prune.target_flops={prune['target_flops']} is ignored: the "
+                      "model has no skeletons to choose stripes from", stacklevel=2)
     size = _input_size(model)
-    # a compact model (a compact file, or an init= run that fine-tuned one): its architecture before compaction
-    arch_model = architecture(model.compress_arch) if not cfg or cfg.get("init") else None
-    if arch_model is not None and _bn_folded(model, arch_model):  # its BN folded: the dense baseline folds too
+    arch_model = architecture(model.compress_arch)  # the architecture before compaction
+    if before is not None and _bn_folded(model, arch_model):  # its BN folded: the dense baseline folds too
         fold_bn = True
     fuse_relu = fuse_relu and fold_bn
     small = compact(model, threshold=threshold, fold_bn=fold_bn, target_macs=target_macs, input_size=size,
                     channel_multiple=channel_multiple, fuse_relu=fuse_relu)
+    if before is not None:
+        small.compress_compaction = _carried_record(before, small.compress_compaction)
     used = small.compress_compaction["threshold"]
     dense = dense_baseline(model.compress_arch, fold_bn, fuse_relu)
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
@@ -261,39 +284,77 @@ def export_checkpoint(
         for name, mode in modes.items():
             small.get_submodule(name).mode = mode
 
-    out.mkdir(parents=True, exist_ok=True)
-    save_compact(small, out / FILES[0])
-    onnx_info = None
-    if onnx:
-        export_onnx(small.cpu(), out / FILES[1], size, stripe_mode=stripe_mode, opset=opset)
-        err = check_onnx(out / FILES[1], small, torch.randn(2, *size))
-        if err > ONNX_TOLERANCE:
-            warnings.warn(f"export: {out / FILES[1]} differs from the PyTorch model by {err:.2e} (relative) in "
-                          f"onnxruntime, above {ONNX_TOLERANCE:g}; check it before deploying (onnx.stripe_mode=dense "
-                          "is the plainest export)", stacklevel=2)
-        onnx_info = {"file": FILES[1], "stripe_mode": stripe_mode, "opset": opset, "max_rel_error": err}
-    elif (out / FILES[1]).is_file():  # an earlier export's, of another model maybe: not left beside this one
-        (out / FILES[1]).unlink()
-        warnings.warn(f"export: removed {out / FILES[1]}, written by an earlier export into {out} (onnx is off now)",
-                      stacklevel=2)
-    dense, small = deployed(dense), deployed(small)
-    common = {"batch_size": batch_size, "device": device, "latency": latency, "repeats": repeats}
-    dense_prof, small_prof = profile(dense, size, **common), profile(small, size, **common)
-    if latency:  # the totals again, timed side by side so that machine load hits both alike
-        timed = [CUDAGraphModel(m) for m in (dense, small)] if cuda_graphs else [dense, small]
-        with torch.inference_mode():
-            dense_prof.latency_ms, small_prof.latency_ms = measure_latencies(timed, xb, repeats=repeats)
-    report = report_dict(
-        dense_prof,
-        small_prof,
-        threshold=used,
-        stripes=stripes_per_layer(model, used) if arch_model is None else compact_stripes_per_layer(small, arch_model),
-    )
-    report.update(source=str(ckpt), target_macs=target_macs, fold_bn=fold_bn, onnx=onnx_info,
-                  run={"dtype": dtype, "channels_last": channels_last, "cuda_graphs": cuda_graphs,
-                       "modes": f"chosen by {timing} timing" if choose_stripe_modes else "cost model"})
-    (out / FILES[2]).write_text(json.dumps(report, indent=2) + "\n")
-    (out / FILES[3]).write_text(render_markdown(report))
-    plot_stripes(report["stripes"], out / FILES[4])
+    with _staging(out) as stage:
+        save_compact(small, stage / FILES[0])
+        onnx_info = None
+        if onnx:
+            export_onnx(small.cpu(), stage / FILES[1], size, stripe_mode=stripe_mode, opset=opset)
+            err = check_onnx(stage / FILES[1], small, torch.randn(2, *size))
+            if err > ONNX_TOLERANCE:
+                warnings.warn(f"export: {out / FILES[1]} differs from the PyTorch model by {err:.2e} (relative) in "
+                              f"onnxruntime, above {ONNX_TOLERANCE:g}; check it before deploying "
+                              + ("" if stripe_mode == "dense" else "(onnx.stripe_mode=dense is the plainest export)"),
+                              stacklevel=2)
+            onnx_info = {"file": FILES[1], "stripe_mode": stripe_mode, "opset": opset, "max_rel_error": err}
+        stripes = compact_stripes_per_layer(small, arch_model)
+        dense, small = deployed(dense), deployed(small)
+        common = {"batch_size": batch_size, "device": device, "latency": latency, "repeats": repeats}
+        dense_prof, small_prof = profile(dense, size, **common), profile(small, size, **common)
+        if latency:  # the totals again, timed side by side so that machine load hits both alike
+            timed = [CUDAGraphModel(m) for m in (dense, small)] if cuda_graphs else [dense, small]
+            with torch.inference_mode():
+                dense_prof.latency_ms, small_prof.latency_ms = measure_latencies(timed, xb, repeats=repeats)
+        report = report_dict(dense_prof, small_prof, threshold=used, stripes=stripes)
+        report.update(source=str(ckpt), target_macs=target_macs, fold_bn=fold_bn, onnx=onnx_info,
+                      run={"dtype": dtype, "channels_last": channels_last, "cuda_graphs": cuda_graphs,
+                           "modes": f"chosen by {timing} timing" if choose_stripe_modes else "cost model"})
+        (stage / FILES[2]).write_text(json.dumps(report, indent=2) + "\n")
+        (stage / FILES[3]).write_text(render_markdown(report))
+        plot_stripes(report["stripes"], stage / FILES[4])
     return report
+
+
+def _carried_record(before: dict, after: dict) -> dict:
+    """The compaction record of a compact model compacted again (export of a compact file or of an init= run):
+    what chose its stripes (threshold, target_macs) and its dense MACs stay as first recorded; the layout
+    (fold_bn, fusions, channel multiple) and its MACs are the new model's, fusions counted over both passes."""
+    record = dict(after)
+    for key in ("threshold", "target_macs", "dense_macs"):
+        if key in before:
+            record[key] = before[key]
+    record["fold_bn"] = bool(before.get("fold_bn")) or after["fold_bn"]
+    record["relu_fused"] = int(before.get("relu_fused", 0)) + after["relu_fused"]
+    return record
+
+
+class _staging:
+    """`with _staging(out) as stage:` the export's files are written into `stage`, a fresh directory inside `out`
+    (created if missing), and moved into `out` only when the block succeeds; any failure leaves `out` as it was
+    (an `out` the export created is removed again). A model.onnx in `out` that this export does not write (onnx
+    off) is removed with a warning: it would describe another model."""
+
+    def __init__(self, out: Path):
+        self.out, self.created = out, not out.exists()
+
+    def __enter__(self) -> Path:
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.stage = Path(tempfile.mkdtemp(prefix=".export-", dir=self.out))
+        except OSError as err:
+            raise ValueError(f"export: cannot write into out={self.out} ({err.strerror or err}); give a writable "
+                             "directory") from None
+        return self.stage
+
+    def __exit__(self, kind, err, tb) -> None:
+        if kind is None:
+            for name in FILES:
+                if (self.stage / name).exists():
+                    os.replace(self.stage / name, self.out / name)
+                elif name == FILES[1] and (self.out / name).is_file():
+                    (self.out / name).unlink()
+                    warnings.warn(f"export: removed {self.out / name}, written by an earlier export into {self.out} "
+                                  "(onnx is off now)", stacklevel=3)
+        shutil.rmtree(self.stage, ignore_errors=True)
+        if kind is not None and self.created:
+            shutil.rmtree(self.out, ignore_errors=True)
 

@@ -109,13 +109,16 @@ def render_markdown(report: dict) -> str:
 
     `report` is a `report_dict` result (also after a JSON round trip)."""
     dense, compact = report["dense"], report["compact"]
+    timed = dense.get("latency_ms") is not None
+    threshold = report.get("threshold")
     lines = [
         "# Dense vs compact",
         "",
-        f"Input {'x'.join(map(str, dense['input_size']))}, one input for counts; latency: median at batch "
-        f"{dense['batch_size']} on {dense['device']}. MACs are multiply-adds (FLOPs = 2 MACs), counted by "
+        f"Input {'x'.join(map(str, dense['input_size']))}, one input for counts; "
+        + (f"latency: median at batch {dense['batch_size']} on {dense['device']}. " if timed else "latency not measured. ")
+        + "MACs are multiply-adds (FLOPs = 2 MACs), counted by "
         f"the '{dense.get('convention', 'layers')}' convention of compress.profile. "
-        f"Stripe threshold: {report['threshold']:.6g}.",
+        f"Stripe threshold: {'-' if threshold is None else format(threshold, '.6g')}.",
         "",
     ]
     run = report.get("run")

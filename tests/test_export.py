@@ -294,7 +294,98 @@ def test_export_deployment_options_are_checked(training_checkpoint, tmp_path):
     (tmp_path / "file").write_text("mine")
     with pytest.raises(ValueError, match="is a file; give a directory"):
         export_checkpoint(path, tmp_path / "file")
+    with pytest.raises(ValueError, match=r"cannot write out=.*file/sub: .*file is a file"):
+        export_checkpoint(path, tmp_path / "file" / "sub")
     assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_export_device_settings_are_checked_before_any_work(training_checkpoint, tmp_path, monkeypatch):
+    """Settings the machine cannot run are refused up front (before compaction and mode timing), naming the key."""
+    import compress.export as export_module
+
+    path, _ = training_checkpoint
+    monkeypatch.setattr(export_module, "compact", lambda *a, **k: pytest.fail("compacted before the check"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for kwargs, message in [({"device": "cuda"}, r"profile.device=cuda but this machine has no usable CUDA device"),
+                            ({"device": "tpu"}, r"profile.device='tpu' is not a device"),
+                            ({"device": "cpu", "modes_timing": "graph"}, r"choose_modes_timing=graph .* needs a CUDA")]:
+        with pytest.raises(ValueError, match=message):
+            export_checkpoint(path, tmp_path / "bad", **kwargs)
+        assert not (tmp_path / "bad").exists()
+
+
+def test_a_failed_export_leaves_the_out_dir_as_it_was(training_checkpoint, tmp_path, monkeypatch):
+    """Every file goes into `out` only once the whole export succeeded: a failure late in the flow (here the ONNX
+    check) leaves an earlier export's files as they were, and removes an out dir it created."""
+    import compress.export as export_module
+
+    path, _ = training_checkpoint
+    out = tmp_path / "out"
+    export_checkpoint(path, out, latency=False, choose_stripe_modes=False)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def broken(*args):
+        raise RuntimeError("onnxruntime failed")
+
+    monkeypatch.setattr(export_module, "check_onnx", broken)
+    with pytest.raises(RuntimeError, match="onnxruntime failed"):
+        export_checkpoint(path, out, threshold=0.9, latency=False, choose_stripe_modes=False)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    with pytest.raises(RuntimeError, match="onnxruntime failed"):
+        export_checkpoint(path, tmp_path / "new" / "out", latency=False, choose_stripe_modes=False)
+    assert not (tmp_path / "new" / "out").exists()
+
+
+def test_report_counts_the_stripes_of_the_exported_model(training_checkpoint, tmp_path):
+    """A layer whose every filter compaction removes (the next conv reads none of its channels) reports 0 kept
+    stripes, whatever its skeleton kept; the counts are those of the compact file exported again."""
+    path, skeleton = training_checkpoint
+    model = copy.deepcopy(skeleton)
+    with torch.no_grad():
+        model.layer1[0].conv2.skeleton.zero_()  # conv1's filters then feed nothing
+    assert int(model.layer1[0].conv1.stripe_mask(0.01).sum()) > 0
+    state = torch.load(path, weights_only=True)
+    state["model"] = model.state_dict()
+    dead = tmp_path / "dead.pt"
+    torch.save(state, dead)
+    report = export_checkpoint(dead, tmp_path / "out", onnx=False, latency=False, choose_stripe_modes=False)
+    assert report["stripes"]["layer1.0.conv1"]["kept"] == 0
+    again = export_checkpoint(tmp_path / "out" / FILES[0], tmp_path / "again", onnx=False, latency=False)
+    assert again["stripes"] == report["stripes"]
+
+
+def test_exporting_a_compact_file_again_keeps_its_compaction_record(training_checkpoint, tmp_path):
+    """Re-profiling a compact file (any name) keeps what chose its stripes (threshold, dense MACs) and counts the
+    ReLUs fused in both passes; a threshold given then is ignored with a warning."""
+    path, _ = training_checkpoint
+    first = export_checkpoint(path, tmp_path / "a", onnx=False, latency=False, choose_stripe_modes=False)
+    record = load(tmp_path / "a" / FILES[0]).compress_compaction
+    assert record["threshold"] == 0.01 and record["relu_fused"] > 0
+    renamed = tmp_path / "model.bin"  # a compact file is recognised by its content, not its name
+    renamed.write_bytes((tmp_path / "a" / FILES[0]).read_bytes())
+    with pytest.warns(UserWarning, match=r"threshold=0.5 is ignored: .*model.bin holds a compact model"):
+        again = export_checkpoint(renamed, tmp_path / "b", threshold=0.5, onnx=False, latency=False)
+    assert again["threshold"] == first["threshold"] == 0.01
+    kept = load(tmp_path / "b" / FILES[0]).compress_compaction
+    assert (kept["threshold"], kept["relu_fused"], kept["dense_macs"]) == (0.01, record["relu_fused"],
+                                                                           record["dense_macs"])
+    assert "Stripe threshold: 0.01." in (tmp_path / "b" / FILES[3]).read_text()
+
+
+def test_a_training_budget_does_not_block_exporting_a_model_without_skeletons(training_checkpoint, tmp_path):
+    """A fine-tuning run (init=) whose config carries prune.target_flops exports, with a warning that the budget does
+    not apply (there are no skeletons to choose stripes from)."""
+    _, skeleton = training_checkpoint
+    small = compact(skeleton, fold_bn=False)
+    init = tmp_path / "init.safetensors"
+    compress.save(small, init)
+    config = {"model": {"name": "resnet20", "kwargs": {}}, "data": {"name": "digits", "input_size": 32},
+              "prune": {"name": "swp", "threshold": 0.01, "target_flops": 0.5}, "init": str(init)}  # fmt: skip
+    path = tmp_path / "last.pt"
+    torch.save({"model": small.state_dict(), "config": config, "epoch": 1, "step": 3}, path)
+    with pytest.warns(UserWarning, match=r"prune.target_flops=0.5 is ignored: the model has no skeletons"):
+        report = export_checkpoint(path, tmp_path / "out", onnx=False, latency=False, choose_stripe_modes=False)
+    assert report["target_macs"] is None
 
 
 def test_onnx_of_a_pix_model_at_the_lowest_opset(tmp_path):
