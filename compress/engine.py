@@ -393,9 +393,11 @@ def _check_milestones(milestones, epochs) -> None:
         raise ValueError(f"optim.milestones={milestones!r} must be a list of increasing epoch numbers, e.g. "
                          "optim.milestones=[80,120]")
     if isinstance(epochs, int) and not 0 < values[0] <= values[-1] < epochs:
+        example = (f"e.g. optim.milestones=[{epochs // 2},{3 * epochs // 4}]" if epochs >= 4
+                   else "or optim=sgd_cosine" if epochs < 2 else "e.g. optim.milestones=[1]")
         raise ValueError(f"optim.milestones={values}: a multistep run of {epochs} epochs lowers the learning rate "
-                         f"only at epochs 1..{epochs - 1}; set milestones inside the run (e.g. "
-                         f"optim.milestones=[{epochs // 2},{3 * epochs // 4}]) or optim.epochs past {values[-1]}")
+                         f"only at epochs 1..{epochs - 1}; set milestones inside the run ({example}) or "
+                         f"optim.epochs past {values[-1]}")
 
 
 def _check_config(cfg: DictConfig, ckpt: dict | None = None) -> None:

@@ -127,7 +127,7 @@ def test_torchrun_two_ranks_match_each_other_and_one_process(tmp_path, one_threa
 def test_compile_runs_skeleton_convs_and_matches_eager(tmp_path, one_thread):
     # aot_eager traces forward and backward (skeleton products included) in seconds on a CPU;
     # the default backend, inductor, is the one meant for GPUs.
-    steps = [SINGLE, "trainer.max_steps=2", "optim.epochs=2"]
+    steps = [SINGLE, "trainer.max_steps=2", "optim.epochs=2", "optim.milestones=[1]"]
     eager = _run_here(tmp_path / "eager", *steps)
     compiled = _run_here(tmp_path / "compiled", *steps, "trainer.compile=true", "trainer.compile_backend=aot_eager")
     _assert_same(_state(tmp_path / "eager"), _state(tmp_path / "compiled"), exact=False)

@@ -140,8 +140,9 @@ def test_macs_counts_kept_stripes():
 def test_pool_is_relu_then_max_pool_and_survives_config_and_to_dense(mode, hw, ceil):
     """StripeConv2d(relu=True, pool=True) on CPU equals max_pool2d(relu(masked conv)) with its ceil mode (odd
     sizes: 5 or 4 rows); the module rebuilt from config() + state dict, and to_dense(), give the same output; MACs
-    count the conv's pixels, not the pooled ones, and the paper convention adds one per conv output for the ReLU and
-    for the pool; a layer with no stripe pools its constant output."""
+    count the conv's pixels, not the pooled ones, and the paper convention adds one per conv output for the bias, the
+    ReLU and the pool (as for a biased Conv2d, a ReLU and a MaxPool2d); a layer with no stripe pools its constant
+    output."""
     gen = torch.Generator().manual_seed(37)
     conv = nn.Conv2d(6, 10, 3, padding=1).double()
     mask = _random_mask(10, 3, 3, keep=0.4, gen=gen)
@@ -158,7 +159,7 @@ def test_pool_is_relu_then_max_pool_and_survives_config_and_to_dense(mode, hw, c
     from compress.profile import profile
 
     paper, layers = (profile(s.float(), (6, hw, hw), latency=False, convention=c).macs for c in ("paper", "layers"))
-    assert paper - layers == 2 * 10 * hw * hw  # the ReLU and the pool, one per conv output (ceil or not)
+    assert paper - layers == 3 * 10 * hw * hw  # bias, ReLU and pool, one each per conv output (ceil or not)
     s.double()
     empty = StripeConv2d(6, 10, 3, padding=1, bias=True, relu=True, pool=True, pool_ceil=ceil).double()
     with torch.no_grad():
