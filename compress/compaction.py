@@ -26,6 +26,8 @@ threshold, fold_bn, target_macs, macs, dense_macs; MACs are None when no budget 
 from __future__ import annotations
 
 import copy
+import math
+import numbers
 from collections import Counter
 from collections.abc import Sequence
 
@@ -90,9 +92,10 @@ def compact(
         The compact model (same training mode, device and dtype, `compress_arch` kept) with
         `compress_compaction = {threshold, fold_bn, target_macs, macs, dense_macs}`.
     """
+    if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, numbers.Real)
+                                  or not threshold >= 0):
+        raise ValueError(f"compact: threshold must be a number >= 0 (or None for 0), got {threshold!r}")
     base = 0.0 if threshold is None else float(threshold)
-    if base < 0:
-        raise ValueError(f"compact: threshold must be >= 0, got {threshold}")
     if not isinstance(channel_multiple, int) or isinstance(channel_multiple, bool) or channel_multiple < 1:
         raise ValueError(f"compact: channel_multiple must be an int >= 1 (8 for GPU tensor cores), got {channel_multiple!r}")
     if fuse_relu and not fold_bn:
@@ -263,6 +266,8 @@ def choose_modes(model: nn.Module, x: torch.Tensor, repeats: int = 5, timing: st
     graphs or compiled), "eager" the wall time of an eager call, launch overhead included (the default on CPU;
     choose it on CUDA for a model that will run eagerly). `report`, if given, receives each layer's
     measurement: {name: kernels.stripe_route's dict}."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"choose_modes: repeats must be an int >= 1, got {repeats!r}")
     layers = {n: m for n, m in model.named_modules() if isinstance(m, StripeConv2d) and m.num_stripes}
     inputs: dict[str, torch.Tensor] = {}
     hooks = [
@@ -290,8 +295,8 @@ def choose_modes(model: nn.Module, x: torch.Tensor, repeats: int = 5, timing: st
 # ---- MAC budget ----------------------------------------------------------------------------------
 def _input_size(model: nn.Module, input_size: Sequence[int] | None) -> tuple[int, int, int]:
     if input_size is not None:
-        if len(input_size) != 3:
-            raise ValueError(f"compact: input_size is (C, H, W), got {tuple(input_size)}")
+        if not isinstance(input_size, Sequence) or len(input_size) != 3:
+            raise ValueError(f"compact: input_size is (C, H, W), got {input_size!r}")
         return tuple(int(v) for v in input_size)
     kwargs = getattr(model, "compress_arch", {}).get("kwargs", {})
     if "input_size" not in kwargs:
@@ -312,10 +317,8 @@ def _macs(model: nn.Module, input_size: tuple[int, int, int]) -> int:
 def _compact_to_budget(model, base, fold, target, input_size, multiple=1):
     """Smallest threshold >= base among base and the |skeleton| values above it whose compact model meets
     the budget (bisection: MACs fall as the threshold rises). Returns (model, threshold, macs, dense)."""
-    if target <= 0:
-        raise ValueError(
-            f"compact: target_macs must be a fraction in (0, 1] or a MAC count > 1, got {target}"
-        )
+    if isinstance(target, bool) or not isinstance(target, numbers.Real) or not 0 < target < math.inf:
+        raise ValueError(f"compact: target_macs must be a fraction in (0, 1] or a MAC count > 1, got {target!r}")
     size = _input_size(model, input_size)
     dense = _macs(model, size)
     budget = target * dense if target <= 1 else target
@@ -334,10 +337,11 @@ def _compact_to_budget(model, base, fold, target, input_size, multiple=1):
 
     lo, hi = -1, len(values) - 1  # invariant: values[hi] meets the budget, values[lo] (if any) does not
     if not meets(hi):
+        least = _macs(_compact_at(model, values[hi], fold, multiple), size)
         raise ValueError(
             f"compact: target_macs={target} ({int(budget)} MACs) is below what dropping every stripe "
-            f"reaches (dense: {dense} MACs); layers without a skeleton cannot be pruned: raise the "
-            "target or attach skeletons to more layers"
+            f"reaches ({least} MACs, {least / dense:.3f} of the dense {dense}); layers without a skeleton cannot be "
+            "pruned: raise the target or attach skeletons to more layers"
             + (" (a value above 1 is an absolute MAC count; a share of the dense model is a fraction in (0, 1])"
                if target > 1 else "")
         )

@@ -361,8 +361,8 @@ def profile(
     """
     if convention not in CONVENTIONS:
         raise ValueError(f"profile: convention must be one of {CONVENTIONS}, got {convention!r}")
-    if len(input_size) != 3:
-        raise ValueError(f"profile: input_size is (C, H, W), got {tuple(input_size)}")
+    if not isinstance(input_size, Sequence) or len(input_size) != 3:
+        raise ValueError(f"profile: input_size is (C, H, W), got {input_size!r}")
     if latency and (batch_size < 1 or repeats < 1 or warmup < 0):
         raise ValueError(f"profile: latency needs batch_size >= 1, repeats >= 1 and warmup >= 0; got batch_size="
                          f"{batch_size}, repeats={repeats}, warmup={warmup}")

@@ -10,6 +10,7 @@ a filter with no stripe left is dead and its BatchNorm channel is zeroed.
 from __future__ import annotations
 
 import fnmatch
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -65,9 +66,10 @@ class SkeletonConv2d(nn.Conv2d):
 
 
 def check_nonnegative(**values: float) -> None:
+    """ValueError unless each value is a real number >= 0 (NaN is not: |FS| > NaN would drop every stripe)."""
     for key, value in values.items():
-        if value < 0:
-            raise ValueError(f"SWP {key} must be >= 0, got {value}; set prune.{key} to a non-negative number")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0:
+            raise ValueError(f"SWP {key} must be a number >= 0, got {value!r}; set prune.{key} to a non-negative number")
 
 
 def _selected(name: str, include: Sequence[str] | None, exclude: Sequence[str] | None) -> bool:

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+import compress
 from compress import compact, load, save
 from compress.models import create_model
 from compress.profile import profile
@@ -268,8 +269,21 @@ def test_target_macs_meets_budget_with_smallest_threshold():
     with pytest.raises(ValueError, match="target_macs=0.4 needs a model with skeletons"):
         compact(out, target_macs=0.4, input_size=size)  # a compact model has no stripes left to choose
     assert compact(model, target_macs=macs, input_size=size).compress_compaction["threshold"] == t
-    with pytest.raises(ValueError, match="below what dropping every stripe.*absolute MAC count"):
+    with pytest.raises(ValueError, match=r"below what dropping every stripe reaches \(\d+ MACs, 0.\d+ of the dense "
+                                         r"\d+\).*absolute MAC count"):
         compact(model, target_macs=100, input_size=size)  # the Linear alone has 640 MACs
+    for bad in (float("nan"), float("inf"), "0.3", True):
+        with pytest.raises(ValueError, match="target_macs must be a fraction in"):
+            compact(model, target_macs=bad, input_size=size)
+    for bad in (float("nan"), -0.1, "abc"):
+        with pytest.raises(ValueError, match="threshold must be a number >= 0"):
+            compact(model, threshold=bad)
+    with pytest.raises(ValueError, match=r"input_size is \(C, H, W\), got 32"):
+        compact(model, target_macs=0.4, input_size=32)
+    with pytest.raises(ValueError, match=r"input_size is \(C, H, W\), got 32"):
+        profile(model, 32, latency=False)
+    with pytest.raises(ValueError, match="repeats must be an int >= 1"):
+        compress.choose_modes(out, torch.randn(1, *size), repeats=0)
 
 
 class _Untraceable(nn.Module):

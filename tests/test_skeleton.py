@@ -100,12 +100,16 @@ def test_swp_update_after_real_backward_and_stats():
     assert (stats["stripes_total"], stats["stripes_kept"], stats["filters_dead"]) == (8, 4, 1)
 
 
-@pytest.mark.parametrize("alpha,threshold,key", [(-1e-5, 0.01, "alpha"), (1e-5, -0.1, "threshold")])
-def test_swp_update_rejects_negative(alpha, threshold, key):
+@pytest.mark.parametrize("alpha,threshold,key", [(-1e-5, 0.01, "alpha"), (1e-5, -0.1, "threshold"),
+                                                 (1e-5, float("nan"), "threshold"), ("x", 0.01, "alpha")])
+def test_swp_update_rejects_negative_nan_and_non_numbers(alpha, threshold, key):
+    """A NaN threshold would zero every skeleton (|FS| <= NaN is False, so nothing counts as kept)."""
     net = _net_with_bn()
     attach_skeletons(net)
-    with pytest.raises(ValueError, match=f"{key} must be >= 0"):
+    before = [p.clone() for p in net.parameters()]
+    with pytest.raises(ValueError, match=f"{key} must be a number >= 0"):
         swp_update(net, alpha=alpha, threshold=threshold)
+    assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
 
 
 def test_attach_skeletons_torchvision_resnet18():
