@@ -65,8 +65,8 @@ def test_cifar_configs_keep_the_paper_recipe():
     [
         (["model.name=resnet57"], ValueError, "resnet56"),  # the message lists the known names
         (["data=cifar10", "data.root=/nonexistent/cifar"], DatasetNotFoundError, "/nonexistent/cifar"),
-        (["prune.alpha=-1e-5"], ValueError, "alpha must be >= 0"),
-        (["prune.threshold=-0.1"], ValueError, "threshold must be >= 0"),
+        (["prune.alpha=-1e-5"], ValueError, "alpha must be a number >= 0"),
+        (["prune.threshold=-0.1"], ValueError, "threshold must be a number >= 0"),
         (["pix.zeta=3"], ValueError, "not divisible by zeta=3"),  # resnet56's 16-channel convs
         (["init=/nonexistent/model.safetensors"], ValueError, "no such file"),
         (["resume=true"], FileNotFoundError, "no checkpoint at .*last.pt"),
