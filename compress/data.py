@@ -37,6 +37,8 @@ _DEFAULTS: dict[str, Any] = {
     "test_size": 256,  # fake only
 }
 
+MAX_SEED = 2**32 - 1  # numpy's seed range (np.random.seed), which trainer.seed and data.seed must fit
+
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 _CIFAR = {  # name: (torchvision class, folder under root, classes, mean, std)
     "cifar10": ("CIFAR10", "cifar-10-batches-py", 10, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
@@ -104,7 +106,7 @@ def _options(cfg) -> dict[str, Any]:
     lowest = {"batch_size": 1, "eval_batch_size": 1, "input_size": 1, "in_chans": 1, "num_workers": 0,
               "train_size": 1, "test_size": 1, "num_classes": 1, "seed": 0}
     for key, least in lowest.items():
-        value, most = opts[key], 2**32 - 1 if key == "seed" else None
+        value, most = opts[key], MAX_SEED if key == "seed" else None
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least
                                   or (most is not None and value > most)):
             raise ValueError(f"build_data: data.{key}={value!r}; it must be an int >= {least}"

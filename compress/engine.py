@@ -43,7 +43,7 @@ from compress._macs import estimate_macs
 from compress._trainstate import atomic_save, load_checkpoint, rng_state, set_rng_state
 from compress.checkpoint import build_recipe, rebuild
 from compress.checkpoint import load as load_compact
-from compress.data import build_data
+from compress.data import MAX_SEED, build_data
 from compress.models import TIMM_PREFIX, create_model
 from compress.pix import apply_pix
 from compress.skeleton import attach_skeletons, check_nonnegative, skeleton_stats, swp_update
@@ -410,9 +410,6 @@ def _check_config(cfg: DictConfig, ckpt: dict | None = None) -> None:
     if cfg.prune.name not in PRUNE_METHODS:
         raise ValueError(f"prune.name={cfg.prune.name!r} is unknown; choose one of {PRUNE_METHODS} (prune=none|swp)")
     if cfg.prune.name == "swp":
-        for key in ("alpha", "threshold"):
-            if not _is_number(cfg.prune[key]):
-                raise ValueError(f"prune.{key}={cfg.prune[key]!r} must be a number >= 0")
         check_nonnegative(alpha=cfg.prune.alpha, threshold=cfg.prune.threshold)
         _require_int("prune.min_kernel_size", cfg.prune.min_kernel_size, 1,
                      note="convs with a smaller kernel get no skeleton")
@@ -424,7 +421,7 @@ def _check_config(cfg: DictConfig, ckpt: dict | None = None) -> None:
     _require_int("trainer.checkpoint_every", cfg.trainer.get("checkpoint_every"), 1, null="epoch ends only")
     _require_int("trainer.max_steps", cfg.trainer.max_steps, 1, null="no step limit")
     _require_int("trainer.log_every", cfg.trainer.log_every, 1)
-    _require_int("trainer.seed", cfg.trainer.seed, 0, most=2**32 - 1)
+    _require_int("trainer.seed", cfg.trainer.seed, 0, most=MAX_SEED)
     _require_int("optim.warmup_epochs", cfg.optim.get("warmup_epochs", 0), 0, null="none")
     if cfg.optim.get("schedule") == "multistep":
         _check_milestones(cfg.optim.get("milestones"), cfg.trainer.epochs)

@@ -120,12 +120,13 @@ def architecture(arch: dict) -> nn.Module:
     return model
 
 
-def dense_baseline(arch: dict, fold_bn: bool, fuse_relu: bool) -> nn.Module:
-    """The dense model a report compares the compact one with: `architecture(arch)` in eval, with BN folded and
-    ReLUs fused as in the compact model. Its weights are random (only its shapes and speed count), and every BN
-    weight is set to 1 first: a BN that starts at 0 (`zero_init_last` of the CIFAR bottleneck ResNets) would fold
-    into an all-zero conv, which compaction removes as dead filters, leaving a baseline smaller than the model."""
-    dense = architecture(arch).eval()
+def dense_baseline(dense: nn.Module, fold_bn: bool, fuse_relu: bool) -> nn.Module:
+    """The dense model a report compares the compact one with, from `dense`, a fresh `architecture(arch)` (changed
+    in place): in eval, with BN folded and ReLUs fused as in the compact model. Its weights are random (only its
+    shapes and speed count), and every BN weight is set to 1 first: a BN that starts at 0 (`zero_init_last` of the
+    CIFAR bottleneck ResNets) would fold into an all-zero conv, which compaction removes as dead filters, leaving a
+    baseline smaller than the model."""
+    dense.eval()
     for m in dense.modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.weight is not None:
             nn.init.ones_(m.weight)
@@ -270,7 +271,7 @@ def export_checkpoint(
     if before is not None:
         small.compress_compaction = _carried_record(before, small.compress_compaction)
     used = small.compress_compaction["threshold"]
-    dense = dense_baseline(model.compress_arch, fold_bn, fuse_relu)
+    dense = dense_baseline(arch_model, fold_bn, fuse_relu)  # its conv shapes stay: the stripes are counted over them
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
 
     def deployed(m: nn.Module) -> nn.Module:

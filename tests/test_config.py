@@ -89,7 +89,7 @@ def test_cifar_configs_keep_the_paper_recipe():
         (["data.input_size=0"], ValueError, "data.input_size=0; it must be an int >= 1"),
         (["model=resnet29_bottleneck", "pix.zeta=4", "pix.tau=-5"], ValueError, r"tau=-5.0 must be a number in \[0, 1\]"),
         (["pix.tau=abc"], ValueError, r"pix.tau='abc' must be a number in \[0, 1\]"),
-        (["prune=swp", "prune.alpha=abc"], ValueError, r"prune.alpha='abc' must be a number >= 0"),
+        (["prune=swp", "prune.alpha=abc"], ValueError, r"SWP alpha must be a number >= 0, got 'abc'; set prune.alpha to a non-negative number"),
         (["prune=swp", "prune.min_kernel_size=abc"], ValueError, r"prune.min_kernel_size='abc' must be an int >= 1"),
         (["optim.warmup_epochs=1.5"], ValueError, r"optim.warmup_epochs=1.5 must be an int >= 0"),
         (["trainer.seed=4294967296"], ValueError, r"trainer.seed=4294967296 must be an int >= 0 and <= 4294967295"),
