@@ -427,6 +427,29 @@ def test_cpu_kernels_threaded_match_reference(dtype, layout, B, zeta):
         assert torch.equal(got[1][0], got[2][0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cpu_predictor_tiles_agree_with_the_batch(dtype):
+    """The C++ predictor tiles samples by 4 and, for the rest, groups by 8 (then 1): p of a sample is the same bits
+    whether it comes in a batch of 5 (one 4-sample tile, one 1 x 8 + 1 x 1 remainder) or alone, and matches the
+    float64 sigmoid(pooled @ W^T). G = 13 and C = 77 leave tails in both the groups and the 32-lane dot."""
+    from kernels import _cpu
+    from kernels.pix import _predict_c
+
+    if _cpu.lib() is None:
+        pytest.skip("no C++ compiler")
+    g = torch.Generator().manual_seed(7)
+    B, C, G = 5, 77, 13
+    pooled = torch.rand(B, C, generator=g, dtype=torch.float64).to(dtype)
+    w = (torch.randn(G, C, 1, 1, generator=g, dtype=torch.float64) / C**0.5).to(dtype)
+    x = torch.empty(0, dtype=dtype)  # only its dtype matters to _predict_c
+    p, _ = _predict_c(pooled, w, x)
+    ref = torch.sigmoid(pooled.double() @ w.double().flatten(1).t())
+    assert rel_err(p, ref) < (2e-6 if dtype == torch.float32 else 1e-12)
+    for b in range(B):
+        alone, _ = _predict_c(pooled[b : b + 1], w, x)
+        assert torch.equal(alone, p[b : b + 1]), b
+
+
 def test_cpu_kernels_use_torchs_threads():
     """The library links libgomp.so.1, which binds to the libgomp that torch loaded: one OpenMP runtime, whose
     thread count torch.set_num_threads sets."""
