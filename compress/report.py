@@ -14,29 +14,30 @@ import torch.nn as nn
 
 from compress.profile import ProfileReport, compare
 from compress.skeleton import SkeletonConv2d, eligible_convs
-from compress.stripe import StripeConv2d
+from compress.stripe import MODES, StripeConv2d
 
 __all__ = ["stripes_per_layer", "compact_stripes_per_layer", "report_dict", "render_markdown", "plot_stripes"]
 
 
-def stripes_per_layer(model: nn.Module, threshold: float = 0.0) -> dict[str, dict[str, int]]:
+def stripes_per_layer(model: nn.Module, threshold: float = 0.0) -> dict[str, dict]:
     """{layer: {"kept", "total"}} stripes for every SkeletonConv2d (|skeleton| > threshold) and
-    StripeConv2d (its stripes out of out_channels * kh * kw) of `model`."""
+    StripeConv2d (its stripes out of out_channels * kh * kw, and its "mode") of `model`."""
     stripes = {}
     for name, m in model.named_modules():
         if isinstance(m, SkeletonConv2d):
             mask = m.stripe_mask(threshold)
             stripes[name] = {"kept": int(mask.sum()), "total": mask.numel()}
         elif isinstance(m, StripeConv2d):
-            stripes[name] = {"kept": m.num_stripes, "total": m.out_channels * m.kernel_size[0] * m.kernel_size[1]}
+            stripes[name] = {"kept": m.num_stripes, "total": m.out_channels * m.kernel_size[0] * m.kernel_size[1],
+                             "mode": m.mode}
     return stripes
 
 
-def compact_stripes_per_layer(compact: nn.Module, dense: nn.Module) -> dict[str, dict[str, int]]:
+def compact_stripes_per_layer(compact: nn.Module, dense: nn.Module) -> dict[str, dict]:
     """{layer: {"kept", "total"}} for a compact model without its training model (a compact file): over the
     convs of `dense` (the uncompacted architecture) that SWP gives a skeleton by default, total = the dense conv's
     out_channels * kh * kw and kept = the compact layer's stripes (a StripeConv2d's, or every stripe of the
-    filters a plain conv kept; 0 where the layer is gone)."""
+    filters a plain conv kept; 0 where the layer is gone); a StripeConv2d's entry also has its "mode"."""
     stripes = {}
     for name in eligible_convs(dense):
         conv = dense.get_submodule(name)
@@ -51,6 +52,8 @@ def compact_stripes_per_layer(compact: nn.Module, dense: nn.Module) -> dict[str,
         else:
             kept = 0
         stripes[name] = {"kept": kept, "total": conv.out_channels * conv.kernel_size[0] * conv.kernel_size[1]}
+        if isinstance(layer, StripeConv2d):
+            stripes[name]["mode"] = layer.mode
     return stripes
 
 
@@ -58,7 +61,7 @@ def report_dict(
     dense: ProfileReport, compact: ProfileReport, threshold: float | None, stripes: dict | None = None
 ) -> dict:
     """JSON-ready report: {"threshold", "dense", "compact" (ProfileReport.to_dict()), "comparison"
-    (compare rows), "stripes" ({layer: {"kept", "total"}})}."""
+    (compare rows), "stripes" ({layer: {"kept", "total"} and, for a stripe conv, "mode"})}."""
     return {
         "threshold": threshold,
         "dense": dense.to_dict(),
@@ -139,6 +142,13 @@ def render_markdown(report: dict) -> str:
         kept = sum(s["kept"] for s in stripes.values())
         total = sum(s["total"] for s in stripes.values())
         lines += ["", f"Stripes kept: {kept} / {total} ({kept / max(total, 1):.1%}) in {len(stripes)} layers."]
+        modes = [s["mode"] for s in stripes.values() if "mode" in s]
+        if modes:
+            counts = ", ".join(f"{modes.count(m)} {m}" for m in MODES if m in modes)
+            lines[-1] += f" Stripe convs by mode: {counts}." + (
+                " A dense-mode layer runs PyTorch's dense conv (cuDNN on CUDA) on its zero-filled weight (cut to the"
+                " window of offsets that holds its stripes): it does that conv's work, not the kept-stripe MACs counted here."
+                if "dense" in modes else "")
     onnx = report.get("onnx")
     if onnx:
         lines += ["", f"ONNX: {onnx['file']} (opset {onnx['opset']}, stripe convs as {onnx['stripe_mode']}); largest "
@@ -159,12 +169,13 @@ def render_markdown(report: dict) -> str:
             _count(d["params"]),
             _count(c["params"]) if c else "0",
             f"{s['kept']}/{s['total']}" if s else "-",
+            s.get("mode", "-") if s else "-",
             _ms(d["latency_ms"]),
             _ms(c["latency_ms"]) if c else "-",
         ])
     lines += _table(
         ["layer", "compact type", "MACs dense", "MACs compact", "params dense", "params compact",
-         "stripes kept", "latency dense", "latency compact"],
+         "stripes kept", "mode", "latency dense", "latency compact"],
         rows,
     )
     return "\n".join(lines) + "\n"

@@ -350,8 +350,34 @@ def test_report_counts_the_stripes_of_the_exported_model(training_checkpoint, tm
     torch.save(state, dead)
     report = export_checkpoint(dead, tmp_path / "out", onnx=False, latency=False, choose_stripe_modes=False)
     assert report["stripes"]["layer1.0.conv1"]["kept"] == 0
-    again = export_checkpoint(tmp_path / "out" / FILES[0], tmp_path / "again", onnx=False, latency=False)
+    again = export_checkpoint(tmp_path / "out" / FILES[0], tmp_path / "again", onnx=False, latency=False,
+                              choose_stripe_modes=False)
     assert again["stripes"] == report["stripes"]
+
+
+def test_report_names_each_stripe_convs_mode(training_checkpoint, tmp_path, monkeypatch):
+    """report.json gives each stripe conv's mode (here as a stubbed choose_modes picks them) and report.md shows it
+    per layer, counts the modes and says what a dense-mode layer executes."""
+    import compress.export as export_module
+
+    path, _ = training_checkpoint
+    picked = {}
+
+    def choose(model, x, timing):
+        names = [n for n, m in model.named_modules() if isinstance(m, StripeConv2d)]
+        picked.update({n: "dense" if i == 1 else "stripe" for i, n in enumerate(names)})
+        return dict(picked)
+
+    monkeypatch.setattr(export_module, "choose_modes", choose)
+    report = export_checkpoint(path, tmp_path / "out", onnx=False, latency=False)
+    assert len(picked) > 2
+    assert {n: s["mode"] for n, s in report["stripes"].items() if "mode" in s} == picked
+    dense = next(n for n, m in picked.items() if m == "dense")
+    text = (tmp_path / "out" / FILES[3]).read_text()
+    assert f"Stripe convs by mode: {len(picked) - 1} stripe, 1 dense." in text
+    assert "it does that conv's work, not the kept-stripe MACs" in text
+    row = next(line for line in text.splitlines() if line.startswith(f"| `{dense}` |"))
+    assert row.split(" | ")[7] == "dense"
 
 
 def test_exporting_a_compact_file_again_keeps_its_compaction_record(training_checkpoint, tmp_path):
