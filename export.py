@@ -1,7 +1,8 @@
 """Export a trained model: `python export.py ckpt=<run dir>/checkpoints/last.pt [key=value ...]`.
 
 Compacts the model and writes model.compact.safetensors, model.onnx, report.md, report.json and
-stripes.png into `out` (default: the Hydra run directory); prints the dense-vs-compact table.
+stripes.png into `out` (default: the Hydra run directory, with Hydra's .hydra/ record; given `out`, the run
+directory Hydra made is removed again); prints the dense-vs-compact table.
 Config: conf/export.yaml.
 """
 
@@ -11,13 +12,39 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from compress._files import remove_if_only_hydra
 from compress.export import FILES, export_checkpoint
 from compress.report import render_markdown
 
 
 @hydra.main(config_path="conf", config_name="export", version_base=None)
 def main(cfg: DictConfig) -> None:
-    out = Path(cfg.out) if cfg.out is not None else Path(HydraConfig.get().runtime.output_dir)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    out = Path(cfg.out) if cfg.out is not None else run_dir
+    try:
+        export(cfg, out)
+    finally:
+        if out.resolve() != run_dir.resolve():
+            _remove_run_dir(run_dir)
+
+
+def _remove_run_dir(run_dir: Path) -> None:
+    """With `out` given, the Hydra run dir holds only Hydra's start-up files: remove it, and the folders above it
+    inside the working directory that it leaves empty (outputs/export/<date>)."""
+    if not remove_if_only_hydra(run_dir, "export.log"):
+        return
+    cwd = Path.cwd().resolve()
+    for folder in run_dir.resolve().parents:
+        if folder == cwd or cwd not in folder.parents:
+            return
+        try:
+            folder.rmdir()  # only if empty
+        except OSError:
+            return
+
+
+def export(cfg: DictConfig, out: Path) -> None:
+    """Run the export of `cfg` into `out` and print the dense-vs-compact table."""
     report = export_checkpoint(
         hydra.utils.to_absolute_path(cfg.ckpt),
         out,

@@ -1,12 +1,13 @@
-"""Atomic file writes for checkpoints and compact model files."""
+"""Atomic file writes for checkpoints and compact model files; removing a Hydra run dir that holds nothing else."""
 
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["atomic_write"]
+__all__ = ["atomic_write", "remove_if_only_hydra"]
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
@@ -50,3 +51,16 @@ def _fsync_dir(folder: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def remove_if_only_hydra(run_dir: Path, log_name: str) -> bool:
+    """Delete `run_dir` when all it holds is what Hydra writes at a job's start (.hydra/*.yaml and an empty
+    `log_name`, the job's log file); return whether it was deleted."""
+    entries = {p.name for p in run_dir.iterdir()} if run_dir.is_dir() else {"?"}
+    hydra = run_dir / ".hydra"
+    only_yaml = not hydra.exists() or all(p.suffix == ".yaml" and p.is_file() for p in hydra.iterdir())
+    log = run_dir / log_name
+    if entries <= {".hydra", log_name} and only_yaml and (not log.exists() or log.stat().st_size == 0):
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return not run_dir.exists()
+    return False

@@ -23,7 +23,6 @@ import json
 import operator
 import os
 import random
-import shutil
 import time
 import warnings
 from collections.abc import Sequence
@@ -38,6 +37,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch.utils.data import DistributedSampler
 
+from compress._files import remove_if_only_hydra
 from compress._logging import RunLogger, format_summary, progress, say
 from compress._macs import estimate_macs
 from compress._trainstate import atomic_save, load_checkpoint, rng_state, set_rng_state
@@ -108,18 +108,8 @@ def _shared_run_dir(run_dir: Path, dist: DistInfo) -> Path:
     shared = [str(run_dir)]
     torch_dist.broadcast_object_list(shared, src=0)
     if dist.rank != 0 and run_dir.resolve() != Path(shared[0]).resolve():
-        _remove_if_only_hydra(run_dir)
+        remove_if_only_hydra(run_dir, "train.log")
     return Path(shared[0])
-
-
-def _remove_if_only_hydra(run_dir: Path) -> None:
-    """Delete `run_dir` when all it holds is what Hydra writes at a job's start (.hydra/*.yaml, an empty train.log)."""
-    entries = {p.name for p in run_dir.iterdir()} if run_dir.is_dir() else {"?"}
-    hydra = run_dir / ".hydra"
-    only_yaml = not hydra.exists() or all(p.suffix == ".yaml" and p.is_file() for p in hydra.iterdir())
-    log = run_dir / "train.log"
-    if entries <= {".hydra", "train.log"} and only_yaml and (not log.exists() or log.stat().st_size == 0):
-        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _finish_distributed(dist: DistInfo) -> None:

@@ -233,14 +233,17 @@ def test_export_warns_when_onnxruntime_disagrees(training_checkpoint, tmp_path, 
 
 
 def test_export_script(training_checkpoint, tmp_path):
+    """export.py from another working directory, out= given: the files land in out, and the run dir Hydra made
+    (outputs/export/<date>/<time>/ with only its .hydra record) is removed again with the folders it leaves empty."""
     path, _ = training_checkpoint
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "export.py", f"ckpt={path}", f"out={out}", "threshold=0.9",
-         "choose_modes=false", "profile.repeats=2", f"hydra.run.dir={tmp_path / 'hydra'}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        [sys.executable, str(ROOT / "export.py"), f"ckpt={path}", "out=out", "threshold=0.9",
+         "choose_modes=false", "profile.repeats=2"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     assert "| MACs |" in proc.stdout and "compact / dense" in proc.stdout
     data = json.loads((out / "report.json").read_text())
     assert data["threshold"] == 0.9 and data["compact"]["macs"] < 0.5 * data["dense"]["macs"]

@@ -437,7 +437,7 @@ def test_a_key_added_with_plus_to_a_fixed_group_is_refused(tmp_path):
 def test_a_ranks_own_hydra_dir_is_removed_only_when_it_holds_nothing_else(tmp_path):
     """Under torchrun a rank that started in another second than rank 0 got its own Hydra run dir; it is removed when
     it holds only Hydra's start-up files, never otherwise."""
-    from compress.engine import _remove_if_only_hydra
+    from compress._files import remove_if_only_hydra
 
     def make(name, extra=None, log=""):
         d = tmp_path / name
@@ -451,7 +451,7 @@ def test_a_ranks_own_hydra_dir_is_removed_only_when_it_holds_nothing_else(tmp_pa
 
     cases = {make("bare"): False, make("logged", log="[INFO] epoch 1\n"): True, make("work", "summary.json"): True}
     for d, kept in cases.items():
-        _remove_if_only_hydra(d)
+        remove_if_only_hydra(d, "train.log")
         assert d.exists() == kept, d.name
 
 
