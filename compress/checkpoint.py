@@ -114,6 +114,7 @@ _TYPES: dict[str, tuple[str | type, Callable[[nn.Module], dict]]] = {
     # timm's BN + activation (RegNet, EfficientNet, ...), which compaction shrinks with dead filters when BN is kept
     "BatchNormAct2d": ("timm.layers:BatchNormAct2d", _bn_act_config),
     "ResidualReLU": ("compress.pix:ResidualReLU", _no_config),
+    "ZeroChannels": ("compress.compaction:ZeroChannels", _own_config),
 }
 
 

@@ -10,7 +10,9 @@
   bias when that layer does not pad its input, else the filter is kept: the result is always exact;
 - a conv with no stripe left at all (e.g. the last conv of a fully pruned residual branch) becomes a
   StripeConv2d with 0 stripes, which outputs its bias without reading its input, and the branch's
-  earlier convs shrink to one zero channel: only the shortcut path does work;
+  earlier convs shrink to one zero channel: only the shortcut path does work; a PiX block whose output
+  reaches only such convs becomes a `ZeroChannels` of its shape (its pool, predictor and fusion would be
+  work for nothing);
 - optionally BN is folded into the preceding conv, and a MAC budget picks the threshold;
 - a StripeConv2d already in `model` (a compact model fine-tuned and compacted again) is treated like a
   skeleton conv whose kept stripes are its stripes, so its BN folds and its dead filters go too;
@@ -36,6 +38,7 @@ import torch.nn as nn
 from torch.nn.modules.utils import _pair
 
 import kernels
+from compress.pix import PiXBlock
 from compress.skeleton import SkeletonConv2d
 from compress.stripe import Conv2dReLU, StripeConv2d, masked_conv
 from compress.surgery import (
@@ -48,13 +51,37 @@ from compress.surgery import (
     find_chains,
     fold_constant_inputs,
     get_module,
+    is_elementwise,
     remove_channels,
     replace_module,
     trace,
 )
 from compress.surgery import fold_bn as fold_bn_into_conv
+from kernels._utils import memory_format
 
-__all__ = ["compact", "choose_modes"]
+__all__ = ["compact", "choose_modes", "ZeroChannels"]
+
+
+class ZeroChannels(nn.Module):
+    """(B, C, H, W) -> zeros (B, channels, H, W) in x's dtype, device and layout (NCHW or channels_last).
+
+    `compress.compact` puts it in place of a PiX block whose output reaches only convs with no stripe left, which
+    read nothing of their input but its shape."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.channels = int(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fmt = memory_format(x) if x.dim() == 4 else torch.contiguous_format
+        shape = (x.shape[0], self.channels, *x.shape[2:])
+        return torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=fmt).zero_()
+
+    def config(self) -> dict:
+        return {"channels": self.channels}
+
+    def extra_repr(self) -> str:
+        return f"channels={self.channels}"
 
 
 def compact(
@@ -148,7 +175,36 @@ def _compact_at(model: nn.Module, threshold: float, fold: bool, multiple: int = 
                 fold_bn_into_conv(get_module(out, conv_name), bn)
                 replace_module(out, bn_name, bn_remainder(bn))
     _to_stripe_convs(out, pruned)
+    if graph is not None:
+        for name in _unread_pix_blocks(out):
+            replace_module(out, name, ZeroChannels(get_module(out, name).out_channels))
     return out
+
+
+def _unread_pix_blocks(model: nn.Module) -> list[str]:
+    """The PiX blocks of `model` whose every call's output reaches, through elementwise steps only, convs with no
+    stripe (`_reads_only_shape`)."""
+    graph = trace(model, "PiX blocks that feed only convs with no stripe left keep running")
+    if graph is None:
+        return []
+    calls: dict[str, list[bool]] = {}
+    for node in graph.nodes:
+        if node.op == "call_module" and isinstance(get_module(model, node.target), PiXBlock):
+            calls.setdefault(node.target, []).append(_reads_only_shape(model, node))
+    return [name for name, unread in calls.items() if all(unread)]
+
+
+def _reads_only_shape(model: nn.Module, node) -> bool:
+    """Whether every use of `node`'s value is a StripeConv2d with no stripe (its first argument; it outputs its
+    bias from the input's shape alone) or an elementwise step whose own uses are such."""
+    for user in node.users:
+        if user.op == "call_module" and user.args[:1] == (node,) and not user.kwargs and len(user.args) == 1:
+            m = get_module(model, user.target)
+            if isinstance(m, StripeConv2d) and m.num_stripes == 0:
+                continue
+        if not (is_elementwise(model, user) and user.args[0] is node and _reads_only_shape(model, user)):
+            return False
+    return bool(node.users)
 
 
 @torch.no_grad()

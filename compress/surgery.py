@@ -176,6 +176,18 @@ def _channelwise_step(model: nn.Module, node: fx.Node, src: fx.Node, channels: i
     return None
 
 
+def is_elementwise(model: nn.Module, node: fx.Node) -> bool:
+    """Whether `node` applies an elementwise activation, Identity or dropout (`_ELEMENTWISE_*`) or a BatchNorm to
+    its first argument alone: its output has that argument's shape and depends on nothing else."""
+    if not node.args or not isinstance(node.args[0], fx.Node) or not _only_input(node, node.args[0]):
+        return False
+    if node.op == "call_module":
+        return isinstance(model.get_submodule(node.target), (*_ELEMENTWISE_MODULES, nn.BatchNorm2d))
+    if node.op == "call_function":
+        return node.target in _ELEMENTWISE_FUNCTIONS
+    return node.op == "call_method" and node.target in _ELEMENTWISE_METHODS
+
+
 def _is_flatten(node: fx.Node) -> bool:
     is_fn = node.op == "call_function" and node.target is torch.flatten
     is_method = node.op == "call_method" and node.target == "flatten"

@@ -371,6 +371,44 @@ def test_swp_pix_torchvision_resnet50_compacts_fused_and_reloads(tmp_path):
         torch.testing.assert_close(loaded(x), small(x), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("arch, zeta, dead, replaced", [
+    ("resnet20", 2, ("layer1.1.conv1.1", "layer1.1.conv2.1"), ["layer1.1.conv1.0", "layer1.1.conv2.0"]),  # downscaling
+    ("resnet29_bottleneck", 4, ("layer1.1.conv2",), ["layer1.1.conv1"]),  # channel squeezing
+])
+def test_compaction_drops_the_pix_work_of_a_branch_with_no_stripe_left(tmp_path, arch, zeta, dead, replaced):
+    """A PiX block whose output reaches only convs with no stripe left becomes a ZeroChannels (no MACs): the
+    compact model stays exact (float64, NCHW and channels_last, whose layout it keeps), no layer of that block
+    counts MACs, and it saves and loads."""
+    from compress.compaction import ZeroChannels, compact
+
+    torch.manual_seed(0)
+    model = create_model(arch, num_classes=5, input_size=16)
+    apply_pix(model, zeta)
+    compress.attach_skeletons(model)
+    with torch.no_grad():
+        for name in dead:
+            model.get_submodule(name).skeleton.zero_()
+    model = model.double().eval()
+    small = compact(model, fold_bn=True, fuse_relu=True)
+    assert sorted(n for n, m in small.named_modules() if isinstance(m, ZeroChannels)) == replaced
+    assert sum(isinstance(m, PiXBlock) for m in small.modules()) == sum(
+        isinstance(m, PiXBlock) for m in model.modules()) - len(replaced)
+    x = torch.randn(3, 3, 16, 16, dtype=torch.float64)
+    block = replaced[0].split(".conv")[0] + "."
+    with torch.no_grad():
+        ref = model(x)
+        torch.testing.assert_close(small(x), ref, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(small(x.contiguous(memory_format=torch.channels_last)), ref, rtol=1e-12, atol=1e-12)
+        stand_in = small.get_submodule(replaced[0])
+        z = stand_in(torch.randn(3, 8, 5, 7, dtype=torch.float64).contiguous(memory_format=torch.channels_last))
+        assert z.shape == (3, stand_in.channels, 5, 7) and z.dtype == torch.float64 and not z.any()
+        assert z.is_contiguous(memory_format=torch.channels_last)
+        assert not [r.name for r in profile(small, (3, 16, 16), latency=False).layers
+                    if r.name.startswith(block) and r.macs]
+        loaded = compress.load(compress.save(small, tmp_path / "dead.safetensors")).double()
+        torch.testing.assert_close(loaded(x), small(x), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
 def test_onnx_export_uses_standard_ops(dynamo):
     """Both exporters take PiXBlock's standard-ops branch (TorchScript tracing and torch.export both make the
