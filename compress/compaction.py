@@ -22,7 +22,9 @@
   on an H200 random dead filters made a 73%-pruned VGG16 slower than the dense one.
 
 The chosen threshold and MAC counts are recorded in `compact_model.compress_compaction` (a dict:
-threshold, fold_bn, target_macs, macs, dense_macs; MACs are None when no budget was given).
+threshold, fold_bn, target_macs, macs, dense_macs; MACs are None when no budget was given; threshold is None
+for a model without skeletons). A compact model compacted again keeps the record of what chose its stripes
+(threshold, target_macs, dense_macs) and takes the new layout's (`_carried_record`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from __future__ import annotations
 import copy
 import math
 import numbers
+import warnings
 from collections import Counter
 from collections.abc import Sequence
 
@@ -99,8 +102,10 @@ def compact(
         model: any model, usually with SkeletonConv2d layers (compress.attach_skeletons).
         threshold: stripes with |skeleton| <= threshold are dropped (default 0: only the exactly-zero ones,
             so the compact model equals the skeleton model exactly). For a model trained with `swp_update`,
-            pass its training threshold: the optimizer's momentum moves the stripes swp_update zeroes slightly
-            off zero again (|skeleton| about 1e-7 after the step), so 0 would keep nearly all of them.
+            pass its training threshold: the optimizer's momentum moves the stripes swp_update zeroes off zero
+            again, by the learning rate times their momentum (|skeleton| about 1e-7 in the default digits run),
+            so 0 would keep nearly all of them. Without SkeletonConv2d layers (a compact model
+            compacted again) it has no effect (a warning says so when > 0).
         fold_bn: fold every BatchNorm2d that directly follows a conv into that conv (inference only;
             the BN becomes nn.Identity).
         target_macs: a MAC budget for one input, as a fraction in (0, 1] of the dense model's MACs or
@@ -127,7 +132,11 @@ def compact(
         raise ValueError(f"compact: channel_multiple must be an int >= 1 (8 for GPU tensor cores), got {channel_multiple!r}")
     if fuse_relu and not fold_bn:
         raise ValueError("compact: fuse_relu=True needs fold_bn=True (a BatchNorm sits between a conv and its ReLU)")
-    if target_macs is not None and not any(isinstance(m, SkeletonConv2d) for m in model.modules()):
+    has_skeletons = any(isinstance(m, SkeletonConv2d) for m in model.modules())
+    if base > 0 and not has_skeletons:
+        warnings.warn(f"compact: threshold={threshold} has no effect: the model has no skeletons (a compact model "
+                      "keeps the stripes it holds)", stacklevel=2)
+    if target_macs is not None and not has_skeletons:
         raise ValueError(
             f"compact: target_macs={target_macs} needs a model with skeletons (a SWP training model) to choose "
             "stripes from; this one has none (a compact model, or one never given skeletons). Compact the training "
@@ -138,8 +147,8 @@ def compact(
     else:
         out, base, macs, dense = _compact_to_budget(model, base, fold_bn, target_macs, input_size, channel_multiple)
     fused = _fuse_relu(out) if fuse_relu else []
-    out.compress_compaction = {
-        "threshold": base,
+    record = {
+        "threshold": base if has_skeletons else None,
         "fold_bn": bool(fold_bn),
         "relu_fused": len(fused),
         "pool_fused": sum(isinstance(m, StripeConv2d) and m.pool for m in out.modules()),
@@ -148,7 +157,22 @@ def compact(
         "macs": macs,
         "dense_macs": dense,
     }
+    before = getattr(model, "compress_compaction", None)
+    out.compress_compaction = _carried_record(before, record) if isinstance(before, dict) else record
     return out
+
+
+def _carried_record(before: dict, after: dict) -> dict:
+    """The compaction record of a compact model compacted again (export of a compact file or of an init= run):
+    what chose its stripes (threshold, target_macs) and its dense MACs stay as first recorded; the layout
+    (fold_bn, fusions, channel multiple) and its MACs are the new model's, fusions counted over both passes."""
+    record = dict(after)
+    for key in ("threshold", "target_macs", "dense_macs"):
+        if key in before:
+            record[key] = before[key]
+    record["fold_bn"] = bool(before.get("fold_bn")) or after["fold_bn"]
+    record["relu_fused"] = int(before.get("relu_fused", 0)) + after["relu_fused"]
+    return record
 
 
 def _compact_at(model: nn.Module, threshold: float, fold: bool, multiple: int = 1) -> nn.Module:
@@ -370,11 +394,17 @@ def _macs(model: nn.Module, input_size: tuple[int, int, int]) -> int:
     return profile(model, input_size, latency=False).macs
 
 
+def check_target_macs(target, name: str = "compact: target_macs") -> None:
+    """ValueError naming `name` unless `target` is a MAC budget: a fraction in (0, 1] of the dense MACs or a count."""
+    if isinstance(target, bool) or not isinstance(target, numbers.Real) or not 0 < target < math.inf:
+        raise ValueError(f"{name} must be a fraction in (0, 1] of the dense model's MACs or a MAC count > 1, got "
+                         f"{target!r}")
+
+
 def _compact_to_budget(model, base, fold, target, input_size, multiple=1):
     """Smallest threshold >= base among base and the |skeleton| values above it whose compact model meets
     the budget (bisection: MACs fall as the threshold rises). Returns (model, threshold, macs, dense)."""
-    if isinstance(target, bool) or not isinstance(target, numbers.Real) or not 0 < target < math.inf:
-        raise ValueError(f"compact: target_macs must be a fraction in (0, 1] or a MAC count > 1, got {target!r}")
+    check_target_macs(target)
     size = _input_size(model, input_size)
     dense = _macs(model, size)
     budget = target * dense if target <= 1 else target

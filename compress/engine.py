@@ -43,6 +43,7 @@ from compress._macs import estimate_macs
 from compress._trainstate import atomic_save, load_checkpoint, rng_state, set_rng_state
 from compress.checkpoint import build_recipe, rebuild
 from compress.checkpoint import load as load_compact
+from compress.compaction import check_target_macs
 from compress.data import MAX_SEED, build_data
 from compress.models import TIMM_PREFIX, create_model
 from compress.pix import apply_pix
@@ -404,8 +405,10 @@ def _check_config(cfg: DictConfig, ckpt: dict | None = None) -> None:
         _require_int("prune.min_kernel_size", cfg.prune.min_kernel_size, 1,
                      note="convs with a smaller kernel get no skeleton")
     _require_int("pix.zeta", cfg.pix.zeta, 1, null="no PiX", note="the bottleneck width is out_channels / zeta")
-    if not _is_number(cfg.pix.tau):
+    if not _is_number(cfg.pix.tau) or not 0 <= cfg.pix.tau <= 1:
         raise ValueError(f"pix.tau={cfg.pix.tau!r} must be a number in [0, 1] (the paper's is 0.5)")
+    if cfg.prune.name == "swp" and cfg.prune.get("target_flops") is not None:
+        check_target_macs(cfg.prune.target_flops, "prune.target_flops")
     _require_int("trainer.epochs", cfg.trainer.epochs, 1)
     _require_int("trainer.eval_every", cfg.trainer.eval_every, 1, note="the last epoch is always evaluated")
     _require_int("trainer.checkpoint_every", cfg.trainer.get("checkpoint_every"), 1, null="epoch ends only")

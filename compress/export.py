@@ -266,10 +266,8 @@ def export_checkpoint(
     if before is not None and _bn_folded(model, arch_model):  # its BN folded: the dense baseline folds too
         fold_bn = True
     fuse_relu = fuse_relu and fold_bn
-    small = compact(model, threshold=threshold, fold_bn=fold_bn, target_macs=target_macs, input_size=size,
-                    channel_multiple=channel_multiple, fuse_relu=fuse_relu)
-    if before is not None:
-        small.compress_compaction = _carried_record(before, small.compress_compaction)
+    small = compact(model, threshold=threshold if has_skeletons else None, fold_bn=fold_bn,
+                    target_macs=target_macs, input_size=size, channel_multiple=channel_multiple, fuse_relu=fuse_relu)
     used = small.compress_compaction["threshold"]
     dense = dense_baseline(arch_model, fold_bn, fuse_relu)  # its conv shapes stay: the stripes are counted over them
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
@@ -313,19 +311,6 @@ def export_checkpoint(
         (stage / FILES[3]).write_text(render_markdown(report))
         plot_stripes(report["stripes"], stage / FILES[4])
     return report
-
-
-def _carried_record(before: dict, after: dict) -> dict:
-    """The compaction record of a compact model compacted again (export of a compact file or of an init= run):
-    what chose its stripes (threshold, target_macs) and its dense MACs stay as first recorded; the layout
-    (fold_bn, fusions, channel multiple) and its MACs are the new model's, fusions counted over both passes."""
-    record = dict(after)
-    for key in ("threshold", "target_macs", "dense_macs"):
-        if key in before:
-            record[key] = before[key]
-    record["fold_bn"] = bool(before.get("fold_bn")) or after["fold_bn"]
-    record["relu_fused"] = int(before.get("relu_fused", 0)) + after["relu_fused"]
-    return record
 
 
 class _staging:

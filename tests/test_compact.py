@@ -183,6 +183,21 @@ def test_compacting_a_compact_model_folds_its_bn_and_removes_new_dead_filters():
         "layer1.0.conv1": stripes["layer1.0.conv1"] - int((conv.out_index == conv.out_index[0]).sum())}
 
 
+def test_a_compact_model_compacted_again_keeps_the_record_of_what_chose_its_stripes():
+    """compact() of a compact model keeps its stripes (a threshold given then warns that it has no effect), and its
+    record keeps the first threshold and dense MACs, with the new layout's fold_bn; a model that never had
+    skeletons records no threshold."""
+    model = skeleton_model("resnet20", 32)
+    first = compact(model, threshold=0.05)
+    stripes = {n: m.num_stripes for n, m in first.named_modules() if isinstance(m, StripeConv2d)}
+    with pytest.warns(UserWarning, match=r"threshold=0.5 has no effect: the model has no skeletons"):
+        again = compact(first, threshold=0.5, fold_bn=True)
+    assert {n: m.num_stripes for n, m in again.named_modules() if isinstance(m, StripeConv2d)} == stripes
+    assert again.compress_compaction["threshold"] == 0.05 and again.compress_compaction["fold_bn"] is True
+    plain = compact(create_model("resnet20", num_classes=10))
+    assert plain.compress_compaction["threshold"] is None
+
+
 @pytest.mark.parametrize("name", ["resnet56", "vgg16"])
 def test_channel_multiple_keeps_harmless_channels_exactly(name):
     size, chains, _ = CASES[name]

@@ -87,7 +87,11 @@ def test_cifar_configs_keep_the_paper_recipe():
         (["prune=swp", "prune.threshold=2"], ValueError, "prune.threshold=2 zeroes every stripe"),
         (["prune=swp", "prune.include=layr1.*"], ValueError, r"no conv of resnet56 gets a skeleton with prune.include=\['layr1.\*'\]"),
         (["data.input_size=0"], ValueError, "data.input_size=0; it must be an int >= 1"),
-        (["model=resnet29_bottleneck", "pix.zeta=4", "pix.tau=-5"], ValueError, r"tau=-5.0 must be a number in \[0, 1\]"),
+        (["model=resnet29_bottleneck", "pix.zeta=4", "pix.tau=-5"], ValueError, r"pix.tau=-5 must be a number in \[0, 1\]"),
+        (["pix.tau=5"], ValueError, r"pix.tau=5 must be a number in \[0, 1\]"),  # checked without pix.zeta too
+        (["prune=swp", "prune.target_flops=abc"], ValueError,
+         r"prune.target_flops must be a fraction in \(0, 1\] of the dense model's MACs or a MAC count > 1, got 'abc'"),
+        (["prune=swp", "prune.target_flops=0"], ValueError, r"prune.target_flops must be a fraction .* got 0"),
         (["pix.tau=abc"], ValueError, r"pix.tau='abc' must be a number in \[0, 1\]"),
         (["prune=swp", "prune.alpha=abc"], ValueError, r"SWP alpha must be a number >= 0, got 'abc'; set prune.alpha to a non-negative number"),
         (["prune=swp", "prune.min_kernel_size=abc"], ValueError, r"prune.min_kernel_size='abc' must be an int >= 1"),
