@@ -40,7 +40,7 @@ def _check_zeta(where: str, zeta: int) -> None:
 
 
 def _check_tau(where: str, tau: float) -> None:
-    # p = sigmoid(...) lies in (0, 1): tau 0 always mixes, 1 always picks
+    # p = sigmoid(...) lies in [0, 1] once rounded: tau 0 always mixes; tau 1 picks unless p rounds to 1
     if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0.0 <= tau <= 1.0:
         raise ValueError(f"{where}: tau={tau!r} must be a number in [0, 1] (pix.tau; the paper uses 0.5)")
 
@@ -250,8 +250,9 @@ def _record(model: nn.Module, zeta: int, tau: float) -> None:
 def insert_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
     """Channel squeezing mode, in place: in every bottleneck (torchvision, timm, our CIFAR ones) PiX replaces
     the squeeze conv + BN + ReLU, and the bottleneck width becomes out_channels / zeta (conv2, bn2 and conv3 are
-    rebuilt, freshly initialised, where that changes it: at zeta 8, or for bottlenecks wider than out_channels / 4
-    such as wide_resnet50_2's and resnext50_32x4d's, which keep their width at zeta 2).
+    rebuilt, freshly initialised, where that changes it: at zeta 8, or at zeta 4 and 8 for bottlenecks wider than
+    out_channels / 4 such as wide_resnet50_2's and resnext50_32x4d's, which cannot take zeta 2: stage 1's first
+    block would have to widen 64 input channels to 128).
 
     The PiX factor of a block is in_channels / width. With zeta = 4 (standard widths) it is 4, except 1 in
     stage 1's first block (64 -> 64: a pure gate, y = p * x) and 2 in the first block of the later stages
@@ -278,6 +279,9 @@ def downscale_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
     before any changes; records PiX in `model.compress_arch`. Returns the names of the replaced convs."""
     _check_zeta("downscale_pix", zeta)
     _check_tau("downscale_pix", tau)
+    if any(isinstance(m, PiXBlock) for m in model.modules()):
+        raise ValueError(f"downscale_pix: {type(model).__name__} has PiX blocks already; apply PiX once, to the "
+                         "model without them")
     convs = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Conv2d)]
     targets = [(n, m) for n, m in convs[1:] if m.kernel_size == (3, 3)]
     if not targets:

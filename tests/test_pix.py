@@ -496,10 +496,18 @@ def test_torchvision_and_timm_pix_resnet50_count_alike_in_the_paper_convention()
     assert counts["resnet50"] == counts["timm:resnet50"]
 
 
+def downscaled(model: nn.Module) -> nn.Module:
+    downscale_pix(model, 2)
+    return model
+
+
 @pytest.mark.parametrize("build, zeta, tau, message", [
     (lambda: torchvision.models.resnext50_32x4d(), 16, 0.5, "new width 16 is not divisible by conv2's groups=32"),
     (lambda: torchvision.models.resnet50(), 4, 1.5, r"tau=1.5 must be a number in \[0, 1\]"),
     (lambda: create_model("vgg11"), 3, 0.5, "not divisible by zeta=3"),
+    (lambda: create_model("timm:wide_resnet50_2", num_classes=10, input_size=32), 2, 0.5,
+     r"input channels 64 are not divisible by the new width 128 .* PiX can only squeeze"),
+    (lambda: downscaled(create_model("vgg11")), 2, 0.5, "VGG has PiX blocks already; apply PiX once"),
 ])
 def test_a_failed_insertion_leaves_the_model_as_it_was(build, zeta, tau, message):
     model = build().eval()
