@@ -8,6 +8,8 @@ the dense conv with every other stripe zeroed (semantics: shared/DESIGN.md "Stri
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -39,6 +41,13 @@ def _sources(*tensors: torch.Tensor | None) -> tuple:
     """Detached views of the tensors a cache entry was built from: held with the entry, they keep those storages
     alive, so a cache key of storage address and version can never match a later tensor at a reused address."""
     return tuple(None if t is None else t.detach() for t in tensors)
+
+
+def _normal_tensors():
+    """A context in which new tensors are normal ones, not inference tensors: a weight cache built under
+    torch.inference_mode then also serves a later call that autograd records (an input gradient through frozen
+    weights), which cannot save an inference tensor for backward."""
+    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
 
 
 def _layout(x: torch.Tensor) -> torch.memory_format:
@@ -278,7 +287,7 @@ class StripeConv2d(nn.Module):
         # get its freed address and pass for it.
         key = (fmt, w.data_ptr(), -1 if w.is_inference() else w._version, self.out_index.data_ptr())
         if self._dense_cache is None or self._dense_cache[0] != key:
-            with torch.no_grad():
+            with torch.no_grad(), _normal_tensors():
                 self._dense_cache = (key, self.dense_weight(fmt), _sources(w))
         return self._dense_cache[1]
 
@@ -292,7 +301,8 @@ class StripeConv2d(nn.Module):
         if recording(self.weight) or tracing_or_compiling():
             return kernels.trimmed_dense(w, self._trim, self.padding, self.dilation, fmt)
         if self._trim_cache is None or self._trim_cache[0] is not w:
-            self._trim_cache = (w, kernels.trimmed_dense(w, self._trim, self.padding, self.dilation, fmt))
+            with _normal_tensors():
+                self._trim_cache = (w, kernels.trimmed_dense(w, self._trim, self.padding, self.dilation, fmt))
         return self._trim_cache[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -308,7 +318,7 @@ class StripeConv2d(nn.Module):
             y = launch(x)  # pooled by the launcher
             return y.contiguous(memory_format=torch.channels_last) if relayout else y
         fmt = _layout(x)
-        if self.num_stripes == 0:
+        if self.num_stripes == 0 and self._constant_applies(x):
             out = self._constant_output(x, fmt)
             return self._pooled(out.relu_() if self.relu else out)
         if self._mode == "gemm" and self._gemm_fits(x):
@@ -464,6 +474,15 @@ class StripeConv2d(nn.Module):
         state = dict(super().__getstate__())
         state.update(_dense_cache=None, _trim_cache=None, _gemm_cache=None, _launch_cache=None, _op_trained=set())
         return state
+
+    def _constant_applies(self, x: torch.Tensor) -> bool:
+        """Whether a layer with no stripe may output its bias from x's shape alone, as F.conv2d on its zero weight
+        would give: autograd does not record x, no autocast to another dtype, x of the weight's dtype, at least one
+        output pixel. Elsewhere the mode's path runs on the empty stripe set, with F.conv2d's gradient for x
+        (zeros), dtypes and errors."""
+        ho, wo = self.conv_out_size(x.shape[2:])
+        return (not (x.requires_grad and torch.is_grad_enabled()) and x.dtype == self.weight.dtype
+                and autocast_dtype(x.device.type) in (None, x.dtype) and ho > 0 and wo > 0)
 
     def _constant_output(self, x: torch.Tensor, fmt: torch.memory_format) -> torch.Tensor:
         """No stripe kept: the output is the bias (or zeros) at every pixel, computed from x's shape only."""

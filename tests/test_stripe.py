@@ -96,6 +96,48 @@ def test_no_stripe_outputs_bias_with_conv_shape():
     torch.testing.assert_close(s(x), _masked_reference(conv, torch.zeros(4, 3, 3, dtype=torch.bool), x))
 
 
+def test_no_stripe_layer_behaves_as_its_zero_conv_in_autograd_autocast_and_errors():
+    """A layer with no stripe outputs its bias from x's shape in plain inference; where autograd records x it is a
+    function of x with F.conv2d's zero gradient, under CPU autocast it returns the autocast dtype, and a wrong dtype
+    or a too-small input are errors, as for its zero-weight conv."""
+    gen = torch.Generator().manual_seed(6)
+    conv = nn.Conv2d(3, 4, 3, padding=1, bias=True)
+    none = torch.zeros(4, 3, 3, dtype=torch.bool)
+    s = StripeConv2d.from_dense(conv, none)
+    x = torch.randn(2, 3, 6, 5, generator=gen, requires_grad=True)
+    y = s(x)
+    assert y.requires_grad
+    (y * torch.randn(y.shape, generator=gen)).sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape and not x.grad.any()
+    torch.testing.assert_close(y.detach(), _masked_reference(conv, none, x.detach()))
+    with torch.autocast("cpu", torch.bfloat16):
+        assert s(x.detach()).dtype == F.conv2d(x.detach(), conv.weight, conv.bias, padding=1).dtype == torch.bfloat16
+    with pytest.raises(TypeError, match="dtype torch.float32 but 'x' has dtype torch.float64"):
+        s(x.detach().double())
+    with pytest.raises(ValueError, match="too small for kernel"):
+        StripeConv2d.from_dense(nn.Conv2d(3, 4, 3), none)(torch.randn(1, 3, 2, 8))
+
+
+@pytest.mark.parametrize("mode", ["dense", "gemm"])
+def test_weight_cache_built_in_inference_mode_serves_input_gradients(mode):
+    """Frozen weights (eval, requires_grad False): a forward under torch.inference_mode builds the layer's dense or
+    unrolled weight cache; a later forward whose input needs a gradient (saliency, adversarial inputs) uses it and
+    gets F.conv2d's input gradient (an inference tensor cannot be saved for backward)."""
+    gen = torch.Generator().manual_seed(8)
+    conv = nn.Conv2d(3, 4, 3, padding=1)
+    mask = _random_mask(4, 3, 3, keep=0.5, gen=gen)
+    s = StripeConv2d.from_dense(conv, mask, mode=mode).eval().requires_grad_(False)
+    x = torch.randn(1, 3, 8, 8, generator=gen)
+    with torch.inference_mode():
+        s(x)
+    xg = x.clone().requires_grad_(True)
+    g = torch.randn(1, 4, 8, 8, generator=gen)
+    (s(xg) * g).sum().backward()
+    xr = x.clone().requires_grad_(True)
+    (_masked_reference(conv, mask, xr) * g).sum().backward()
+    torch.testing.assert_close(xg.grad, xr.grad, rtol=1e-5, atol=1e-5)
+
+
 def test_state_dict_roundtrip_weights_only_and_dtype():
     gen = torch.Generator().manual_seed(4)
     conv = nn.Conv2d(6, 8, 3, stride=2, padding=1, bias=True)
