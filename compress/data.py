@@ -138,7 +138,11 @@ def _loaders(train: Dataset, test: Dataset, opts: dict, rank: int, world_size: i
         test_sampler = None
         train_loader = DataLoader(train, opts["batch_size"], shuffle=True, generator=generator,
                                   drop_last=drop_single, **common)
-    test_loader = DataLoader(test, opts["eval_batch_size"], shuffle=False, sampler=test_sampler, **common)
+    # A generator of its own: each pass over the test set draws its base seed from it, not from the global RNG that
+    # training's augmentations and dropout draw from, so evaluating (eval_every, a max_steps stop) never changes
+    # what the training run does next
+    test_loader = DataLoader(test, opts["eval_batch_size"], shuffle=False, sampler=test_sampler,
+                             generator=torch.Generator().manual_seed(opts["seed"] + rank), **common)
     return train_loader, test_loader
 
 

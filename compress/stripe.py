@@ -43,11 +43,15 @@ def _sources(*tensors: torch.Tensor | None) -> tuple:
     return tuple(None if t is None else t.detach() for t in tensors)
 
 
-def _normal_tensors():
-    """A context in which new tensors are normal ones, not inference tensors: a weight cache built under
+@contextlib.contextmanager
+def _building_a_cache():
+    """Autograd off, and new tensors normal ones, not inference tensors: a weight cache built under
     torch.inference_mode then also serves a later call that autograd records (an input gradient through frozen
-    weights), which cannot save an inference tensor for backward."""
-    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
+    weights), which cannot save an inference tensor for backward. (inference_mode(False) turns grad mode on: the
+    no_grad comes inside it.)"""
+    with torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext():
+        with torch.no_grad():
+            yield
 
 
 def _layout(x: torch.Tensor) -> torch.memory_format:
@@ -287,7 +291,7 @@ class StripeConv2d(nn.Module):
         # get its freed address and pass for it.
         key = (fmt, w.data_ptr(), -1 if w.is_inference() else w._version, self.out_index.data_ptr())
         if self._dense_cache is None or self._dense_cache[0] != key:
-            with torch.no_grad(), _normal_tensors():
+            with _building_a_cache():
                 self._dense_cache = (key, self.dense_weight(fmt), _sources(w))
         return self._dense_cache[1]
 
@@ -301,7 +305,7 @@ class StripeConv2d(nn.Module):
         if recording(self.weight) or tracing_or_compiling():
             return kernels.trimmed_dense(w, self._trim, self.padding, self.dilation, fmt)
         if self._trim_cache is None or self._trim_cache[0] is not w:
-            with _normal_tensors():
+            with _building_a_cache():
                 self._trim_cache = (w, kernels.trimmed_dense(w, self._trim, self.padding, self.dilation, fmt))
         return self._trim_cache[1]
 

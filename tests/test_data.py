@@ -124,6 +124,19 @@ def test_fake_sizes_and_determinism():
     assert not torch.equal(ds[0][0], data.test.dataset[0][0])
 
 
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_a_pass_over_the_test_set_leaves_the_global_rng_alone(num_workers):
+    """Evaluating must not change training: a pass over the test loader draws nothing from torch's global RNG
+    (which training's augmentations and dropout use), so eval_every or a max_steps stop that evaluates at an
+    epoch end cannot make a run, or its resumed continuation, train differently."""
+    data = build_data({"name": "fake", "input_size": 8, "train_size": 8, "test_size": 6, "batch_size": 4,
+                       "num_workers": num_workers})
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    assert len(_all(data.test)[0]) == 6
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 @pytest.mark.parametrize("train_size, world_size, batches", [(9, 1, [4, 4]), (10, 1, [4, 4, 2]), (8, 1, [4, 4]),
                                                              (1, 1, [1]), (17, 2, [4, 4]), (18, 2, [4, 4])])
 def test_a_last_training_batch_of_one_image_is_dropped(train_size, world_size, batches):

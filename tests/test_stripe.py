@@ -118,15 +118,17 @@ def test_no_stripe_layer_behaves_as_its_zero_conv_in_autograd_autocast_and_error
         StripeConv2d.from_dense(nn.Conv2d(3, 4, 3), none)(torch.randn(1, 3, 2, 8))
 
 
+@pytest.mark.parametrize("frozen", [True, False])
 @pytest.mark.parametrize("mode", ["dense", "gemm"])
-def test_weight_cache_built_in_inference_mode_serves_input_gradients(mode):
-    """Frozen weights (eval, requires_grad False): a forward under torch.inference_mode builds the layer's dense or
-    unrolled weight cache; a later forward whose input needs a gradient (saliency, adversarial inputs) uses it and
-    gets F.conv2d's input gradient (an inference tensor cannot be saved for backward)."""
+def test_weight_cache_built_in_inference_mode_serves_input_gradients(mode, frozen):
+    """A forward under torch.inference_mode builds the layer's dense or unrolled weight cache (without recording
+    autograd, also for weights that require grad); a later forward whose input needs a gradient (saliency,
+    adversarial inputs; with frozen weights it uses that cache) gets F.conv2d's input gradient (an inference tensor
+    cannot be saved for backward)."""
     gen = torch.Generator().manual_seed(8)
     conv = nn.Conv2d(3, 4, 3, padding=1)
     mask = _random_mask(4, 3, 3, keep=0.5, gen=gen)
-    s = StripeConv2d.from_dense(conv, mask, mode=mode).eval().requires_grad_(False)
+    s = StripeConv2d.from_dense(conv, mask, mode=mode).eval().requires_grad_(not frozen)
     x = torch.randn(1, 3, 8, 8, generator=gen)
     with torch.inference_mode():
         s(x)
