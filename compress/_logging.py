@@ -79,6 +79,10 @@ class RunLogger:
             self.writer.close()
 
 
+def _fraction(v: float | None) -> str:
+    return "-" if v is None else f"{v:.4f}"
+
+
 def format_summary(summary: dict) -> str:
     """A short multi-line text of the run summary for the terminal. A model without skeleton convs (prune=none,
     or a compact model fine-tuned with init=) has no stripe figures: its MACs and params are its own."""
@@ -101,7 +105,7 @@ def format_summary(summary: dict) -> str:
     return "\n".join(
         [
             f"== {summary['model']} on {summary['data']} ({summary['device']}) ==",
-            f"test accuracy   {summary['test_accuracy']:.4f}  (best {summary['best_test_accuracy']:.4f})",
+            f"test accuracy   {_fraction(summary['test_accuracy'])}  (best {_fraction(summary['best_test_accuracy'])})",
             *stripes,
             f"epochs / steps  {summary['epochs']} / {summary['steps']} in {summary['seconds']:.1f} s",
             f"run dir         {summary['run_dir']}",

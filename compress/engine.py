@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch.utils.data import DistributedSampler
 
-from compress._files import remove_if_only_hydra
+from compress._files import atomic_write, remove_if_only_hydra
 from compress._logging import RunLogger, format_summary, progress, say
 from compress._macs import estimate_macs
 from compress._trainstate import atomic_save, load_checkpoint, rng_state, set_rng_state
@@ -873,10 +873,11 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
 
     stats = skeleton_stats(raw, threshold)
     macs_dense, macs_pruned = estimate_macs(raw, input_shape, threshold)
+    evaluated = not np.isnan(test["accuracy"])  # no evaluation in this run or its checkpoint: null, not NaN / -1
     summary = {
-        "test_accuracy": test["accuracy"],
-        "best_test_accuracy": best,
-        "test_loss": test["loss"],
+        "test_accuracy": test["accuracy"] if evaluated else None,
+        "best_test_accuracy": best if best >= 0 else None,
+        "test_loss": test["loss"] if evaluated else None,
         "stripes_total": stats["stripes_total"],
         "stripes_kept": stats["stripes_kept"],
         "filters_dead": stats["filters_dead"],
@@ -887,7 +888,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
         "epochs": epochs_trained,
         "steps": step,
         "seconds": seconds_before + time.perf_counter() - start,
-        "images_per_s": None if np.isnan(train["images_per_s"]) else train["images_per_s"],  # None: no step ran
+        "images_per_s": None if np.isnan(train["images_per_s"]) else train["images_per_s"],  # None: no epoch's rate
         "world_size": dist.world_size,
         "model": arch["name"],  # an init= run's model is the compact file's, whatever model= says
         "data": cfg.data.name,
@@ -896,7 +897,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
         "checkpoint": str(ckpt_dir / "last.pt") if (ckpt_dir / "last.pt").is_file() else None,  # None: none written
     }
     if dist.is_main:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        atomic_write(run_dir / "summary.json", lambda tmp: tmp.write_text(json.dumps(summary, indent=2) + "\n"))
         say(format_summary(summary))
     _finish_distributed(dist)
     return summary

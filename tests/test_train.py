@@ -366,6 +366,15 @@ def test_checkpoint_every_lets_a_crashed_run_resume_inside_an_epoch(tmp_path, mo
     _crash_in_step_4(monkeypatch, _compose(*DIGITS, "trainer.checkpoint_every=3"), tmp_path / "parts")
     ckpt = torch.load(tmp_path / "parts" / "checkpoints" / "last.pt", weights_only=True)
     assert (ckpt["epoch"], ckpt["epoch_batches"], ckpt["step"]) == (0, 3, 3)
+    # resumed with nothing left to train: never evaluated, no epoch's rate; summary.json says null (strict JSON)
+    shutil.copytree(tmp_path / "parts", tmp_path / "idle")
+    idle = run(_compose(*DIGITS, "trainer.checkpoint_every=3", "trainer.max_steps=3", "resume=true"),
+               run_dir=tmp_path / "idle")
+    strict = json.loads((tmp_path / "idle" / "summary.json").read_text(),
+                        parse_constant=lambda c: pytest.fail(f"summary.json holds {c}"))
+    assert strict == {**idle, "seconds": strict["seconds"]} and idle["steps"] == 3
+    assert (idle["test_accuracy"], idle["best_test_accuracy"], idle["test_loss"], idle["images_per_s"]) == (None,) * 4
+    assert "test accuracy   -  (best -)" in format_summary(idle)
     resumed = run(_compose(*DIGITS, "trainer.checkpoint_every=3", "resume=true"), run_dir=tmp_path / "parts")
     assert resumed["steps"] == full["steps"] == 8
     a, b = _weights(tmp_path / "full"), _weights(tmp_path / "parts")
