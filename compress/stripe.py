@@ -523,8 +523,16 @@ class StripeConv2d(nn.Module):
         }
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        own = [t for t in (*self._parameters.values(), *self._buffers.values()) if t is not None]
+        kept = [t.detach().clone() for t in own]
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        self._build_plan()
+        try:
+            self._build_plan()
+        except ValueError:  # invalid indices: the module stays as it was (weights, indices, plan), not half loaded
+            with torch.no_grad():
+                for t, value in zip(own, kept):
+                    t.copy_(value)
+            raise
 
     def _build_plan(self) -> None:
         """Validate the stripe indices (range, canonical order) and rebuild the kernel's index plan."""

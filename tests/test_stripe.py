@@ -167,8 +167,15 @@ def test_corrupt_indices_are_rejected():
     s = StripeConv2d.from_dense(conv, torch.ones(4, 3, 3, dtype=torch.bool))
     state = s.state_dict()
     state["out_index"] = state["out_index"].flip(0)
+    state["weight"] = state["weight"] + 1  # loaded before the indices are found invalid
     with pytest.raises(ValueError, match="StripeConv2d: invalid stripe indices"):
         StripeConv2d(**s.config()).load_state_dict(state)
+    x = torch.randn(1, 3, 5, 5)
+    want, good = s(x), {k: v.clone() for k, v in s.state_dict().items()}
+    with pytest.raises(ValueError, match="StripeConv2d: invalid stripe indices"):
+        s.load_state_dict(state)  # a failed load leaves the module as it was: indices, plan and output
+    assert all(torch.equal(v, good[k]) for k, v in s.state_dict().items())
+    torch.testing.assert_close(s(x), want)
 
 
 def test_macs_counts_kept_stripes():
