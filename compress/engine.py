@@ -707,8 +707,12 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     _refuse_added_keys(cfg)
     _refuse_to_overwrite_a_run(cfg, run_dir)
     _absolute_paths(cfg)  # as the checkpoint holds them, so that the same command line resumes
-    cfg, ckpt = _resume_config(cfg, run_dir, _command_line_keys())
+    given = _command_line_keys()
+    cfg, ckpt = _resume_config(cfg, run_dir, given)
     _check_config(cfg, ckpt)
+    if "pix.tau" in (given or ()) and cfg.pix.zeta is None and dist.is_main:
+        say(f"note: pix.tau={cfg.pix.tau} has no effect without pix.zeta (no PiX blocks"
+            + (f" are added; init={cfg.init} keeps its own)" if cfg.init is not None else ")"))
     if ckpt is None and "seed" not in cfg.data:  # trainer.seed also seeds the data order, worker seeds, fake data
         with open_dict(cfg):
             cfg.data.seed = cfg.trainer.seed

@@ -443,6 +443,14 @@ def test_a_key_added_with_plus_to_a_fixed_group_is_refused(tmp_path):
     assert not (tmp_path / "checkpoints").exists()
 
 
+def test_train_py_notes_a_pix_tau_without_pix_zeta(tmp_path):
+    """pix.tau on the command line without pix.zeta adds no PiX block: the run says so instead of ignoring it."""
+    proc = subprocess.run([sys.executable, "train.py", *TINY, "trainer.max_steps=1", "pix.tau=0.3",
+                           f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "note: pix.tau=0.3 has no effect without pix.zeta (no PiX blocks)" in proc.stdout
+
+
 def test_a_ranks_own_hydra_dir_is_removed_only_when_it_holds_nothing_else(tmp_path):
     """Under torchrun a rank that started in another second than rank 0 got its own Hydra run dir; it is removed when
     it holds only Hydra's start-up files, never otherwise."""
