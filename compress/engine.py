@@ -46,7 +46,7 @@ from compress.checkpoint import load as load_compact
 from compress.compaction import check_target_macs
 from compress.data import MAX_SEED, build_data
 from compress.models import TIMM_PREFIX, create_model
-from compress.pix import apply_pix
+from compress.pix import apply_pix, check_tau
 from compress.skeleton import attach_skeletons, check_nonnegative, skeleton_stats, swp_update
 from compress.surgery import conv_bn_pairs
 
@@ -405,8 +405,7 @@ def _check_config(cfg: DictConfig, ckpt: dict | None = None) -> None:
         _require_int("prune.min_kernel_size", cfg.prune.min_kernel_size, 1,
                      note="convs with a smaller kernel get no skeleton")
     _require_int("pix.zeta", cfg.pix.zeta, 1, null="no PiX", note="the bottleneck width is out_channels / zeta")
-    if not _is_number(cfg.pix.tau) or not 0 <= cfg.pix.tau <= 1:
-        raise ValueError(f"pix.tau={cfg.pix.tau!r} must be a number in [0, 1] (the paper's is 0.5)")
+    check_tau("config", cfg.pix.tau, "pix.tau")
     if cfg.prune.name == "swp" and cfg.prune.get("target_flops") is not None:
         check_target_macs(cfg.prune.target_flops, "prune.target_flops")
     _require_int("trainer.epochs", cfg.trainer.epochs, 1)

@@ -39,10 +39,11 @@ def _check_zeta(where: str, zeta: int) -> None:
         raise ValueError(f"{where}: zeta must be a positive int, got {zeta!r}")
 
 
-def _check_tau(where: str, tau: float) -> None:
+def check_tau(where: str, tau: float, key: str = "tau") -> None:
+    """ValueError naming `where` and `key` (the argument, or pix.tau in a config) unless tau is a number in [0, 1]."""
     # p = sigmoid(...) lies in [0, 1] once rounded: tau 0 always mixes; tau 1 picks unless p rounds to 1
     if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0.0 <= tau <= 1.0:
-        raise ValueError(f"{where}: tau={tau!r} must be a number in [0, 1] (pix.tau; the paper uses 0.5)")
+        raise ValueError(f"{where}: {key}={tau!r} must be a number in [0, 1] (pix.tau; the paper uses 0.5)")
 
 
 def _check_factor(where: str, channels: int, zeta: int) -> None:
@@ -65,7 +66,7 @@ class PiXBlock(nn.Module):
     def __init__(self, in_channels: int, zeta: int, tau: float = 0.5):
         super().__init__()
         _check_factor(f"PiXBlock(in_channels={in_channels})", in_channels, zeta)
-        _check_tau("PiXBlock", tau)
+        check_tau("PiXBlock", tau)
         self.in_channels, self.zeta, self.tau = in_channels, zeta, float(tau)
         self.out_channels = in_channels // zeta
         self.weight = nn.Parameter(torch.empty(self.out_channels, in_channels, 1, 1))
@@ -261,7 +262,7 @@ def insert_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
     Records PiX in `model.compress_arch` (see `_record`). Returns the names of the changed blocks.
     """
     _check_zeta("insert_pix", zeta)
-    _check_tau("insert_pix", tau)
+    check_tau("insert_pix", tau)
     names = [n for n, m in model.named_modules() if isinstance(m, _bottleneck_types())]
     if not names:
         raise ValueError(f"insert_pix: {type(model).__name__} has no bottleneck block; {_SUPPORTED}")
@@ -278,7 +279,7 @@ def downscale_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
     Sequential(PiXBlock(in, zeta), the conv with in / zeta inputs, freshly initialised). Every conv is checked
     before any changes; records PiX in `model.compress_arch`. Returns the names of the replaced convs."""
     _check_zeta("downscale_pix", zeta)
-    _check_tau("downscale_pix", tau)
+    check_tau("downscale_pix", tau)
     if any(isinstance(m, PiXBlock) for m in model.modules()):
         raise ValueError(f"downscale_pix: {type(model).__name__} has PiX blocks already; apply PiX once, to the "
                          "model without them")

@@ -324,9 +324,9 @@ INL void sq2_cl(const T* p, const T* pk, T* ym, const T* ys, int64_t G, int Zr, 
 // p = sigmoid(pooled @ w^T): pooled (B, C), w (G, C), p (B, G). A tile of NB samples x NG groups reads each of
 // its NG w rows once for its NB samples (4 x 1 while 4 samples remain, then 1 x 8: at batch 1, 8 w rows streamed
 // at once read weights that are not in L2 1.0-1.5x faster than one row at a time, on par with torch.mm;
-// benchmarks/results/pix_cpu_predictor_tiles_ab.txt). Each dot
-// product runs in 32 lanes of T whatever the tile (like a BLAS GEMV), summed and passed through the sigmoid in
-// double: p[b, g] does not depend on the batch or the thread count.
+// benchmarks/results/pix_cpu_predictor_tiles_ab.txt). Each dot product runs in 32 lanes of T whatever the tile
+// (like a BLAS GEMV), summed and passed through the sigmoid in double: p[b, g] does not depend on the batch or
+// the thread count.
 template <typename T, int NB, int NG>
 INL void predict_tile(const T* __restrict__ wg, const T* __restrict__ pooled, T* __restrict__ p, int64_t C,
                       int64_t G) {

@@ -10,18 +10,25 @@ from compress.models import create_model
 from compress.profile import compare, profile
 
 
-class HalfWork(nn.Module):
-    """A custom module following the `macs()` protocol: a 1x1 conv that claims half its dense work."""
+class ClaimedWork(nn.Module):
+    """A custom module following the `macs()` protocol: a 1x1 conv child that it accounts for itself, claiming
+    `claim(inp, out)` MACs."""
 
-    def __init__(self):
+    def __init__(self, in_channels: int, out_channels: int, claim):
         super().__init__()
-        self.conv = nn.Conv2d(4, 6, 1, bias=False)
+        self.conv = nn.Conv2d(in_channels, out_channels, 1, bias=False)
+        self.claim = claim
 
     def forward(self, x):
         return self.conv(x)
 
     def macs(self, inp, out):
-        return out.numel() * 4 // 2
+        return self.claim(inp, out)
+
+
+def _half_work() -> ClaimedWork:
+    """A 1x1 conv 4 -> 6 that claims half its dense work."""
+    return ClaimedWork(4, 6, lambda inp, out: out.numel() * 4 // 2)
 
 
 def _small_net():
@@ -30,7 +37,7 @@ def _small_net():
         nn.BatchNorm2d(4),
         nn.ReLU(inplace=True),  # in place: no new activation
         nn.Conv2d(4, 4, 3, padding=1, groups=2, bias=False),  # 64 * 2*9 = 1152 MACs
-        HalfWork(),  # (6, 4, 4): 96 * 4 / 2 = 192 MACs
+        _half_work(),  # (6, 4, 4): 96 * 4 / 2 = 192 MACs
         nn.Flatten(),  # a view: no new activation
         nn.Linear(96, 5),  # 5 * 96 = 480 MACs
     )
@@ -48,7 +55,7 @@ def test_small_net_by_hand():
     assert rep.params == params
     # weights: params and BN running stats (float32), not num_batches_tracked
     assert rep.weight_bytes == 4 * (params + 8)
-    # new activations (float32): conv 64, bn 64, grouped conv 64, HalfWork 96, linear 5
+    # new activations (float32): conv 64, bn 64, grouped conv 64, half-work conv 96, linear 5
     assert [row.activation_bytes for row in rep.layers] == [256, 256, 0, 256, 384, 0, 20]
     assert rep.activation_bytes == {"max": 384, "sum": 256 * 3 + 384 + 20}
     assert rep.latency_ms is None and rep.device == "cpu"
@@ -85,22 +92,9 @@ def test_small_net_paper_convention():
         profile(model, (3, 8, 8), latency=False, convention="ptflops")
 
 
-class RootWithMacs(nn.Module):
-    """A model whose root module has macs() (a 1x1 conv child it accounts for itself): 7 MACs in all."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, 1, bias=False)
-
-    def forward(self, x):
-        return self.conv(x)
-
-    def macs(self, inp, out):
-        return 7
-
-
 def test_a_root_module_with_macs_is_counted_once_and_transposed_convs_by_hand():
-    assert profile(RootWithMacs(), (3, 2, 2), latency=False).macs == 7
+    root = ClaimedWork(3, 4, lambda inp, out: 7)  # the model's root has macs(): 7 MACs in all, its conv not again
+    assert profile(root, (3, 2, 2), latency=False).macs == 7
     # each of the 3*4*4 input elements goes to out_channels/groups * 3*3 = 2*9 outputs: 48 * 18 = 864 MACs;
     # the paper convention adds one bias add per output element (4 x 9 x 9 = 324)
     up = nn.ConvTranspose2d(3, 4, 3, stride=2, groups=1, bias=True)
