@@ -30,7 +30,8 @@ def atomic_save(obj: dict, path: str | os.PathLike) -> Path:
 
 
 RESUME_HINT = ("resume=true continues the run directory given by hydra.run.dir=<run dir> (which must contain "
-               "checkpoints/last.pt), or pass resume=<path to a .pt>")
+               "checkpoints/last.pt; resume=auto starts a fresh run there when it does not), or pass "
+               "resume=<path to a .pt>")
 
 
 def load_checkpoint(path: str | os.PathLike, hint: str = RESUME_HINT, keys: tuple[str, ...] = ("model", "config")) -> dict:

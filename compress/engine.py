@@ -500,6 +500,18 @@ def _plain_value(cfg: DictConfig, key: str):
     return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 
+def _resolve_auto_resume(cfg: DictConfig, run_dir: Path, dist: DistInfo) -> None:
+    """`resume=auto` (for requeued jobs): becomes `resume=true` when `run_dir` holds checkpoints/last.pt, else
+    `resume=false` (a fresh run), in place, saying which."""
+    if not isinstance(cfg.resume, str) or cfg.resume != "auto":
+        return
+    found = (run_dir / "checkpoints" / "last.pt").is_file()
+    if dist.is_main:
+        say(f"resume=auto: {'continuing' if found else 'no checkpoints/last.pt in'} {run_dir}"
+            + ("/checkpoints/last.pt" if found else "; starting a fresh run"))
+    cfg.resume = found
+
+
 def _refuse_to_overwrite_a_run(cfg: DictConfig, run_dir: Path) -> None:
     """ValueError when `run_dir` holds a run (checkpoints/last.pt) that this command does not continue: a fresh run,
     or `resume=<file>` of another checkpoint (its best.pt included), would overwrite its checkpoints and summary.
@@ -704,6 +716,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     dist = setup_distributed(cfg.trainer.device)
     run_dir = _shared_run_dir(Path(run_dir) if run_dir is not None else _hydra_run_dir(), dist)
     _refuse_added_keys(cfg)
+    _resolve_auto_resume(cfg, run_dir, dist)
     _refuse_to_overwrite_a_run(cfg, run_dir)
     _absolute_paths(cfg)  # as the checkpoint holds them, so that the same command line resumes
     given = _command_line_keys()

@@ -382,6 +382,23 @@ def test_checkpoint_every_lets_a_crashed_run_resume_inside_an_epoch(tmp_path, mo
         assert torch.equal(a[key], b[key]), key
 
 
+def test_resume_auto_starts_afresh_until_a_checkpoint_exists_then_continues_it(tmp_path, monkeypatch, capsys):
+    """A requeued job killed before its first checkpoint (4 steps per epoch, killed in step 4) starts again with
+    resume=auto; killed after one, it continues, and ends with an uninterrupted run's weights."""
+    full = run(_compose(*TINY), run_dir=tmp_path / "full")
+    _crash_in_step_4(monkeypatch, _compose(*TINY, "resume=auto"), tmp_path / "parts")
+    assert not (tmp_path / "parts" / "checkpoints" / "last.pt").exists()
+    assert "resume=auto: no checkpoints/last.pt in" in capsys.readouterr().out
+    _crash_in_step_4(monkeypatch, _compose(*TINY, "resume=auto", "trainer.checkpoint_every=2"), tmp_path / "parts")
+    assert torch.load(tmp_path / "parts" / "checkpoints" / "last.pt", weights_only=True)["step"] == 2
+    resumed = run(_compose(*TINY, "resume=auto", "trainer.checkpoint_every=2"), run_dir=tmp_path / "parts")
+    assert "resume=auto: continuing" in capsys.readouterr().out
+    assert resumed["steps"] == full["steps"] == 8
+    a, b = _weights(tmp_path / "full"), _weights(tmp_path / "parts")
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
 @pytest.mark.parametrize("fold_bn", [True, False])
 def test_init_notes_a_bn_folded_compact_model(tmp_path, monkeypatch, capsys, fold_bn):
     import compress
@@ -473,7 +490,7 @@ def test_a_ranks_own_hydra_dir_is_removed_only_when_it_holds_nothing_else(tmp_pa
 
 
 def test_train_py_resumes_with_its_own_command_line_repeated(tmp_path):
-    """A crashed run resumes with the command that started it plus resume=true (how requeue scripts restart a job):
+    """A crashed run resumes with the command that started it (resume=auto: how requeue scripts restart a job):
     the repeated data group and its relative data.root match the checkpoint's (which holds the root made absolute),
     and data.num_workers may change with it."""
     root = tmp_path / "unused_root"  # data=fake reads no files; the root is recorded all the same
@@ -486,8 +503,8 @@ def test_train_py_resumes_with_its_own_command_line_repeated(tmp_path):
         assert proc.returncode == 0, proc.stderr[-2000:]
         return json.loads((tmp_path / "run" / "summary.json").read_text())
 
-    assert train("trainer.max_steps=1")["steps"] == 1
-    resumed = train("trainer.max_steps=2", "data.num_workers=1", "resume=true")
+    assert train("trainer.max_steps=1", "resume=auto")["steps"] == 1  # no checkpoint yet: a fresh run
+    resumed = train("trainer.max_steps=2", "data.num_workers=1", "resume=auto")
     assert resumed["steps"] == 2
     config = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["config"]
     assert config["data"]["root"] == str(root) and config["data"]["num_workers"] == 1
