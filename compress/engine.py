@@ -23,6 +23,7 @@ import json
 import operator
 import os
 import random
+import shutil
 import time
 import warnings
 from collections.abc import Sequence
@@ -791,6 +792,8 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     if dist.is_main:  # temporary files of checkpoint writes that a killed run left behind (atomic_save)
         for stale in ckpt_dir.glob(".*.pt.tmp*"):
             stale.unlink(missing_ok=True)
+        if ckpt is not None and cfg.resume is not True and best >= 0:
+            _carry_best_checkpoint(Path(str(cfg.resume)), best, ckpt_dir)
     # on resume, events a killed process logged after its checkpoint are dropped: the resumed run logs them again
     logger = RunLogger(run_dir / "tensorboard", dist.is_main, purge_step=step + 1 if ckpt is not None else None)
     input_shape = (data.in_chans, data.input_size, data.input_size)
@@ -929,6 +932,26 @@ def _restore_rng(states: list[dict], generator: torch.Generator | None, dist: Di
     _seed_everything(derived)
     if generator is not None:
         generator.manual_seed(derived)
+
+
+def _carry_best_checkpoint(resumed: Path, best: float, ckpt_dir: Path) -> None:
+    """`resume=<file>` into a new run dir: copy the best.pt that holds the checkpoint's best weights (the file itself
+    when it is a best.pt, else the best.pt beside it) into `ckpt_dir`, so that the new run's best.pt exists even
+    when it never beats `best`; say so when no such file is found."""
+    source = resumed if resumed.name == "best.pt" else resumed.parent / "best.pt"
+    target = ckpt_dir / "best.pt"
+    if target.exists() and target.resolve() == source.resolve():
+        return
+    try:
+        found = source.is_file() and load_checkpoint(source, keys=("best_accuracy",))["best_accuracy"] == best
+    except (ValueError, FileNotFoundError):  # unreadable or foreign: not the best weights
+        found = False
+    if found:
+        atomic_write(target, lambda tmp: shutil.copyfile(source, tmp))
+        say(f"resume: copied {source} (test accuracy {best:.4f}) to {target}; it is replaced when this run beats it")
+    else:
+        say(f"resume: no best.pt with the checkpoint's best test accuracy {best:.4f} beside {resumed}; this run's "
+            f"best.pt is written at its first evaluation that beats it")
 
 
 def _resume_mid_epoch(ckpt: dict, generator: torch.Generator | None, dist: DistInfo, seed: int) -> tuple[int, object]:

@@ -399,6 +399,22 @@ def test_resume_auto_starts_afresh_until_a_checkpoint_exists_then_continues_it(t
         assert torch.equal(a[key], b[key]), key
 
 
+def test_resume_from_a_file_into_a_new_run_dir_carries_its_best_pt(tmp_path, capsys):
+    """resume=<file> into a new run dir copies the best.pt holding the checkpoint's best weights (beside a last.pt, or
+    the file itself), so the new dir has one even when the resumed run never beats it; without one it says so."""
+    run(_compose(*TINY, "trainer.max_steps=4"), run_dir=tmp_path / "a")
+    best = tmp_path / "a" / "checkpoints" / "best.pt"
+    for name, source in (("b", tmp_path / "a" / "checkpoints" / "last.pt"), ("c", best)):
+        run(_compose(*TINY, "trainer.max_steps=4", f"resume={source}"), run_dir=tmp_path / name)  # trains nothing
+        assert (tmp_path / name / "checkpoints" / "best.pt").read_bytes() == best.read_bytes()
+        assert f"resume: copied {best}" in capsys.readouterr().out
+    best.unlink()
+    run(_compose(*TINY, "trainer.max_steps=4", f"resume={tmp_path / 'a' / 'checkpoints' / 'last.pt'}"),
+        run_dir=tmp_path / "d")
+    assert not (tmp_path / "d" / "checkpoints" / "best.pt").exists()
+    assert "resume: no best.pt with the checkpoint's best test accuracy" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("fold_bn", [True, False])
 def test_init_notes_a_bn_folded_compact_model(tmp_path, monkeypatch, capsys, fold_bn):
     import compress
