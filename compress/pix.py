@@ -29,7 +29,7 @@ from compress.models.cifar_resnet import Bottleneck as CifarBottleneck
 from compress.models.cifar_vgg import CifarVGG
 from compress.surgery import replace_module
 from kernels import residual_relu
-from kernels._utils import plain_eager
+from kernels._utils import functorch_active, plain_eager
 
 __all__ = ["PiXBlock", "PiXBottleneck", "ResidualReLU", "insert_pix", "use_pix_bottlenecks", "downscale_pix", "apply_pix"]
 
@@ -73,14 +73,18 @@ class PiXBlock(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Conv2d's default
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, C, H, W) -> (B, C // zeta, H, W); an unbatched x (C, H, W) -> (C // zeta, H, W)."""
+        if x.dim() == 3 and x.shape[0] == self.in_channels:
+            return self.forward(x.unsqueeze(0)).squeeze(0)
         if x.dim() != 4 or x.shape[1] != self.in_channels:
             raise ValueError(
                 f"PiXBlock: expected input (B, {self.in_channels}, H, W), got {tuple(x.shape)}; "
                 "build the block with the channel count of the tensor it receives"
             )
         # ONNX export always traces (not plain eager); is_in_onnx_export() itself costs two imports per call,
-        # about 20 us per block in a CPU batch-1 forward, so plain eager calls skip it
-        if not plain_eager(x, self.weight) and torch.onnx.is_in_onnx_export():
+        # about 20 us per block in a CPU batch-1 forward, so plain eager calls skip it. torch.func transforms (the
+        # op has no functorch rules) take the same standard ops; there the max's gradient splits among ties.
+        if not plain_eager(x, self.weight) and (functorch_active() or torch.onnx.is_in_onnx_export()):
             # standard ops; the bias-free 1x1 predictor as a GEMM on the pool
             p = torch.sigmoid(x.mean((2, 3)) @ self.weight.flatten(1).t())[:, :, None, None]
             groups = x.unflatten(1, (self.out_channels, self.zeta))

@@ -22,6 +22,7 @@ from kernels._utils import (
     contiguous_input,
     conv2d_relu,
     conv_out_size,
+    functorch_active,
     is_channels_last,
     max_pool2x2,
     recording,
@@ -315,6 +316,9 @@ class StripeConv2d(nn.Module):
         copied first."""
         if x.dim() == 3:
             return self.forward(x.unsqueeze(0)).squeeze(0)
+        if functorch_active():  # torch.func.grad / vmap / jacrev: the ops below have no functorch rules
+            y = F.conv2d(x, self.dense_weight(), self.bias, self.stride, self.padding, self.dilation)
+            return self._pooled(y.relu() if self.relu else y)
         x = contiguous_input(x)
         kept = self._inference_launch(x)
         if kept is not None:  # eager CUDA inference in stripe mode: checked first, the path whose host time counts

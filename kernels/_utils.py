@@ -128,7 +128,7 @@ def conv2d_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         and x.dtype in KERNEL_DTYPES
         and weight.dtype == x.dtype
         and not recording(x, weight, bias)
-        and not (tracing_or_compiling() or torch.onnx.is_in_onnx_export())
+        and not (tracing_or_compiling() or functorch_active() or torch.onnx.is_in_onnx_export())
     ):
         return torch.cudnn_convolution_relu(x, weight, bias, pair(stride), pair(padding), pair(dilation), groups)
     return F.relu(F.conv2d(x, weight, bias, stride, padding, dilation, groups))
@@ -143,12 +143,19 @@ _len_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
 _len_function_modes = getattr(torch._C, "_len_torch_function_stack", None)
 
 
+def functorch_active() -> bool:
+    """Whether a torch.func transform (grad, vmap, jacrev, functional_call under grad, ...) is running. Our
+    torch.library ops have no functorch rules (PyTorch's custom ops support none under grad), so the modules that
+    call them take standard PyTorch ops then, computing the same function."""
+    return torch._C._are_functorch_transforms_active()
+
+
 def plain_eager(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True where calling an op's kernels directly is the same as calling the op: plain tensors (no fake,
     functional or other subclass; a Parameter weight is fine), no TorchScript tracing, no torch.compile, no Python
-    dispatch or function mode (profilers, FLOP counters, make_fx and export see the op). Every export path
-    (TorchScript tracing, dynamo, fake-tensor export) makes it False."""
-    return (not torch.compiler.is_compiling() and not torch.jit.is_tracing()
+    dispatch or function mode (profilers, FLOP counters, make_fx and export see the op), no torch.func transform.
+    Every export path (TorchScript tracing, dynamo, fake-tensor export) makes it False."""
+    return (not torch.compiler.is_compiling() and not torch.jit.is_tracing() and not functorch_active()
             and type(x) is torch.Tensor and type(weight) in (torch.Tensor, torch.nn.Parameter)
             and _len_dispatch_modes is not None and _len_function_modes is not None
             and _len_dispatch_modes() == 0 and _len_function_modes() == 0)
