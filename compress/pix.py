@@ -85,10 +85,12 @@ class PiXBlock(nn.Module):
         # about 20 us per block in a CPU batch-1 forward, so plain eager calls skip it. torch.func transforms (the
         # op has no functorch rules) take the same standard ops; there the max's gradient splits among ties.
         if not plain_eager(x, self.weight) and (functorch_active() or torch.onnx.is_in_onnx_export()):
-            # standard ops; the bias-free 1x1 predictor as a GEMM on the pool
-            p = torch.sigmoid(x.mean((2, 3)) @ self.weight.flatten(1).t())[:, :, None, None]
+            # standard ops; the bias-free 1x1 predictor as a GEMM on the pool, both in float32 (float64 for float64
+            # x) as the op computes them, the output in x's dtype
+            acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+            p = torch.sigmoid(x.to(acc).mean((2, 3)) @ self.weight.flatten(1).t().to(acc))[:, :, None, None]
             groups = x.unflatten(1, (self.out_channels, self.zeta))
-            return p * torch.where(p < self.tau, groups.amax(2), groups.mean(2))
+            return (p * torch.where(p < self.tau, groups.amax(2), groups.to(acc).mean(2))).to(x.dtype)
         return kernels.pix_squeeze(x, self.weight, self.zeta, self.tau)
 
     def macs(self, inp: torch.Tensor, out: torch.Tensor) -> int:

@@ -316,6 +316,14 @@ class StripeConv2d(nn.Module):
         copied first."""
         if x.dim() == 3:
             return self.forward(x.unsqueeze(0)).squeeze(0)
+        if x.dim() != 4 or (not torch.jit.is_tracing() and x.shape[1] != self.in_channels):
+            raise ValueError(f"StripeConv2d: expected input (B, {self.in_channels}, H, W) or ({self.in_channels}, "
+                             f"H, W), got {tuple(x.shape)}; the layer was compacted from a conv with "
+                             f"{self.in_channels} input channels")
+        if self.plan is None and self.num_stripes:
+            raise RuntimeError(f"StripeConv2d: its {self.num_stripes} stripes were never set (a layer built with "
+                               "num_stripes=S holds placeholders); fill it with load_state_dict, or build it with "
+                               "StripeConv2d.from_dense / from_skeleton")
         if functorch_active():  # torch.func.grad / vmap / jacrev: the ops below have no functorch rules
             y = F.conv2d(x, self.dense_weight(), self.bias, self.stride, self.padding, self.dilation)
             return self._pooled(y.relu() if self.relu else y)

@@ -92,7 +92,8 @@ def contiguous_input(x: torch.Tensor) -> torch.Tensor:
 
 
 def autocast_inputs(*ts):
-    """Under autocast, cast floating tensors to the autocast dtype (like F.conv2d); otherwise unchanged."""
+    """Under autocast, cast floating tensors other than float64 to the autocast dtype (as autocast casts F.conv2d's
+    inputs: float64 is not eligible); otherwise unchanged."""
     ref = next((t for t in ts if isinstance(t, torch.Tensor)), None)
     if ref is None:
         return ts
@@ -100,7 +101,8 @@ def autocast_inputs(*ts):
     dt = autocast_dtype(dev) if dev in ("cuda", "cpu") else None
     if dt is None:
         return ts
-    return tuple(t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in ts)
+    return tuple(t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+                 else t for t in ts)
 
 
 def tracing_or_compiling() -> bool:
@@ -153,9 +155,11 @@ def functorch_active() -> bool:
 def plain_eager(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True where calling an op's kernels directly is the same as calling the op: plain tensors (no fake,
     functional or other subclass; a Parameter weight is fine), no TorchScript tracing, no torch.compile, no Python
-    dispatch or function mode (profilers, FLOP counters, make_fx and export see the op), no torch.func transform.
-    Every export path (TorchScript tracing, dynamo, fake-tensor export) makes it False."""
+    dispatch or function mode (FLOP counters, make_fx and export see the op), no torch.func transform, no
+    torch.profiler session (it records ops at the dispatcher, so it sees the op, its time attributed to it). Every
+    export path (TorchScript tracing, dynamo, fake-tensor export) makes it False."""
     return (not torch.compiler.is_compiling() and not torch.jit.is_tracing() and not functorch_active()
+            and not torch.autograd.profiler._is_profiler_enabled
             and type(x) is torch.Tensor and type(weight) in (torch.Tensor, torch.nn.Parameter)
             and _len_dispatch_modes is not None and _len_function_modes is not None
             and _len_dispatch_modes() == 0 and _len_function_modes() == 0)

@@ -52,6 +52,7 @@ from kernels._utils import (
     max_pool2x2,
     memory_format,
     pair,
+    tracing_or_compiling,
     use_kernel,
 )
 
@@ -101,6 +102,10 @@ def _check(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, bias: T
             raise ValueError(f"{op}: tensor 'plan' must be int32 of shape ({K}, {out_channels + 1}) on "
                              f"{x.device} (from kernels.stripe_plan), got {plan.dtype} {tuple(plan.shape)} "
                              f"on {plan.device}")
+        # its last entry counts the stripes; read only on the CPU (a CUDA read would sync, and break a capture)
+        if plan.device.type == "cpu" and type(plan) is Tensor and not tracing_or_compiling() and int(plan[-1, -1]) != S:
+            raise ValueError(f"{op}: tensor 'plan' counts {int(plan[-1, -1])} stripes but 'weight' has {S}: it "
+                             "belongs to other indices; rebuild it with kernels.stripe_plan(out_index, offset, ...)")
     check_conv_params(op, stride, padding, dilation)
     H, W = x.shape[2:]
     ho = conv_out_size(H, kernel_size[0], stride[0], padding[0], dilation[0])

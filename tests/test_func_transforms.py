@@ -105,3 +105,17 @@ def test_per_sample_gradients_of_compact_and_pix_models(name, zeta):
     assert (zeta is not None) == any(isinstance(m, compress.PiXBlock) for m in model.modules())
     x = torch.randn(3, 3, 8, 8, generator=torch.Generator().manual_seed(3))
     _assert_close(_per_sample_grads(model, x), _autograd_grads(model, x), 1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_pix_block_under_vmap_takes_other_input_dtypes_as_eager_does(dtype):
+    """The predictor weight stays float32; the pool and predictor run in float32 (float64 for float64 x), the output
+    in x's dtype, in eager and under a transform."""
+    block = compress.PiXBlock(8, 2).eval()
+    x = torch.randn(4, 8, 5, 5, generator=torch.Generator().manual_seed(4)).to(dtype)
+    with torch.no_grad():
+        want = block(x)
+    got = torch.func.vmap(block)(x)
+    assert got.dtype == want.dtype == dtype
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-12
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)

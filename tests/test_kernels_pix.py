@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 
+import compress
 import kernels
 from kernels import _ext
 from kernels.pix import _pix_backward_op, _pix_op
@@ -617,3 +618,15 @@ def test_residual_relu_cuda_gradients_match_autograd_of_torch_ops():
         grads.append((a.grad, b.grad, w.grad))
     for got, want in zip(*grads):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_profiler_sees_the_pix_op_of_a_plain_eager_cpu_call():
+    """Plain eager CPU calls skip the dispatcher; under torch.profiler they take the op, so its time is attributed."""
+    block = compress.PiXBlock(16, 4).eval()
+    x = torch.randn(2, 16, 6, 6, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = block(x)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            got = block(x)
+    assert torch.equal(got, want)
+    assert "compress::pix_squeeze" in {e.name for e in prof.events()}

@@ -200,6 +200,9 @@ def test_errors():
         kernels.stripe_conv2d(torch.randn(1, 3, 2, 2), w, oi, off, None, 4, 3, 1, 0, 1)
     with pytest.raises(ValueError, match="tensor 'plan' must be int32"):
         kernels.stripe_conv2d(x, w, oi, off, None, 4, 3, 1, 1, 1, plan=torch.zeros(9, 5, dtype=torch.int64))
+    other = kernels.stripe_plan(oi[:-1], off[:-1], 4, 3)  # the plan of other indices (one stripe fewer)
+    with pytest.raises(ValueError, match=f"'plan' counts {len(oi) - 1} stripes but 'weight' has {len(oi)}"):
+        kernels.stripe_conv2d(x, w, oi, off, None, 4, 3, 1, 1, 1, plan=other)
     with pytest.raises(ValueError, match="must be contiguous NCHW or channels_last"):  # the registered op itself;
         # kernels.stripe_conv2d copies such an x first (tests/test_stripe.py)
         torch.ops.compress.stripe_conv2d(x.transpose(2, 3), w, oi, off, None, None, 4, [3, 3], [1, 1], [1, 1], [1, 1],

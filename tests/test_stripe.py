@@ -691,6 +691,31 @@ def test_stripe_layer_under_cpu_autocast():
     torch.testing.assert_close(x.grad.double(), xb.grad, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("mode", ["stripe", "dense", "gemm"])
+def test_float64_stays_float64_under_cpu_autocast(mode):
+    """Autocast leaves float64 convs alone (not eligible); every mode does the same."""
+    conv, mask, s, gen = _layer(mode, 45)
+    x = torch.randn(2, 6, 7, 7, generator=gen, dtype=torch.float64)
+    s, conv = s.double().eval(), conv.double()
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        y = s(x)
+    assert y.dtype == torch.float64
+    torch.testing.assert_close(y, _masked_reference(conv, mask, x), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("mode", ["stripe", "dense", "gemm"])
+def test_wrong_input_channels_and_an_unfilled_layer_are_clear_errors(mode):
+    conv, mask, s, gen = _layer(mode, 46)
+    with pytest.raises(ValueError, match=r"StripeConv2d: expected input \(B, 6, H, W\) or \(6, H, W\), got \(2, 5, 7, 7\)"):
+        s(torch.randn(2, 5, 7, 7, generator=gen))
+    x = torch.randn(2, 6, 7, 7, generator=gen)
+    unfilled = StripeConv2d(6, 8, 3, padding=1, num_stripes=s.num_stripes, bias=True, mode=mode).eval()
+    with pytest.raises(RuntimeError, match=f"its {s.num_stripes} stripes were never set .* fill it with load_state_dict"):
+        unfilled(x)
+    unfilled.load_state_dict(s.state_dict())
+    torch.testing.assert_close(unfilled(x), _masked_reference(conv, mask, x).detach(), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("mode", ["stripe", "dense"])
 def test_compile_export_trace_and_save_in_inference(mode):
     """In inference the kept weights stay out of traced graphs: torch.compile gives one graph (fullgraph), and
