@@ -155,11 +155,10 @@ def functorch_active() -> bool:
 def plain_eager(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """True where calling an op's kernels directly is the same as calling the op: plain tensors (no fake,
     functional or other subclass; a Parameter weight is fine), no TorchScript tracing, no torch.compile, no Python
-    dispatch or function mode (FLOP counters, make_fx and export see the op), no torch.func transform, no
-    torch.profiler session (it records ops at the dispatcher, so it sees the op, its time attributed to it). Every
-    export path (TorchScript tracing, dynamo, fake-tensor export) makes it False."""
+    dispatch or function mode (FLOP counters, make_fx and export see the op), no torch.func transform. Every
+    export path (TorchScript tracing, dynamo, fake-tensor export) makes it False. (torch.profiler records ops at
+    the dispatcher, so a direct call shows as no op event; CUDA kernels still show.)"""
     return (not torch.compiler.is_compiling() and not torch.jit.is_tracing() and not functorch_active()
-            and not torch.autograd.profiler._is_profiler_enabled
             and type(x) is torch.Tensor and type(weight) in (torch.Tensor, torch.nn.Parameter)
             and _len_dispatch_modes is not None and _len_function_modes is not None
             and _len_dispatch_modes() == 0 and _len_function_modes() == 0)

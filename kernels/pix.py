@@ -459,14 +459,16 @@ def pix_squeeze(x: Tensor, weight: Tensor, zeta: int, tau: float = 0.5) -> Tenso
         y: (B, C // zeta, H, W) in x's dtype, channels_last if ``x`` is.
 
     Plain eager calls (no tracing, compiling or Python modes; see ``plain_eager``) skip the dispatcher: CPU
-    inference calls the op's CPU implementation (the round trip is a few % of a batch-1 PiX ResNet-50 forward),
+    inference (unless torch.profiler records) calls the op's CPU implementation (the round trip is a few % of a batch-1 PiX ResNet-50 forward),
     CUDA calls the op's C++ functions, through ``_PixSqueezeCUDA`` when autograd records, and takes the channel
     mean that ``residual_relu`` kept on x instead of computing it (see there).
     """
     zeta, tau = int(zeta), float(tau)
     if plain_eager(x, weight):
         grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-        if x.device.type == "cpu" and not grad:
+        # under torch.profiler CPU calls take the op, so that its time is attributed to it (the same C++ kernel);
+        # CUDA calls stay direct: the op would recompute the mean residual_relu kept, and the kernels show anyway
+        if x.device.type == "cpu" and not grad and not getattr(torch.autograd.profiler, "_is_profiler_enabled", False):
             _check_squeeze(x, weight, zeta)
             return _squeeze_cpu(x, weight, zeta, tau, keep_pooled=False)[0]
         ext = _ext.load() if x.is_cuda and use_kernel(x) and x.numel() else None
