@@ -1,8 +1,8 @@
 """Export a trained model: `python export.py ckpt=<run dir>/checkpoints/last.pt [key=value ...]`.
 
 Compacts the model and writes model.compact.safetensors, model.onnx, report.md, report.json and
-stripes.png into `out` (default: the Hydra run directory, with Hydra's .hydra/ record; given `out`, the run
-directory Hydra made is removed again); prints the dense-vs-compact table.
+stripes.png into `out` (default: the Hydra run directory, with Hydra's .hydra/ record; given `out`, or when the
+export fails, the run directory Hydra made is removed again); prints the dense-vs-compact table.
 Config: conf/export.yaml.
 """
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from compress._files import remove_if_only_hydra
 from compress.export import FILES, export_checkpoint
@@ -23,9 +23,11 @@ def main(cfg: DictConfig) -> None:
     out = Path(cfg.out) if cfg.out is not None else run_dir
     try:
         export(cfg, out)
-    finally:
-        if out.resolve() != run_dir.resolve():
-            _remove_run_dir(run_dir)
+    except BaseException:
+        _remove_run_dir(run_dir)  # a failed export leaves no run dir that holds only Hydra's files
+        raise
+    if out.resolve() != run_dir.resolve():
+        _remove_run_dir(run_dir)
 
 
 def _remove_run_dir(run_dir: Path) -> None:
@@ -45,6 +47,9 @@ def _remove_run_dir(run_dir: Path) -> None:
 
 def export(cfg: DictConfig, out: Path) -> None:
     """Run the export of `cfg` into `out` and print the dense-vs-compact table."""
+    if OmegaConf.is_missing(cfg, "ckpt"):
+        raise ValueError("export: give ckpt=<a train.py checkpoint (<run dir>/checkpoints/last.pt or best.pt) or a "
+                         "compact model file>")
     report = export_checkpoint(
         hydra.utils.to_absolute_path(cfg.ckpt),
         out,

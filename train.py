@@ -4,15 +4,23 @@ Config: conf/train.yaml and the groups conf/{model,data,prune,optim}/. Outputs g
 directory (outputs/<date>/<time>/): checkpoints/, tensorboard/, summary.json.
 """
 
+from pathlib import Path
+
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from compress._files import remove_if_only_hydra
 from compress.engine import run
 
 
 @hydra.main(config_path="conf", config_name="train", version_base=None)
 def main(cfg: DictConfig) -> None:
-    run(cfg)
+    try:
+        run(cfg)
+    except BaseException:  # a run refused before it wrote anything leaves no directory of Hydra's files only
+        remove_if_only_hydra(Path(HydraConfig.get().runtime.output_dir), "train.log")
+        raise
 
 
 if __name__ == "__main__":

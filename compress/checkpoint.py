@@ -297,6 +297,9 @@ def _narrowest(t: torch.Tensor) -> torch.Tensor:
 
 
 def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    if path.is_dir():
+        raise ValueError(f"compress.load: {path} is a directory; give the compact model file in it (export.py writes "
+                         "model.compact.safetensors)")
     if not path.is_file():
         raise FileNotFoundError(f"compress.load: no compact model file at {path}")
     try:

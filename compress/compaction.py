@@ -394,6 +394,10 @@ def _macs(model: nn.Module, input_size: tuple[int, int, int]) -> int:
     return profile(model, input_size, latency=False).macs
 
 
+# a budget met with less than this share of it gets a warning (tied skeleton values, _compact_to_budget)
+UNDERSHOOT = 0.8
+
+
 def check_target_macs(target, name: str = "compact: target_macs") -> None:
     """ValueError naming `name` unless `target` is a MAC budget: a fraction in (0, 1] of the dense MACs or a count."""
     if isinstance(target, bool) or not isinstance(target, numbers.Real) or not 0 < target < math.inf:
@@ -438,4 +442,13 @@ def _compact_to_budget(model, base, fold, target, input_size, multiple=1):
         else:
             lo = mid
     i, compact_model, macs = best
+    if macs < UNDERSHOOT * budget and i > 0:  # ties: the threshold below keeps too much, this one far too little
+        over = _macs(_compact_at(model, values[i - 1], fold, multiple), size)
+        warnings.warn(
+            f"compact: target_macs={target}: threshold {values[i]:.4g} meets the budget of {budget / dense:.3f} of the "
+            f"dense MACs with only {macs / dense:.3f}, and the next lower one ({values[i - 1]:.4g}) keeps "
+            f"{over / dense:.3f}: many stripes share one skeleton value, so no threshold lands nearer. Skeletons "
+            "trained longer (or with a larger prune.alpha) spread apart",
+            stacklevel=3,
+        )
     return compact_model, values[i], macs, dense

@@ -392,6 +392,11 @@ def _check_milestones(milestones, epochs) -> None:
                          f"optim.epochs past {values[-1]}")
 
 
+# on/off settings (data.download and data.pin_memory are checked by build_data)
+BOOLEAN_KEYS = ("trainer.amp", "trainer.channels_last", "trainer.compile", "trainer.sync_bn", "trainer.dump_rank_state",
+                "optim.nesterov")
+
+
 def _check_config(cfg: DictConfig, ckpt: dict | None = None) -> None:
     """Reject settings this version cannot honour, with the fix in the message. A resumed fine-tuning run whose
     checkpoint holds its model's recipe (`init_recipe`) does not need its init= file any more."""
@@ -428,6 +433,10 @@ def _check_config(cfg: DictConfig, ckpt: dict | None = None) -> None:
     if cfg.prune.name == "swp" and _is_number(cfg.prune.threshold) and cfg.prune.threshold >= 1:
         raise ValueError(f"prune.threshold={cfg.prune.threshold} zeroes every stripe at the first step (skeletons "
                          "start at 1); use a small value (the paper's is 0.01)")
+    for key in BOOLEAN_KEYS:  # a string such as "no" would count as true
+        value = OmegaConf.select(cfg, key, default=False)
+        if not isinstance(value, bool):
+            raise ValueError(f"{key}={value!r}; it must be true or false")
     if cfg.trainer.compile and not cfg.trainer.compile_backend:
         raise ValueError("trainer.compile=true needs trainer.compile_backend (inductor, or aot_eager on CPU)")
 
@@ -629,6 +638,17 @@ def _plain(value):
     return json.loads(json.dumps(value, default=lambda v: OmegaConf.to_container(v, resolve=True)))
 
 
+def _refuse_a_model_init_overrides(cfg: DictConfig, init_name: str) -> None:
+    """ValueError when the command line picks a model (model=, model.name=, model.kwargs...) other than the one the
+    init= file holds: the file sets the architecture, so that choice would be ignored, and the run's record would
+    name a model it did not train."""
+    asked = _model_name(cfg.model)
+    if asked != init_name or cfg.model.get("kwargs"):
+        raise ValueError(f"init={cfg.init} holds a compact {init_name}, so model={asked}"
+                         + (f" with model.kwargs={dict(cfg.model.kwargs)}" if cfg.model.get("kwargs") else "")
+                         + " would be ignored; drop the model settings (the init file sets the architecture)")
+
+
 def _model_name(model_cfg: DictConfig) -> str:
     """The registry name `model_cfg` asks for. The `timm` model config (`source: timm`) takes timm
     names with or without the `timm:` prefix, so `model=timm model.name=resnet18` builds timm's
@@ -742,6 +762,8 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
             "fold_bn=false to fine-tune with BN"
         )
     arch = _plain(raw.compress_arch)  # in each checkpoint: export rebuilds the model from it
+    if cfg.init is not None and ckpt is None and any(k == "model" or k.startswith("model.") for k in given or ()):
+        _refuse_a_model_init_overrides(cfg, arch["name"])
     # a fine-tuning run's structure, so that resume and export need not find the init= file again
     init_recipe = json.dumps(build_recipe(raw)) if cfg.init is not None else None
     swp = None
@@ -749,7 +771,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
         include, exclude = _patterns(cfg.prune.include), _patterns(cfg.prune.exclude)
         if not attach_skeletons(raw, cfg.prune.min_kernel_size, include, exclude):
             raise ValueError(
-                f"prune=swp: no conv of {cfg.model.name} gets a skeleton with prune.include={include}, "
+                f"SWP: no conv of {cfg.model.name} gets a skeleton with prune.include={include}, "
                 f"prune.exclude={exclude}, prune.min_kernel_size={cfg.prune.min_kernel_size}; check the patterns "
                 "against the model's module names (print(model)), or train with prune=none"
             )

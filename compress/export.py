@@ -160,8 +160,13 @@ MIN_OPSET = 13  # PiX's group split (unflatten) needs it; opsets 13-22 export an
 
 
 def _check_arguments(dtype: str, stripe_mode: str, opset: int, modes_timing: str, batch_size: int,
-                     repeats: int, device: str, choose_stripe_modes: bool, cuda_graphs: bool) -> None:
-    """Reject bad export settings before anything is computed or written, naming the config key to fix."""
+                     repeats: int, device: str, choose_stripe_modes: bool, cuda_graphs: bool,
+                     flags: dict[str, object]) -> None:
+    """Reject bad export settings before anything is computed or written, naming the config key to fix. `flags`:
+    the on/off settings by config key, which must be booleans (a string such as "no" would count as true)."""
+    for key, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"export: {key}={value!r}; it must be true or false")
     try:
         kind = torch.device(device).type
     except RuntimeError:
@@ -234,7 +239,9 @@ def export_checkpoint(
     """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     _check_arguments(dtype, stripe_mode, opset, modes_timing, batch_size, repeats, device, choose_stripe_modes,
-                     cuda_graphs)
+                     cuda_graphs, {"fold_bn": fold_bn, "fuse_relu": fuse_relu, "choose_modes": choose_stripe_modes,
+                                   "onnx.enabled": onnx, "profile.latency": latency,
+                                   "profile.channels_last": channels_last, "profile.cuda_graphs": cuda_graphs})
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"export: out={out} is a file; give a directory (created if missing)")
@@ -264,7 +271,14 @@ def export_checkpoint(
     size = _input_size(model)
     arch_model = architecture(model.compress_arch)  # the architecture before compaction
     if before is not None and _bn_folded(model, arch_model):  # its BN folded: the dense baseline folds too
+        if not fold_bn:
+            warnings.warn(f"export: fold_bn=false is ignored: {ckpt} holds a compact model whose BatchNorms are folded "
+                          "already; export its training checkpoint with fold_bn=false to keep them", stacklevel=2)
         fold_bn = True
+    if before is not None and before.get("relu_fused") and not fuse_relu:
+        warnings.warn(f"export: fuse_relu=false is ignored: {ckpt} holds a compact model with {before['relu_fused']} "
+                      "ReLUs fused already; export its training checkpoint with fuse_relu=false to keep them apart",
+                      stacklevel=2)
     fuse_relu = fuse_relu and fold_bn
     small = compact(model, threshold=threshold if has_skeletons else None, fold_bn=fold_bn,
                     target_macs=target_macs, input_size=size, channel_multiple=channel_multiple, fuse_relu=fuse_relu)

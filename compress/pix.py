@@ -74,9 +74,9 @@ class PiXBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, C, H, W) -> (B, C // zeta, H, W); an unbatched x (C, H, W) -> (C // zeta, H, W)."""
-        if x.dim() == 3 and x.shape[0] == self.in_channels:
+        if x.dim() == 3:
             return self.forward(x.unsqueeze(0)).squeeze(0)
-        if x.dim() != 4 or x.shape[1] != self.in_channels:
+        if x.dim() != 4 or (not torch.jit.is_tracing() and x.shape[1] != self.in_channels):  # (no TracerWarning)
             raise ValueError(
                 f"PiXBlock: expected input (B, {self.in_channels}, H, W), got {tuple(x.shape)}; "
                 "build the block with the channel count of the tensor it receives"

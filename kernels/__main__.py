@@ -50,23 +50,25 @@ def check_compile(jobs: int | None = None) -> int:
     common = [f"-std={std}", "-O1", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-DTORCH_EXTENSION_NAME={_ext.EXT_NAME}",
               "-DTORCH_API_INCLUDE_EXTENSION_H", "-Xcompiler", "-fPIC"] + [f"-I{i}" for i in incs]
     cu_flags = list(getattr(ce, "COMMON_NVCC_FLAGS", [])) + _arch_flags()
-    out = tempfile.mkdtemp(prefix="compress_check_")
     procs = []
     t0 = time.time()
-    for src in _ext.SOURCES:
-        path = os.path.join(_ext.CSRC, src)
-        cmd = [nvcc, "-c", path, "-o", os.path.join(out, src + ".o")] + common
-        if src.endswith(".cu"):
-            cmd += cu_flags
-        procs.append((src, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
     rc = 0
-    for src, p in procs:
-        log, _ = p.communicate()
-        status = "ok" if p.returncode == 0 else f"FAILED ({p.returncode})"
-        print(f"check-compile: {src}: {status}")
-        if p.returncode != 0:
-            rc = 1
-            print(log[-6000:])
+    with tempfile.TemporaryDirectory(prefix="compress_check_") as out:  # objects and nvcc's own temporaries
+        env = {**os.environ, "TMPDIR": out}
+        for src in _ext.SOURCES:
+            path = os.path.join(_ext.CSRC, src)
+            cmd = [nvcc, "-c", path, "-o", os.path.join(out, src + ".o")] + common
+            if src.endswith(".cu"):
+                cmd += cu_flags
+            procs.append((src, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                                env=env)))
+        for src, p in procs:
+            log, _ = p.communicate()
+            status = "ok" if p.returncode == 0 else f"FAILED ({p.returncode})"
+            print(f"check-compile: {src}: {status}")
+            if p.returncode != 0:
+                rc = 1
+                print(log[-6000:])
     print(f"check-compile: {len(procs)} sources with {nvcc} in {time.time() - t0:.0f}s -> {'ok' if rc == 0 else 'FAILED'}")
     return rc
 

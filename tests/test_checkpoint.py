@@ -272,6 +272,8 @@ def test_wrong_version_and_missing_recipe(saved, tmp_path):
         load(plain)
     with pytest.raises(FileNotFoundError, match="no compact model file"):
         load(tmp_path / "absent.safetensors")
+    with pytest.raises(ValueError, match="is a directory; give the compact model file in it"):
+        load(tmp_path)
 
 
 def test_a_torch_checkpoint_is_named_as_such(tmp_path):

@@ -262,6 +262,26 @@ def test_empty_residual_branch_is_removed_exactly():
         torch.testing.assert_close(out64(x.double()).float(), model(x), rtol=1e-5, atol=1e-5)
 
 
+def test_target_macs_far_undershot_by_tied_skeletons_warns():
+    """Skeletons on two levels (as after a short run): no threshold lands near the budget; the one that meets it
+    keeps far fewer MACs, and compact says so (with what the next lower threshold keeps)."""
+    model = skeleton_model("resnet20", 32, seed=8, dead=0.0)
+    gen = torch.Generator().manual_seed(10)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, SkeletonConv2d):
+                m.skeleton.copy_(torch.where(torch.rand(m.skeleton.shape, generator=gen) < 0.5, 0.5, 1.0))
+    size = (3, 32, 32)
+    dense = profile(model, size, latency=False).macs
+    with pytest.warns(UserWarning, match=r"target_macs=0.4: threshold 1 meets the budget of 0.400 of the dense MACs "
+                                         r"with only 0.0\d\d, and the next lower one \(0.5\) keeps 0.[4-6]\d\d"):
+        out = compact(model, target_macs=0.4, input_size=size)
+    assert out.compress_compaction["macs"] < 0.1 * dense
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a budget the lower level meets closely: no warning
+        compact(model, target_macs=0.6, input_size=size)
+
+
 def test_target_macs_meets_budget_with_smallest_threshold():
     model = skeleton_model("resnet20", 32, seed=8, dead=0.0)
     gen = torch.Generator().manual_seed(9)

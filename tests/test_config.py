@@ -99,6 +99,9 @@ def test_cifar_configs_keep_the_paper_recipe():
         (["trainer.seed=4294967296"], ValueError, r"trainer.seed=4294967296 must be an int >= 0 and <= 4294967295"),
         (["+data.seed=abc"], ValueError, r"data.seed='abc'; it must be an int >= 0"),
         (["data.download=no"], ValueError, r"data.download='no'; it must be true or false"),
+        (["optim.nesterov=no"], ValueError, r"optim.nesterov='no'; it must be true or false"),
+        (["trainer.compile=off"], ValueError, r"trainer.compile='off'; it must be true or false"),
+        (["trainer.dump_rank_state=0"], ValueError, r"trainer.dump_rank_state=0; it must be true or false"),
         (["optim=sgd_multistep", "optim.epochs=10"], ValueError,
          r"optim.milestones=\[80, 120\]: a multistep run of 10 epochs lowers the learning rate only at epochs 1..9; "
          r"set milestones inside the run \(e.g. optim.milestones=\[5,7\]\)"),

@@ -249,6 +249,10 @@ def test_export_script(training_checkpoint, tmp_path):
     assert data["threshold"] == 0.9 and data["compact"]["macs"] < 0.5 * data["dense"]["macs"]
     assert data["compact"]["latency_ms"] > 0 and data["dense"]["latency_ms"] > 0
     assert sorted(p.name for p in out.iterdir()) == sorted(FILES)
+    failed = subprocess.run([sys.executable, str(ROOT / "export.py")], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=300)  # no ckpt=, into the default run dir: a clear error, no dir left behind
+    assert failed.returncode != 0 and "export: give ckpt=<a train.py checkpoint" in failed.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 def _export_deployed(training_checkpoint, tmp_path, device: str, cuda_graphs: bool) -> dict:
@@ -399,6 +403,22 @@ def test_exporting_a_compact_file_again_keeps_its_compaction_record(training_che
     assert (kept["threshold"], kept["relu_fused"], kept["dense_macs"]) == (0.01, record["relu_fused"],
                                                                            record["dense_macs"])
     assert "Stripe threshold: 0.01." in (tmp_path / "b" / FILES[3]).read_text()
+    with pytest.warns(UserWarning) as caught:  # its BN folded and ReLUs fused already: those settings cannot undo it
+        export_checkpoint(renamed, tmp_path / "c", fold_bn=False, fuse_relu=False, onnx=False, latency=False,
+                          choose_stripe_modes=False)
+    said = " ".join(str(w.message) for w in caught)
+    assert "fold_bn=false is ignored: " in said and "fuse_relu=false is ignored: " in said
+    assert load(tmp_path / "c" / FILES[0]).compress_compaction["fold_bn"]
+
+
+@pytest.mark.parametrize("key,kwargs", [("fold_bn", {"fold_bn": "no"}), ("onnx.enabled", {"onnx": "off"}),
+                                        ("profile.latency", {"latency": 0})])
+def test_on_off_settings_must_be_booleans(training_checkpoint, tmp_path, key, kwargs):
+    """"no" or 0 would count as true (or be taken as false silently); nothing is written."""
+    path, _ = training_checkpoint
+    with pytest.raises(ValueError, match=f"export: {key}=.*; it must be true or false"):
+        export_checkpoint(path, tmp_path / "out", **kwargs)
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_training_budget_does_not_block_exporting_a_model_without_skeletons(training_checkpoint, tmp_path):

@@ -270,6 +270,23 @@ def test_init_fine_tunes_a_compact_model(tmp_path, monkeypatch):
         torch.testing.assert_close(exported(x), tuned.eval()(x), rtol=1e-5, atol=1e-5)
 
 
+def test_init_refuses_a_model_from_the_command_line_that_it_would_ignore(tmp_path, monkeypatch):
+    """init= sets the architecture: a model= naming another one is refused (it would be ignored, and the run's
+    .hydra record would name it); naming the file's own model passes."""
+    import compress
+    import compress.engine as engine
+
+    skeleton = compress.create_model("resnet20", num_classes=3, input_size=8)
+    compress.attach_skeletons(skeleton)
+    compress.save(compress.compact(skeleton.eval(), threshold=0.0), tmp_path / "small.safetensors")
+    no_model = [o for o in TINY if not o.startswith("model=")]
+    init = [f"init={tmp_path / 'small.safetensors'}", "trainer.max_steps=1"]
+    monkeypatch.setattr(engine, "_command_line_keys", lambda: {"model", "init", "trainer.max_steps"})
+    with pytest.raises(ValueError, match=r"holds a compact resnet20, so model=resnet56 would be ignored; drop"):
+        run(_compose(*no_model, "model=resnet56", *init), run_dir=tmp_path / "a")
+    assert run(_compose(*no_model, "model=resnet20", *init), run_dir=tmp_path / "b")["model"] == "resnet20"
+
+
 def test_bad_checkpoint_files_are_clear_errors(tmp_path):
     """resume= and export's ckpt= read checkpoints with weights_only=True and name what is wrong with a file."""
     from compress._trainstate import load_checkpoint
@@ -469,11 +486,13 @@ def test_trainer_seed_seeds_the_data_unless_data_seed_is_given(tmp_path):
 
 
 def test_a_key_added_with_plus_to_a_fixed_group_is_refused(tmp_path):
+    """A misspelled key added with + is refused before anything trains, and the refused run leaves no run dir that
+    holds only Hydra's files."""
     proc = subprocess.run([sys.executable, "train.py", *TINY, "trainer.max_steps=1", "+prune.alpah=1e-5",
-                           f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert re.search(r"\+prune.alpah: prune has no key 'alpah', so it would be ignored \(its keys: alpha,", proc.stderr)
-    assert not (tmp_path / "checkpoints").exists()
+    assert not (tmp_path / "run").exists()
 
 
 def test_train_py_notes_a_pix_tau_without_pix_zeta(tmp_path):
