@@ -532,7 +532,8 @@ def _refuse_to_overwrite_a_run(cfg: DictConfig, run_dir: Path) -> None:
     if cfg.resume is True or (cfg.resume not in (None, False) and Path(str(cfg.resume)).resolve() == existing.resolve()):
         return
     try:
-        _record_run_config(load_checkpoint(existing)["config"], run_dir)
+        saved = load_checkpoint(existing)
+        _record_run_config(saved["config"], run_dir, saved.get("hydra_record"))
     except (ValueError, FileNotFoundError):
         pass  # an unreadable checkpoint: nothing to restore from
     what = "a fresh run" if cfg.resume in (None, False) else f"resume={cfg.resume} (another checkpoint)"
@@ -569,7 +570,7 @@ def _resume_config(cfg: DictConfig, run_dir: Path, given: set[str] | None = None
         and operator.ne(*_compared_values(saved, cfg, k))
     )  # fmt: skip
     if conflicts:
-        _record_run_config(saved, run_dir)
+        _record_run_config(saved, run_dir, ckpt.get("hydra_record"))
         shown = ", ".join(f"{k}={_plain_value(cfg, k)} (checkpoint: {_plain_value(saved, k)})" for k in conflicts)
         raise ValueError(
             f"resume: {shown}: a resumed run keeps its checkpoint's model, data, prune, optim and pix settings; only "
@@ -584,16 +585,36 @@ def _resume_config(cfg: DictConfig, run_dir: Path, given: set[str] | None = None
     return merged, ckpt
 
 
-def _record_run_config(cfg: DictConfig | dict, run_dir: Path) -> None:
+def _record_run_config(cfg: DictConfig | dict, run_dir: Path, hydra_record: dict[str, str] | None = None) -> None:
     """In a Hydra app, Hydra wrote this command line's config into <run dir>/.hydra/config.yaml over the run's own;
-    write `cfg` there instead: the config a resumed run trains with, or the run's own when this command is refused."""
+    write `cfg` there instead: the config a resumed run trains with, or the run's own when this command is refused.
+    `hydra_record` (a refused command): the run's own overrides.yaml and hydra.yaml, as its checkpoint holds them
+    (`_hydra_record`), written back over the refused command's."""
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized() or not HydraConfig.get().output_subdir:
         return
-    config_file = run_dir / HydraConfig.get().output_subdir / "config.yaml"
-    if config_file.parent.is_dir():
-        config_file.write_text(OmegaConf.to_yaml(cfg if OmegaConf.is_config(cfg) else OmegaConf.create(cfg)))
+    folder = run_dir / HydraConfig.get().output_subdir
+    if not folder.is_dir():
+        return
+    (folder / "config.yaml").write_text(OmegaConf.to_yaml(cfg if OmegaConf.is_config(cfg) else OmegaConf.create(cfg)))
+    for name, text in (hydra_record or {}).items():
+        if name in HYDRA_RECORD:
+            (folder / name).write_text(text)
+
+
+HYDRA_RECORD = ("overrides.yaml", "hydra.yaml")  # the files of Hydra's run record a checkpoint keeps
+
+
+def _hydra_record(run_dir: Path) -> dict[str, str] | None:
+    """The text of this command's Hydra record files (`HYDRA_RECORD`) in `run_dir`; None outside a Hydra app. Saved
+    in each checkpoint, so that a later command refused in this run dir can put them back."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized() or not HydraConfig.get().output_subdir:
+        return None
+    folder = run_dir / HydraConfig.get().output_subdir
+    return {name: (folder / name).read_text() for name in HYDRA_RECORD if (folder / name).is_file()}
 
 
 def _hydra_run_dir() -> Path:
@@ -743,6 +764,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     given = _command_line_keys()
     cfg, ckpt = _resume_config(cfg, run_dir, given)
     _check_config(cfg, ckpt)
+    hydra_record = _hydra_record(run_dir) if dist.is_main else None  # this command's, kept in its checkpoints
     if "pix.tau" in (given or ()) and cfg.pix.zeta is None and dist.is_main:
         say(f"note: pix.tau={cfg.pix.tau} has no effect without pix.zeta (no PiX blocks"
             + (f" are added; init={cfg.init} keeps its own)" if cfg.init is not None else ")"))
@@ -842,6 +864,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
             "world_size": dist.world_size,
             "arch": arch,
             "init_recipe": init_recipe,
+            "hydra_record": hydra_record,
             "config": OmegaConf.to_container(cfg, resolve=True),
             "seconds": seconds_before + time.perf_counter() - start,  # wall time of the run so far, resumes included
             "images_per_s": None if np.isnan(train["images_per_s"]) else train["images_per_s"],  # the last epoch's

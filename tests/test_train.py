@@ -114,6 +114,7 @@ def test_train_py_resume_keeps_the_checkpoints_trainer_settings(tmp_path):
         return proc.stdout, json.loads((tmp_path / "summary.json").read_text())
 
     _, first = train(*TINY, "trainer.max_steps=3")
+    record = {name: (tmp_path / ".hydra" / name).read_text() for name in ("overrides.yaml", "hydra.yaml")}
     out, again = train("resume=true")
     assert again["steps"] == 3 and "trainer.max_steps=3" in out and "nothing to train" in out
     # strict JSON (no NaN); no step ran: the checkpoint's images/s and wall time carry over; still in epoch 1
@@ -125,6 +126,7 @@ def test_train_py_resume_keeps_the_checkpoints_trainer_settings(tmp_path):
     # .hydra/config.yaml holds the config the resumed run trains with, not the resume command line's defaults
     written = yaml.safe_load((tmp_path / ".hydra" / "config.yaml").read_text())
     assert written["model"]["name"] == "resnet20" and written["data"]["name"] == "fake"
+    assert yaml.safe_load((tmp_path / ".hydra" / "overrides.yaml").read_text()) == ["resume=true"]
     for refused, message in [(["resume=true", "model=vgg11"], r"model=\{'name': 'vgg11'.*a resumed run keeps its"),
                              (TINY, r"already holds a run \(checkpoints/last.pt\); a fresh run.*Pass resume=true"),
                              ([f"resume={other}"], r"already holds a run.*resume=.*\(another checkpoint\) would")]:
@@ -133,6 +135,8 @@ def test_train_py_resume_keeps_the_checkpoints_trainer_settings(tmp_path):
         assert proc.returncode != 0 and re.search(message, proc.stderr), proc.stderr[-2000:]
         kept = yaml.safe_load((tmp_path / ".hydra" / "config.yaml").read_text())  # the run's, not the refused one's
         assert kept["model"]["name"] == "resnet20" and kept["trainer"]["max_steps"] == 3
+        # Hydra's record of the command that wrote the checkpoint, not the refused one's
+        assert {name: (tmp_path / ".hydra" / name).read_text() for name in record} == record
     _, resumed = train("resume=true", "trainer.max_steps=null")
     assert (first["steps"], resumed["steps"], resumed["epochs"]) == (3, 8, 2)
 
