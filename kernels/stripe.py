@@ -502,6 +502,40 @@ def _backward(ctx, grad):
 _stripe_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _setup_backward_context(ctx, inputs, output):
+    grad, x, weight, out_index, offset, plan, N, ks, stride, padding, dilation, need_x, need_w, dense = inputs
+    ctx.save_for_backward(grad, x, weight, out_index, offset, plan)
+    ctx.conf = (N, ks, stride, padding, dilation)
+
+
+def _double_backward(ctx, ggx, ggw):
+    """The backward op's own gradient (double backward: gradient penalties, Hessian-vector products). Its outputs
+    are bilinear, gx = conv_transpose(grad, W) and gw = wgrad(x, grad), so with ggx, ggw the gradients of gx, gw:
+    d/d grad = conv(ggx, W) + conv(x, ggw) (two forward ops), and (d/dx, d/dW) = (conv_transpose(grad, ggw),
+    wgrad(ggx, grad)): the backward op itself with x := ggx and W := ggw."""
+    grad, x, weight, out_index, offset, plan = ctx.saved_tensors
+    conf = ctx.conf
+    ggx = None if ggx is None else ggx.contiguous(memory_format=memory_format(ggx))
+    need_grad, need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+    d_grad = d_x = d_w = None
+    if need_grad and ggx is not None:
+        d_grad = _stripe_op(ggx, weight, out_index, offset, None, plan, *conf, False)
+    if need_grad and ggw is not None:
+        part = _stripe_op(x, ggw.contiguous(), out_index, offset, None, plan, *conf, False)
+        d_grad = part if d_grad is None else d_grad + part
+    if (need_x and ggw is not None) or (need_w and ggx is not None):
+        zeros_x = ggx if ggx is not None else torch.zeros_like(x, memory_format=memory_format(x))
+        zeros_w = ggw.contiguous() if ggw is not None else torch.zeros_like(weight)
+        want_x, want_w = need_x and ggw is not None, need_w and ggx is not None
+        gx, gw = _stripe_backward_op(grad.contiguous(memory_format=memory_format(grad)), zeros_x, zeros_w, out_index,
+                                     offset, plan, *conf, want_x, want_w)
+        d_x, d_w = (gx if want_x else None), (gw if want_w else None)
+    return (d_grad, d_x, d_w) + (None,) * 11
+
+
+_stripe_backward_op.register_autograd(_double_backward, setup_context=_setup_backward_context)
+
+
 # ----------------------------------------------------------------------------------------------- public
 def stripe_conv2d(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, bias: Tensor | None,
                   out_channels: int, kernel_size, stride=1, padding=0, dilation=1, relu: bool = False,

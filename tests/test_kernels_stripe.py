@@ -135,6 +135,55 @@ def test_gradcheck():
         lambda x, w, b: kernels.stripe_conv2d(x, w, oi, off, b, 3, 3, (2, 1), (1, 0), (1, 2)), (x, w, b))
 
 
+@pytest.mark.parametrize("case", CASES[:4])
+@pytest.mark.parametrize("relu", [False, True])
+def test_gradgradcheck(case, relu):
+    """Double backward (the backward op's own autograd) against finite differences of the first derivatives (each
+    case's geometry on a small layer: the check's cost grows with inputs x outputs)."""
+    _, _, _, _, _, ks, st, pd, dl = case
+    C, N = 2, 3
+    gen = torch.Generator().manual_seed(14)
+    w, oi, off = random_layer(N, C, ks, 0.5, gen)
+    x = torch.randn(1, C, 5, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(N, generator=gen, dtype=torch.float64, requires_grad=True)
+    w.requires_grad_()
+    assert torch.autograd.gradgradcheck(
+        lambda x, w, b: kernels.stripe_conv2d(x, w, oi, off, b, N, ks, st, pd, dl, relu=relu), (x, w, b))
+
+
+def _input_gradient_penalty(conv, x, w, b):
+    """d/d(w, b) of |d/dx sum(conv(x, w, b)^2)|^2: a gradient penalty, as WGAN-GP and input-gradient regularisers
+    train with (create_graph=True)."""
+    (gx,) = torch.autograd.grad(conv(x, w, b).square().sum(), x, create_graph=True)
+    return torch.autograd.grad(gx.square().sum(), (w, b))
+
+
+def _check_gradient_penalty(device: str, dtype: torch.dtype, tol: float) -> None:
+    gen = torch.Generator().manual_seed(15)
+    w, oi, off = random_layer(8, 6, (3, 3), 0.4, gen)
+    x = torch.randn(2, 6, 9, 9, generator=gen, dtype=torch.float64)
+    b = torch.randn(8, generator=gen, dtype=torch.float64)
+    want = _input_gradient_penalty(lambda x, w, b: _ref(x, w, oi, off, b, 8, (3, 3), 1, 1, 1, relu=True),
+                                   x.requires_grad_(), w.requires_grad_(), b.requires_grad_())
+    args = [t.detach().to(device, dtype).requires_grad_() for t in (x, w, b)]
+    got = _input_gradient_penalty(
+        lambda x, w, b: kernels.stripe_conv2d(x, w, oi.to(device), off.to(device), b, 8, 3, 1, 1, 1, relu=True),
+        *args)
+    for g, r in zip(got, want):
+        assert g.dtype == dtype
+        torch.testing.assert_close(g.double().cpu(), r, rtol=tol, atol=tol * r.abs().max().item())
+
+
+def test_gradient_penalty_matches_dense():
+    _check_gradient_penalty("cpu", torch.float64, 1e-9)
+
+
+@pytest.mark.cuda
+def test_gradient_penalty_matches_dense_cuda():
+    """float32 products on tensor cores are TF32 (the forward and both backward levels): 1e-2 of the largest value."""
+    _check_gradient_penalty("cuda", torch.float32, 1e-2)
+
+
 def test_opcheck():
     gen = torch.Generator().manual_seed(5)
     w, oi, off = random_layer(5, 3, (3, 3), 0.5, gen)
@@ -150,6 +199,8 @@ def test_opcheck():
     g = torch.randn(2, 5, 3, 3, generator=gen, dtype=torch.float64)
     torch.library.opcheck(torch.ops.compress.stripe_conv2d_backward.default,
                           (g, x.detach(), w.detach(), oi, off, plan, 5, [3, 3], [2, 2], [1, 1], [1, 1], True, True))
+    torch.library.opcheck(torch.ops.compress.stripe_conv2d_backward.default,  # with its own autograd
+                          (g.requires_grad_(), x, w, oi, off, plan, 5, [3, 3], [2, 2], [1, 1], [1, 1], True, True))
     torch.library.opcheck(torch.ops.compress.stripe_conv2d_backward.default,
                           (g, x.detach(), w.detach(), oi, off, plan, 5, [3, 3], [2, 2], [1, 1], [1, 1], True, True,
                            dense))
