@@ -176,7 +176,9 @@ def _same(model_mod: nn.Module, ref_mod: nn.Module | None) -> bool:
     if ref_mod is None or recorded is not type(ref_mod):
         return False
     key = _type_key(model_mod)
-    return key is None or _config(model_mod, key) == _config(ref_mod, key)
+    if key is None:  # no config(): its settings as printed (a pool's size, a Linear's features, a dropout's p)
+        return model_mod.extra_repr() == ref_mod.extra_repr()
+    return _config(model_mod, key) == _config(ref_mod, key)
 
 
 def _shapes(model: nn.Module) -> dict[str, tuple[tuple[int, ...], bool]]:
@@ -192,10 +194,14 @@ def _apply(model: nn.Module, replacements: list[dict], removed: list[str], where
         new = _build(key, config, f"{where}: module {name!r}")
         parent, _, child = name.rpartition(".")
         try:
-            get_module(model, parent)
+            owner = get_module(model, parent)
         except AttributeError:
             raise ValueError(f"{where}: module {name!r} has no parent {parent!r} in the rebuilt model") from None
-        setattr(get_module(model, parent), child, new)
+        taken = hasattr(owner, child) and not isinstance(getattr(owner, child), nn.Module)
+        if not (child.isidentifier() or child.isdigit()) or child.startswith("__") or taken:
+            raise ValueError(f"{where}: {name!r} cannot name a module (an attribute of its parent that is not a "
+                             "module, or not a module name)")
+        setattr(owner, child, new)
     for name in removed:
         parent, _, child = name.rpartition(".")
         try:

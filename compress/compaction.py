@@ -23,7 +23,8 @@
 
 The chosen threshold and MAC counts are recorded in `compact_model.compress_compaction` (a dict:
 threshold, fold_bn, target_macs, macs, dense_macs; MACs are None when no budget was given; threshold is None
-for a model without skeletons). A compact model compacted again keeps the record of what chose its stripes
+for a model without skeletons; fold_bn says whether BatchNorms were folded: false where the model has none or
+could not be traced). A compact model compacted again keeps the record of what chose its stripes
 (threshold, target_macs, dense_macs) and takes the new layout's (`_carried_record`).
 """
 
@@ -132,6 +133,10 @@ def compact(
         raise ValueError(f"compact: channel_multiple must be an int >= 1 (8 for GPU tensor cores), got {channel_multiple!r}")
     if fuse_relu and not fold_bn:
         raise ValueError("compact: fuse_relu=True needs fold_bn=True (a BatchNorm sits between a conv and its ReLU)")
+    if fold_bn and model.training and _batch_norms(model):
+        warnings.warn("compact: the model is in train mode; fold_bn=True folds each BatchNorm's running statistics, "
+                      "so the result computes the eval-mode function even in train mode; call model.eval() first",
+                      stacklevel=2)
     has_skeletons = any(isinstance(m, SkeletonConv2d) for m in model.modules())
     if base > 0 and not has_skeletons:
         warnings.warn(f"compact: threshold={threshold} has no effect: the model has no skeletons (a compact model "
@@ -149,7 +154,8 @@ def compact(
     fused = _fuse_relu(out) if fuse_relu else []
     record = {
         "threshold": base if has_skeletons else None,
-        "fold_bn": bool(fold_bn),
+        "fold_bn": bool(fold_bn) and _batch_norms(out) < _batch_norms(model),  # what happened (an untraceable model
+        # keeps every BN)
         "relu_fused": len(fused),
         "pool_fused": sum(isinstance(m, StripeConv2d) and m.pool for m in out.modules()),
         "channel_multiple": channel_multiple,
@@ -160,6 +166,10 @@ def compact(
     before = getattr(model, "compress_compaction", None)
     out.compress_compaction = _carried_record(before, record) if isinstance(before, dict) else record
     return out
+
+
+def _batch_norms(model: nn.Module) -> int:
+    return sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
 def _carried_record(before: dict, after: dict) -> dict:
@@ -340,7 +350,8 @@ def choose_modes(model: nn.Module, x: torch.Tensor, repeats: int = 5, timing: st
                  report: dict | None = None) -> dict[str, str]:
     """Time each StripeConv2d of `model` on its real input for one forward of `x` (stripe op against
     F.conv2d with the zero-filled weight and, on tiny feature maps, the unrolled GEMM: kernels.stripe_route) and
-    set the fastest mode, like cudnn.benchmark. Call once, with a representative batch, in eval mode; returns {name: mode}.
+    set the fastest mode, like cudnn.benchmark. Call once, with a representative batch; the forward runs in eval mode
+    (the model's mode is restored after). Returns {name: mode}.
 
     timing (see kernels.stripe_route): "graph" compares GPU time (the default on CUDA: for models run in CUDA
     graphs or compiled), "eager" the wall time of an eager call, launch overhead included (the default on CPU;
@@ -354,9 +365,12 @@ def choose_modes(model: nn.Module, x: torch.Tensor, repeats: int = 5, timing: st
         m.register_forward_pre_hook(lambda mod, args, name=n: inputs.setdefault(name, args[0].clone()))
         for n, m in layers.items()
     ]
+    was_training = model.training
     try:
-        model(x)
+        with torch.no_grad():
+            model.eval()(x)  # the inputs inference sees; a train-mode model's BN statistics stay as they were
     finally:
+        model.train(was_training)
         for h in hooks:
             h.remove()
     for name, inp in inputs.items():

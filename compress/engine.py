@@ -803,7 +803,8 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     threshold = swp[1] if swp else 0.0
     channels_last = bool(cfg.trainer.channels_last) and dist.device.type == "cuda"
     raw.to(dist.device, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
-    _check_input_size(raw, data, dist.device)
+    if ckpt is None:  # a resumed model ran on this input size before (a rebuilt init= model holds no stripes yet)
+        _check_input_size(raw, data, dist.device)
     model = _training_model(raw, cfg, dist)
 
     epochs = int(cfg.trainer.epochs)

@@ -9,8 +9,10 @@ a filter with no stripe left is dead and its BatchNorm channel is zeroed.
 
 from __future__ import annotations
 
+import collections
 import fnmatch
 import numbers
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -101,17 +103,27 @@ def eligible_convs(
     include: Sequence[str] | None = None,
     exclude: Sequence[str] | None = None,
 ) -> list[str]:
-    """Names of the plain Conv2d modules of `model` that `attach_skeletons` (same arguments) gives a skeleton."""
+    """Names of the plain Conv2d modules of `model` that `attach_skeletons` (same arguments) gives a skeleton. A conv
+    registered under several names (tied weights) gets none, with a warning: replacing it under one name would untie
+    it."""
     if isinstance(include, str) or isinstance(exclude, str):
         raise TypeError("attach_skeletons: include/exclude are lists of patterns, e.g. ['layer1.*']")
-    return [
-        name
+    names_of = collections.defaultdict(list)
+    for name, m in model.named_modules(remove_duplicate=False):
+        names_of[id(m)].append(name)
+    eligible = [
+        (name, m)
         for name, m in model.named_modules()
         if type(m) is nn.Conv2d
         and m.groups == 1
         and max(m.kernel_size) >= min_kernel_size
         and _selected(name, include, exclude)
     ]
+    shared = [names_of[id(m)] for _, m in eligible if len(names_of[id(m)]) > 1]
+    if shared:
+        warnings.warn(f"attach_skeletons: {', '.join(' = '.join(n) for n in shared)}: one conv under several names "
+                      "(tied weights) gets no skeleton; a skeleton under one name would untie it", stacklevel=3)
+    return [name for name, m in eligible if len(names_of[id(m)]) == 1]
 
 
 def _skeleton_convs(model: nn.Module) -> list[tuple[str, SkeletonConv2d]]:

@@ -320,7 +320,7 @@ class StripeConv2d(nn.Module):
             raise ValueError(f"StripeConv2d: expected input (B, {self.in_channels}, H, W) or ({self.in_channels}, "
                              f"H, W), got {tuple(x.shape)}; the layer was compacted from a conv with "
                              f"{self.in_channels} input channels")
-        if self.plan is None and self.num_stripes and self._mode == "stripe":
+        if self.plan is None and self.num_stripes:
             raise RuntimeError(f"StripeConv2d: its {self.num_stripes} stripes were never set (a layer built with "
                                "num_stripes=S holds placeholders); fill it with load_state_dict, or build it with "
                                "StripeConv2d.from_dense / from_skeleton")

@@ -162,6 +162,14 @@ def test_unknown_module_type_cannot_be_saved(tmp_path):
     replace_module(model, "layer1.0.act1", Mine())
     with pytest.raises(ValueError, match="not an allowed type.*register_module_type"):
         save(model, tmp_path / "m.safetensors")
+    # a module of the architecture's own type with other settings: load would rebuild the original one
+    for name, changed in (("features.3", nn.MaxPool2d(3, stride=1, padding=1)), ("global_pool", nn.AdaptiveAvgPool2d(2))):
+        vgg = create_model("vgg11", input_size=16)
+        replace_module(vgg, name, changed)
+        with pytest.raises(ValueError, match=f"module '{name}' of type {type(changed).__name__} differs from the "
+                                             "rebuilt architecture"):
+            save(vgg, tmp_path / "v.safetensors")
+    assert not (tmp_path / "v.safetensors").exists()
 
 
 def test_registered_custom_module_round_trip(tmp_path):
@@ -316,6 +324,8 @@ def _set(entry, key, value):
 @pytest.mark.parametrize("edit_recipe, edit_tensors", [
     (lambda r: _set(r["arch"], "name", 7), None),
     (lambda r: _set(r["replacements"][0], "name", 3), None),
+    (lambda r: _set(r["replacements"][0], "name", "training"), None),  # an attribute, not a module
+    (lambda r: _set(r["replacements"][0], "name", "__class__"), None),
     (lambda r: _set(_first_stripe(r)["config"], "out_channels", -4), None),
     (lambda r: _set(r["arch"]["kwargs"], "checkpoint_path", "/etc/passwd"), None),
     (None, lambda t: t.update({k: v.float() for k, v in t.items() if k.endswith("out_index")})),

@@ -348,6 +348,24 @@ def test_untraceable_model_warns_and_stays_exact():
     assert any("cannot trace" in str(w.message) for w in caught)
     assert out.conv1.out_channels == 8 and isinstance(out.conv1, StripeConv2d)
     assert_same_output(model, out, torch.randn(2, 3, 8, 8, generator=gen))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kept = compact(model, fold_bn=True)  # asked to fold, but nothing could be: the record says so
+    assert isinstance(kept.bn1, nn.BatchNorm2d) and kept.compress_compaction["fold_bn"] is False
+    assert compact(skeleton_model("resnet20", 8, seed=3).eval(), fold_bn=True).compress_compaction["fold_bn"] is True
+
+
+def test_choose_modes_leaves_a_train_mode_model_as_it_was_and_compact_warns_on_one():
+    """choose_modes runs its forward in eval mode (BN running statistics untouched) and restores the mode; compact
+    with fold_bn of a train-mode model warns that the result computes the eval-mode function."""
+    model = skeleton_model("resnet20", 8, seed=4)
+    small = compact(model.eval()).train()
+    stats = {k: v.clone() for k, v in small.state_dict().items() if "running" in k or "num_batches" in k}
+    compress.choose_modes(small, 3 + 5 * torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(4)),
+                          repeats=1)
+    assert small.training and all(torch.equal(small.state_dict()[k], v) for k, v in stats.items())
+    with pytest.warns(UserWarning, match="compact: the model is in train mode; fold_bn=True folds"):
+        compact(model.train(), fold_bn=True)
 
 
 def _choose_modes_bf16_channels_last(device: str, timing: str = "auto") -> None:

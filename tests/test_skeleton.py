@@ -134,6 +134,23 @@ def test_attach_skeletons_mobilenet_skips_depthwise_and_filters():
     assert names == ["layer4.0.conv1", "layer4.0.conv2", "layer4.0.downsample.0"]
 
 
+def test_a_conv_shared_under_two_names_gets_no_skeleton_and_stays_tied():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc = nn.Conv2d(4, 4, 3, padding=1)
+            self.dec = self.enc
+            self.head = nn.Conv2d(4, 2, 3, padding=1)
+
+        def forward(self, x):
+            return self.head(self.dec(torch.relu(self.enc(x))))
+
+    model = Tied()
+    with pytest.warns(UserWarning, match=r"enc = dec: one conv under several names \(tied weights\) gets no skeleton"):
+        assert attach_skeletons(model) == ["head"]
+    assert model.enc is model.dec and type(model.enc) is nn.Conv2d and isinstance(model.head, SkeletonConv2d)
+
+
 def test_attach_skeletons_cifar_resnet():
     model = create_model("resnet20", num_classes=10)
     names = attach_skeletons(model)

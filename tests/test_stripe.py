@@ -710,9 +710,8 @@ def test_wrong_input_channels_and_an_unfilled_layer_are_clear_errors(mode):
         s(torch.randn(2, 5, 7, 7, generator=gen))
     x = torch.randn(2, 6, 7, 7, generator=gen)
     unfilled = StripeConv2d(6, 8, 3, padding=1, num_stripes=s.num_stripes, bias=True, mode=mode).eval()
-    if mode == "stripe":  # (the other modes run its zero weight: a rebuilt structure checks its input size so)
-        with pytest.raises(RuntimeError, match=f"its {s.num_stripes} stripes were never set .* load_state_dict"):
-            unfilled(x)
+    with pytest.raises(RuntimeError, match=f"its {s.num_stripes} stripes were never set .* load_state_dict"):
+        unfilled(x)
     unfilled.load_state_dict(s.state_dict())
     torch.testing.assert_close(unfilled(x), _masked_reference(conv, mask, x).detach(), rtol=1e-5, atol=1e-5)
 

@@ -274,6 +274,29 @@ def test_init_fine_tunes_a_compact_model(tmp_path, monkeypatch):
         torch.testing.assert_close(exported(x), tuned.eval()(x), rtol=1e-5, atol=1e-5)
 
 
+def test_a_fine_tuning_run_of_stripe_mode_layers_resumes(tmp_path):
+    """Resuming an init= run rebuilds the compact structure from the checkpoint's recipe (its stripe indices come
+    with the weights): no forward runs before they are loaded."""
+    import compress
+    from compress.stripe import StripeConv2d
+
+    skeleton = compress.create_model("resnet20", num_classes=3, input_size=8)
+    compress.attach_skeletons(skeleton)
+    with torch.no_grad():
+        for m in skeleton.modules():
+            if hasattr(m, "skeleton"):
+                m.skeleton.copy_((torch.rand(m.skeleton.shape, generator=torch.Generator().manual_seed(1)) > 0.5))
+    small = compress.compact(skeleton.eval(), threshold=0.5)
+    for m in small.modules():
+        if isinstance(m, StripeConv2d):
+            m.mode = "stripe"
+    compress.save(small, tmp_path / "small.safetensors")
+    no_model = [o for o in TINY if not o.startswith(("model=", "prune"))]
+    init = f"init={tmp_path / 'small.safetensors'}"
+    assert run(_compose(*no_model, init, "trainer.max_steps=1"), run_dir=tmp_path / "ft")["steps"] == 1
+    assert run(_compose(*no_model, init, "trainer.max_steps=2", "resume=true"), run_dir=tmp_path / "ft")["steps"] == 2
+
+
 def test_init_refuses_a_model_from_the_command_line_that_it_would_ignore(tmp_path, monkeypatch):
     """init= sets the architecture: a model= naming another one is refused (it would be ignored, and the run's
     .hydra record would name it); naming the file's own model passes."""
