@@ -285,7 +285,7 @@ def test_a_fine_tuning_run_of_stripe_mode_layers_resumes(tmp_path):
     with torch.no_grad():
         for m in skeleton.modules():
             if hasattr(m, "skeleton"):
-                m.skeleton.copy_((torch.rand(m.skeleton.shape, generator=torch.Generator().manual_seed(1)) > 0.5))
+                m.skeleton.copy_(torch.rand(m.skeleton.shape, generator=torch.Generator().manual_seed(1)) > 0.5)
     small = compress.compact(skeleton.eval(), threshold=0.5)
     for m in small.modules():
         if isinstance(m, StripeConv2d):
