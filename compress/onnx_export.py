@@ -35,7 +35,10 @@ from kernels._utils import max_pool2x2
 __all__ = ["ShiftAddConv2d", "FixedAdaptiveAvgPool2d", "onnx_ready", "export_onnx", "check_onnx", "STRIPE_MODES"]
 
 STRIPE_MODES = ("dense", "shift")
-CENTRED_FLOOR = 1e-3  # check_onnx: the smallest scale of the batch-centred outputs, relative to the outputs
+# check_onnx: the smallest scale of the batch-centred outputs, relative to the outputs. 1e-3 read float32 rounding
+# as 1-3e-4 errors on deep randomly initialised timm nets (EfficientNet-B0, Inception-v4, Xception-41: their batch
+# spread is at or below 1e-3 of the output, and the float32 PyTorch model is that far from float64 too)
+CENTRED_FLOOR = 1e-2
 
 
 class ShiftAddConv2d(nn.Module):
@@ -188,7 +191,7 @@ def check_onnx(path: str | os.PathLike, model: nn.Module, x: torch.Tensor) -> fl
 
     The larger of max|ort - torch| / max|torch| and the same for the batch-centred outputs
     (output minus its batch mean), so that large constant outputs (biases) cannot hide errors in
-    the input-dependent part. The centred part is measured against at least 1e-3 max|torch|: an output that
+    the input-dependent part. The centred part is measured against at least 1e-2 max|torch|: an output that
     hardly depends on the input (a randomly initialised model: its batch spread can be 1e-7 of the output) would
     otherwise turn float32 rounding into errors near 1."""
     import onnxruntime as ort

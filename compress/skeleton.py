@@ -88,12 +88,25 @@ def attach_skeletons(
 ) -> list[str]:
     """Replace eligible Conv2d modules of `model` by SkeletonConv2d, in place; return their names.
 
-    Eligible: groups == 1, max(kh, kw) >= min_kernel_size, the name matches one of `include`
-    (fnmatch patterns; None = all) and none of `exclude`. Convs that already have a skeleton are kept.
+    Eligible: plain nn.Conv2d, groups == 1, max(kh, kw) >= min_kernel_size, the name matches one of `include`
+    (fnmatch patterns; None = all) and none of `exclude`. Convs that already have a skeleton are kept. Subclasses
+    of nn.Conv2d whose forward transforms the weight or the input (timm's StdConv2d, ScaledStdConv2d, Conv2dSame)
+    get none, with a warning naming them: a skeleton would change what they compute.
     """
     names = eligible_convs(model, min_kernel_size, include, exclude)
     for name in names:
         replace_module(model, name, SkeletonConv2d.from_conv(model.get_submodule(name)))
+    from compress.stripe import Conv2dReLU
+
+    subclassed = collections.Counter(
+        type(m).__name__ for n, m in model.named_modules()
+        if isinstance(m, nn.Conv2d) and not isinstance(m, (SkeletonConv2d, Conv2dReLU)) and type(m) is not nn.Conv2d
+        and m.groups == 1 and max(m.kernel_size) >= min_kernel_size and _selected(n, include, exclude)
+    )  # fmt: skip
+    if subclassed:
+        warnings.warn(f"attach_skeletons: {dict(subclassed)} convs get no skeleton: only plain nn.Conv2d do (a "
+                      "subclass's forward may standardise its weight or pad dynamically); their layers stay dense",
+                      stacklevel=2)
     return names
 
 

@@ -151,6 +151,16 @@ def test_a_conv_shared_under_two_names_gets_no_skeleton_and_stays_tied():
     assert model.enc is model.dec and type(model.enc) is nn.Conv2d and isinstance(model.head, SkeletonConv2d)
 
 
+def test_conv_subclasses_get_no_skeleton_with_a_warning():
+    """timm's StdConv2d (weight standardisation in its forward) is not a plain conv: it stays, and the call says so."""
+    from timm.layers import StdConv2d
+
+    model = nn.Sequential(StdConv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 3, padding=1))
+    with pytest.warns(UserWarning, match=r"\{'StdConv2d': 1\} convs get no skeleton: only plain nn.Conv2d"):
+        assert attach_skeletons(model) == ["2"]
+    assert type(model[0]) is StdConv2d
+
+
 def test_attach_skeletons_cifar_resnet():
     model = create_model("resnet20", num_classes=10)
     names = attach_skeletons(model)
