@@ -430,18 +430,19 @@ def _compact_to_budget(model, base, fold, target, input_size, multiple=1):
     above = torch.unique(torch.cat(fs)) if fs else torch.zeros(0)
     values = [base] + above[above > base].tolist()
     best: tuple[int, nn.Module, int] | None = None
+    macs_at: dict[int, int] = {}  # MACs of the candidates tried, by index in `values`
 
     def meets(i: int) -> bool:
         nonlocal best
         candidate = _compact_at(model, values[i], fold, multiple)
-        macs = _macs(candidate, size)
+        macs = macs_at[i] = _macs(candidate, size)
         if macs <= budget and (best is None or i < best[0]):
             best = (i, candidate, macs)
         return macs <= budget
 
     lo, hi = -1, len(values) - 1  # invariant: values[hi] meets the budget, values[lo] (if any) does not
     if not meets(hi):
-        least = _macs(_compact_at(model, values[hi], fold, multiple), size)
+        least = macs_at[hi]
         raise ValueError(
             f"compact: target_macs={target} ({int(budget)} MACs) is below what dropping every stripe "
             f"reaches ({least} MACs, {least / dense:.3f} of the dense {dense}); layers without a skeleton cannot be "
@@ -457,7 +458,7 @@ def _compact_to_budget(model, base, fold, target, input_size, multiple=1):
             lo = mid
     i, compact_model, macs = best
     if macs < UNDERSHOOT * budget and i > 0:  # ties: the threshold below keeps too much, this one far too little
-        over = _macs(_compact_at(model, values[i - 1], fold, multiple), size)
+        over = macs_at[i - 1]  # tried: the bisection ends with the index below the smallest that meets the budget
         warnings.warn(
             f"compact: target_macs={target}: threshold {values[i]:.4g} meets the budget of {budget / dense:.3f} of the "
             f"dense MACs with only {macs / dense:.3f}, and the next lower one ({values[i - 1]:.4g}) keeps "

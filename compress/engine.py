@@ -585,17 +585,16 @@ def _resume_config(cfg: DictConfig, run_dir: Path, given: set[str] | None = None
     return merged, ckpt
 
 
+HYDRA_RECORD = ("overrides.yaml", "hydra.yaml")  # the files of Hydra's run record a checkpoint keeps
+
+
 def _record_run_config(cfg: DictConfig | dict, run_dir: Path, hydra_record: dict[str, str] | None = None) -> None:
     """In a Hydra app, Hydra wrote this command line's config into <run dir>/.hydra/config.yaml over the run's own;
     write `cfg` there instead: the config a resumed run trains with, or the run's own when this command is refused.
     `hydra_record` (a refused command): the run's own overrides.yaml and hydra.yaml, as its checkpoint holds them
     (`_hydra_record`), written back over the refused command's."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if not HydraConfig.initialized() or not HydraConfig.get().output_subdir:
-        return
-    folder = run_dir / HydraConfig.get().output_subdir
-    if not folder.is_dir():
+    folder = _hydra_folder(run_dir)
+    if folder is None or not folder.is_dir():
         return
     (folder / "config.yaml").write_text(OmegaConf.to_yaml(cfg if OmegaConf.is_config(cfg) else OmegaConf.create(cfg)))
     for name, text in (hydra_record or {}).items():
@@ -603,17 +602,22 @@ def _record_run_config(cfg: DictConfig | dict, run_dir: Path, hydra_record: dict
             (folder / name).write_text(text)
 
 
-HYDRA_RECORD = ("overrides.yaml", "hydra.yaml")  # the files of Hydra's run record a checkpoint keeps
+def _hydra_folder(run_dir: Path) -> Path | None:
+    """Where Hydra writes this command's record in `run_dir` (<run dir>/.hydra); None outside a Hydra app or with
+    hydra.output_subdir=null."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized() or not HydraConfig.get().output_subdir:
+        return None
+    return run_dir / HydraConfig.get().output_subdir
 
 
 def _hydra_record(run_dir: Path) -> dict[str, str] | None:
     """The text of this command's Hydra record files (`HYDRA_RECORD`) in `run_dir`; None outside a Hydra app. Saved
     in each checkpoint, so that a later command refused in this run dir can put them back."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if not HydraConfig.initialized() or not HydraConfig.get().output_subdir:
+    folder = _hydra_folder(run_dir)
+    if folder is None:
         return None
-    folder = run_dir / HydraConfig.get().output_subdir
     return {name: (folder / name).read_text() for name in HYDRA_RECORD if (folder / name).is_file()}
 
 

@@ -101,7 +101,7 @@ def attach_skeletons(
     subclassed = collections.Counter(
         type(m).__name__ for n, m in model.named_modules()
         if isinstance(m, nn.Conv2d) and not isinstance(m, (SkeletonConv2d, Conv2dReLU)) and type(m) is not nn.Conv2d
-        and m.groups == 1 and max(m.kernel_size) >= min_kernel_size and _selected(n, include, exclude)
+        and _prunable(n, m, min_kernel_size, include, exclude)
     )  # fmt: skip
     if subclassed:
         warnings.warn(f"attach_skeletons: {dict(subclassed)} convs get no skeleton: only plain nn.Conv2d do (a "
@@ -127,16 +127,19 @@ def eligible_convs(
     eligible = [
         (name, m)
         for name, m in model.named_modules()
-        if type(m) is nn.Conv2d
-        and m.groups == 1
-        and max(m.kernel_size) >= min_kernel_size
-        and _selected(name, include, exclude)
+        if type(m) is nn.Conv2d and _prunable(name, m, min_kernel_size, include, exclude)
     ]
     shared = [names_of[id(m)] for _, m in eligible if len(names_of[id(m)]) > 1]
     if shared:
         warnings.warn(f"attach_skeletons: {', '.join(' = '.join(n) for n in shared)}: one conv under several names "
                       "(tied weights) gets no skeleton; a skeleton under one name would untie it", stacklevel=3)
     return [name for name, m in eligible if len(names_of[id(m)]) == 1]
+
+
+def _prunable(name: str, conv: nn.Conv2d, min_kernel_size: int, include, exclude) -> bool:
+    """A conv's shape and name qualify it for a skeleton: groups == 1, a kernel of min_kernel_size or more, the
+    name selected by `include` / `exclude`."""
+    return conv.groups == 1 and max(conv.kernel_size) >= min_kernel_size and _selected(name, include, exclude)
 
 
 def _skeleton_convs(model: nn.Module) -> list[tuple[str, SkeletonConv2d]]:

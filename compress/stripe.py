@@ -325,8 +325,8 @@ class StripeConv2d(nn.Module):
                                "num_stripes=S holds placeholders); fill it with load_state_dict, or build it with "
                                "StripeConv2d.from_dense / from_skeleton")
         if functorch_active():  # torch.func.grad / vmap / jacrev: the ops below have no functorch rules
-            y = F.conv2d(x, self.dense_weight(), self.bias, self.stride, self.padding, self.dilation)
-            return self._pooled(y.relu() if self.relu else y)
+            conv = conv2d_relu if self.relu else F.conv2d
+            return self._pooled(conv(x, self.dense_weight(), self.bias, self.stride, self.padding, self.dilation))
         x = contiguous_input(x)
         kept = self._inference_launch(x)
         if kept is not None:  # eager CUDA inference in stripe mode: checked first, the path whose host time counts

@@ -524,10 +524,10 @@ def _double_backward(ctx, ggx, ggw):
         part = _stripe_op(x, ggw.contiguous(), out_index, offset, None, plan, *conf, False)
         d_grad = part if d_grad is None else d_grad + part
     if (need_x and ggw is not None) or (need_w and ggx is not None):
-        zeros_x = ggx if ggx is not None else torch.zeros_like(x, memory_format=memory_format(x))
-        zeros_w = ggw.contiguous() if ggw is not None else torch.zeros_like(weight)
+        as_x = ggx if ggx is not None else torch.zeros_like(x, memory_format=memory_format(x))  # x := ggx
+        as_w = ggw.contiguous() if ggw is not None else torch.zeros_like(weight)  # W := ggw
         want_x, want_w = need_x and ggw is not None, need_w and ggx is not None
-        gx, gw = _stripe_backward_op(grad.contiguous(memory_format=memory_format(grad)), zeros_x, zeros_w, out_index,
+        gx, gw = _stripe_backward_op(grad.contiguous(memory_format=memory_format(grad)), as_x, as_w, out_index,
                                      offset, plan, *conf, want_x, want_w)
         d_x, d_w = (gx if want_x else None), (gw if want_w else None)
     return (d_grad, d_x, d_w) + (None,) * 11
