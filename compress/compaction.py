@@ -152,6 +152,9 @@ def compact(
     else:
         out, base, macs, dense = _compact_to_budget(model, base, fold_bn, target_macs, input_size, channel_multiple)
     fused = _fuse_relu(out) if fuse_relu else []
+    before = getattr(model, "compress_compaction", None)
+    if macs is None and isinstance(before, dict) and before.get("macs") is not None:
+        macs = _macs(out, _input_size(model, input_size))  # a budgeted compact model compacted again: its MACs now
     record = {
         "threshold": base if has_skeletons else None,
         "fold_bn": bool(fold_bn) and _batch_norms(out) < _batch_norms(model),  # what happened (an untraceable model
@@ -163,7 +166,6 @@ def compact(
         "macs": macs,
         "dense_macs": dense,
     }
-    before = getattr(model, "compress_compaction", None)
     out.compress_compaction = _carried_record(before, record) if isinstance(before, dict) else record
     return out
 
@@ -175,7 +177,8 @@ def _batch_norms(model: nn.Module) -> int:
 def _carried_record(before: dict, after: dict) -> dict:
     """The compaction record of a compact model compacted again (export of a compact file or of an init= run):
     what chose its stripes (threshold, target_macs) and its dense MACs stay as first recorded; the layout
-    (fold_bn, fusions, channel multiple) and its MACs are the new model's, fusions counted over both passes."""
+    (fold_bn, fusions, channel multiple) and its MACs (counted again by `compact` when the first pass had a
+    budget) are the new model's, fusions counted over both passes."""
     record = dict(after)
     for key in ("threshold", "target_macs", "dense_macs"):
         if key in before:

@@ -282,7 +282,8 @@ def export_checkpoint(
     fuse_relu = fuse_relu and fold_bn
     small = compact(model, threshold=threshold if has_skeletons else None, fold_bn=fold_bn,
                     target_macs=target_macs, input_size=size, channel_multiple=channel_multiple, fuse_relu=fuse_relu)
-    used = small.compress_compaction["threshold"]
+    # a compact file's threshold and budget are its first export's (carried in its record)
+    used, budget = small.compress_compaction["threshold"], small.compress_compaction["target_macs"]
     dense = dense_baseline(arch_model, fold_bn, fuse_relu)  # its conv shapes stay: the stripes are counted over them
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
 
@@ -312,14 +313,15 @@ def export_checkpoint(
             onnx_info = {"file": FILES[1], "stripe_mode": stripe_mode, "opset": opset, "max_rel_error": err}
         stripes = compact_stripes_per_layer(small, arch_model)
         dense, small = deployed(dense), deployed(small)
-        common = {"batch_size": batch_size, "device": device, "latency": latency, "repeats": repeats}
+        common = {"batch_size": batch_size, "device": device, "latency": latency, "repeats": repeats,
+                  "memory_format": memory_format}
         dense_prof, small_prof = profile(dense, size, **common), profile(small, size, **common)
         if latency:  # the totals again, timed side by side so that machine load hits both alike
             timed = [CUDAGraphModel(m) for m in (dense, small)] if cuda_graphs else [dense, small]
             with torch.inference_mode():
                 dense_prof.latency_ms, small_prof.latency_ms = measure_latencies(timed, xb, repeats=repeats)
         report = report_dict(dense_prof, small_prof, threshold=used, stripes=stripes)
-        report.update(source=str(ckpt), target_macs=target_macs, fold_bn=fold_bn, onnx=onnx_info,
+        report.update(source=str(ckpt), target_macs=budget, fold_bn=fold_bn, onnx=onnx_info,
                       run={"dtype": dtype, "channels_last": channels_last, "cuda_graphs": cuda_graphs,
                            "modes": f"chosen by {timing} timing" if choose_stripe_modes else "cost model"})
         (stage / FILES[2]).write_text(json.dumps(report, indent=2) + "\n")

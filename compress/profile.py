@@ -18,8 +18,11 @@ Two conventions (`profile(..., convention=...)`; the report records which one it
   reproduces ResNet-50 4.12 G and the PiX totals of paper Table 1 within 1% (PiX ResNet-50/101/152
   at zeta 4: 3.18/6.05/8.91 G; thin ResNet-50 at zeta 8: 1.39 G, where "layers" gives 1.367 G).
 
-Profiled layers are the leaf modules and every module with a `macs` method (whose children are
-then not profiled separately). Activation bytes are the outputs of profiled layers for one input,
+Profiled layers are the leaf modules, every module with a `macs` method (whose children are
+then not profiled separately) and every other module that holds parameters or buffers of its own
+(timm's BatchNormAct2d, a layer-scale gamma): its row counts those and its own output, its children
+have rows of their own (so the rows' params and weight bytes add up to the totals), and its latency
+includes its children's. Activation bytes are the outputs of profiled layers for one input,
 counting each newly allocated tensor once (an in-place op or a view of its input adds nothing).
 Weight bytes are the bytes of all parameters and persistent buffers (BN statistics, stripe
 indices), excluding BatchNorm's `num_batches_tracked` counter.
@@ -134,27 +137,34 @@ def _handler(module: nn.Module, convention: str = "layers") -> MacsHandler | Non
     return lambda m, inp, out: base(m, inp, out) + extra(m, inp, out)
 
 
+def _covers_children(module: nn.Module) -> bool:
+    """A module with `macs()` is one layer: its children get no rows of their own."""
+    return callable(getattr(module, "macs", None))
+
+
 def _is_profiled(module: nn.Module) -> bool:
-    return len(module._modules) == 0 or callable(getattr(module, "macs", None))
+    """Leaves, modules with `macs()`, and modules holding tensors of their own beside their children (timm's
+    BatchNormAct2d, a block with a layer-scale gamma): their rows count only those tensors."""
+    return len(module._modules) == 0 or _covers_children(module) or bool(_weight_tensors(module, recurse=False))
 
 
 def _profiled_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Leaf modules and modules with `macs()`, skipping the descendants of the latter."""
+    """The modules that get a row, in model order, skipping the descendants of modules with `macs()`."""
     found, covered = [], []
     for name, m in model.named_modules():
         if any(c == "" or name.startswith(c + ".") for c in covered):  # "": the root has macs()
             continue
         if _is_profiled(m):
             found.append((name, m))
-            if len(m._modules):
+            if len(m._modules) and _covers_children(m):
                 covered.append(name)
     return found
 
 
-def _weight_tensors(module: nn.Module) -> list[torch.Tensor]:
-    """Parameters and persistent buffers of `module` and its children, minus BN's step counter."""
-    tensors = list(module.parameters())
-    for m in module.modules():
+def _weight_tensors(module: nn.Module, recurse: bool = True) -> list[torch.Tensor]:
+    """Parameters and persistent buffers of `module` (and of its children with `recurse`), minus BN's step counter."""
+    tensors = list(module.parameters(recurse=recurse))
+    for m in module.modules() if recurse else [module]:
         for bname, buf in m._buffers.items():
             if buf is None or bname in m._non_persistent_buffers_set or bname == "num_batches_tracked":
                 continue
@@ -170,7 +180,8 @@ def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
 class LayerProfile:
     """One profiled layer: params (count), macs (multiply-adds), weight_bytes and activation_bytes
     (bytes of its new output tensor for one input; 0 for in-place ops and views), and latency_ms
-    (median time between its forward pre-hook and hook at the profile's batch size)."""
+    (median time between its forward pre-hook and hook at the profile's batch size: one call, so a module
+    called k times per forward takes about k times that, while its macs and activation_bytes sum its calls)."""
 
     name: str
     type: str
@@ -246,13 +257,13 @@ def _count(model: nn.Module, x: torch.Tensor, convention: str = "layers") -> tup
                 keep_alive.append(out_t)
             row = rows.get(name)
             if row is None:  # first call; a module called twice accumulates
-                weights = _weight_tensors(mod)
+                whole = len(mod._modules) == 0 or _covers_children(mod)  # else its children have rows
                 rows[name] = LayerProfile(
                     name=name,
                     type=type(mod).__name__,
-                    params=sum(p.numel() for p in mod.parameters()),
+                    params=sum(p.numel() for p in mod.parameters(recurse=whole)),
                     macs=macs,
-                    weight_bytes=_nbytes(weights),
+                    weight_bytes=_nbytes(_weight_tensors(mod, recurse=whole)),
                     activation_bytes=act,
                     output_shape=list(out_t.shape) if out_t is not None else [],
                 )
@@ -346,6 +357,7 @@ def profile(
     warmup: int = 3,
     repeats: int = 10,
     convention: str = "layers",
+    memory_format: torch.memory_format = torch.contiguous_format,
 ) -> ProfileReport:
     """Profile `model` in eval mode on a random input (the mode is restored afterwards).
 
@@ -358,6 +370,7 @@ def profile(
             total and then per layer (timed with hooks in `repeats` further runs).
         convention: "layers" (convs, Linear, custom `macs()`) or "paper" (also bias, BN, ReLU and
             pooling, ptflops style; see the module docstring).
+        memory_format: of the random inputs (torch.channels_last to time a channels_last deployment).
     """
     if convention not in CONVENTIONS:
         raise ValueError(f"profile: convention must be one of {CONVENTIONS}, got {convention!r}")
@@ -373,11 +386,11 @@ def profile(
     model.eval()
     try:
         gen = torch.Generator().manual_seed(0)  # a private generator: profiling never moves the global RNG
-        x = torch.randn(1, *input_size, dtype=dtype, generator=gen).to(device)
+        x = torch.randn(1, *input_size, dtype=dtype, generator=gen).to(device, memory_format=memory_format)
         layers, largest = _count(model, x, convention)
         ms = None
         if latency:
-            xb = torch.randn(batch_size, *input_size, device=device, dtype=dtype)
+            xb = torch.randn(batch_size, *input_size, dtype=dtype, generator=gen).to(device, memory_format=memory_format)
             (ms,) = measure_latencies([model], xb, warmup=warmup, repeats=repeats)
             per_layer = _layer_latency(model, xb, repeats)
             for row in layers:

@@ -303,6 +303,10 @@ def test_target_macs_meets_budget_with_smallest_threshold():
     assert_same_output(compact(model, threshold=t), out, torch.randn(2, *size, generator=gen))
     with pytest.raises(ValueError, match="target_macs=0.4 needs a model with skeletons"):
         compact(out, target_macs=0.4, input_size=size)  # a compact model has no stripes left to choose
+    again = compact(out.eval(), fold_bn=True, fuse_relu=True, channel_multiple=8, input_size=size)  # re-export
+    assert {k: again.compress_compaction[k] for k in ("threshold", "target_macs", "dense_macs")} == {
+        "threshold": t, "target_macs": 0.4, "dense_macs": dense}
+    assert again.compress_compaction["macs"] == profile(again, size, latency=False).macs  # its own, counted again
     assert compact(model, target_macs=macs, input_size=size).compress_compaction["threshold"] == t
     with pytest.raises(ValueError, match=r"below what dropping every stripe reaches \(\d+ MACs, 0.\d+ of the dense "
                                          r"\d+\).*absolute MAC count"):

@@ -49,7 +49,8 @@ SINGLE = "data.batch_size=8"
 def _torchrun(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "train.py", *overrides, f"hydra.run.dir={run_dir}"]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # torchrun leaves a torchelastic_* folder in TMPDIR per call: keep it inside the test's own tmp_path
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(run_dir.parent)}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc

@@ -405,6 +405,13 @@ def test_exporting_a_compact_file_again_keeps_its_compaction_record(training_che
     assert (kept["threshold"], kept["relu_fused"], kept["dense_macs"]) == (0.01, record["relu_fused"],
                                                                            record["dense_macs"])
     assert "Stripe threshold: 0.01." in (tmp_path / "b" / FILES[3]).read_text()
+    budgeted = export_checkpoint(path, tmp_path / "d", target_macs=0.5, onnx=False, latency=False,
+                                 choose_stripe_modes=False)
+    budget = load(tmp_path / "d" / FILES[0]).compress_compaction
+    again = export_checkpoint(tmp_path / "d" / FILES[0], tmp_path / "e", onnx=False, latency=False,
+                              choose_stripe_modes=False)  # the budget that chose its stripes and its MACs stay told
+    assert again["target_macs"] == budgeted["target_macs"] == 0.5
+    assert load(tmp_path / "e" / FILES[0]).compress_compaction["macs"] == budget["macs"] == again["compact"]["macs"]
     with pytest.warns(UserWarning) as caught:  # its BN folded and ReLUs fused already: those settings cannot undo it
         export_checkpoint(renamed, tmp_path / "c", fold_bn=False, fuse_relu=False, onnx=False, latency=False,
                           choose_stripe_modes=False)

@@ -189,3 +189,49 @@ def test_str_gives_the_totals():
 def test_bad_latency_settings_are_clear(kwargs):
     with pytest.raises(ValueError, match="latency needs batch_size >= 1, repeats >= 1 and warmup >= 0"):
         profile(_small_net(), (3, 8, 8), **kwargs)
+
+
+class ScaledBlock(nn.Module):
+    """A block with children and a tensor of its own (a layer-scale gamma, as timm's ConvNeXtBlock):
+    x + gamma * conv(x), conv 4 -> 4, 3x3, bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.gamma = nn.Parameter(torch.rand(4, 1, 1))
+
+    def forward(self, x):
+        return x + self.gamma * self.conv(x)
+
+
+def test_modules_with_children_and_tensors_of_their_own_get_rows_that_add_up():
+    """timm's BatchNormAct2d (a BN with an activation child) and a layer-scale block: their own tensors get a row, so
+    the rows add up to the totals, and the paper convention counts the BN's 2 per element."""
+    from timm.layers import BatchNormAct2d
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), BatchNormAct2d(4), ScaledBlock())
+    rep = profile(model, (3, 5, 6), latency=False)
+    rows = {row.name: row for row in rep.layers}
+    assert sorted(rows) == ["0", "1", "1.act", "1.drop", "2", "2.conv"]  # (rows come in the order calls end)
+    assert (rows["1"].params, rows["1"].weight_bytes) == (8, 4 * 16)  # weight, bias; running mean and var
+    assert (rows["2"].params, rows["2"].weight_bytes, rows["2.conv"].params) == (4, 16, 4 * 4 * 9 + 4)
+    assert rep.params == sum(r.params for r in rep.layers) == 3 * 4 * 9 + 8 + 4 + 148
+    assert rep.weight_bytes == sum(r.weight_bytes for r in rep.layers) == 4 * (rep.params + 8)
+    elements = 4 * 5 * 6  # every layer's output
+    assert rows["2"].activation_bytes == 4 * elements  # x + ...: a new tensor
+    assert rep.macs == elements * 27 + elements * 36  # the two convs
+    paper = {row.name: row.macs for row in profile(model, (3, 5, 6), latency=False, convention="paper").layers}
+    assert paper == {"0": elements * 27, "1": 2 * elements, "1.drop": 0, "1.act": elements, "2": 0,
+                     "2.conv": elements * 36 + elements}
+
+
+def test_latency_leaves_the_global_rng_alone_and_takes_the_memory_format():
+    seen = []
+    model = nn.Sequential(nn.Conv2d(3, 4, 3))
+    model[0].register_forward_pre_hook(lambda m, inp: seen.append(inp[0].is_contiguous(memory_format=torch.channels_last)))
+    torch.manual_seed(0)
+    want = torch.rand(3)
+    torch.manual_seed(0)
+    profile(model, (3, 5, 5), batch_size=2, repeats=2, warmup=1, memory_format=torch.channels_last)
+    assert torch.equal(torch.rand(3), want)
+    assert seen and all(seen)
