@@ -20,29 +20,14 @@ from compress.report import render_markdown
 @hydra.main(config_path="conf", config_name="export", version_base=None)
 def main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    out = Path(cfg.out) if cfg.out is not None else run_dir
+    out = Path(hydra.utils.to_absolute_path(str(cfg.out))) if cfg.out is not None else run_dir  # (hydra.job.chdir)
     try:
         export(cfg, out)
     except BaseException:
-        _remove_run_dir(run_dir)  # a failed export leaves no run dir that holds only Hydra's files
+        remove_if_only_hydra(run_dir, "export.log")  # a failed export leaves no run dir of Hydra's files only
         raise
-    if out.resolve() != run_dir.resolve():
-        _remove_run_dir(run_dir)
-
-
-def _remove_run_dir(run_dir: Path) -> None:
-    """With `out` given, the Hydra run dir holds only Hydra's start-up files: remove it, and the folders above it
-    inside the working directory that it leaves empty (outputs/export/<date>)."""
-    if not remove_if_only_hydra(run_dir, "export.log"):
-        return
-    cwd = Path.cwd().resolve()
-    for folder in run_dir.resolve().parents:
-        if folder == cwd or cwd not in folder.parents:
-            return
-        try:
-            folder.rmdir()  # only if empty
-        except OSError:
-            return
+    if out.resolve() != run_dir.resolve():  # given `out`, the run dir holds only Hydra's start-up files
+        remove_if_only_hydra(run_dir, "export.log")
 
 
 def export(cfg: DictConfig, out: Path) -> None:

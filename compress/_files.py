@@ -55,12 +55,33 @@ def _fsync_dir(folder: Path) -> None:
 
 def remove_if_only_hydra(run_dir: Path, log_name: str) -> bool:
     """Delete `run_dir` when all it holds is what Hydra writes at a job's start (.hydra/*.yaml and an empty
-    `log_name`, the job's log file); return whether it was deleted."""
+    `log_name`, the job's log file), and the folders above it inside the launch directory that this leaves empty
+    (outputs/<date>); return whether `run_dir` was deleted. A process inside `run_dir` (hydra.job.chdir=true) first
+    goes back to the launch directory, as Hydra does after the job."""
     entries = {p.name for p in run_dir.iterdir()} if run_dir.is_dir() else {"?"}
     hydra = run_dir / ".hydra"
     only_yaml = not hydra.exists() or all(p.suffix == ".yaml" and p.is_file() for p in hydra.iterdir())
     log = run_dir / log_name
-    if entries <= {".hydra", log_name} and only_yaml and (not log.exists() or log.stat().st_size == 0):
-        shutil.rmtree(run_dir, ignore_errors=True)
-        return not run_dir.exists()
-    return False
+    if not (entries <= {".hydra", log_name} and only_yaml and (not log.exists() or log.stat().st_size == 0)):
+        return False
+    run_dir, launch = run_dir.resolve(), _launch_dir()
+    cwd = Path.cwd().resolve()
+    if cwd == run_dir or run_dir in cwd.parents:
+        os.chdir(launch)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    for folder in run_dir.parents:
+        if launch not in folder.parents:
+            break
+        try:
+            folder.rmdir()  # only if empty
+        except OSError:
+            break
+    return not run_dir.exists()
+
+
+def _launch_dir() -> Path:
+    """The directory the command was started in: Hydra's original working directory, else the current one."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.utils import get_original_cwd
+
+    return Path(get_original_cwd() if HydraConfig.initialized() else os.getcwd()).resolve()

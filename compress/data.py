@@ -9,6 +9,7 @@ is seeded from the loader's seeded generator; with num_workers=0 it follows `tor
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,9 @@ def build_data(cfg, rank: int = 0, world_size: int = 1) -> Data:
             f"build_data: data.num_classes={opts['num_classes']} but {name} has {num_classes} classes; "
             "fix data.num_classes or leave it unset"
         )
+    if num_classes < 2:
+        raise ValueError(f"build_data: {name} has {num_classes} class; a classifier needs at least 2 (an image folder "
+                         "needs a subfolder per class under train/ and val/)")
     train_loader, test_loader = _loaders(train, test, opts, rank, world_size)
     return Data(train_loader, test_loader, num_classes, opts["input_size"], opts["in_chans"])
 
@@ -104,7 +108,7 @@ def _options(cfg) -> dict[str, Any]:
     if opts["eval_batch_size"] is None:
         opts["eval_batch_size"] = opts["batch_size"]
     lowest = {"batch_size": 1, "eval_batch_size": 1, "input_size": 1, "in_chans": 1, "num_workers": 0,
-              "train_size": 1, "test_size": 1, "num_classes": 1, "seed": 0}
+              "train_size": 1, "test_size": 1, "num_classes": 2, "seed": 0}  # (one class: nothing to learn)
     for key, least in lowest.items():
         value, most = opts[key], MAX_SEED if key == "seed" else None
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least
@@ -218,8 +222,10 @@ def _cifar(opts: dict):
     name, size = opts["name"], opts["input_size"]
     cls_name, folder, num_classes, mean, std = _CIFAR[name]
     how = f"Set data.root=<dir containing {folder}/>, or data.download=true to download it into data.root."
-    if opts["download"] and opts["root"] is not None:
-        Path(opts["root"]).expanduser().mkdir(parents=True, exist_ok=True)  # the download's destination
+    made = None  # the download's destination, when this call creates it (removed again if the download fails)
+    if opts["download"] and opts["root"] is not None and not Path(opts["root"]).expanduser().exists():
+        made = Path(opts["root"]).expanduser()
+        made.mkdir(parents=True)
     root = _require_root(opts, f"{folder}/ (the python version of {name}, extracted)", how)
     if not opts["download"] and not (root / folder).is_dir():
         raise DatasetNotFoundError(f"{name}: {root / folder}/ not found under data.root={root}. {how}")
@@ -231,8 +237,13 @@ def _cifar(opts: dict):
     test_tf = T.Compose(resize + normalize)
     cls = getattr(tvd, cls_name)
     try:
-        train = cls(str(root), train=True, transform=train_tf, download=opts["download"])
-        test = cls(str(root), train=False, transform=test_tf, download=opts["download"])
+        try:
+            train = cls(str(root), train=True, transform=train_tf, download=opts["download"])
+            test = cls(str(root), train=False, transform=test_tf, download=opts["download"])
+        except BaseException:
+            if made is not None:  # what this call created holds a partial download at most
+                shutil.rmtree(made, ignore_errors=True)
+            raise
     except RuntimeError as e:  # torchvision: "Dataset not found or corrupted"
         raise DatasetNotFoundError(
             f"{name}: files under {root / folder}/ are missing or corrupted ({e}). {how}"

@@ -20,6 +20,7 @@ where the rank exists and reseeds new ranks from (trainer.seed, rank, step).
 from __future__ import annotations
 
 import json
+import math
 import operator
 import os
 import random
@@ -52,7 +53,7 @@ from compress.skeleton import attach_skeletons, check_nonnegative, skeleton_stat
 from compress.surgery import conv_bn_pairs
 
 __all__ = [
-    "DistInfo", "setup_distributed", "build_optimizer", "build_scheduler",
+    "DistInfo", "setup_distributed", "build_optimizer", "build_scheduler", "check_optim",
     "train_step", "train_one_epoch", "evaluate", "run",
 ]  # fmt: skip
 
@@ -133,13 +134,10 @@ def build_optimizer(model: nn.Module, cfg: DictConfig) -> torch.optim.Optimizer:
     Optional `cfg.skeleton_weight_decay` (default null: the same as weight_decay, the paper's setting)
     gives the Filter Skeletons their own weight decay, e.g. 0 so that only the SWP L1 term acts on them.
     """
-    if cfg.name != "sgd":
-        raise ValueError(f"optim.name={cfg.name!r} is not supported; use optim=sgd_multistep or optim=sgd_cosine")
+    check_optim(cfg)
     params = model.parameters()
     skeleton_wd = cfg.get("skeleton_weight_decay", None)
     if skeleton_wd is not None:
-        if skeleton_wd < 0:
-            raise ValueError(f"optim.skeleton_weight_decay={skeleton_wd} must be >= 0 (or null: same as weight_decay)")
         named = list(model.named_parameters())
         skeletons = [p for n, p in named if n == "skeleton" or n.endswith(".skeleton")]
         others = [p for n, p in named if not (n == "skeleton" or n.endswith(".skeleton"))]
@@ -156,14 +154,8 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: DictConfig, epochs: i
     warmup, epoch e = 0..W-1), then the schedule runs as usual; with cosine it spans the remaining
     epochs - W. With W = 0 the schedules are exactly the plain ones.
     """
-    if cfg.schedule not in ("multistep", "cosine"):
-        raise ValueError(f"optim.schedule={cfg.schedule!r} is not supported; use 'multistep' or 'cosine'")
+    check_optim(cfg, epochs)
     warmup = int(cfg.get("warmup_epochs", 0) or 0)
-    if warmup < 0 or (warmup and warmup >= epochs):
-        raise ValueError(
-            f"optim.warmup_epochs={warmup} must be >= 0 and smaller than the {epochs} epochs; "
-            "set optim.warmup_epochs=0 for runs this short"
-        )
     if warmup == 0:
         if cfg.schedule == "multistep":
             return torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=list(cfg.milestones), gamma=cfg.gamma)
@@ -353,6 +345,12 @@ class _StepLog:
         return value
 
 
+def _finite_weights(model: nn.Module) -> bool:
+    """Whether every floating-point parameter and buffer of `model` is finite (one host sync)."""
+    flags = [t.isfinite().all() for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()]
+    return bool(torch.stack(flags).all()) if flags else True
+
+
 def _peak_gpu_memory(device: torch.device) -> dict[str, float]:
     """{'epoch/peak_gpu_memory_gib': peak allocated since the last call} on CUDA (then resets it), else {}."""
     if device.type != "cuda":
@@ -377,6 +375,45 @@ def _require_int(key: str, value, least: int, null: str | None = None, note: str
         raise ValueError(f"{key}={value!r} must be {rule}")
 
 
+# optim's numeric settings: (what the message says, the test); NaN fails every test, inf all but none
+_OPTIM_RANGES = {
+    "lr": ("> 0", lambda v: 0 < v < math.inf),
+    "momentum": ("in [0, 1)", lambda v: 0 <= v < 1),
+    "weight_decay": (">= 0", lambda v: 0 <= v < math.inf),
+    "gamma": ("in (0, 1] (the factor each milestone multiplies the learning rate by)", lambda v: 0 < v <= 1),
+    "skeleton_weight_decay": (">= 0, or null (the same as optim.weight_decay)", lambda v: 0 <= v < math.inf),
+}
+_OPTIONAL = ("gamma", "skeleton_weight_decay")  # null/absent allowed (gamma: cosine schedules have none)
+
+
+def check_optim(optim: DictConfig, epochs: int | None = None) -> None:
+    """ValueError naming the key unless `optim` (the optim config group) is usable: SGD, a known schedule, finite
+    numbers in range, nesterov with momentum; with `epochs` (the run's length) also the warmup and the milestones.
+    `train.py` checks it before building any data; build_optimizer and build_scheduler check it again."""
+    if optim.get("name") != "sgd":
+        raise ValueError(f"optim.name={optim.get('name')!r} is not supported; use optim=sgd_multistep or optim=sgd_cosine")
+    if optim.get("schedule") not in ("multistep", "cosine"):
+        raise ValueError(f"optim.schedule={optim.get('schedule')!r} is not supported; use 'multistep' or 'cosine'")
+    for key, (rule, ok) in _OPTIM_RANGES.items():
+        value = optim.get(key)
+        if value is None and key in _OPTIONAL:
+            continue
+        if not _is_number(value) or not ok(value):
+            raise ValueError(f"optim.{key}={value!r} must be a finite number {rule}")
+    if optim.get("nesterov") is True and optim.momentum == 0:
+        raise ValueError("optim.nesterov=true needs optim.momentum > 0 (Nesterov momentum); set optim.nesterov=false "
+                         "for plain SGD")
+    _require_int("optim.warmup_epochs", optim.get("warmup_epochs", 0), 0, null="none")
+    if epochs is None:
+        return
+    warmup = optim.get("warmup_epochs", 0) or 0
+    if warmup and warmup >= epochs:
+        raise ValueError(f"optim.warmup_epochs={warmup} must be smaller than the {epochs} epochs; set "
+                         "optim.warmup_epochs=0 for runs this short")
+    if optim.schedule == "multistep":
+        _check_milestones(optim.get("milestones"), epochs)
+
+
 def _check_milestones(milestones, epochs) -> None:
     """ValueError unless the multistep schedule's milestones are increasing epochs inside the run (1..epochs-1):
     one at or past the last epoch never lowers the learning rate."""
@@ -388,8 +425,8 @@ def _check_milestones(milestones, epochs) -> None:
         example = (f"e.g. optim.milestones=[{epochs // 2},{3 * epochs // 4}]" if epochs >= 4
                    else "or optim=sgd_cosine" if epochs < 2 else "e.g. optim.milestones=[1]")
         raise ValueError(f"optim.milestones={values}: a multistep run of {epochs} epochs lowers the learning rate "
-                         f"only at epochs 1..{epochs - 1}; set milestones inside the run ({example}) or "
-                         f"optim.epochs past {values[-1]}")
+                         f"only at epochs 1..{epochs - 1}; set milestones inside the run ({example}) or run past "
+                         f"epoch {values[-1]} (trainer.epochs, which is optim.epochs unless set)")
 
 
 # on/off settings (data.download and data.pin_memory are checked by build_data)
@@ -420,16 +457,9 @@ def _check_config(cfg: DictConfig, ckpt: dict | None = None) -> None:
     _require_int("trainer.max_steps", cfg.trainer.max_steps, 1, null="no step limit")
     _require_int("trainer.log_every", cfg.trainer.log_every, 1)
     _require_int("trainer.seed", cfg.trainer.seed, 0, most=MAX_SEED)
-    _require_int("optim.warmup_epochs", cfg.optim.get("warmup_epochs", 0), 0, null="none")
-    if cfg.optim.get("schedule") == "multistep":
-        _check_milestones(cfg.optim.get("milestones"), cfg.trainer.epochs)
+    check_optim(cfg.optim, cfg.trainer.epochs)
     if cfg.trainer.amp_dtype not in ("bfloat16", "float16"):
         raise ValueError(f"trainer.amp_dtype={cfg.trainer.amp_dtype!r}; use bfloat16 or float16")
-    for key in ("lr", "momentum", "weight_decay", "gamma"):
-        value = cfg.optim.get(key)
-        least = "> 0" if key in ("lr", "gamma") else ">= 0"
-        if value is not None and (not _is_number(value) or (value <= 0 if least == "> 0" else value < 0)):
-            raise ValueError(f"optim.{key}={value!r} must be a number {least}")
     if cfg.prune.name == "swp" and _is_number(cfg.prune.threshold) and cfg.prune.threshold >= 1:
         raise ValueError(f"prune.threshold={cfg.prune.threshold} zeroes every stripe at the first step (skeletons "
                          "start at 1); use a small value (the paper's is 0.01)")
@@ -745,12 +775,22 @@ def _build_model(cfg: DictConfig, data, ckpt: dict | None = None) -> nn.Module:
 
 
 def _absolute_paths(cfg: DictConfig) -> None:
-    """Make `init` and `data.root` absolute, in place: saved with the run, they let resume and export find the
-    files from any working directory."""
+    """Make `init`, `data.root` and a `resume=<file>` absolute, in place, against the directory train.py was
+    launched from (not the run dir `hydra.job.chdir=true` moves into): saved with the run, they let resume and export
+    find the files from any working directory."""
     if cfg.init is not None:
-        cfg.init = str(Path(str(cfg.init)).resolve())
+        cfg.init = str(_launch_path(cfg.init))
     if "root" in cfg.data and not OmegaConf.is_missing(cfg.data, "root") and cfg.data.root is not None:
-        cfg.data.root = str(Path(str(cfg.data.root)).expanduser().resolve())
+        cfg.data.root = str(_launch_path(cfg.data.root))
+    if isinstance(cfg.resume, str) and cfg.resume != "auto":
+        cfg.resume = str(_launch_path(cfg.resume))
+
+
+def _launch_path(path) -> Path:
+    """`path` (~ expanded) made absolute against the launch directory (Hydra's original cwd; the cwd outside Hydra)."""
+    from hydra.utils import to_absolute_path
+
+    return Path(to_absolute_path(os.path.expanduser(str(path)))).resolve()
 
 
 def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
@@ -762,9 +802,9 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     dist = setup_distributed(cfg.trainer.device)
     run_dir = _shared_run_dir(Path(run_dir) if run_dir is not None else _hydra_run_dir(), dist)
     _refuse_added_keys(cfg)
+    _absolute_paths(cfg)  # as the checkpoint holds them, so that the same command line resumes
     _resolve_auto_resume(cfg, run_dir, dist)
     _refuse_to_overwrite_a_run(cfg, run_dir)
-    _absolute_paths(cfg)  # as the checkpoint holds them, so that the same command line resumes
     given = _command_line_keys()
     cfg, ckpt = _resume_config(cfg, run_dir, given)
     _check_config(cfg, ckpt)
@@ -874,6 +914,14 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
             "seconds": seconds_before + time.perf_counter() - start,  # wall time of the run so far, resumes included
             "images_per_s": None if np.isnan(train["images_per_s"]) else train["images_per_s"],  # the last epoch's
         }
+        if not _finite_weights(raw):  # never write a diverged model over the checkpoints (every rank stops alike)
+            raise FloatingPointError(
+                f"train: the model's weights are not finite at step {at} (epoch {epoch + 1}): the run diverged. "
+                + (f"{ckpt_dir} keeps the checkpoint written before" if (ckpt_dir / "last.pt").is_file()
+                   else "No checkpoint was written")
+                + f". Lower optim.lr (it is {cfg.optim.lr:g}) or prune.alpha"
+                + (", or train with trainer.amp=false" if amp_dtype is not None else "")
+            )
         if dist.is_main:  # best.pt first: a run killed between the two writes still has its best weights
             if is_best:
                 atomic_save(state, ckpt_dir / "best.pt")
@@ -929,7 +977,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
             kept = stats["stripes_kept"] / max(stats["stripes_total"], 1)
             say(
                 f"epoch {epoch + 1}/{epochs} step {step} lr {lr:.4g} train loss {train['loss']:.4f} "
-                f"acc {train['accuracy']:.4f} | test acc {test['accuracy']:.4f}"
+                f"acc {train['accuracy']:.4f} | test acc " + (f"{test['accuracy']:.4f}" if evaluated else "-")
                 + (f" | stripes kept {kept:.1%}" if stats["stripes_total"] else ""),
                 epoch_bar.write,
             )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 
 import numpy as np
 import pytest
@@ -179,6 +180,12 @@ def test_imagefolder(tmp_path):
     x_test, y_test = _all(data.test)
     assert data.num_classes == 2 and x_train.shape == (6, 3, 16, 16) and x_test.shape == (4, 3, 16, 16)
     assert sorted(y_test.tolist()) == [0, 0, 1, 1]
+    for split in ("train", "val"):  # one class left: a classifier has nothing to learn (it trained to loss 0)
+        shutil.rmtree(tmp_path / split / "dog")
+    with pytest.raises(ValueError, match="imagefolder has 1 class; a classifier needs at least 2"):
+        build_data({"name": "imagefolder", "root": str(tmp_path), "input_size": 16, "batch_size": 4})
+    with pytest.raises(ValueError, match=r"data.num_classes=1; it must be an int >= 2"):
+        build_data({"name": "fake", "num_classes": 1})
 
 
 # What torchvision's CIFAR10/CIFAR100 read (the extracted cifar-*-python.tar.gz): folder, train files,
@@ -395,6 +402,7 @@ def test_failed_cifar_download_is_clear(tmp_path, monkeypatch):
     monkeypatch.setattr(urllib.request.OpenerDirector, "open", refuse)
     with pytest.raises(DatasetNotFoundError, match=r"downloading into data.root=.*failed.*cifar-10-batches-py/"):
         build_data({"name": "cifar10", "root": str(tmp_path / "new"), "download": True})
+    assert not (tmp_path / "new").exists()  # the folder the download made is gone again
 
 
 def test_missing_imagenet(tmp_path):

@@ -570,3 +570,55 @@ def test_train_py_resumes_with_its_own_command_line_repeated(tmp_path):
     assert resumed["steps"] == 2
     config = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["config"]
     assert config["data"]["root"] == str(root) and config["data"]["num_workers"] == 1
+
+
+def test_a_diverged_run_stops_without_writing_over_its_checkpoints(tmp_path, monkeypatch):
+    """Weights that turn NaN in epoch 2 (here made so after step 6) stop the run with an error naming the fix; last.pt
+    keeps epoch 1's finite weights, so nothing trained is lost."""
+    import compress.engine as engine
+
+    real_step = engine.train_step
+    steps = []
+
+    def poisoned(s, x, y):
+        out = real_step(s, x, y)
+        steps.append(1)
+        if len(steps) == 6:
+            with torch.no_grad():
+                next(s.raw.parameters()).fill_(float("nan"))
+        return out
+
+    monkeypatch.setattr(engine, "train_step", poisoned)
+    with pytest.raises(FloatingPointError, match=r"weights are not finite at step 8 \(epoch 2\): the run diverged. "
+                       r".*checkpoints keeps the checkpoint written before. Lower optim.lr \(it is 0.1\)"):
+        run(_compose(*TINY), run_dir=tmp_path)
+    saved = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
+    assert saved["step"] == 4 and all(v.isfinite().all() for v in saved["model"].values() if v.is_floating_point())
+
+
+def test_train_py_and_export_py_under_hydra_job_chdir_read_paths_from_the_launch_directory(tmp_path):
+    """hydra.job.chdir=true runs the job inside its run dir: relative data.root, resume=<file> and export's out= still
+    name paths in the directory the command ran from, and a refused command leaves no outputs/<date> behind."""
+    root = tmp_path / "data"
+    root.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    chdir = [*TINY, "data.root=data", "hydra.job.chdir=true"]
+
+    def call(script, *args):
+        return subprocess.run([sys.executable, str(ROOT / script), *args], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=300)
+
+    first = call("train.py", *chdir, "trainer.max_steps=1", "hydra.run.dir=runs/a")
+    assert first.returncode == 0, first.stderr[-2000:]
+    saved = torch.load(tmp_path / "runs/a/checkpoints/last.pt", weights_only=True)
+    assert saved["config"]["data"]["root"] == str(root)
+    second = call("train.py", *chdir, "trainer.max_steps=2", "hydra.run.dir=runs/b", "resume=runs/a/checkpoints/last.pt")
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert torch.load(tmp_path / "runs/b/checkpoints/last.pt", weights_only=True)["step"] == 2
+    export = call("export.py", "ckpt=runs/b/checkpoints/last.pt", "out=exported", "hydra.job.chdir=true",
+                  "onnx.enabled=false", "profile.latency=false")
+    assert export.returncode == 0, export.stderr[-2000:]
+    assert (tmp_path / "exported" / "model.compact.safetensors").is_file()
+    refused = call("train.py", *chdir, "optim.lr=nan")  # Hydra's default run dir, outputs/<date>/<time>
+    assert refused.returncode != 0 and "optim.lr=nan must be a finite number > 0" in refused.stderr
+    assert not (tmp_path / "outputs").exists()
