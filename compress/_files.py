@@ -15,21 +15,26 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path
     new file gets under the umask, then rename it onto `path` and fsync the folder: a reader sees the old file or the
     whole new one, also after a crash or power loss. A failed write (a full disk) leaves `path` as it was and raises
     OSError naming it."""
+    from safetensors import SafetensorError
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_dir():
+        raise IsADirectoryError(f"could not write {path}: it is a directory; give a file path")
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             write(tmp)
             fd = os.open(tmp, os.O_RDONLY)
             try:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        except (OSError, RuntimeError) as err:  # torch.save reports a full disk as a RuntimeError
+        # torch.save reports a full disk as a RuntimeError, safetensors as its SafetensorError
+        except (OSError, RuntimeError, SafetensorError) as err:
             detail = " ".join(str(err).split())[:300]
-            raise OSError(f"could not write {path} ({type(err).__name__}: {detail}); is the disk full? The previous "
-                          f"{path.name}, if any, is unchanged") from err
+            raise OSError(f"could not write {path} ({type(err).__name__}: {detail}); check that its folder is "
+                          f"writable and the disk has room. The previous {path.name}, if any, is unchanged") from err
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # safetensors creates its files owner-only

@@ -12,17 +12,22 @@ Loading rebuilds `create_model(arch)`, replaces the listed modules (parents befo
 types from an allowlist table of type keys, deletes removed modules, and loads the tensors with
 `load_state_dict(strict=True)`. Module types outside the table cannot be saved or loaded; custom
 modules join with `register_module_type(key, cls)` and implement `config()` (docs/INTERFACES.md).
-The metadata key "compress.sha256" holds a SHA-256 of the tensors, checked by `load` (against corruption, not
-tampering; files written before it have none and load unchecked).
+The metadata key "compress.sha256" holds a SHA-256 of the tensors and "compress.recipe_sha256" one of the recipe
+text, both checked by `load` (against corruption, not tampering; files written before them have none and load
+unchecked). `load` builds the recipe's model on the meta device first and compares its state_dict with the file's
+tensors (names, shapes, kinds), so a recipe naming huge layers fails before anything is allocated; floating-point
+tensors must be float16/bfloat16/float32/float64.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import importlib
 import json
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,12 +40,14 @@ from compress._digest import digest
 from compress._files import atomic_write
 from compress.surgery import conv_config, get_module
 
-__all__ = ["save", "load", "rebuild", "register_module_type", "build_recipe", "FORMAT", "VERSION"]
+__all__ = ["save", "load", "rebuild", "rebuild_for", "register_module_type", "build_recipe", "FORMAT", "VERSION"]
 
 FORMAT = "compress.compact"
 VERSION = 1
 _META_KEY = "compress.recipe"
 _DIGEST_KEY = "compress.sha256"  # of the tensors (`compress._digest`): load detects a corrupted file
+_RECIPE_DIGEST_KEY = "compress.recipe_sha256"  # of the recipe's JSON text
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _bn_config(m: nn.BatchNorm2d) -> dict:
@@ -205,9 +212,12 @@ def _apply(model: nn.Module, replacements: list[dict], removed: list[str], where
     for name in removed:
         parent, _, child = name.rpartition(".")
         try:
-            delattr(get_module(model, parent), child)
+            owner = get_module(model, parent)
         except AttributeError:
-            raise ValueError(f"{where}: removed module {name!r} does not exist in the rebuilt model") from None
+            owner = None
+        if owner is None or child not in owner._modules:
+            raise ValueError(f"{where}: removed module {name!r} is not a module of the rebuilt model")
+        delattr(owner, child)
 
 
 def _reference(arch: dict, where: str) -> nn.Module:
@@ -215,7 +225,7 @@ def _reference(arch: dict, where: str) -> nn.Module:
 
     try:
         return create_model(arch["name"], **arch["kwargs"])
-    except (TypeError, ValueError) as err:
+    except (TypeError, ValueError, RuntimeError) as err:  # RuntimeError: sizes no tensor can have (negative, huge)
         raise ValueError(f"{where}: cannot rebuild the architecture {arch}: {err}") from None
 
 
@@ -239,6 +249,9 @@ def build_recipe(model: nn.Module) -> dict:
     Raises ValueError when a changed module's type is not in the allowlist, or when the rebuilt
     structure would not match the model's state_dict (names, shapes, floating point or integer).
     """
+    if hasattr(model, "_orig_mod") or isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+        inner = "model._orig_mod (the module torch.compile wraps)" if hasattr(model, "_orig_mod") else "model.module"
+        raise ValueError(f"compress.save: {type(model).__name__} is a wrapper; save the model inside it: {inner}")
     arch = _arch(model)
     ref = _reference(arch, "compress.save")
     replacements = []
@@ -279,11 +292,38 @@ def build_recipe(model: nn.Module) -> dict:
 
 
 def save(model: nn.Module, path: str | os.PathLike) -> Path:
-    """Write `model` (recipe + state_dict) to one safetensors file at `path`, atomically."""
+    """Write `model` (recipe + state_dict) to one safetensors file at `path`, atomically. Forward hooks are not
+    saved (a warning names the modules that have them)."""
+    if str(path).endswith(("/", os.sep)) or Path(path).is_dir():
+        raise ValueError(f"compress.save: {path} is a directory; give a file path, e.g. {Path(path) / 'model.safetensors'}")
     recipe = build_recipe(model)
     tensors = {k: _narrowest(v.detach().to("cpu")).clone().contiguous() for k, v in model.state_dict().items()}
-    metadata = {_META_KEY: json.dumps(recipe), _DIGEST_KEY: digest(tensors)}
+    _check_dtypes(tensors, "compress.save", "convert those to a float dtype first (e.g. model.float())")
+    hooked = [n or "(the model)" for n, m in model.named_modules() if m._forward_hooks or m._forward_pre_hooks]
+    if hooked:
+        warnings.warn(f"compress.save: forward hooks are not saved (on {', '.join(hooked[:5])}"
+                      + (", ..." if len(hooked) > 5 else "") + "); the loaded model runs without them", stacklevel=2)
+    text = json.dumps(recipe)
+    metadata = {_META_KEY: text, _RECIPE_DIGEST_KEY: hashlib.sha256(text.encode()).hexdigest(), _DIGEST_KEY: digest(tensors)}
     return atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+
+
+def _check_dtypes(tensors: dict[str, torch.Tensor], where: str, fix: str) -> None:
+    """ValueError unless every floating-point tensor is float16/bfloat16/float32/float64 and none is complex (no
+    module here computes in float8 or complex). Mixed float dtypes are allowed (a float16 classifier)."""
+    odd = [f"{k} ({t.dtype})" for k, t in tensors.items()
+           if t.is_complex() or (t.is_floating_point() and t.dtype not in _FLOAT_DTYPES)]
+    if odd:
+        raise ValueError(f"{where}: tensors of unsupported dtypes: {', '.join(odd[:5])}; {fix}")
+
+
+def parse_recipe(text: str, where: str) -> dict:
+    """The recipe JSON `text` as a dict; ValueError naming `where` for text that is not JSON (or too deep, or a
+    number too long for Python to read)."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as err:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{where}: corrupt recipe ({type(err).__name__}: {str(err)[:200]})") from None
 
 
 _INT_WIDTHS = (torch.int8, torch.int16, torch.int32, torch.int64)
@@ -328,10 +368,11 @@ def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     if _META_KEY not in metadata:
         raise ValueError(f"compress.load: {path} has no compact-model recipe (metadata key {_META_KEY!r}); "
                          "it was not written by compress.save")
-    try:
-        recipe = json.loads(metadata[_META_KEY])
-    except json.JSONDecodeError as err:
-        raise ValueError(f"compress.load: {path} has a corrupt recipe ({err})") from None
+    text = metadata[_META_KEY]
+    if _RECIPE_DIGEST_KEY in metadata and metadata[_RECIPE_DIGEST_KEY] != hashlib.sha256(text.encode()).hexdigest():
+        raise ValueError(f"compress.load: {path} is corrupt: its recipe does not match the SHA-256 saved with it; "
+                         "export it again with compress.save or export.py")
+    recipe = parse_recipe(text, f"compress.load: {path}")
     if not isinstance(recipe, dict) or recipe.get("format") != FORMAT:
         raise ValueError(f"compress.load: {path} has no {FORMAT!r} recipe")
     if recipe.get("version") != VERSION:
@@ -374,7 +415,8 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> nn.Modu
     path = Path(path)
     recipe, tensors = _read(path)
     where = f"compress.load({path})"
-    model = rebuild(recipe, where)
+    _check_dtypes(tensors, where, "export it again with compress.save or export.py")
+    model = rebuild_for(recipe, tensors, where)
     types = {k: v.dtype for k, v in model.state_dict().items()}
     for key, t in tensors.items():  # integers were saved narrow (`_narrowest`): back to the module's type
         if key in types and not t.is_floating_point() and not types[key].is_floating_point and t.dtype != types[key]:
@@ -384,4 +426,38 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> nn.Modu
     except (RuntimeError, ValueError, TypeError) as err:  # ValueError/TypeError: indices StripeConv2d rejects
         detail = " ".join(str(err).split())
         raise ValueError(f"{where}: the tensors do not fit the recipe's model: {detail}") from None
+    infinite = [k for k, t in tensors.items() if t.is_floating_point() and not bool(t.isfinite().all())]
+    if infinite:
+        warnings.warn(f"{where}: tensors hold NaN or inf values: {', '.join(infinite[:5])}"
+                      + (", ..." if len(infinite) > 5 else ""), stacklevel=2)
     return model.to(device).eval()
+
+
+def rebuild_for(recipe: dict | str, tensors: dict[str, torch.Tensor], where: str) -> nn.Module:
+    """`rebuild(recipe)` (a dict, or its JSON text) once the recipe's state_dict is known to fit `tensors` (the
+    weights it is built for; see `_check_fit`)."""
+    if isinstance(recipe, str):
+        recipe = parse_recipe(recipe, where)
+    _check_fit(recipe, tensors, where)
+    return rebuild(recipe, where)
+
+
+def _check_fit(recipe: dict, tensors: dict[str, torch.Tensor], where: str) -> None:
+    """ValueError unless the state_dict of the recipe's model, built on the meta device (no memory, whatever sizes the
+    recipe names), has the file's tensor names, shapes and kinds (floating point or not). A model that cannot be
+    built on the meta device is left to the real build's checks."""
+    try:
+        with torch.device("meta"):
+            meta = rebuild(recipe, where)
+    except ValueError:
+        raise
+    except Exception:  # noqa: BLE001 - e.g. an __init__ that reads tensor values; load_state_dict checks it then
+        return
+    want, have = _shapes(meta), {k: (tuple(t.shape), t.is_floating_point()) for k, t in tensors.items()}
+    if want != have:
+        missing, extra = sorted(want.keys() - have.keys()), sorted(have.keys() - want.keys())
+        differ = sorted(k for k in want.keys() & have.keys() if want[k] != have[k])
+        parts = [f"{label} {', '.join(keys[:5])}" + (", ..." if len(keys) > 5 else "")
+                 for label, keys in (("missing", missing), ("unexpected", extra), ("shape or kind differs for", differ))
+                 if keys]
+        raise ValueError(f"{where}: the tensors do not fit the recipe's model: {'; '.join(parts)}")

@@ -43,7 +43,7 @@ from compress._files import atomic_write, remove_if_only_hydra
 from compress._logging import RunLogger, format_summary, progress, say
 from compress._macs import estimate_macs
 from compress._trainstate import atomic_save, load_checkpoint, rng_state, set_rng_state
-from compress.checkpoint import build_recipe, rebuild
+from compress.checkpoint import build_recipe, rebuild_for
 from compress.checkpoint import load as load_compact
 from compress.compaction import check_target_macs
 from compress.data import MAX_SEED, build_data
@@ -748,7 +748,8 @@ def _build_model(cfg: DictConfig, data, ckpt: dict | None = None) -> nn.Module:
     model, with PiX applied when `pix.zeta` is set."""
     if cfg.init is not None:
         recipe = (ckpt or {}).get("init_recipe")
-        model = rebuild(json.loads(recipe), f"resume: init_recipe of {cfg.init}") if recipe else load_compact(str(cfg.init))
+        model = (rebuild_for(recipe, ckpt["model"], f"resume: init_recipe of {cfg.init}") if recipe
+                 else load_compact(str(cfg.init)))
         classes = model.compress_arch["kwargs"].get("num_classes")
         if classes is not None and classes != data.num_classes:
             raise ValueError(
@@ -869,6 +870,9 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
             detail = " ".join(str(err).split())[:800]
             raise ValueError(f"resume: the checkpoint's weights do not fit the model its config builds "
                              f"({cfg.model.name}): {detail}") from None
+        if not _finite_weights(raw):
+            raise ValueError("resume: the checkpoint's weights hold NaN or inf values (written by a version that saved "
+                             "diverged runs, or edited); resume an earlier checkpoint, or start anew")
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler = _resumed_scheduler(scheduler, optimizer, cfg.optim, ckpt, epochs, dist)
         scaler.load_state_dict(ckpt["scaler"])

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from compress._trainstate import _is_safetensors, load_checkpoint
-from compress.checkpoint import load, rebuild
+from compress.checkpoint import load, rebuild_for
 from compress.checkpoint import save as save_compact
 from compress.compaction import choose_modes, compact
 from compress.graphs import CUDAGraphModel
@@ -94,7 +94,7 @@ def _fine_tuned(path: Path, state: dict, init: str) -> nn.Module:
     checkpoint's `init_recipe`, or for older checkpoints from the file, rebuilt by `compress.load`) with the
     checkpoint's weights."""
     if state.get("init_recipe"):
-        model = rebuild(json.loads(state["init_recipe"]), f"export: init_recipe in {path}")
+        model = rebuild_for(state["init_recipe"], state["model"], f"export: init_recipe in {path}")
     elif not Path(init).is_file():
         raise FileNotFoundError(
             f"export: {path} fine-tuned the compact model {init} (init=), whose file rebuilds its structure, and it "

@@ -17,6 +17,7 @@ their class and forward, so checkpoints, torch.fx surgery and skeletons see ordi
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 import torch.nn as nn
@@ -35,7 +36,7 @@ __all__ = ["PiXBlock", "PiXBottleneck", "ResidualReLU", "insert_pix", "use_pix_b
 
 
 def _check_zeta(where: str, zeta: int) -> None:
-    if not isinstance(zeta, int) or isinstance(zeta, bool) or zeta < 1:
+    if not isinstance(zeta, numbers.Integral) or isinstance(zeta, bool) or zeta < 1:  # numpy ints too
         raise ValueError(f"{where}: zeta must be a positive int, got {zeta!r}")
 
 
@@ -88,7 +89,8 @@ class PiXBlock(nn.Module):
             # standard ops; the bias-free 1x1 predictor as a GEMM on the pool, both in float32 (float64 for float64
             # x) as the op computes them, the output in x's dtype
             acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-            p = torch.sigmoid(x.to(acc).mean((2, 3)) @ self.weight.flatten(1).t().to(acc))[:, :, None, None]
+            p = torch.sigmoid(x.to(acc).mean((2, 3)) @ self.weight.flatten(1).t().to(acc))
+            p = p.to(x.dtype).to(acc)[:, :, None, None]  # rounded to x's dtype, as the op's fusion takes it
             groups = x.unflatten(1, (self.out_channels, self.zeta))
             return (p * torch.where(p < self.tau, groups.amax(2), groups.to(acc).mean(2))).to(x.dtype)
         return kernels.pix_squeeze(x, self.weight, self.zeta, self.tau)
@@ -130,11 +132,28 @@ def _check_resizable(module: nn.Module, where: str) -> None:
         )
 
 
+def _like(new: nn.Module, old: nn.Module) -> nn.Module:
+    """`new` made to fit where `old` was: on its device, in its float dtype and memory format, in its train/eval
+    mode, and frozen when all of `old`'s parameters are."""
+    tensors = [*old.parameters(), *old.buffers()]
+    ref = next((t for t in tensors if t.is_floating_point()), tensors[0] if tensors else None)
+    if ref is not None:
+        cl = ref.dim() == 4 and not ref.is_contiguous() and ref.is_contiguous(memory_format=torch.channels_last)
+        new.to(device=ref.device, dtype=ref.dtype if ref.is_floating_point() else None,
+               memory_format=torch.channels_last if cl else torch.preserve_format)
+    params = list(old.parameters())
+    if params and not any(p.requires_grad for p in params):
+        new.requires_grad_(False)
+    return new.train(old.training)
+
+
 def _resized(module: nn.Module, in_channels: int, out_channels: int) -> nn.Module:
     """A freshly initialised copy of a plain Conv2d (same kernel, stride, padding, dilation, groups, bias)
-    or BatchNorm2d (same eps, momentum) with new channel counts (`_check_resizable` checked the type)."""
+    or BatchNorm2d (same eps, momentum, affine, running statistics) with new channel counts (`_check_resizable`
+    checked the type), fitted to `module` by `_like`."""
     if type(module) is nn.BatchNorm2d:
-        new = nn.BatchNorm2d(out_channels, eps=module.eps, momentum=module.momentum)
+        new = nn.BatchNorm2d(out_channels, eps=module.eps, momentum=module.momentum, affine=module.affine,
+                             track_running_stats=module.track_running_stats)
     elif type(module) is nn.Conv2d:
         new = nn.Conv2d(
             in_channels,
@@ -148,7 +167,7 @@ def _resized(module: nn.Module, in_channels: int, out_channels: int) -> nn.Modul
             module.padding_mode,
         )
     init_weights(new)
-    return new
+    return _like(new, module)
 
 
 torch.fx.wrap("residual_relu")  # a leaf in torch.fx graphs (compaction traces models): its fast path branches
@@ -184,7 +203,7 @@ def use_pix_bottlenecks(model: nn.Module) -> int:
     blocks = [m for m in model.modules() if type(m) is tvm.resnet.Bottleneck and isinstance(m.conv1, PiXBlock)]
     for block in blocks:
         block.__class__ = PiXBottleneck
-        block.residual = ResidualReLU()
+        block.residual = ResidualReLU().train(block.training)
     return len(blocks)
 
 
@@ -193,6 +212,8 @@ def _squeeze_width(name: str, block: nn.Module, zeta: int) -> int:
     bottleneck width, out_channels / zeta. Changes nothing."""
     where = f"insert_pix: layer '{name}' ({type(block).__module__}.{type(block).__name__})"
     conv1, conv2, conv3 = block.conv1, block.conv2, block.conv3
+    if isinstance(conv1, PiXBlock):
+        raise ValueError(f"{where}: has a PiX block already; apply PiX once, to the model without them")
     if (
         type(conv1) is not nn.Conv2d
         or conv1.kernel_size != (1, 1)
@@ -237,9 +258,9 @@ def _squeeze_with_pix(block: nn.Module, width: int, tau: float) -> None:
     p * max / p * mean with p > 0 is non-negative and the ReLU leaves it unchanged.
     """
     in_ch = block.conv1.in_channels
-    block.conv1, block.bn1 = PiXBlock(in_ch, in_ch // width, tau), nn.Identity()
+    block.conv1, block.bn1 = _like(PiXBlock(in_ch, in_ch // width, tau), block.conv1), nn.Identity().train(block.training)
     if hasattr(block, "act1"):
-        block.act1 = nn.Identity()
+        block.act1 = nn.Identity().train(block.training)
     if (block.conv2.in_channels, block.conv2.out_channels) != (width, width):
         block.conv2 = _resized(block.conv2, width, width)
         block.bn2 = _resized(block.bn2, width, width)
@@ -301,14 +322,14 @@ def downscale_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
         _check_resizable(conv, where)
     for name, conv in targets:
         new_conv = _resized(conv, conv.in_channels // zeta, conv.out_channels)
-        replace_module(model, name, nn.Sequential(PiXBlock(conv.in_channels, zeta, tau), new_conv))
+        replace_module(model, name, _like(nn.Sequential(PiXBlock(conv.in_channels, zeta, tau), new_conv), conv))
     _record(model, zeta, tau)
     return [n for n, _ in targets]
 
 
 _SUPPORTED = (
     "PiX supports bottleneck ResNets (torchvision resnet50/101/152, timm resnet50/101/152, CIFAR "
-    "resnet29_bottleneck/resnet164_bottleneck: channel squeezing), and VGGs (CIFAR vgg*, torchvision vgg*_bn) "
+    "resnet29_bottleneck/resnet164_bottleneck: channel squeezing), and VGGs (CIFAR vgg*, torchvision vgg*) "
     "and basic-block ResNets (CIFAR resnet20..110, torchvision/timm resnet18/34: network downscaling)"
 )
 

@@ -257,7 +257,7 @@ def test_shape_mismatch(saved):
         t["layer1.0.bn1.weight"] = t["layer1.0.bn1.weight"][:8].clone()
 
     _rewrite(saved, edit_tensors=shrink)
-    with pytest.raises(ValueError, match=r"m.safetensors.*do not fit.*size mismatch"):
+    with pytest.raises(ValueError, match=r"m.safetensors.*do not fit.*shape or kind differs for layer1.0.bn1.weight"):
         load(saved)
 
 
@@ -308,9 +308,21 @@ def test_atomic_write_keeps_the_old_file_on_a_failed_write_and_sets_umask_permis
         tmp.write_bytes(b"partial")
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
 
-    with pytest.raises(OSError, match=r"could not write .*m.safetensors .*unexpected pos.*disk full.*unchanged"):
+    with pytest.raises(OSError, match=r"could not write .*m.safetensors .*unexpected pos.*disk has room.*unchanged"):
         atomic_write(path, full_disk)
     assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
+    from safetensors import SafetensorError
+
+    def full_disk_safetensors(tmp):  # what safetensors' save_file raises on ENOSPC
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    with pytest.raises(OSError, match=r"could not write .*m.safetensors \(SafetensorError: .*No space left"):
+        atomic_write(path, full_disk_safetensors)
+    assert path.read_bytes() == before
+    with pytest.raises(ValueError, match=r"compress.save: .* is a directory; give a file path"):
+        save(create_model("resnet20"), tmp_path)
+    with pytest.raises(ValueError, match=r"compress.save: .*new/ is a directory; give a file path"):
+        save(create_model("resnet20"), f"{tmp_path / 'new'}/")
 
 
 def _first_stripe(recipe):
@@ -392,3 +404,83 @@ def test_a_folded_timm_conv2dsame_model_saves_and_loads(tmp_path):
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), small(x), rtol=0, atol=0)
+
+
+def _rewrite_keeping_digests(path, edit_recipe):
+    """Rewrite a saved file with an edited recipe, keeping the metadata (digests) it had."""
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        metadata = dict(f.metadata())
+    recipe = json.loads(metadata["compress.recipe"])
+    edit_recipe(recipe)
+    save_file(tensors, str(path), metadata=metadata | {"compress.recipe": json.dumps(recipe)})
+
+
+def test_a_recipe_naming_huge_layers_fails_before_allocating_them(saved):
+    """A few hundred bytes of recipe asking for 64 x 10^12 Linear layers: refused from the meta-device build (it
+    compares the recipe's state_dict with the file's tensors), before anything is allocated."""
+    huge = [{"name": f"x{i}", "type": "Linear", "config": {"in_features": 64, "out_features": 10**12}} for i in range(3)]
+    _rewrite(saved, edit_recipe=lambda r: r["replacements"].extend(huge))
+    with pytest.raises(ValueError, match=r"m.safetensors.*do not fit the recipe's model: missing x0.bias, x0.weight"):
+        load(saved)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda r: r["arch"]["kwargs"].update(num_classes=-5), r"cannot rebuild the architecture"),
+    (lambda r: r["removed"].append("_parameters"), r"removed module '_parameters' is not a module"),
+])
+def test_recipes_that_no_model_fits_are_errors_naming_the_file(saved, edit, match):
+    _rewrite(saved, edit_recipe=edit)
+    with pytest.raises(ValueError, match=rf"m.safetensors.*{match}"):
+        load(saved)
+
+
+@pytest.mark.parametrize("raw", ["[" * 100_000 + "]" * 100_000, '{"format": ' + "9" * 5000 + "}"])
+def test_recipe_text_python_cannot_read_is_a_corrupt_recipe(saved, raw):
+    """Nesting too deep for the JSON reader, an integer literal over Python's digit limit."""
+    with safe_open(str(saved), framework="pt") as f:  # no digests: the text itself is what fails
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    save_file(tensors, str(saved), metadata={"compress.recipe": raw})
+    with pytest.raises(ValueError, match=r"m.safetensors: corrupt recipe"):
+        load(saved)
+
+
+def test_an_edited_recipe_is_detected_by_its_digest(saved):
+    """A recipe edit that keeps every tensor's shape (a conv's stride) changes the function; the recipe's SHA-256,
+    kept in the file, catches it."""
+    _rewrite_keeping_digests(saved, edit_recipe=lambda r: r["replacements"][0]["config"].update(stride=[2, 2]))
+    with pytest.raises(ValueError, match=r"m.safetensors is corrupt: its recipe does not match the SHA-256"):
+        load(saved)
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("fc.weight", lambda t: t.to(torch.float8_e4m3fn), r"unsupported dtypes: fc.weight \(torch.float8_e4m3fn\)"),
+    ("fc.weight", lambda t: t.to(torch.complex64), r"unsupported dtypes: fc.weight \(torch.complex64\)"),
+    ("bn1.num_batches_tracked", lambda t: torch.tensor(1.5), r"shape or kind differs for bn1.num_batches_tracked"),
+])
+def test_tensors_of_dtypes_no_module_computes_in_are_refused(saved, key, value, match):
+    """A float8 or complex fc.weight loaded and failed at the first forward; a float step counter loaded as is."""
+    _rewrite(saved, edit_tensors=lambda t: t.update({key: value(t[key])}))
+    with pytest.raises(ValueError, match=rf"m.safetensors.*{match}"):
+        load(saved)
+
+
+def test_load_warns_of_non_finite_weights(saved):
+    _rewrite(saved, edit_tensors=lambda t: t["fc.weight"].view(-1)[:1].fill_(float("nan")))
+    with pytest.warns(UserWarning, match=r"m.safetensors.*tensors hold NaN or inf values: fc.weight"):
+        load(saved)
+
+
+def test_save_refuses_wrappers_and_warns_of_hooks(tmp_path):
+    model = create_model("resnet20")
+    with pytest.raises(ValueError, match=r"OptimizedModule is a wrapper; save the model inside it: model._orig_mod"):
+        save(torch.compile(model), tmp_path / "m.safetensors")
+    with pytest.raises(ValueError, match=r"DataParallel is a wrapper; save the model inside it: model.module"):
+        save(nn.DataParallel(model), tmp_path / "m.safetensors")
+    model.layer1.register_forward_hook(lambda m, i, o: o * 2)
+    with pytest.warns(UserWarning, match=r"forward hooks are not saved \(on layer1\)"):
+        save(model, tmp_path / "m.safetensors")
+    odd = create_model("resnet20")
+    odd.fc.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"compress.save: tensors of unsupported dtypes: fc.weight .*model.float\(\)"):
+        save(odd, tmp_path / "odd.safetensors")

@@ -119,3 +119,23 @@ def test_pix_block_under_vmap_takes_other_input_dtypes_as_eager_does(dtype):
     assert got.dtype == want.dtype == dtype
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-12
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype, logit", [(torch.bfloat16, -0.002), (torch.float16, -0.0002)])
+def test_pix_block_under_vmap_takes_the_ops_branch_for_a_p_that_rounds_onto_tau(dtype, logit):
+    """The op rounds p to x's dtype before comparing it with tau; p just below 0.5 rounds to 0.5 in 16 bits, which
+    takes the mean branch (p == tau). The standard-op path of torch.func must pick the same branch (it took the max)."""
+    from compress.pix import PiXBlock
+
+    block = PiXBlock(4, 2, tau=0.5)
+    with torch.no_grad():
+        block.weight.zero_()
+        block.weight[:, 0] = logit  # p = sigmoid(logit) for a channel-0 pool of 1
+    x = torch.rand(1, 4, 3, 5, generator=torch.Generator().manual_seed(0)).to(dtype)
+    x[:, 0] = 1
+    assert torch.sigmoid(torch.tensor(logit)) < 0.5 and torch.sigmoid(torch.tensor(logit)).to(dtype) == 0.5
+    eager = block(x)
+    mapped = torch.func.vmap(block)(x[None])[0]
+    assert torch.equal(mapped, eager)
+    groups = x.float().unflatten(1, (2, 2))
+    torch.testing.assert_close(eager.float(), 0.5 * groups.mean(2), rtol=1e-2, atol=1e-2)  # the mean branch

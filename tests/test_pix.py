@@ -609,3 +609,34 @@ def test_inductor_cuda_training_step_matches_the_float64_reference(channels_last
             assert errors["loss"] < 1e-4 and errors["x.grad"] < 2e-2 and errors["pix weight grad"] < 2e-2, (step, errors)
     finally:
         torch._dynamo.reset()
+
+
+def test_inserted_modules_fit_the_model_they_join():
+    """The PiX blocks and the convs/BNs rebuilt at a new width take the model's dtype, train/eval mode, frozen
+    parameters and BN settings: an eval float64 model stays an eval float64 model (its rebuilt BNs used to train on
+    every forward, in float32)."""
+    model = torchvision.models.resnet50(num_classes=10, norm_layer=lambda c: nn.BatchNorm2d(c, eps=1e-3))
+    model.double().eval().requires_grad_(False)
+    insert_pix(model, 8)  # zeta 8: conv2, bn2 and conv3 rebuilt at the thin width
+    assert {p.dtype for p in model.parameters()} == {torch.float64} and not model.layer1[0].bn2.training
+    assert not any(m.training for m in model.modules()) and not any(p.requires_grad for p in model.parameters())
+    assert model.layer1[0].bn2.eps == 1e-3
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x)[:1], model(x[:1]), rtol=1e-12, atol=1e-12)  # no batch statistics
+    untracked = torchvision.models.resnet50(norm_layer=lambda c: nn.BatchNorm2d(c, track_running_stats=False))
+    insert_pix(untracked, 8)
+    assert not untracked.layer1[0].bn2.track_running_stats
+    vgg = create_model("vgg11").double().eval()
+    downscale_pix(vgg, 2)
+    assert {p.dtype for p in vgg.parameters()} == {torch.float64} and not any(m.training for m in vgg.modules())
+    assert vgg(torch.randn(1, 3, 32, 32, dtype=torch.float64)).dtype == torch.float64
+
+
+def test_pix_twice_is_refused_and_numpy_ints_are_zetas():
+    import numpy as np
+
+    model = torchvision.models.resnet50(num_classes=10)
+    insert_pix(model, np.int64(4))
+    with pytest.raises(ValueError, match=r"insert_pix: layer 'layer1.0' .* has a PiX block already; apply PiX once"):
+        insert_pix(model, 4)

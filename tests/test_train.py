@@ -622,3 +622,17 @@ def test_train_py_and_export_py_under_hydra_job_chdir_read_paths_from_the_launch
     refused = call("train.py", *chdir, "optim.lr=nan")  # Hydra's default run dir, outputs/<date>/<time>
     assert refused.returncode != 0 and "optim.lr=nan must be a finite number > 0" in refused.stderr
     assert not (tmp_path / "outputs").exists()
+
+
+def test_resuming_a_checkpoint_with_non_finite_weights_is_refused(tmp_path):
+    """Such a file (an older version saved diverged runs) would train a whole epoch before failing."""
+    from compress._trainstate import DIGEST_KEY, atomic_save
+
+    run(_compose(*TINY, "trainer.max_steps=2"), run_dir=tmp_path)
+    path = tmp_path / "checkpoints" / "last.pt"
+    state = torch.load(path, weights_only=True)
+    state.pop(DIGEST_KEY)
+    state["model"]["fc.weight"][0, 0] = float("inf")
+    atomic_save(state, path)  # with the digest of the edited contents
+    with pytest.raises(ValueError, match="resume: the checkpoint's weights hold NaN or inf values"):
+        run(_compose(*TINY, "resume=true"), run_dir=tmp_path)
