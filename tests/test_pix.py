@@ -640,3 +640,16 @@ def test_pix_twice_is_refused_and_numpy_ints_are_zetas():
     insert_pix(model, np.int64(4))
     with pytest.raises(ValueError, match=r"insert_pix: layer 'layer1.0' .* has a PiX block already; apply PiX once"):
         insert_pix(model, 4)
+
+
+@pytest.mark.cuda
+def test_pix_inserted_into_a_cuda_model_lands_on_its_device():
+    """Inserted PiX blocks and rebuilt convs used to be made on the CPU in float32 whatever the model held."""
+    model = torchvision.models.resnet50(num_classes=10).cuda().to(torch.bfloat16).eval()
+    insert_pix(model, 8)
+    assert {(p.device.type, p.dtype) for p in model.parameters()} == {("cuda", torch.bfloat16)}
+    vgg = create_model("vgg11").cuda().eval()
+    downscale_pix(vgg, 2)
+    with torch.no_grad():
+        assert model(torch.randn(2, 3, 64, 64, device="cuda", dtype=torch.bfloat16)).shape == (2, 10)
+        assert vgg(torch.randn(2, 3, 32, 32, device="cuda")).isfinite().all()
