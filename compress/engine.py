@@ -375,7 +375,7 @@ def _require_int(key: str, value, least: int, null: str | None = None, note: str
         raise ValueError(f"{key}={value!r} must be {rule}")
 
 
-# optim's numeric settings: (what the message says, the test); NaN fails every test, inf all but none
+# optim's numeric settings: (what the message says, the test); NaN and inf fail every test
 _OPTIM_RANGES = {
     "lr": ("> 0", lambda v: 0 < v < math.inf),
     "momentum": ("in [0, 1)", lambda v: 0 <= v < 1),
