@@ -44,7 +44,7 @@ from torch.nn.modules.utils import _pair
 import kernels
 from compress.pix import PiXBlock
 from compress.skeleton import SkeletonConv2d
-from compress.stripe import Conv2dReLU, StripeConv2d, masked_conv
+from compress.stripe import Conv2dReLU, StripeConv2d, masked_conv, stripe_padding_ok
 from compress.surgery import (
     Chain,
     bn_remainder,
@@ -280,7 +280,7 @@ def _to_stripe_convs(model: nn.Module, pruned: list[str]) -> None:
     """Pruned convs -> StripeConv2d (or stay nn.Conv2d when every stripe is kept); any other groups-1
     conv whose weight is all zero -> StripeConv2d with no stripe."""
     for name, m in list(model.named_modules()):
-        if type(m) is not nn.Conv2d or m.groups != 1:
+        if type(m) is not nn.Conv2d or m.groups != 1 or (name not in pruned and not stripe_padding_ok(m)):
             continue
         mask = m.weight.detach().abs().amax(1) > 0  # (N, kh, kw)
         if (name in pruned and not bool(mask.all())) or not bool(mask.any()):

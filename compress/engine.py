@@ -469,6 +469,9 @@ def _check_config(cfg: DictConfig, ckpt: dict | None = None) -> None:
             raise ValueError(f"{key}={value!r}; it must be true or false")
     if cfg.trainer.compile and not cfg.trainer.compile_backend:
         raise ValueError("trainer.compile=true needs trainer.compile_backend (inductor, or aot_eager on CPU)")
+    if cfg.trainer.compile and cfg.trainer.compile_backend not in torch.compiler.list_backends(exclude_tags=()):
+        raise ValueError(f"trainer.compile_backend={cfg.trainer.compile_backend!r} is not a torch.compile backend; "
+                         f"use inductor or aot_eager (all: {', '.join(torch.compiler.list_backends())})")
 
 
 def _command_line_overrides() -> list | None:
@@ -810,6 +813,9 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     cfg, ckpt = _resume_config(cfg, run_dir, given)
     _check_config(cfg, ckpt)
     hydra_record = _hydra_record(run_dir) if dist.is_main else None  # this command's, kept in its checkpoints
+    if cfg.init is not None and ckpt is None and dist.is_main and any(k.startswith("prune") for k in given or ()):
+        say(f"note: the prune settings have no effect with init={cfg.init}: a compact model fine-tunes its kept "
+            "stripes, and no skeletons are attached")
     if "pix.tau" in (given or ()) and cfg.pix.zeta is None and dist.is_main:
         say(f"note: pix.tau={cfg.pix.tau} has no effect without pix.zeta (no PiX blocks"
             + (f" are added; init={cfg.init} keeps its own)" if cfg.init is not None else ")"))

@@ -151,9 +151,12 @@ def _bn_folded(model: nn.Module, arch_model: nn.Module) -> bool:
     return not has_bn(model) and has_bn(arch_model)
 
 
-def _input_size(model: nn.Module) -> tuple[int, int, int]:
+def _input_size(model: nn.Module, cfg: dict) -> tuple[int, int, int]:
+    """(C, H, W) the report counts at: the training run's data.input_size (an init= run may fine-tune a compact model
+    at another size than it was built for), else the architecture's."""
     kwargs = model.compress_arch["kwargs"]
-    return (int(kwargs.get("in_chans", 3)), int(kwargs.get("input_size", 32)), int(kwargs.get("input_size", 32)))
+    size = (cfg.get("data") or {}).get("input_size") or kwargs.get("input_size", 32)
+    return int(kwargs.get("in_chans", 3)), int(size), int(size)
 
 
 MIN_OPSET = 13  # PiX's group split (unflatten) needs it; opsets 13-22 export and match onnxruntime (tested: 13, 17)
@@ -268,7 +271,7 @@ def export_checkpoint(
     elif target_macs is None and prune.get("target_flops") is not None:
         warnings.warn(f"export: the training config's prune.target_flops={prune['target_flops']} is ignored: the "
                       "model has no skeletons to choose stripes from", stacklevel=2)
-    size = _input_size(model)
+    size = _input_size(model, cfg)
     arch_model = architecture(model.compress_arch)  # the architecture before compaction
     if before is not None and _bn_folded(model, arch_model):  # its BN folded: the dense baseline folds too
         if not fold_bn:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import fnmatch
+import math
 import numbers
 import warnings
 from collections.abc import Sequence
@@ -68,10 +69,12 @@ class SkeletonConv2d(nn.Conv2d):
 
 
 def check_nonnegative(**values: float) -> None:
-    """ValueError unless each value is a real number >= 0 (NaN is not: |FS| > NaN would drop every stripe)."""
+    """ValueError unless each value is a finite real number >= 0 (NaN is not: |FS| > NaN would drop every stripe;
+    an infinite alpha turns every skeleton NaN at the first step)."""
     for key, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0:
-            raise ValueError(f"SWP {key} must be a number >= 0, got {value!r}; set prune.{key} to a non-negative number")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < math.inf:
+            raise ValueError(f"SWP {key} must be a finite number >= 0, got {value!r}; set prune.{key} to a "
+                             "non-negative number")
 
 
 def _selected(name: str, include: Sequence[str] | None, exclude: Sequence[str] | None) -> bool:
@@ -124,11 +127,16 @@ def eligible_convs(
     names_of = collections.defaultdict(list)
     for name, m in model.named_modules(remove_duplicate=False):
         names_of[id(m)].append(name)
-    eligible = [
-        (name, m)
-        for name, m in model.named_modules()
-        if type(m) is nn.Conv2d and _prunable(name, m, min_kernel_size, include, exclude)
-    ]
+    from compress.stripe import stripe_padding_ok  # here: compress.stripe imports this module
+
+    candidates = [(name, m) for name, m in model.named_modules()
+                  if type(m) is nn.Conv2d and _prunable(name, m, min_kernel_size, include, exclude)]
+    padded = [name for name, m in candidates if not stripe_padding_ok(m)]
+    if padded:
+        warnings.warn(f"attach_skeletons: {', '.join(padded[:5])}{', ...' if len(padded) > 5 else ''}: a padding that "
+                      "stripe convs cannot express (padding_mode reflect/replicate/circular, or an asymmetric 'same') "
+                      "gets no skeleton; those layers stay dense", stacklevel=3)
+    eligible = [(name, m) for name, m in candidates if name not in padded]
     shared = [names_of[id(m)] for _, m in eligible if len(names_of[id(m)]) > 1]
     if shared:
         warnings.warn(f"attach_skeletons: {', '.join(' = '.join(n) for n in shared)}: one conv under several names "

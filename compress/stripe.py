@@ -86,6 +86,15 @@ class Conv2dReLU(nn.Conv2d):
         return super().extra_repr() + ", relu=True"
 
 
+def stripe_padding_ok(conv: nn.Conv2d) -> bool:
+    """Whether a StripeConv2d can express `conv`'s padding (`conv_padding` does not raise)."""
+    try:
+        conv_padding(conv)
+    except ValueError:
+        return False
+    return True
+
+
 def conv_padding(conv: nn.Conv2d) -> tuple[int, int]:
     """The symmetric (ph, pw) zero padding of `conv`, resolving 'valid' and symmetric 'same'."""
     if conv.padding_mode != "zeros":

@@ -161,8 +161,8 @@ def _channelwise_step(model: nn.Module, node: fx.Node, src: fx.Node, channels: i
     args, kwargs = tuple(node.args[1:]), dict(node.kwargs)
     if node.op == "call_module":
         m = model.get_submodule(node.target)
-        if isinstance(m, nn.BatchNorm2d):
-            ok = m.num_features == channels and calls[node.target] == 1
+        if isinstance(m, nn.BatchNorm2d):  # in eval mode a fixed per-channel map, unless it keeps no statistics
+            ok = m.num_features == channels and calls[node.target] == 1 and m.running_mean is not None
             return Step("module", node.target) if ok else None
         if isinstance(m, _ELEMENTWISE_MODULES):
             return Step("module", node.target)
@@ -260,6 +260,8 @@ def bn_remainder(bn: nn.Module) -> nn.Module | None:
     """What stands in the place of BatchNorm module `bn` once it is folded into the conv before it: nn.Identity for
     a BatchNorm2d, the activation of timm's BatchNormAct2d (BN -> drop -> act; only with drop an Identity); None for
     other BN subclasses, which are not folded (their forward may do more than normalise)."""
+    if getattr(bn, "running_mean", None) is None:  # normalises by each batch's statistics, even in eval mode
+        return None
     if type(bn) is nn.BatchNorm2d:
         return nn.Identity()
     if type(bn) in _timm_bn_act() and isinstance(bn.drop, nn.Identity):
@@ -267,15 +269,31 @@ def bn_remainder(bn: nn.Module) -> nn.Module | None:
     return None
 
 
+def _timm_conv_same() -> tuple[type, ...]:
+    try:
+        from timm.layers import Conv2dSame
+    except ImportError:
+        return ()
+    return (Conv2dSame,)
+
+
+def foldable_conv(conv: nn.Module) -> bool:
+    """Whether a BN after `conv` folds into its weight and bias: nn.Conv2d itself and timm's Conv2dSame (it only pads
+    dynamically) use them as stored. Not weight-standardising subclasses (timm's StdConv2d, ScaledStdConv2d: their
+    forward would undo a folded scale) or parametrised weights (weight_norm)."""
+    return (type(conv) is nn.Conv2d or type(conv) in _timm_conv_same()) and not torch.nn.utils.parametrize.is_parametrized(conv)
+
+
 def conv_bn_pairs_traced(model: nn.Module, graph: fx.Graph, foldable: bool = True) -> dict[str, str]:
     """Map each Conv2d (called once) whose only user is a BatchNorm2d (called once) to that BN's name; with
-    `foldable`, only BNs that `bn_remainder` can fold."""
+    `foldable`, only pairs that fold: a `foldable_conv` and a BN that `bn_remainder` can fold."""
     calls = _module_calls(graph)
     pairs = {}
     for node in graph.nodes:
         if node.op != "call_module" or calls[node.target] != 1:
             continue
-        if not isinstance(model.get_submodule(node.target), nn.Conv2d) or len(node.users) != 1:
+        conv = model.get_submodule(node.target)
+        if not isinstance(conv, nn.Conv2d) or (foldable and not foldable_conv(conv)) or len(node.users) != 1:
             continue
         (user,) = node.users
         if user.op == "call_module" and user.args == (node,) and calls[user.target] == 1:

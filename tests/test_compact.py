@@ -433,3 +433,60 @@ def test_fuse_relu_cuda_runs_one_cudnn_call_per_conv(dtype, tol, monkeypatch):
             ref, got = plain(x).float(), out(x).float()
         assert len(calls) == (13 if mode == "dense" else 0)
         assert float((got - ref).norm() / ref.norm()) < tol
+
+
+def _conv_bn_net(first: nn.Module, bn: nn.BatchNorm2d) -> nn.Sequential:
+    """first (3 -> 8 channels) -> bn -> ReLU -> 3x3 conv 8 -> 4, eval mode, float64, non-trivial BN."""
+    net = nn.Sequential(first, bn, nn.ReLU(), nn.Conv2d(8, 4, 3, padding=1))
+    with torch.no_grad():
+        if bn.running_mean is not None:
+            bn.running_mean.normal_()
+            bn.running_var.uniform_(0.5, 2)
+        bn.weight.normal_()
+        bn.bias.normal_()
+    return net.eval().double()
+
+
+def _std_conv(cls_name: str) -> nn.Module:
+    import timm.layers
+
+    return getattr(timm.layers, cls_name)(3, 8, 3, padding=1)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: _conv_bn_net(_std_conv("StdConv2d"), nn.BatchNorm2d(8)),  # standardises its weight in forward
+    lambda: _conv_bn_net(_std_conv("ScaledStdConv2d"), nn.BatchNorm2d(8)),
+    lambda: _conv_bn_net(nn.utils.parametrizations.weight_norm(nn.Conv2d(3, 8, 3, padding=1)), nn.BatchNorm2d(8)),
+    lambda: _conv_bn_net(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8, track_running_stats=False)),
+])
+def test_bns_that_cannot_fold_stay_and_the_model_stays_exact(make):
+    """A BN after a weight-standardising or parametrised conv, or one without running statistics, is not folded (it
+    was: wrong outputs by up to 6.3, or a crash), nor taken as a fixed per-channel step of a dead-filter chain."""
+    torch.manual_seed(0)
+    model = make()
+    attach_skeletons(model)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, SkeletonConv2d):
+                m.skeleton[0] = 0  # a dead filter (in the plain-conv net)
+    x = torch.randn(2, 3, 12, 12, dtype=torch.float64)
+    for fold in (False, True):
+        out = compact(model, fold_bn=fold)
+        assert isinstance(out[1], nn.BatchNorm2d)
+        torch.testing.assert_close(out(x), model(x), rtol=1e-12, atol=1e-12)
+
+
+def test_convs_with_padding_stripes_cannot_express_get_no_skeleton():
+    """reflect padding: no skeleton, with a warning (compact used to refuse the whole trained model); an unpruned
+    all-zero conv with it stays a conv."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, padding_mode="reflect"), nn.Conv2d(8, 8, 3, padding=1),
+                          nn.Conv2d(8, 4, 3, padding=1, padding_mode="circular"))
+    with pytest.warns(UserWarning, match=r"attach_skeletons: 0, 2: a padding that stripe convs cannot express"):
+        assert attach_skeletons(model) == ["1"]
+    with torch.no_grad():
+        model[1].skeleton[0] = 0
+        model[2].weight.zero_()
+    x = torch.randn(2, 3, 10, 10)
+    out = compact(model.eval())
+    assert isinstance(out[1], StripeConv2d) and type(out[2]) is nn.Conv2d
+    torch.testing.assert_close(out(x), model(x), rtol=1e-6, atol=1e-6)

@@ -65,8 +65,11 @@ def test_cifar_configs_keep_the_paper_recipe():
     [
         (["model.name=resnet57"], ValueError, "resnet56"),  # the message lists the known names
         (["data=cifar10", "data.root=/nonexistent/cifar"], DatasetNotFoundError, "/nonexistent/cifar"),
-        (["prune.alpha=-1e-5"], ValueError, "alpha must be a number >= 0"),
-        (["prune.threshold=-0.1"], ValueError, "threshold must be a number >= 0"),
+        (["prune.alpha=-1e-5"], ValueError, "alpha must be a finite number >= 0"),
+        (["prune.alpha=inf"], ValueError, "alpha must be a finite number >= 0"),  # every skeleton NaN at step 1
+        (["prune.threshold=-0.1"], ValueError, "threshold must be a finite number >= 0"),
+        (["trainer.compile=true", "trainer.compile_backend=nonexistent"], ValueError,
+         r"trainer.compile_backend='nonexistent' is not a torch.compile backend; use inductor or aot_eager"),
         (["pix.zeta=3"], ValueError, "not divisible by zeta=3"),  # resnet56's 16-channel convs
         (["init=/nonexistent/model.safetensors"], ValueError, "no such file"),
         (["resume=true"], FileNotFoundError, "no checkpoint at .*last.pt"),
@@ -105,7 +108,7 @@ def test_cifar_configs_keep_the_paper_recipe():
          r"prune.target_flops must be a fraction in \(0, 1\] of the dense model's MACs or a MAC count > 1, got 'abc'"),
         (["prune=swp", "prune.target_flops=0"], ValueError, r"prune.target_flops must be a fraction .* got 0"),
         (["pix.tau=abc"], ValueError, r"pix.tau='abc' must be a number in \[0, 1\]"),
-        (["prune=swp", "prune.alpha=abc"], ValueError, r"SWP alpha must be a number >= 0, got 'abc'; set prune.alpha to a non-negative number"),
+        (["prune=swp", "prune.alpha=abc"], ValueError, r"SWP alpha must be a finite number >= 0, got 'abc'; set prune.alpha to a non-negative number"),
         (["prune=swp", "prune.min_kernel_size=abc"], ValueError, r"prune.min_kernel_size='abc' must be an int >= 1"),
         (["optim.warmup_epochs=1.5"], ValueError, r"optim.warmup_epochs=1.5 must be an int >= 0"),
         (["trainer.seed=4294967296"], ValueError, r"trainer.seed=4294967296 must be an int >= 0 and <= 4294967295"),

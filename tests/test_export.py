@@ -499,3 +499,15 @@ def test_check_onnx_is_not_fooled_by_outputs_that_hardly_depend_on_the_input(tmp
     with torch.no_grad():
         wrong[2].bias.mul_(1.01)
     assert check_onnx(path, wrong, x) >= 5e-3
+
+
+def test_a_run_trained_at_another_input_size_is_reported_at_it(training_checkpoint, tmp_path):
+    """An init= run may fine-tune a compact model at another size than it was built for: the report counts at the
+    run's data.input_size, as its training summary did (it took the architecture's)."""
+    path, _ = training_checkpoint
+    state = torch.load(path, weights_only=True)
+    state["config"]["data"]["input_size"] = 16
+    moved = tmp_path / "last.pt"
+    torch.save(state, moved)
+    report = export_checkpoint(moved, tmp_path / "out", onnx=False, latency=False, choose_stripe_modes=False)
+    assert report["compact"]["input_size"] == report["dense"]["input_size"] == [3, 16, 16]

@@ -107,7 +107,7 @@ def test_swp_update_rejects_negative_nan_and_non_numbers(alpha, threshold, key):
     net = _net_with_bn()
     attach_skeletons(net)
     before = [p.clone() for p in net.parameters()]
-    with pytest.raises(ValueError, match=f"{key} must be a number >= 0"):
+    with pytest.raises(ValueError, match=f"{key} must be a finite number >= 0"):
         swp_update(net, alpha=alpha, threshold=threshold)
     assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
 

@@ -312,6 +312,11 @@ def test_init_refuses_a_model_from_the_command_line_that_it_would_ignore(tmp_pat
     with pytest.raises(ValueError, match=r"holds a compact resnet20, so model=resnet56 would be ignored; drop"):
         run(_compose(*no_model, "model=resnet56", *init), run_dir=tmp_path / "a")
     assert run(_compose(*no_model, "model=resnet20", *init), run_dir=tmp_path / "b")["model"] == "resnet20"
+    said = []  # prune settings given with init= say that they have no effect (no skeletons are attached)
+    monkeypatch.setattr(engine, "say", lambda text, *args: said.append(text))
+    monkeypatch.setattr(engine, "_command_line_keys", lambda: {"init", "prune.alpha"})
+    run(_compose(*no_model, "model=resnet20", *init), run_dir=tmp_path / "c")
+    assert any(t.startswith("note: the prune settings have no effect with init=") for t in said)
 
 
 def test_bad_checkpoint_files_are_clear_errors(tmp_path):
