@@ -324,7 +324,8 @@ def export_checkpoint(
             with torch.inference_mode():
                 dense_prof.latency_ms, small_prof.latency_ms = measure_latencies(timed, xb, repeats=repeats)
         report = report_dict(dense_prof, small_prof, threshold=used, stripes=stripes)
-        report.update(source=str(ckpt), target_macs=budget, fold_bn=fold_bn, onnx=onnx_info,
+        sizes = {name: (stage / name).stat().st_size for name in FILES[:2] if (stage / name).is_file()}
+        report.update(source=str(ckpt), target_macs=budget, fold_bn=fold_bn, onnx=onnx_info, file_bytes=sizes,
                       run={"dtype": dtype, "channels_last": channels_last, "cuda_graphs": cuda_graphs,
                            "modes": f"chosen by {timing} timing" if choose_stripe_modes else "cost model"})
         (stage / FILES[2]).write_text(json.dumps(report, indent=2) + "\n")

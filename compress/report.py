@@ -149,6 +149,9 @@ def render_markdown(report: dict) -> str:
                 " A dense-mode layer runs PyTorch's dense conv (cuDNN on CUDA) on its zero-filled weight (cut to the"
                 " window of offsets that holds its stripes): it does that conv's work, not the kept-stripe MACs counted here."
                 if "dense" in modes else "")
+    sizes = report.get("file_bytes")
+    if sizes:  # what deployment ships (the weight bytes above count stripe indices as the module holds them, int64)
+        lines += ["", "Files: " + ", ".join(f"{name} {_bytes(n)}" for name, n in sizes.items()) + "."]
     onnx = report.get("onnx")
     if onnx:
         lines += ["", f"ONNX: {onnx['file']} (opset {onnx['opset']}, stripe convs as {onnx['stripe_mode']}); largest "

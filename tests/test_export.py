@@ -362,6 +362,10 @@ def test_report_counts_the_stripes_of_the_exported_model(training_checkpoint, tm
     again = export_checkpoint(tmp_path / "out" / FILES[0], tmp_path / "again", onnx=False, latency=False,
                               choose_stripe_modes=False)
     assert again["stripes"] == report["stripes"]
+    size = (tmp_path / "out" / FILES[0]).stat().st_size  # the file deployment ships, in the report
+    assert report["file_bytes"] == {FILES[0]: size}
+    assert f"Files: {FILES[0]} " in (tmp_path / "out" / FILES[3]).read_text()
+    assert size < report["compact"]["weight_bytes"]  # stripe indices stored narrow (int8/int16), held as int64
 
 
 def test_report_names_each_stripe_convs_mode(training_checkpoint, tmp_path, monkeypatch):
