@@ -12,7 +12,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from compress._files import remove_if_only_hydra
+from compress._files import launch_path, remove_if_only_hydra
 from compress.export import FILES, export_checkpoint
 from compress.report import render_markdown
 
@@ -20,7 +20,7 @@ from compress.report import render_markdown
 @hydra.main(config_path="conf", config_name="export", version_base=None)
 def main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    out = Path(hydra.utils.to_absolute_path(str(cfg.out))) if cfg.out is not None else run_dir  # (hydra.job.chdir)
+    out = launch_path(cfg.out) if cfg.out is not None else run_dir
     try:
         export(cfg, out)
     except BaseException:
@@ -36,7 +36,7 @@ def export(cfg: DictConfig, out: Path) -> None:
         raise ValueError("export: give ckpt=<a train.py checkpoint (<run dir>/checkpoints/last.pt or best.pt) or a "
                          "compact model file>")
     report = export_checkpoint(
-        hydra.utils.to_absolute_path(cfg.ckpt),
+        launch_path(cfg.ckpt),
         out,
         threshold=cfg.threshold,
         target_macs=cfg.target_macs,

@@ -7,7 +7,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["atomic_write", "remove_if_only_hydra"]
+__all__ = ["atomic_write", "launch_path", "remove_if_only_hydra"]
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
@@ -90,3 +90,9 @@ def _launch_dir() -> Path:
     from hydra.utils import get_original_cwd
 
     return Path(get_original_cwd() if HydraConfig.initialized() else os.getcwd()).resolve()
+
+
+def launch_path(path: str | os.PathLike) -> Path:
+    """`path` (~ expanded) made absolute against the directory the command was started in, not the run dir
+    `hydra.job.chdir=true` moves into."""
+    return (_launch_dir() / Path(str(path)).expanduser()).resolve()

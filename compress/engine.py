@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch.utils.data import DistributedSampler
 
-from compress._files import atomic_write, remove_if_only_hydra
+from compress._files import atomic_write, launch_path, remove_if_only_hydra
 from compress._logging import RunLogger, format_summary, progress, say
 from compress._macs import estimate_macs
 from compress._trainstate import atomic_save, load_checkpoint, rng_state, set_rng_state
@@ -783,18 +783,11 @@ def _absolute_paths(cfg: DictConfig) -> None:
     launched from (not the run dir `hydra.job.chdir=true` moves into): saved with the run, they let resume and export
     find the files from any working directory."""
     if cfg.init is not None:
-        cfg.init = str(_launch_path(cfg.init))
+        cfg.init = str(launch_path(cfg.init))
     if "root" in cfg.data and not OmegaConf.is_missing(cfg.data, "root") and cfg.data.root is not None:
-        cfg.data.root = str(_launch_path(cfg.data.root))
+        cfg.data.root = str(launch_path(cfg.data.root))
     if isinstance(cfg.resume, str) and cfg.resume != "auto":
-        cfg.resume = str(_launch_path(cfg.resume))
-
-
-def _launch_path(path) -> Path:
-    """`path` (~ expanded) made absolute against the launch directory (Hydra's original cwd; the cwd outside Hydra)."""
-    from hydra.utils import to_absolute_path
-
-    return Path(to_absolute_path(os.path.expanduser(str(path)))).resolve()
+        cfg.resume = str(launch_path(cfg.resume))
 
 
 def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
