@@ -3,8 +3,11 @@ imagenet/imagefolder from a local root, and fake (synthetic, for speed tests).
 
 `build_data(cfg, rank, world_size)` returns train/test DataLoaders (NCHW float32 images, int64
 labels) with the number of classes and the input geometry. Nothing is downloaded unless
-`download=true` is set for CIFAR. Random augmentation draws from torch's RNG: in loader workers it
-is seeded from the loader's seeded generator; with num_workers=0 it follows `torch.manual_seed`.
+`download=true` is set for CIFAR. The training order is `EpochSampler`'s: epoch e's permutation, drawn from
+(seed + e), dealt out to the ranks, so that any number of processes sees the same global batches and a run
+stopped inside an epoch can go on with that epoch's remaining samples on another number of processes. Random
+augmentation draws from torch's RNG: in loader workers it is seeded from the loader's seeded generator; with
+num_workers=0 it follows `torch.manual_seed`.
 """
 
 from __future__ import annotations
@@ -17,9 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-__all__ = ["Data", "DatasetNotFoundError", "build_data", "DATASETS"]
+__all__ = ["Data", "DatasetNotFoundError", "EpochSampler", "build_data", "DATASETS"]
 
 # Accepted cfg keys and their defaults (None: dataset-specific or unset).
 _DEFAULTS: dict[str, Any] = {
@@ -63,12 +66,51 @@ class DatasetNotFoundError(FileNotFoundError):
     """The dataset's files are not where the config says."""
 
 
+class EpochSampler(Sampler[int]):
+    """One rank's training indices for an epoch, the same order for every number of processes.
+
+    Epoch e's order is `torch.randperm(size)` drawn from a generator seeded with `seed + e` (DistributedSampler's
+    order, which this reproduces at `start=0`). Its first `start` samples are left out (a run resumed inside the
+    epoch trained them before); the rest is padded, by repeating its first samples, to a multiple of `world_size`,
+    and rank r takes every world_size-th sample from the r-th. A run of W ranks at per-rank batch b therefore trains,
+    step by step, on the samples one process at batch W*b trains on, and the samples of an epoch that W ranks have
+    trained after k batches each are the first `start + k*b*W` of its order. A rank's share that would end on a
+    batch of one sample drops that sample (BatchNorm cannot train on one value per channel at a 1x1 map), unless
+    it is all there is. Call `set_epoch` before each epoch.
+    """
+
+    def __init__(self, size: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1):
+        self.size, self.batch_size, self.seed, self.rank, self.world_size = size, batch_size, seed, rank, world_size
+        self.epoch, self.start = 0, 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Draw epoch `epoch`'s order on the next pass, without its first `start` samples (0 <= start < size)."""
+        if not 0 <= start < self.size:
+            raise ValueError(f"EpochSampler: start={start} must be in [0, {self.size}) (samples of the epoch trained)")
+        self.epoch, self.start = epoch, start
+
+    def _share(self) -> int:
+        """Samples this rank takes: its padded share, less a last batch of one."""
+        share = -(-(self.size - self.start) // self.world_size)
+        return share - 1 if share % self.batch_size == 1 and share > 1 else share
+
+    def __len__(self) -> int:
+        return self._share()
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        rest = torch.randperm(self.size, generator=generator)[self.start:]
+        taken = self.world_size * len(self)  # every rank's share, padded by repeating the first samples
+        padded = rest.repeat(-(-taken // len(rest)))[:taken]
+        return iter(padded[self.rank :: self.world_size].tolist())
+
+
 def build_data(cfg, rank: int = 0, world_size: int = 1) -> Data:
     """Build train/test loaders from `cfg` (a dict or OmegaConf node with the keys of `_DEFAULTS`).
 
-    With world_size > 1 each rank gets a DistributedSampler (train: shuffled with `seed`, call
-    `data.train.sampler.set_epoch(epoch)` each epoch; test: unshuffled, padded to equal length) and
-    `batch_size` is per rank. Otherwise the train loader shuffles with a generator seeded by `seed`.
+    The train loader samples with an `EpochSampler` (shuffled with `seed`; call `data.train.sampler.set_epoch(epoch)`
+    each epoch); with world_size > 1 the test loader gets a DistributedSampler (unshuffled, padded to equal length).
+    `batch_size` is per rank.
     """
     opts = _options(cfg)
     if not 0 <= rank < world_size:
@@ -128,20 +170,11 @@ def _loaders(train: Dataset, test: Dataset, opts: dict, rank: int, world_size: i
     # Workers start afresh each epoch (not persistent): their RNG streams then come from the loader's generator at
     # the epoch's start, which a checkpoint holds, so a resumed run draws the augmentations an uninterrupted one does
     common = dict(num_workers=workers, pin_memory=opts["pin_memory"], persistent_workers=False)
-    # Seeds the shuffle order (single process) and the per-epoch worker seeds; differs across ranks.
+    # Seeds the per-epoch worker seeds; differs across ranks. (The order is the sampler's: seed + epoch.)
     generator = torch.Generator().manual_seed(opts["seed"] + rank)
-    # A last training batch of one image is dropped: BatchNorm cannot train on one value per channel (a 1x1 map)
-    per_rank = -(-len(train) // world_size)  # DistributedSampler pads every rank's share to this
-    drop_single = per_rank % opts["batch_size"] == 1 and per_rank > 1
-    if world_size > 1:
-        train_sampler = DistributedSampler(train, world_size, rank, shuffle=True, seed=opts["seed"])
-        test_sampler = DistributedSampler(test, world_size, rank, shuffle=False)
-        train_loader = DataLoader(train, opts["batch_size"], sampler=train_sampler, generator=generator,
-                                  drop_last=drop_single, **common)
-    else:
-        test_sampler = None
-        train_loader = DataLoader(train, opts["batch_size"], shuffle=True, generator=generator,
-                                  drop_last=drop_single, **common)
+    train_sampler = EpochSampler(len(train), opts["batch_size"], opts["seed"], rank, world_size)
+    train_loader = DataLoader(train, opts["batch_size"], sampler=train_sampler, generator=generator, **common)
+    test_sampler = DistributedSampler(test, world_size, rank, shuffle=False) if world_size > 1 else None
     # A generator of its own: each pass over the test set draws its base seed from it, not from the global RNG that
     # training's augmentations and dropout draw from, so evaluating (eval_every, a max_steps stop) never changes
     # what the training run does next

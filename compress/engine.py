@@ -515,9 +515,10 @@ def _refuse_added_keys(cfg: DictConfig) -> None:
                              f"{', '.join(known)}); set existing keys without '+', and check the spelling{fix}")
 
 
-# keys a resumed run may change besides trainer.*: where the data is read from and how many processes load it
-# (neither changes what is trained; other loader worker counts draw other augmentation streams)
-RESUME_MAY_CHANGE = ("data.root", "data.num_workers")
+# keys a resumed run may change besides trainer.*: where the data is read from, how many processes load it (other
+# loader worker counts draw other augmentation streams), and the per-process batch sizes (so that a run resumed on
+# another number of processes can keep its global batch: data.EpochSampler gives the same global batches)
+RESUME_MAY_CHANGE = ("data.root", "data.num_workers", "data.batch_size", "data.eval_batch_size")
 
 
 def _may_change_on_resume(key: str) -> bool:
@@ -526,7 +527,7 @@ def _may_change_on_resume(key: str) -> bool:
 
 def _compared_values(saved: DictConfig, cfg: DictConfig, key: str) -> tuple:
     """(the checkpoint's, the command line's) value at `key`, as `_plain_value`, for the resume check. A group given
-    whole (data=cifar10) is compared without the keys that may change on resume (data.root, data.num_workers), and
+    whole (data=cifar10) is compared without the keys that may change on resume (RESUME_MAY_CHANGE), and
     a data group given without a seed without the seed the run derived from trainer.seed."""
     old, new = _plain_value(saved, key), _plain_value(cfg, key)
     if isinstance(old, dict) and isinstance(new, dict):
@@ -580,7 +581,7 @@ def _refuse_to_overwrite_a_run(cfg: DictConfig, run_dir: Path) -> None:
 def _resume_config(cfg: DictConfig, run_dir: Path, given: set[str] | None = None) -> tuple[DictConfig, dict | None]:
     """The config to train with and the checkpoint to resume from (None for a fresh run).
 
-    On resume the checkpoint's config is used. Only `trainer.*`, `data.root` and `data.num_workers` may change:
+    On resume the checkpoint's config is used. Only `trainer.*` and the `RESUME_MAY_CHANGE` keys may change:
     the keys in `given` (the command line's, `_command_line_keys`) take the new value, the others keep the
     checkpoint's (epochs, max_steps, ...: a crashed run resumed with just `resume=true` goes on as it was started);
     any other key or group in `given` whose value differs from the checkpoint's is a ValueError. `given=None` (a
@@ -861,7 +862,9 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
 
     first_epoch, step, best, test = 0, 0, -1.0, {"loss": float("nan"), "accuracy": float("nan")}
     seconds_before, train = 0.0, {"images_per_s": float("nan")}  # of the processes before a resume
-    skip, after_skip = 0, None  # batches of the first epoch trained before (a run stopped mid-epoch)
+    # a run stopped mid-epoch: its first epoch starts at sample `first_sample` of the epoch's order, and its first
+    # `skip` batches from there were trained before (see _resume_mid_epoch)
+    first_sample, skip, after_skip = 0, 0, None
     if ckpt is not None:
         try:
             raw.load_state_dict(ckpt["model"])
@@ -878,7 +881,8 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
         first_epoch, step, best, test = ckpt["epoch"], ckpt["step"], ckpt["best_accuracy"], ckpt["test"]
         seconds_before = float(ckpt.get("seconds", 0.0))  # checkpoints before these keys: this process only
         train = {"images_per_s": float("nan") if ckpt.get("images_per_s") is None else ckpt["images_per_s"]}
-        skip, after_skip = _resume_mid_epoch(ckpt, generator, dist, int(cfg.trainer.seed))
+        first_sample, skip, after_skip = _resume_mid_epoch(ckpt, generator, dist, int(cfg.trainer.seed),
+                                                           int(cfg.data.batch_size))
 
     ckpt_dir = run_dir / "checkpoints"
     if dist.is_main:  # temporary files of checkpoint writes that a killed run left behind (atomic_save)
@@ -896,13 +900,17 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
         """Write last.pt (and best.pt) at step `at`, after `done` batches of `epoch` (all: the epoch is over), with
         this rank's RNG streams `rng` (see the loop) and those of the epoch's start `epoch_rng`."""
         partial = done < len(data.train)
+        batch = int(cfg.data.batch_size)
         state = {
             "model": raw.state_dict(),
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
             "scaler": scaler.state_dict(),
             "epoch": epoch if partial else epoch + 1,  # the epoch to go on with
-            "epoch_batches": done if partial else 0,  # its batches already trained
+            "epoch_batches": done if partial else 0,  # its batches already trained (per process, from epoch_start_sample)
+            # a partial epoch: the sample of its order this run started it at, and how many of its order are trained
+            "epoch_start_sample": epoch_start if partial else 0,
+            "epoch_samples": epoch_start + done * batch * dist.world_size if partial else 0,
             "step": at,
             "best_accuracy": best,
             "test": test,
@@ -940,19 +948,19 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
         if every and at % every == 0 and done < len(data.train) and (max_steps is None or at < max_steps):
             save(epoch, done, at, epoch_rng, rng_state(generator), is_best=False)
 
-    epochs_trained = first_epoch + (1 if skip else 0)  # the last epoch trained in (finished or not), 1-based
+    epochs_trained = first_epoch + (1 if skip or first_sample else 0)  # the last epoch trained in (finished or not), 1-based
     _say_if_nothing_to_train(first_epoch, epochs, step, max_steps, dist)
     epoch_bar = progress(range(first_epoch, epochs), dist.is_main, desc="epochs")
     for epoch in epoch_bar:
         if max_steps is not None and step >= max_steps:
             break
-        if hasattr(data.train.sampler, "set_epoch"):
-            data.train.sampler.set_epoch(epoch)
+        epoch_start = first_sample
+        data.train.sampler.set_epoch(epoch, epoch_start)
         epoch_rng = ckpt["rng_epoch_start"][dist.rank] if skip else rng_state(generator)
         log_step.restart()
         train, step, done = train_one_epoch(s, data.train, step, max_steps, log_step, dist.is_main, skip, after_skip,
                                             on_step)
-        skip, after_skip, epochs_trained = 0, None, epoch + 1
+        first_sample, skip, after_skip, epochs_trained = 0, 0, None, epoch + 1
         partial = done < len(data.train)  # stopped by max_steps inside the epoch: resume goes on from batch `done`
         # inside an epoch, the streams right after the last step (an uninterrupted run loads the next batch from
         # there); evaluating would move them (a DataLoader draws its iterator's seed from the global RNG)
@@ -1055,24 +1063,36 @@ def _carry_best_checkpoint(resumed: Path, best: float, ckpt_dir: Path) -> None:
             f"best.pt is written at its first evaluation that beats it")
 
 
-def _resume_mid_epoch(ckpt: dict, generator: torch.Generator | None, dist: DistInfo, seed: int) -> tuple[int, object]:
-    """Restore the RNG streams for resuming `ckpt`; returns (batches of its epoch to skip, what to run once
-    they are skipped). A checkpoint written inside an epoch (`epoch_batches` > 0) restores the streams of that
-    epoch's start, so the data loader draws the same batch order and augmentations, and the streams of the
-    checkpoint once the batches trained before are dropped: training goes on as if never stopped."""
-    skip = int(ckpt.get("epoch_batches", 0))
-    if not skip:
+def _resume_mid_epoch(ckpt: dict, generator: torch.Generator | None, dist: DistInfo, seed: int,
+                      batch_size: int) -> tuple[int, int, object]:
+    """Restore the RNG streams for resuming `ckpt`; returns (the sample of its epoch's order to start at, batches to
+    skip from there, what to run once they are skipped).
+
+    A checkpoint written inside an epoch (`epoch_batches` > 0) by as many processes at the same per-process batch
+    size restores the streams of that epoch's start, so the data loader draws the same batch order and
+    augmentations, and the streams of the checkpoint once the batches trained before are dropped: training goes on
+    as if never stopped. With another number of processes or batch size the epoch goes on with the samples of its
+    order not yet trained (`data.EpochSampler`), and the checkpoint's streams (its augmentations then differ from an
+    uninterrupted run's)."""
+    done = int(ckpt.get("epoch_batches", 0))
+    if not done:
         _restore_rng(ckpt["rng"], generator, dist, seed, int(ckpt["step"]))
-        return 0, None
-    saved = int(ckpt.get("world_size", 1))
-    if saved != dist.world_size:
-        raise ValueError(
-            f"resume: the checkpoint stopped inside epoch {ckpt['epoch'] + 1} (after {skip} batches) with "
-            f"{saved} process(es), and this run has {dist.world_size}: each process's share of an epoch depends on "
-            f"their number, so resume it with {saved} process(es) (after that epoch the number may change)"
-        )
-    _restore_rng(ckpt["rng_epoch_start"], generator, dist, seed, int(ckpt["step"]))
-    return skip, lambda: _restore_rng(ckpt["rng"], generator, dist, seed, int(ckpt["step"]))
+        return 0, 0, None
+    saved_world, saved_batch = int(ckpt.get("world_size", 1)), int(ckpt["config"]["data"]["batch_size"])
+    start = int(ckpt.get("epoch_start_sample", 0))
+    # a single process's order before EpochSampler (the loader's own shuffle) cannot be replayed: go on with the
+    # samples of today's order after as many as were trained (DistributedSampler's order is EpochSampler's)
+    replayable = "epoch_samples" in ckpt or saved_world > 1
+    if replayable and (saved_world, saved_batch) == (dist.world_size, batch_size):
+        _restore_rng(ckpt["rng_epoch_start"], generator, dist, seed, int(ckpt["step"]))
+        return start, done, lambda: _restore_rng(ckpt["rng"], generator, dist, seed, int(ckpt["step"]))
+    trained = int(ckpt.get("epoch_samples", start + done * saved_batch * saved_world))
+    if dist.is_main:
+        say(f"resume: the checkpoint stopped inside epoch {ckpt['epoch'] + 1}, {trained} samples into it, with "
+            f"{saved_world} process(es) at batch {saved_batch}; this run has {dist.world_size} at batch {batch_size}, "
+            "so that epoch goes on with its remaining samples in new batches")
+    _restore_rng(ckpt["rng"], generator, dist, seed, int(ckpt["step"]))
+    return trained, 0, None
 
 
 def _resumed_scheduler(scheduler, optimizer: torch.optim.Optimizer, optim_cfg: DictConfig, ckpt: dict, epochs: int,

@@ -15,7 +15,7 @@ from PIL import Image
 from sklearn.datasets import load_digits
 from torch.utils.data import DistributedSampler
 
-from compress.data import _CIFAR, IMAGENET_MEAN, IMAGENET_STD, DatasetNotFoundError, build_data
+from compress.data import _CIFAR, IMAGENET_MEAN, IMAGENET_STD, DatasetNotFoundError, EpochSampler, build_data
 
 
 def _all(loader):
@@ -155,16 +155,63 @@ def test_distributed_samplers():
     cfg = {"name": "fake", "input_size": 4, "train_size": 40, "test_size": 10, "batch_size": 4, "seed": 3}
     ranks = [build_data(cfg, rank=r, world_size=2) for r in range(2)]
     train_idx = []
-    for data in ranks:
+    for rank, data in enumerate(ranks):
         sampler = data.train.sampler
-        assert isinstance(sampler, DistributedSampler) and sampler.shuffle and sampler.seed == 3
-        sampler.set_epoch(0)
+        assert isinstance(sampler, EpochSampler)
+        sampler.set_epoch(2)
+        reference = DistributedSampler(range(40), 2, rank, shuffle=True, seed=3)  # the order it reproduces
+        reference.set_epoch(2)
+        assert list(sampler) == list(reference)
         train_idx.append(list(sampler))
     assert len(train_idx[0]) == 20 and sorted(train_idx[0] + train_idx[1]) == list(range(40))
     test_samplers = [data.test.sampler for data in ranks]
     assert [list(s) for s in test_samplers] == [[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]]
     with pytest.raises(ValueError, match="rank"):
         build_data(cfg, rank=2, world_size=2)
+
+
+def _batches(size, batch, world_size, epoch=0, start=0, seed=5):
+    """Each rank's list of index batches for one epoch of an EpochSampler."""
+    ranks = []
+    for rank in range(world_size):
+        sampler = EpochSampler(size, batch, seed, rank, world_size)
+        sampler.set_epoch(epoch, start)
+        indices = list(sampler)
+        ranks.append([indices[i : i + batch] for i in range(0, len(indices), batch)])
+    return ranks
+
+
+@pytest.mark.parametrize("size, world_size, batch", [(48, 2, 4), (48, 3, 2), (60, 4, 5)])
+def test_epoch_sampler_gives_every_world_size_the_same_global_batches(size, world_size, batch):
+    """W ranks at batch b train, step by step, on the samples one process at batch W*b trains on."""
+    single = _batches(size, world_size * batch, 1, epoch=1)[0]
+    ranks = _batches(size, batch, world_size, epoch=1)
+    assert len(single) == len(ranks[0]) == size // (world_size * batch)
+    for step, global_batch in enumerate(single):
+        assert sorted(sum((r[step] for r in ranks), [])) == sorted(global_batch)
+    assert sorted(sum(single, [])) == list(range(size))
+    assert single != _batches(size, world_size * batch, 1, epoch=2)[0]  # another epoch, another order
+
+
+@pytest.mark.parametrize("size, before, after", [(50, (2, 3), (3, 5)), (50, (1, 4), (2, 3)), (37, (3, 2), (1, 5)),
+                                                 (64, (4, 2), (3, 4))])
+def test_epoch_sampler_resumed_inside_an_epoch_trains_the_rest_once(size, before, after):
+    """A run of W ranks at batch b stopped after k batches has trained the first k*b*W samples of the epoch's order;
+    resumed at start=k*b*W on W' ranks at batch b', the epoch trains each remaining sample exactly once (plus the
+    padding of the last round, repeats of the first remaining samples; the sizes here end on no batch of one, which
+    a rank drops)."""
+    (world, batch), (new_world, new_batch) = before, after
+    ranks = _batches(size, batch, world, epoch=3)
+    k = 2
+    trained = [i for r in ranks for b in r[:k] for i in b]
+    start = k * batch * world
+    order = [i for step in zip(*ranks) for b in zip(*step) for i in b]  # rank-interleaved: the epoch's order
+    assert sorted(trained) == sorted(order[:start])
+    rest = [i for r in _batches(size, new_batch, new_world, epoch=3, start=start) for b in r for i in b]
+    assert set(rest) | set(trained) == set(range(size)) and not set(rest) & set(trained)
+    assert len(rest) - (size - start) < new_world  # padding only
+    with pytest.raises(ValueError, match="start=50"):
+        EpochSampler(50, 4, 0).set_epoch(0, start=50)
 
 
 def test_imagefolder(tmp_path):

@@ -1,6 +1,6 @@
 """DDP on CPU through the real torchrun entry point (gloo, 2 processes): every rank ends with the same
 skeletons and weights, equal (within float tolerance) to one process with the same global batch, and
-checkpoints resume across world sizes.
+checkpoints resume across world sizes, inside an epoch too.
 
 Model: timm's tiny `test_resnet` with GroupNorm (1 group) instead of BatchNorm. GroupNorm normalises
 each sample on its own, so 2 ranks x batch 4 compute exactly what 1 process x batch 8 computes (BN
@@ -46,8 +46,8 @@ PER_RANK = "data.batch_size=4"  # x 2 ranks = the single-process batch of 8
 SINGLE = "data.batch_size=8"
 
 
-def _torchrun(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+def _torchrun(run_dir: Path, *overrides: str, processes: int = 2) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
            "train.py", *overrides, f"hydra.run.dir={run_dir}"]  # fmt: skip
     # torchrun leaves a torchelastic_* folder in TMPDIR per call: keep it inside the test's own tmp_path
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(run_dir.parent)}
@@ -151,5 +151,12 @@ def test_torchrun_resumes_inside_an_epoch(tmp_path):
     for rank in (0, 1):
         _assert_same(_state(tmp_path / "parts", rank), _state(tmp_path / "full", rank), exact=True)
     assert json.loads((tmp_path / "parts" / "summary.json").read_text())["steps"] == 6
-    with pytest.raises(ValueError, match="resume it with 2 process"):  # one process cannot take over mid-epoch
-        _run_here(tmp_path / "one", "data.batch_size=2", f"resume={partial}")
+    # One process at batch 4 takes over inside the epoch: it trains the epoch's 4 samples the 2 ranks had left, in
+    # the global batch they would have formed (data.EpochSampler), so it ends with the 2-rank run's weights.
+    ckpt = torch.load(partial, weights_only=True)
+    assert (ckpt["epoch_start_sample"], ckpt["epoch_samples"]) == (0, 4)  # 1 batch x 2 images x 2 ranks
+    _torchrun(tmp_path / "one", *BASE, "data.batch_size=4", f"resume={partial}", "trainer.max_steps=null", processes=1)
+    one = json.loads((tmp_path / "one" / "summary.json").read_text())
+    assert one["world_size"] == 1 and one["steps"] == 3 + 1 + 2  # the epoch's last global batch, then epoch 3
+    _assert_same(_state(tmp_path / "one"), _state(tmp_path / "full"), exact=False)
+    _assert_same(_masks(_state(tmp_path / "one")), _masks(_state(tmp_path / "full")), exact=True)

@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,25 @@ def test_a_run_stopped_inside_an_epoch_resumes_where_it_stopped(tmp_path, worker
         assert torch.equal(a[key], b[key]), key
 
 
+def test_a_checkpoint_without_its_epoch_position_resumes_with_the_epochs_remaining_samples(tmp_path, capsys):
+    """A single-process checkpoint written inside an epoch by a version before data.EpochSampler (no epoch_samples)
+    cannot replay its loader's own shuffle: the epoch goes on with the samples of today's order after as many as it
+    trained, and says so. The summary's seconds add up the two processes' wall times, no more."""
+    began = time.perf_counter()
+    run(_compose(*TINY, "trainer.max_steps=5"), run_dir=tmp_path)  # 4 batches of 8 per epoch: 1 into epoch 2
+    path = tmp_path / "checkpoints" / "last.pt"
+    ckpt = torch.load(path, weights_only=True)
+    assert (ckpt["epoch"], ckpt["epoch_batches"], ckpt["epoch_start_sample"], ckpt["epoch_samples"]) == (1, 1, 0, 8)
+    for key in ("epoch_start_sample", "epoch_samples", "sha256"):
+        del ckpt[key]
+    torch.save(ckpt, path)
+    capsys.readouterr()
+    resumed = run(_compose(*TINY, "resume=true", "trainer.max_steps=null"), run_dir=tmp_path)
+    assert "stopped inside epoch 2, 8 samples into it" in capsys.readouterr().out
+    assert resumed["steps"] == 8 and resumed["epochs"] == 2
+    assert 0 < resumed["seconds"] < time.perf_counter() - began
+
+
 def test_checkpoint_records_the_architecture_export_rebuilds(tmp_path):
     """Checkpoints hold the model's compress_arch, so export rebuilds the model even where the config cannot say
     its class count (an imagefolder dataset: the count comes from the class folders)."""
@@ -157,7 +177,7 @@ def test_resuming_with_more_epochs_follows_the_longer_schedule(tmp_path, optim):
 
 
 def test_resume_takes_trainer_and_data_location_keys_and_refuses_others(tmp_path, monkeypatch):
-    """On the command line of a resume, trainer.*, data.root and data.num_workers take their new values (a relative
+    """On the command line of a resume, trainer.*, data.root, data.num_workers and the batch sizes take their new values (a relative
     data.root is stored absolute, so the run resumes from any directory); any other key that differs is refused, one
     equal to the checkpoint's passes."""
     from compress.engine import _resume_config
@@ -167,10 +187,12 @@ def test_resume_takes_trainer_and_data_location_keys_and_refuses_others(tmp_path
     run(_compose(*TINY, "trainer.max_steps=1", "data.root=data"), run_dir=tmp_path / "run")
     saved = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["config"]
     assert saved["data"]["root"] == str(tmp_path / "data")
-    given = {"resume", "trainer.max_steps", "data.root", "data.num_workers", "optim.lr"}
-    cfg = _compose(*TINY, "resume=true", "trainer.max_steps=3", "data.root=/elsewhere", "data.num_workers=2")
+    given = {"resume", "trainer.max_steps", "data.root", "data.num_workers", "data.batch_size", "optim.lr"}
+    cfg = _compose(*TINY, "resume=true", "trainer.max_steps=3", "data.root=/elsewhere", "data.num_workers=2",
+                   "data.batch_size=16")
     merged, _ = _resume_config(cfg, tmp_path / "run", given)
     assert (merged.trainer.max_steps, merged.data.root, merged.data.num_workers) == (3, "/elsewhere", 2)
+    assert merged.data.batch_size == 16 and saved["data"]["batch_size"] == 8
     assert merged.optim.lr == saved["optim"]["lr"] and merged.trainer.epochs == 2
     with pytest.raises(ValueError, match=r"optim.lr=0.5 \(checkpoint: 0.1\): a resumed run keeps"):
         _resume_config(_compose(*TINY, "resume=true", "optim.lr=0.5"), tmp_path / "run", given)
