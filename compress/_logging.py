@@ -85,7 +85,8 @@ def _fraction(v: float | None) -> str:
 
 def format_summary(summary: dict) -> str:
     """A short multi-line text of the run summary for the terminal. A model without skeleton convs (prune=none,
-    or a compact model fine-tuned with init=) has no stripe figures: its MACs and params are its own."""
+    or a compact model fine-tuned with init=) has no skeleton figures: its MACs and params are its own, and a
+    compact model's line counts the stripes its stripe convs keep."""
     total = summary["stripes_total"]
     if total:
         macs_ratio = summary["macs_pruned_estimate"] / max(summary["macs_dense"], 1)
@@ -97,8 +98,11 @@ def format_summary(summary: dict) -> str:
             f"params          {summary['params'] / 1e6:.3f} M (dense)",
         ]
     else:
+        compact = summary.get("compact_stripes") or {}
         stripes = [
-            "stripes         no skeleton convs in this model",
+            f"stripes         {compact['stripes_kept']} / {compact['stripes_total']} kept in the compact model's "
+            f"{compact['layers']} stripe convs (fine-tuning keeps them)" if compact.get("layers")
+            else "stripes         no skeleton convs in this model",
             f"MACs            {summary['macs_dense'] / 1e6:.2f} M",
             f"params          {summary['params'] / 1e6:.3f} M",
         ]

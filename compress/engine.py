@@ -50,6 +50,7 @@ from compress.data import MAX_SEED, build_data
 from compress.models import TIMM_PREFIX, create_model
 from compress.pix import apply_pix, check_tau
 from compress.skeleton import attach_skeletons, check_nonnegative, skeleton_stats, swp_update
+from compress.stripe import stripe_counts
 from compress.surgery import conv_bn_pairs
 
 __all__ = [
@@ -1013,6 +1014,8 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
         "macs_dense": macs_dense,
         "macs_pruned_estimate": macs_pruned,
         "params": sum(p.numel() for n, p in raw.named_parameters() if not n.endswith("skeleton")),
+        # a fine-tuned compact model (init=): its stripe convs' stripes, which fine-tuning keeps as they are
+        **({"compact_stripes": stripe_counts(raw)} if cfg.init is not None else {}),
         "epochs": epochs_trained,
         "steps": step,
         "seconds": seconds_before + time.perf_counter() - start,

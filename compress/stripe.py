@@ -29,7 +29,7 @@ from kernels._utils import (
     tracing_or_compiling,
 )
 
-__all__ = ["StripeConv2d", "Conv2dReLU", "conv2d_relu", "conv_padding", "masked_conv"]
+__all__ = ["StripeConv2d", "Conv2dReLU", "conv2d_relu", "conv_padding", "masked_conv", "stripe_counts"]
 
 MODES = ("stripe", "dense", "gemm")
 
@@ -577,3 +577,14 @@ class StripeConv2d(nn.Module):
         )
         return (s + f", bias={self.bias is not None}, mode={self._mode}" + (", relu=True" if self.relu else "")
                 + (f", pool=True, pool_ceil={self.pool_ceil}" if self.pool else ""))
+
+
+def stripe_counts(model: nn.Module) -> dict:
+    """The stripe convs of a compact model: {"layers": how many, "stripes_kept", "stripes_total": over their
+    (out_channels, kh, kw) positions} (ints)."""
+    convs = [m for m in model.modules() if isinstance(m, StripeConv2d)]
+    return {
+        "layers": len(convs),
+        "stripes_kept": sum(m.num_stripes for m in convs),
+        "stripes_total": sum(m.out_channels * m.kernel_size[0] * m.kernel_size[1] for m in convs),
+    }

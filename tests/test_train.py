@@ -270,7 +270,11 @@ def test_init_fine_tunes_a_compact_model(tmp_path, monkeypatch):
     no_model = [o for o in TINY if not o.startswith("model=")]  # model= is the default resnet56: init= decides
     summary = run(_compose(*no_model, "init=small.safetensors", "trainer.max_steps=2"), run_dir=tmp_path / "ft")
     assert summary["model"] == "resnet20" and summary["stripes_total"] == 0
-    assert "no skeleton convs" in format_summary(summary)
+    masks = [m.stripe_mask() for m in small.modules() if isinstance(m, StripeConv2d)]
+    kept, total = sum(int(m.sum()) for m in masks), sum(m.numel() for m in masks)
+    assert summary["compact_stripes"] == {"layers": len(before), "stripes_kept": kept, "stripes_total": total}
+    assert 0 < kept < total and f"{kept} / {total} kept in the compact model's {len(before)} stripe convs" in \
+        format_summary(summary)
     ckpt = torch.load(tmp_path / "ft" / "checkpoints" / "last.pt", weights_only=True)
     assert ckpt["config"]["init"] == str(tmp_path / "small.safetensors")
     tuned = ckpt["model"]
