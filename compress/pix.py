@@ -198,12 +198,17 @@ class PiXBottleneck(tvm.resnet.Bottleneck):
 
 
 def use_pix_bottlenecks(model: nn.Module) -> int:
-    """Give every torchvision Bottleneck of `model` whose conv1 is a PiXBlock the PiXBottleneck forward and its
-    `residual` module, in place; returns how many. `insert_pix` and `compress.load` call it."""
-    blocks = [m for m in model.modules() if type(m) is tvm.resnet.Bottleneck and isinstance(m.conv1, PiXBlock)]
+    """Give every torchvision Bottleneck of `model` that is a PiX block the PiXBottleneck forward and a `residual`
+    module, in place; returns how many. `insert_pix` calls it once conv1 is a PiXBlock; `compress.load` on blocks
+    that have their `residual` (saved as a Bottleneck with it), whatever conv1 became: compaction replaces a PiX block
+    no conv reads by a `ZeroChannels`, and such a block's `relu` may be an Identity (`fuse_relu`), which only
+    PiXBottleneck's forward, where `residual` applies the last ReLU, computes right."""
+    blocks = [m for m in model.modules() if type(m) is tvm.resnet.Bottleneck
+              and (isinstance(m.conv1, PiXBlock) or isinstance(getattr(m, "residual", None), ResidualReLU))]
     for block in blocks:
         block.__class__ = PiXBottleneck
-        block.residual = ResidualReLU().train(block.training)
+        if not isinstance(getattr(block, "residual", None), ResidualReLU):
+            block.residual = ResidualReLU().train(block.training)
     return len(blocks)
 
 

@@ -374,11 +374,14 @@ def test_swp_pix_torchvision_resnet50_compacts_fused_and_reloads(tmp_path):
 @pytest.mark.parametrize("arch, zeta, dead, replaced", [
     ("resnet20", 2, ("layer1.1.conv1.1", "layer1.1.conv2.1"), ["layer1.1.conv1.0", "layer1.1.conv2.0"]),  # downscaling
     ("resnet29_bottleneck", 4, ("layer1.1.conv2",), ["layer1.1.conv1"]),  # channel squeezing
+    ("resnet50", 4, ("layer1.2.conv2",), ["layer1.2.conv1"]),  # torchvision's Bottleneck (PiXBottleneck)
 ])
 def test_compaction_drops_the_pix_work_of_a_branch_with_no_stripe_left(tmp_path, arch, zeta, dead, replaced):
     """A PiX block whose output reaches only convs with no stripe left becomes a ZeroChannels (no MACs): the
     compact model stays exact (float64, NCHW and channels_last, whose layout it keeps), no layer of that block
-    counts MACs, and it saves and loads."""
+    counts MACs, and it saves and loads into the same function. (BN biases and statistics are random, so the dead
+    branch adds a constant of either sign and the block's last ReLU matters: a torchvision block loaded without
+    PiXBottleneck's forward lost it.)"""
     from compress.compaction import ZeroChannels, compact
 
     torch.manual_seed(0)
@@ -386,6 +389,9 @@ def test_compaction_drops_the_pix_work_of_a_branch_with_no_stripe_left(tmp_path,
     apply_pix(model, zeta)
     compress.attach_skeletons(model)
     with torch.no_grad():
+        for bn in (m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)):
+            bn.weight.uniform_(0.5, 1.5), bn.bias.uniform_(-1, 1)
+            bn.running_mean.uniform_(-0.5, 0.5), bn.running_var.uniform_(0.5, 2)
         for name in dead:
             model.get_submodule(name).skeleton.zero_()
     model = model.double().eval()
