@@ -168,16 +168,24 @@ def export_onnx(
     with torch.no_grad(), warnings.catch_warnings():
         # strided slices (e.g. option-A shortcuts) are exported fine, only not constant-folded
         warnings.filterwarnings("ignore", message="Constant folding - Only steps=1")
-        torch.onnx.export(
-            ready,
-            (x,),
-            str(path),
-            input_names=["input"],
-            output_names=["output"],
-            dynamic_axes={"input": {0: "batch"}, "output": {0: "batch"}},
-            opset_version=opset,
-            dynamo=False,
-        )
+        try:
+            torch.onnx.export(
+                ready,
+                (x,),
+                str(path),
+                input_names=["input"],
+                output_names=["output"],
+                dynamic_axes={"input": {0: "batch"}, "output": {0: "batch"}},
+                opset_version=opset,
+                dynamo=False,
+            )
+        except torch.onnx.OnnxExporterError as err:  # an op or shape torch.onnx cannot express (not ours)
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ValueError(
+                f"export_onnx: torch.onnx cannot export this model at input size {tuple(input_size)} (opset {opset}): "
+                f"{first}. The model itself is fine: export without ONNX (export.py onnx.enabled=false), or try "
+                "another onnx.opset or input size"
+            ) from err
     onnx.checker.check_model(str(path), full_check=True)
     return path
 

@@ -85,6 +85,23 @@ def test_shift_add_conv_equals_stripe_conv(stride, padding, dilation):
         torch.testing.assert_close(ShiftAddConv2d(stripe)(x), stripe(x), rtol=1e-5, atol=1e-5)
 
 
+def test_onnx_export_of_an_op_torch_onnx_lacks_says_how_to_export_without_it(tmp_path):
+    """An op torch.onnx cannot express (antialiased resizing here) gives an error naming the op and the way out,
+    not torch.onnx's graph dump."""
+
+    class Resized(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+
+        def forward(self, x):
+            return nn.functional.interpolate(self.conv(x), scale_factor=0.5, mode="bilinear", antialias=True)
+
+    with pytest.raises(ValueError, match=r"cannot export this model at input size \(3, 16, 16\) \(opset 17\): "
+                                         r"Exporting the operator 'aten::_upsample_bilinear2d_aa'.*onnx.enabled=false"):
+        export_onnx(Resized().eval(), tmp_path / "m.onnx", (3, 16, 16))
+
+
 def test_onnx_shift_mode_uses_no_stripe_ops(tmp_path):
     import onnx
 
