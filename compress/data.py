@@ -73,10 +73,12 @@ class EpochSampler(Sampler[int]):
     order, which this reproduces at `start=0`). Its first `start` samples are left out (a run resumed inside the
     epoch trained them before); the rest is padded, by repeating its first samples, to a multiple of `world_size`,
     and rank r takes every world_size-th sample from the r-th. A run of W ranks at per-rank batch b therefore trains,
-    step by step, on the samples one process at batch W*b trains on, and the samples of an epoch that W ranks have
-    trained after k batches each are the first `start + k*b*W` of its order. A rank's share that would end on a
-    batch of one sample drops that sample (BatchNorm cannot train on one value per channel at a 1x1 map), unless
-    it is all there is. Call `set_epoch` before each epoch.
+    step by step, on the samples one process at batch W*b trains on (up to the epoch's last global batch where the
+    images left are not a multiple of W*b: there the ranks' shares are padded, and a rank's batch of one dropped),
+    and the samples of an epoch that W ranks have trained after k batches each are the first `start + k*b*W` of
+    its order. A rank's share that would end on a batch of one sample drops that sample (BatchNorm cannot train on
+    one value per channel at a 1x1 map), unless it is all a fresh epoch has (a resumed one then has none left).
+    Call `set_epoch` before each epoch.
     """
 
     def __init__(self, size: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1):
@@ -92,7 +94,7 @@ class EpochSampler(Sampler[int]):
     def _share(self) -> int:
         """Samples this rank takes: its padded share, less a last batch of one."""
         share = -(-(self.size - self.start) // self.world_size)
-        return share - 1 if share % self.batch_size == 1 and share > 1 else share
+        return share - 1 if share % self.batch_size == 1 and (share > 1 or self.start > 0) else share
 
     def __len__(self) -> int:
         return self._share()
@@ -101,7 +103,7 @@ class EpochSampler(Sampler[int]):
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
         rest = torch.randperm(self.size, generator=generator)[self.start:]
         taken = self.world_size * len(self)  # every rank's share, padded by repeating the first samples
-        padded = rest.repeat(-(-taken // len(rest)))[:taken]
+        padded = rest.repeat(-(-taken // len(rest)))[:taken] if taken else rest[:0]
         return iter(padded[self.rank :: self.world_size].tolist())
 
 

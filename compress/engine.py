@@ -274,8 +274,10 @@ def train_one_epoch(s: _Step, loader, step: int, max_steps: int | None, log, sho
                     next(batches, None)  # last random numbers when it runs out (no batch is loaded)
                 break
     loss_sum, correct, seen = _all_reduce_sum(sums)
+    if not seen:  # no batch: a max_steps stop before it, or a resumed epoch with nothing left (EpochSampler)
+        return {"loss": float("nan"), "accuracy": float("nan"), "images_per_s": float("nan")}, step, done
     rate = seen / (time.perf_counter() - start)
-    metrics = {"loss": loss_sum / max(seen, 1), "accuracy": correct / max(seen, 1), "images_per_s": rate}
+    metrics = {"loss": loss_sum / seen, "accuracy": correct / seen, "images_per_s": rate}
     return metrics, step, done
 
 
@@ -586,7 +588,8 @@ def _resume_config(cfg: DictConfig, run_dir: Path, given: set[str] | None = None
     the keys in `given` (the command line's, `_command_line_keys`) take the new value, the others keep the
     checkpoint's (epochs, max_steps, ...: a crashed run resumed with just `resume=true` goes on as it was started);
     any other key or group in `given` whose value differs from the checkpoint's is a ValueError. `given=None` (a
-    config built in Python) takes all of `cfg.trainer` and reports other differences, which it ignores.
+    config built in Python, which holds every key whether meant or not) takes all of `cfg.trainer` and reports
+    other differences, which it ignores.
     """
     if cfg.resume in (None, False):
         return cfg, None
@@ -597,7 +600,8 @@ def _resume_config(cfg: DictConfig, run_dir: Path, given: set[str] | None = None
         merged = OmegaConf.merge(saved, {"trainer": cfg.trainer, "resume": cfg.resume})
         ignored = [k for k in saved if k not in ("trainer", "resume") and saved.get(k) != cfg.get(k)]
         if ignored:
-            say(f"resume: using the checkpoint's settings for {ignored} (only trainer.* may change on resume)")
+            say(f"resume: using the checkpoint's settings for {ignored} (a config built in Python changes only "
+                f"trainer.* on resume; {', '.join(RESUME_MAY_CHANGE)} change on train.py's command line)")
         return merged, ckpt
     conflicts = sorted(
         k for k in given
@@ -882,8 +886,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
         first_epoch, step, best, test = ckpt["epoch"], ckpt["step"], ckpt["best_accuracy"], ckpt["test"]
         seconds_before = float(ckpt.get("seconds", 0.0))  # checkpoints before these keys: this process only
         train = {"images_per_s": float("nan") if ckpt.get("images_per_s") is None else ckpt["images_per_s"]}
-        first_sample, skip, after_skip = _resume_mid_epoch(ckpt, generator, dist, int(cfg.trainer.seed),
-                                                           int(cfg.data.batch_size))
+        first_sample, skip, after_skip = _resume_mid_epoch(ckpt, generator, dist, int(cfg.trainer.seed), data.train)
 
     ckpt_dir = run_dir / "checkpoints"
     if dist.is_main:  # temporary files of checkpoint writes that a killed run left behind (atomic_save)
@@ -901,7 +904,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
         """Write last.pt (and best.pt) at step `at`, after `done` batches of `epoch` (all: the epoch is over), with
         this rank's RNG streams `rng` (see the loop) and those of the epoch's start `epoch_rng`."""
         partial = done < len(data.train)
-        batch = int(cfg.data.batch_size)
+        batch = data.train.batch_size  # per process (the loader's: data.batch_size=null means its default)
         state = {
             "model": raw.state_dict(),
             "optimizer": optimizer.state_dict(),
@@ -912,6 +915,8 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
             # a partial epoch: the sample of its order this run started it at, and how many of its order are trained
             "epoch_start_sample": epoch_start if partial else 0,
             "epoch_samples": epoch_start + done * batch * dist.world_size if partial else 0,
+            "batch_size": batch,
+            "train_size": len(data.train.dataset),
             "step": at,
             "best_accuracy": best,
             "test": test,
@@ -1067,9 +1072,9 @@ def _carry_best_checkpoint(resumed: Path, best: float, ckpt_dir: Path) -> None:
 
 
 def _resume_mid_epoch(ckpt: dict, generator: torch.Generator | None, dist: DistInfo, seed: int,
-                      batch_size: int) -> tuple[int, int, object]:
-    """Restore the RNG streams for resuming `ckpt`; returns (the sample of its epoch's order to start at, batches to
-    skip from there, what to run once they are skipped).
+                      loader) -> tuple[int, int, object]:
+    """Restore the RNG streams for resuming `ckpt` with the training `loader`; returns (the sample of its epoch's
+    order to start at, batches to skip from there, what to run once they are skipped).
 
     A checkpoint written inside an epoch (`epoch_batches` > 0) by as many processes at the same per-process batch
     size restores the streams of that epoch's start, so the data loader draws the same batch order and
@@ -1081,19 +1086,29 @@ def _resume_mid_epoch(ckpt: dict, generator: torch.Generator | None, dist: DistI
     if not done:
         _restore_rng(ckpt["rng"], generator, dist, seed, int(ckpt["step"]))
         return 0, 0, None
-    saved_world, saved_batch = int(ckpt.get("world_size", 1)), int(ckpt["config"]["data"]["batch_size"])
+    saved_world, size = int(ckpt.get("world_size", 1)), len(loader.dataset)
+    saved_size = ckpt.get("train_size", size)  # checkpoints before this key: unknown
+    if saved_size != size:
+        raise ValueError(
+            f"resume: the checkpoint stopped inside epoch {ckpt['epoch'] + 1} of a training set of {saved_size} "
+            f"images, and this one has {size}: the rest of that epoch is defined on the same images only. Give the "
+            "data.root of the checkpoint's data, or resume a checkpoint written at an epoch's end"
+        )
+    # checkpoints before these keys: their data config's batch size (that config may leave it to build_data)
+    saved_batch = int(ckpt.get("batch_size") or ckpt["config"]["data"].get("batch_size") or loader.batch_size)
     start = int(ckpt.get("epoch_start_sample", 0))
     # a single process's order before EpochSampler (the loader's own shuffle) cannot be replayed: go on with the
     # samples of today's order after as many as were trained (DistributedSampler's order is EpochSampler's)
     replayable = "epoch_samples" in ckpt or saved_world > 1
-    if replayable and (saved_world, saved_batch) == (dist.world_size, batch_size):
+    if replayable and (saved_world, saved_batch) == (dist.world_size, loader.batch_size):
         _restore_rng(ckpt["rng_epoch_start"], generator, dist, seed, int(ckpt["step"]))
         return start, done, lambda: _restore_rng(ckpt["rng"], generator, dist, seed, int(ckpt["step"]))
     trained = int(ckpt.get("epoch_samples", start + done * saved_batch * saved_world))
     if dist.is_main:
-        say(f"resume: the checkpoint stopped inside epoch {ckpt['epoch'] + 1}, {trained} samples into it, with "
-            f"{saved_world} process(es) at batch {saved_batch}; this run has {dist.world_size} at batch {batch_size}, "
-            "so that epoch goes on with its remaining samples in new batches")
+        why = (f"with {saved_world} process(es) at batch {saved_batch}; this run has {dist.world_size} at batch "
+               f"{loader.batch_size}" if replayable else "by a version whose single-process order cannot be replayed")
+        say(f"resume: the checkpoint stopped inside epoch {ckpt['epoch'] + 1}, {trained} samples into it, {why}, so "
+            "that epoch goes on with its remaining samples in new batches")
     _restore_rng(ckpt["rng"], generator, dist, seed, int(ckpt["step"]))
     return trained, 0, None
 

@@ -214,6 +214,14 @@ def test_epoch_sampler_resumed_inside_an_epoch_trains_the_rest_once(size, before
         EpochSampler(50, 4, 0).set_epoch(0, start=50)
 
 
+def test_epoch_sampler_drops_a_batch_of_one_left_by_a_resume():
+    """A resumed remainder of 2 images on 2 ranks at batch 2 would give each a batch of one: dropped, so that epoch
+    has no batch; a fresh epoch of a one-image data set keeps its image (all there is); at batch 1 nothing drops."""
+    assert _batches(40, 2, 2, start=38) == [[], []]
+    assert _batches(1, 2, 1) == [[[0]]]
+    assert [len(r) for r in _batches(40, 1, 2, start=38)] == [1, 1]
+
+
 def test_imagefolder(tmp_path):
     rng = np.random.default_rng(0)
     for split, n in (("train", 3), ("val", 2)):

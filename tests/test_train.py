@@ -96,14 +96,66 @@ def test_a_checkpoint_without_its_epoch_position_resumes_with_the_epochs_remaini
     path = tmp_path / "checkpoints" / "last.pt"
     ckpt = torch.load(path, weights_only=True)
     assert (ckpt["epoch"], ckpt["epoch_batches"], ckpt["epoch_start_sample"], ckpt["epoch_samples"]) == (1, 1, 0, 8)
-    for key in ("epoch_start_sample", "epoch_samples", "sha256"):
+    for key in ("epoch_start_sample", "epoch_samples", "batch_size", "train_size", "sha256"):
         del ckpt[key]
     torch.save(ckpt, path)
     capsys.readouterr()
     resumed = run(_compose(*TINY, "resume=true", "trainer.max_steps=null"), run_dir=tmp_path)
-    assert "stopped inside epoch 2, 8 samples into it" in capsys.readouterr().out
+    assert "stopped inside epoch 2, 8 samples into it, by a version whose single-process order cannot be replayed" \
+        in capsys.readouterr().out
     assert resumed["steps"] == 8 and resumed["epochs"] == 2
     assert 0 < resumed["seconds"] < time.perf_counter() - began
+
+
+def _edit_checkpoint(path: Path, **changes) -> None:
+    """Rewrite a train.py checkpoint with `changes` (None deletes the key), without its digest."""
+    ckpt = torch.load(path, weights_only=True)
+    for key, value in {**changes, "sha256": None}.items():
+        if value is None:
+            ckpt.pop(key, None)
+        else:
+            ckpt[key] = value
+    torch.save(ckpt, path)
+
+
+def test_a_run_resumed_inside_an_epoch_at_another_batch_size_trains_the_epochs_rest(tmp_path):
+    """data.batch_size given on train.py's command line may change on resume: a run stopped 8 images into epoch 2
+    (of 32) trains the other 24 at batch 16 (2 steps). A remainder that would leave a batch of one image is dropped
+    (here made so by editing the checkpoint: a run of more processes can leave one image each), and that epoch
+    trains no step. A checkpoint of another training set cannot go on inside its epoch."""
+    run(_compose(*TINY, "trainer.max_steps=5"), run_dir=tmp_path / "a")
+    path = tmp_path / "a" / "checkpoints" / "last.pt"
+    ckpt = torch.load(path, weights_only=True)
+    assert (ckpt["epoch_samples"], ckpt["batch_size"], ckpt["train_size"]) == (8, 8, 32)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    shutil.copytree(tmp_path / "a", tmp_path / "c")
+    proc = subprocess.run([sys.executable, "train.py", *TINY, "resume=true", "trainer.max_steps=null",
+                           "data.batch_size=16", f"hydra.run.dir={tmp_path / 'a'}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "8 samples into it, with 1 process(es) at batch 8; this run has 1 at batch 16" in proc.stdout
+    resumed = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert resumed["steps"] == 5 + 2 and resumed["epochs"] == 2
+    assert torch.load(path, weights_only=True)["batch_size"] == 16
+
+    _edit_checkpoint(tmp_path / "b" / "checkpoints" / "last.pt", epoch_samples=31, batch_size=4)  # as if at batch 4
+    nothing_left = run(_compose(*TINY, "resume=true", "trainer.max_steps=null"), run_dir=tmp_path / "b")
+    assert nothing_left["steps"] == 5 and nothing_left["epochs"] == 2 and nothing_left["images_per_s"] is None
+    assert torch.load(tmp_path / "b" / "checkpoints" / "last.pt", weights_only=True)["epoch"] == 2  # epoch done
+
+    _edit_checkpoint(tmp_path / "c" / "checkpoints" / "last.pt", train_size=99)
+    with pytest.raises(ValueError, match="inside epoch 2 of a training set of 99 images, and this one has 32"):
+        run(_compose(*TINY, "resume=true"), run_dir=tmp_path / "c")
+
+
+def test_a_null_batch_size_trains_at_the_loaders_default(tmp_path):
+    """data.batch_size=null is build_data's default (64): the run trains, checkpoints and resumes with it."""
+    null = [*TINY, "data.batch_size=null", "data.train_size=160"]
+    summary = run(_compose(*null, "trainer.max_steps=2"), run_dir=tmp_path)
+    ckpt = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
+    assert summary["steps"] == 2 and (ckpt["batch_size"], ckpt["epoch_samples"]) == (64, 128)
+    resumed = run(_compose(*null, "resume=true", "trainer.max_steps=null"), run_dir=tmp_path)
+    assert resumed["steps"] == 3 + 3  # epoch 1's last 32 images, then epoch 2
 
 
 def test_checkpoint_records_the_architecture_export_rebuilds(tmp_path):
