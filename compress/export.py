@@ -153,9 +153,11 @@ def _bn_folded(model: nn.Module, arch_model: nn.Module) -> bool:
 
 def _input_size(model: nn.Module, cfg: dict) -> tuple[int, int, int]:
     """(C, H, W) the report counts at: the training run's data.input_size (an init= run may fine-tune a compact model
-    at another size than it was built for), else the architecture's."""
+    at another size than it was built for), else the size a compact file was exported at (its compaction record's
+    input_size), else the architecture's."""
     kwargs = model.compress_arch["kwargs"]
-    size = (cfg.get("data") or {}).get("input_size") or kwargs.get("input_size", 32)
+    record = getattr(model, "compress_compaction", None) or {}
+    size = (cfg.get("data") or {}).get("input_size") or record.get("input_size") or kwargs.get("input_size", 32)
     return int(kwargs.get("in_chans", 3)), int(size), int(size)
 
 
@@ -192,7 +194,7 @@ def _check_arguments(dtype: str, stripe_mode: str, opset: int, modes_timing: str
     if modes_timing not in ("auto", "eager", "graph"):
         raise ValueError(f"export: choose_modes_timing must be auto, eager or graph, got {modes_timing!r}")
     for key, value in (("profile.batch_size", batch_size), ("profile.repeats", repeats)):
-        if not isinstance(value, int) or value < 1:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"export: {key}={value!r}; it must be an int >= 1")
 
 
@@ -252,8 +254,9 @@ def export_checkpoint(
     if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
         raise ValueError(f"export: cannot write out={out}: {ancestor} is "
                          f"{'a file' if not ancestor.is_dir() else 'not writable'}; give a writable directory")
-    if (out / FILES[0]).resolve() == Path(ckpt).resolve():
-        raise ValueError(f"export: out={out} would overwrite the input {ckpt} with the new compact model; give "
+    written = [name for name in FILES if (out / name).resolve() == Path(ckpt).resolve()]
+    if written:
+        raise ValueError(f"export: out={out} would overwrite the input {ckpt} with the new {written[0]}; give "
                          "another out=")
     model, cfg = load_any(ckpt)
     prune = cfg.get("prune") or {}
@@ -282,11 +285,13 @@ def export_checkpoint(
         warnings.warn(f"export: fuse_relu=false is ignored: {ckpt} holds a compact model with {before['relu_fused']} "
                       "ReLUs fused already; export its training checkpoint with fuse_relu=false to keep them apart",
                       stacklevel=2)
+        fuse_relu = True  # the dense baseline fuses as the compact model did
     fuse_relu = fuse_relu and fold_bn
     small = compact(model, threshold=threshold if has_skeletons else None, fold_bn=fold_bn,
                     target_macs=target_macs, input_size=size, channel_multiple=channel_multiple, fuse_relu=fuse_relu)
     # a compact file's threshold and budget are its first export's (carried in its record)
     used, budget = small.compress_compaction["threshold"], small.compress_compaction["target_macs"]
+    small.compress_compaction["input_size"] = size[1]  # what the report counts at: a re-export of the file does too
     dense = dense_baseline(arch_model, fold_bn, fuse_relu)  # its conv shapes stay: the stripes are counted over them
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
 

@@ -236,6 +236,12 @@ def test_export_flow(training_checkpoint, tmp_path):
     with pytest.raises(ValueError, match="would overwrite the input"):
         export_checkpoint(tmp_path / FILES[0], tmp_path, onnx=False, latency=False)
     assert (tmp_path / FILES[0]).read_bytes() == before
+    named_as_output = tmp_path / "other" / FILES[2]  # inputs are known by content: any output name could be one
+    named_as_output.parent.mkdir()
+    named_as_output.write_bytes(before)
+    with pytest.raises(ValueError, match="would overwrite the input .*report.json with the new report.json"):
+        export_checkpoint(named_as_output, named_as_output.parent, onnx=False, latency=False)
+    assert named_as_output.read_bytes() == before
     with pytest.warns(UserWarning, match="removed .*model.onnx, written by an earlier export"):
         export_checkpoint(path, tmp_path, onnx=False, latency=False, choose_stripe_modes=False)
     assert not (tmp_path / FILES[1]).exists()
@@ -312,7 +318,7 @@ def test_export_deployment_options_are_checked(training_checkpoint, tmp_path):
     bad = [({"device": "cpu", "cuda_graphs": True}, "cuda_graphs needs a CUDA device"),
            ({"stripe_mode": "bogus"}, "onnx.stripe_mode must be one of"), ({"opset": 12}, "onnx.opset=12; use 13"),
            ({"modes_timing": "gpu"}, "choose_modes_timing must be"), ({"batch_size": 0}, "profile.batch_size=0"),
-           ({"repeats": -1}, "profile.repeats=-1")]
+           ({"repeats": -1}, "profile.repeats=-1"), ({"batch_size": True}, "profile.batch_size=True; it must be an int")]
     for kwargs, message in bad:  # refused before anything is written
         with pytest.raises(ValueError, match=message):
             export_checkpoint(path, tmp_path / "bad", **kwargs)
@@ -434,11 +440,14 @@ def test_exporting_a_compact_file_again_keeps_its_compaction_record(training_che
     assert again["target_macs"] == budgeted["target_macs"] == 0.5
     assert load(tmp_path / "e" / FILES[0]).compress_compaction["macs"] == budget["macs"] == again["compact"]["macs"]
     with pytest.warns(UserWarning) as caught:  # its BN folded and ReLUs fused already: those settings cannot undo it
-        export_checkpoint(renamed, tmp_path / "c", fold_bn=False, fuse_relu=False, onnx=False, latency=False,
-                          choose_stripe_modes=False)
+        ignored = export_checkpoint(renamed, tmp_path / "c", fold_bn=False, fuse_relu=False, onnx=False,
+                                    latency=False, choose_stripe_modes=False)
     said = " ".join(str(w.message) for w in caught)
     assert "fold_bn=false is ignored: " in said and "fuse_relu=false is ignored: " in said
     assert load(tmp_path / "c" / FILES[0]).compress_compaction["fold_bn"]
+    # ... and the dense baseline is the one a plain re-export compares with (BN folded, ReLUs fused)
+    assert [(r["name"], r["type"]) for r in ignored["dense"]["layers"]] == \
+        [(r["name"], r["type"]) for r in again["dense"]["layers"]]
 
 
 @pytest.mark.parametrize("key,kwargs", [("fold_bn", {"fold_bn": "no"}), ("onnx.enabled", {"onnx": "off"}),
@@ -532,3 +541,10 @@ def test_a_run_trained_at_another_input_size_is_reported_at_it(training_checkpoi
     torch.save(state, moved)
     report = export_checkpoint(moved, tmp_path / "out", onnx=False, latency=False, choose_stripe_modes=False)
     assert report["compact"]["input_size"] == report["dense"]["input_size"] == [3, 16, 16]
+    # its compact file, exported again, counts at that size too (its architecture still says 32)
+    again = export_checkpoint(tmp_path / "out" / FILES[0], tmp_path / "again", latency=False, choose_stripe_modes=False)
+    assert again["compact"]["input_size"] == [3, 16, 16] and again["compact"]["macs"] == report["compact"]["macs"]
+    import onnx
+
+    dims = onnx.load(str(tmp_path / "again" / FILES[1])).graph.input[0].type.tensor_type.shape.dim
+    assert [d.dim_value for d in dims][1:] == [3, 16, 16]
