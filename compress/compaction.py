@@ -447,7 +447,7 @@ def _compact_to_budget(model, base, fold, target, input_size, multiple=1):
     if not meets(hi):
         least = macs_at[hi]
         raise ValueError(
-            f"compact: target_macs={target} ({int(budget)} MACs) is below what dropping every stripe "
+            f"compact: target_macs={target} ({budget:.6g} MACs) is below what dropping every stripe "
             f"reaches ({least} MACs, {least / dense:.3f} of the dense {dense}); layers without a skeleton cannot be "
             "pruned: raise the target or attach skeletons to more layers"
             + (" (a value above 1 is an absolute MAC count; a share of the dense model is a fraction in (0, 1])"
@@ -463,9 +463,9 @@ def _compact_to_budget(model, base, fold, target, input_size, multiple=1):
     if macs < UNDERSHOOT * budget and i > 0:  # ties: the threshold below keeps too much, this one far too little
         over = macs_at[i - 1]  # tried: the bisection ends with the index below the smallest that meets the budget
         warnings.warn(
-            f"compact: target_macs={target}: threshold {values[i]:.4g} meets the budget of {budget / dense:.3f} of the "
-            f"dense MACs with only {macs / dense:.3f}, and the next lower one ({values[i - 1]:.4g}) keeps "
-            f"{over / dense:.3f}: many stripes share one skeleton value, so no threshold lands nearer. Skeletons "
+            f"compact: target_macs={target}: threshold {values[i]:.4g} meets the budget of {100 * budget / dense:.3g}% of "
+            f"the dense MACs with only {100 * macs / dense:.3g}%, and the next lower one ({values[i - 1]:.4g}) keeps "
+            f"{100 * over / dense:.3g}%: many stripes share one skeleton value, so no threshold lands nearer. Skeletons "
             "trained longer (or with a larger prune.alpha) spread apart",
             stacklevel=3,
         )
