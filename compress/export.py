@@ -29,7 +29,7 @@ from compress.onnx_export import STRIPE_MODES, check_onnx, export_onnx
 from compress.pix import apply_pix
 from compress.profile import measure_latencies, profile
 from compress.report import compact_stripes_per_layer, plot_stripes, render_markdown, report_dict
-from compress.skeleton import SkeletonConv2d
+from compress.skeleton import SkeletonConv2d, check_nonnegative
 from compress.surgery import replace_module
 
 __all__ = ["load_training_checkpoint", "load_any", "export_checkpoint", "FILES"]
@@ -247,6 +247,12 @@ def export_checkpoint(
                      cuda_graphs, {"fold_bn": fold_bn, "fuse_relu": fuse_relu, "choose_modes": choose_stripe_modes,
                                    "onnx.enabled": onnx, "profile.latency": latency,
                                    "profile.channels_last": channels_last, "profile.cuda_graphs": cuda_graphs})
+    if threshold is not None:
+        try:
+            check_nonnegative(threshold=threshold)
+        except ValueError:
+            raise ValueError(f"export: threshold={threshold!r}; it must be a finite number >= 0, or null for the "
+                             "training run's prune.threshold") from None
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"export: out={out} is a file; give a directory (created if missing)")

@@ -318,7 +318,8 @@ def test_export_deployment_options_are_checked(training_checkpoint, tmp_path):
     bad = [({"device": "cpu", "cuda_graphs": True}, "cuda_graphs needs a CUDA device"),
            ({"stripe_mode": "bogus"}, "onnx.stripe_mode must be one of"), ({"opset": 12}, "onnx.opset=12; use 13"),
            ({"modes_timing": "gpu"}, "choose_modes_timing must be"), ({"batch_size": 0}, "profile.batch_size=0"),
-           ({"repeats": -1}, "profile.repeats=-1"), ({"batch_size": True}, "profile.batch_size=True; it must be an int")]
+           ({"repeats": -1}, "profile.repeats=-1"), ({"batch_size": True}, "profile.batch_size=True; it must be an int"),
+           ({"threshold": -1.0}, r"export: threshold=-1.0; it must be a finite number >= 0")]
     for kwargs, message in bad:  # refused before anything is written
         with pytest.raises(ValueError, match=message):
             export_checkpoint(path, tmp_path / "bad", **kwargs)
