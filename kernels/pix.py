@@ -518,11 +518,12 @@ def residual_relu(out: Tensor, identity: Tensor) -> Tensor:
     no mean is kept there, since the CPU ``pix_squeeze``
     pools in the same read of x that finds the group max and sum. Elsewhere: ``out.add_(identity).relu_()``.
     """
-    if type(out) is torch.Tensor and type(identity) is torch.Tensor and out.shape != identity.shape:  # not traced
+    if (type(out) is torch.Tensor and type(identity) is torch.Tensor and not torch.jit.is_tracing()
+            and out.shape != identity.shape):  # (traced shapes are tensors: comparing them warns)
         raise ValueError(f"residual_relu: 'identity' must have the shape of 'out' {tuple(out.shape)}, got "
                          f"{tuple(identity.shape)} (no broadcasting: a shortcut that changes shape needs its downsample)")
-    plain = (out.dtype == identity.dtype and out.shape == identity.shape and out.device == identity.device
-             and type(identity) is torch.Tensor and plain_eager(out, identity))
+    plain = (plain_eager(out, identity) and out.dtype == identity.dtype and out.shape == identity.shape
+             and out.device == identity.device and type(identity) is torch.Tensor)
     recording = torch.is_grad_enabled() and (out.requires_grad or identity.requires_grad)
     if plain and out.device.type == "cpu" and out.dtype in (torch.float32, torch.float64) and not recording:
         return torch.ops.aten._add_relu_(out, identity)

@@ -659,3 +659,15 @@ def test_pix_inserted_into_a_cuda_model_lands_on_its_device():
     with torch.no_grad():
         assert model(torch.randn(2, 3, 64, 64, device="cuda", dtype=torch.bfloat16)).shape == (2, 10)
         assert vgg(torch.randn(2, 3, 32, 32, device="cuda")).isfinite().all()
+
+
+def test_residual_tail_traces_without_tracer_warnings():
+    """ONNX export traces PiXBottleneck's tail (TorchScript): its eager-only checks must not compare traced shapes,
+    which warns that the trace might be incorrect; the traced tail still computes relu(out + identity)."""
+    from compress.pix import ResidualReLU
+
+    out, identity = torch.randn(2, 4, 3, 3), torch.randn(2, 4, 3, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", torch.jit.TracerWarning)
+        traced = torch.jit.trace(ResidualReLU(), (out.clone(), identity))
+    torch.testing.assert_close(traced(out.clone(), identity), torch.relu(out + identity), rtol=0, atol=0)
