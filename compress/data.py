@@ -91,13 +91,10 @@ class EpochSampler(Sampler[int]):
             raise ValueError(f"EpochSampler: start={start} must be in [0, {self.size}) (samples of the epoch trained)")
         self.epoch, self.start = epoch, start
 
-    def _share(self) -> int:
+    def __len__(self) -> int:
         """Samples this rank takes: its padded share, less a last batch of one."""
         share = -(-(self.size - self.start) // self.world_size)
         return share - 1 if share % self.batch_size == 1 and (share > 1 or self.start > 0) else share
-
-    def __len__(self) -> int:
-        return self._share()
 
     def __iter__(self):
         generator = torch.Generator().manual_seed(self.seed + self.epoch)

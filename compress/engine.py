@@ -905,6 +905,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
         this rank's RNG streams `rng` (see the loop) and those of the epoch's start `epoch_rng`."""
         partial = done < len(data.train)
         batch = data.train.batch_size  # per process (the loader's: data.batch_size=null means its default)
+        epoch_start = data.train.sampler.start  # the sample of the epoch's order this run started it at
         state = {
             "model": raw.state_dict(),
             "optimizer": optimizer.state_dict(),
@@ -912,7 +913,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
             "scaler": scaler.state_dict(),
             "epoch": epoch if partial else epoch + 1,  # the epoch to go on with
             "epoch_batches": done if partial else 0,  # its batches already trained (per process, from epoch_start_sample)
-            # a partial epoch: the sample of its order this run started it at, and how many of its order are trained
+            # a partial epoch: where this run started it in its order, and how many of its order are trained
             "epoch_start_sample": epoch_start if partial else 0,
             "epoch_samples": epoch_start + done * batch * dist.world_size if partial else 0,
             "batch_size": batch,
@@ -960,8 +961,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     for epoch in epoch_bar:
         if max_steps is not None and step >= max_steps:
             break
-        epoch_start = first_sample
-        data.train.sampler.set_epoch(epoch, epoch_start)
+        data.train.sampler.set_epoch(epoch, first_sample)
         epoch_rng = ckpt["rng_epoch_start"][dist.rank] if skip else rng_state(generator)
         log_step.restart()
         train, step, done = train_one_epoch(s, data.train, step, max_steps, log_step, dist.is_main, skip, after_skip,
@@ -1082,9 +1082,12 @@ def _resume_mid_epoch(ckpt: dict, generator: torch.Generator | None, dist: DistI
     as if never stopped. With another number of processes or batch size the epoch goes on with the samples of its
     order not yet trained (`data.EpochSampler`), and the checkpoint's streams (its augmentations then differ from an
     uninterrupted run's)."""
+    def restore(states: list[dict]) -> None:
+        _restore_rng(states, generator, dist, seed, int(ckpt["step"]))
+
     done = int(ckpt.get("epoch_batches", 0))
     if not done:
-        _restore_rng(ckpt["rng"], generator, dist, seed, int(ckpt["step"]))
+        restore(ckpt["rng"])
         return 0, 0, None
     saved_world, size = int(ckpt.get("world_size", 1)), len(loader.dataset)
     saved_size = ckpt.get("train_size", size)  # checkpoints before this key: unknown
@@ -1101,15 +1104,15 @@ def _resume_mid_epoch(ckpt: dict, generator: torch.Generator | None, dist: DistI
     # samples of today's order after as many as were trained (DistributedSampler's order is EpochSampler's)
     replayable = "epoch_samples" in ckpt or saved_world > 1
     if replayable and (saved_world, saved_batch) == (dist.world_size, loader.batch_size):
-        _restore_rng(ckpt["rng_epoch_start"], generator, dist, seed, int(ckpt["step"]))
-        return start, done, lambda: _restore_rng(ckpt["rng"], generator, dist, seed, int(ckpt["step"]))
+        restore(ckpt["rng_epoch_start"])
+        return start, done, lambda: restore(ckpt["rng"])
     trained = int(ckpt.get("epoch_samples", start + done * saved_batch * saved_world))
     if dist.is_main:
         why = (f"with {saved_world} process(es) at batch {saved_batch}; this run has {dist.world_size} at batch "
                f"{loader.batch_size}" if replayable else "by a version whose single-process order cannot be replayed")
         say(f"resume: the checkpoint stopped inside epoch {ckpt['epoch'] + 1}, {trained} samples into it, {why}, so "
             "that epoch goes on with its remaining samples in new batches")
-    _restore_rng(ckpt["rng"], generator, dist, seed, int(ckpt["step"]))
+    restore(ckpt["rng"])
     return trained, 0, None
 
 

@@ -164,14 +164,20 @@ def _input_size(model: nn.Module, cfg: dict) -> tuple[int, int, int]:
 MIN_OPSET = 13  # PiX's group split (unflatten) needs it; opsets 13-22 export and match onnxruntime (tested: 13, 17)
 
 
-def _check_arguments(dtype: str, stripe_mode: str, opset: int, modes_timing: str, batch_size: int,
-                     repeats: int, device: str, choose_stripe_modes: bool, cuda_graphs: bool,
+def _check_arguments(threshold: float | None, dtype: str, stripe_mode: str, opset: int, modes_timing: str,
+                     batch_size: int, repeats: int, device: str, choose_stripe_modes: bool, cuda_graphs: bool,
                      flags: dict[str, object]) -> None:
     """Reject bad export settings before anything is computed or written, naming the config key to fix. `flags`:
     the on/off settings by config key, which must be booleans (a string such as "no" would count as true)."""
     for key, value in flags.items():
         if not isinstance(value, bool):
             raise ValueError(f"export: {key}={value!r}; it must be true or false")
+    if threshold is not None:
+        try:
+            check_nonnegative(threshold=threshold)
+        except ValueError:
+            raise ValueError(f"export: threshold={threshold!r}; it must be a finite number >= 0, or null for the "
+                             "training run's prune.threshold") from None
     try:
         kind = torch.device(device).type
     except RuntimeError:
@@ -243,16 +249,10 @@ def export_checkpoint(
             compress.CUDAGraphModel, CUDA only, for the total latencies); the saved model stays float32.
     """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    _check_arguments(dtype, stripe_mode, opset, modes_timing, batch_size, repeats, device, choose_stripe_modes,
+    _check_arguments(threshold, dtype, stripe_mode, opset, modes_timing, batch_size, repeats, device, choose_stripe_modes,
                      cuda_graphs, {"fold_bn": fold_bn, "fuse_relu": fuse_relu, "choose_modes": choose_stripe_modes,
                                    "onnx.enabled": onnx, "profile.latency": latency,
                                    "profile.channels_last": channels_last, "profile.cuda_graphs": cuda_graphs})
-    if threshold is not None:
-        try:
-            check_nonnegative(threshold=threshold)
-        except ValueError:
-            raise ValueError(f"export: threshold={threshold!r}; it must be a finite number >= 0, or null for the "
-                             "training run's prune.threshold") from None
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"export: out={out} is a file; give a directory (created if missing)")
