@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from compress._files import launch_path, remove_if_only_hydra
 from compress.export import FILES, export_checkpoint
+from compress.models import import_modules
 from compress.report import render_markdown
 
 
@@ -35,6 +36,7 @@ def export(cfg: DictConfig, out: Path) -> None:
     if OmegaConf.is_missing(cfg, "ckpt"):
         raise ValueError("export: give ckpt=<a train.py checkpoint (<run dir>/checkpoints/last.pt or best.pt) or a "
                          "compact model file>")
+    import_modules(cfg.imports, launch_path("."))  # modules that register your own models
     report = export_checkpoint(
         launch_path(cfg.ckpt),
         out,

@@ -2,7 +2,7 @@
 
 The public surface, imported explicitly (submodules stay importable under their own names):
 
-    create_model, list_models          compress.models
+    create_model, list_models, register_model                         compress.models
     build_data                         compress.data
     SkeletonConv2d, attach_skeletons, swp_update, skeleton_stats     compress.skeleton
     StripeConv2d                       compress.stripe
@@ -17,7 +17,7 @@ from compress.checkpoint import load, save
 from compress.compaction import choose_modes, compact
 from compress.data import build_data
 from compress.graphs import CUDAGraphModel
-from compress.models import create_model, list_models
+from compress.models import create_model, list_models, register_model
 from compress.pix import PiXBlock, apply_pix, downscale_pix, insert_pix
 from compress.profile import compare, profile
 from compress.skeleton import SkeletonConv2d, attach_skeletons, skeleton_stats, swp_update
@@ -40,6 +40,7 @@ __all__ = [
     "list_models",
     "load",
     "profile",
+    "register_model",
     "save",
     "skeleton_stats",
     "swp_update",

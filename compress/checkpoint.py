@@ -223,10 +223,30 @@ def _apply(model: nn.Module, replacements: list[dict], removed: list[str], where
 def _reference(arch: dict, where: str) -> nn.Module:
     from compress.models import create_model
 
+    missing_module = unregistered_module(arch)
+    if missing_module is not None:
+        raise ValueError(f"{where}: {missing_module}")
     try:
         return create_model(arch["name"], **arch["kwargs"])
     except (TypeError, ValueError, RuntimeError) as err:  # RuntimeError: sizes no tensor can have (negative, huge)
         raise ValueError(f"{where}: cannot rebuild the architecture {arch}: {err}") from None
+
+
+def unregistered_module(arch: dict) -> str | None:
+    """What to import for an `arch` (a `compress_arch`) of your own model whose builder is not registered in this
+    process (None when it is registered, or the arch names no module): loading never imports code a file names."""
+    from compress.models._registry import TIMM_PREFIX, registering_module
+
+    name, module = arch.get("name"), arch.get("module")
+    if not isinstance(module, str) or not isinstance(name, str) or name.startswith(TIMM_PREFIX):
+        return None
+    if registering_module(name) is not None:
+        return None
+    if module == "__main__":
+        return (f"the model {name!r} was registered by a script (__main__), so no other process can build it; move its "
+                "@compress.register_model builder into a module, import that module, and save the model again")
+    return (f"the model {name!r} is built by module {module!r}, which this process has not imported (nothing imports "
+            f"code a file names); import it first: `import {module}`, or train.py / export.py imports=[{module}]")
 
 
 def _arch(model: nn.Module) -> dict:

@@ -25,6 +25,7 @@ import operator
 import os
 import random
 import shutil
+import sys
 import time
 import warnings
 from collections.abc import Sequence
@@ -47,7 +48,7 @@ from compress.checkpoint import build_recipe, rebuild_for
 from compress.checkpoint import load as load_compact
 from compress.compaction import check_target_macs
 from compress.data import MAX_SEED, build_data
-from compress.models import TIMM_PREFIX, create_model
+from compress.models import TIMM_PREFIX, create_model, import_modules
 from compress.pix import apply_pix, check_tau
 from compress.skeleton import attach_skeletons, check_nonnegative, skeleton_stats, swp_update
 from compress.stripe import stripe_counts
@@ -519,9 +520,10 @@ def _refuse_added_keys(cfg: DictConfig) -> None:
 
 
 # keys a resumed run may change besides trainer.*: where the data is read from, how many processes load it (other
-# loader worker counts draw other augmentation streams), and the per-process batch sizes (so that a run resumed on
-# another number of processes can keep its global batch: data.EpochSampler gives the same global batches)
-RESUME_MAY_CHANGE = ("data.root", "data.num_workers", "data.batch_size", "data.eval_batch_size")
+# loader worker counts draw other augmentation streams), the per-process batch sizes (so that a run resumed on
+# another number of processes can keep its global batch: data.EpochSampler gives the same global batches), and the
+# modules imported to register models (a checkpoint's own list is never imported: `_resume_config`)
+RESUME_MAY_CHANGE = ("data.root", "data.num_workers", "data.batch_size", "data.eval_batch_size", "imports")
 
 
 def _may_change_on_resume(key: str) -> bool:
@@ -602,6 +604,7 @@ def _resume_config(cfg: DictConfig, run_dir: Path, given: set[str] | None = None
         if ignored:
             say(f"resume: using the checkpoint's settings for {ignored} (a config built in Python changes only "
                 f"trainer.* on resume; {', '.join(RESUME_MAY_CHANGE)} change on train.py's command line)")
+        _require_imported(merged, saved, run_dir, ckpt)
         return merged, ckpt
     conflicts = sorted(
         k for k in given
@@ -621,7 +624,19 @@ def _resume_config(cfg: DictConfig, run_dir: Path, given: set[str] | None = None
                              {"resume": cfg.resume})
     for key in sorted(k for k in given if _may_change_on_resume(k)):
         OmegaConf.update(merged, key, OmegaConf.select(cfg, key), merge=False)
+    _require_imported(merged, saved, run_dir, ckpt)
     return merged, ckpt
+
+
+def _require_imported(merged: DictConfig, saved: DictConfig, run_dir: Path, ckpt: dict) -> None:
+    """ValueError (the run's own config put back in its .hydra/) when a resumed run's `imports`, the modules that
+    register its model, are not imported: only the command line's are, never a list a checkpoint names."""
+    missing = [str(m) for m in merged.get("imports") or [] if str(m) not in sys.modules]
+    if missing:
+        _record_run_config(saved, run_dir, ckpt.get("hydra_record"))
+        raise ValueError(f"resume: the run imported {missing} (imports=) to build its model, and this command did "
+                         f"not; pass imports=[{','.join(missing)}] again (modules a checkpoint names are not imported "
+                         "on their own)")
 
 
 HYDRA_RECORD = ("overrides.yaml", "hydra.yaml")  # the files of Hydra's run record a checkpoint keeps
@@ -805,6 +820,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     dist = setup_distributed(cfg.trainer.device)
     run_dir = _shared_run_dir(Path(run_dir) if run_dir is not None else _hydra_run_dir(), dist)
     _refuse_added_keys(cfg)
+    import_modules(cfg.get("imports"), launch_path("."))  # your own models' modules, before any model is built
     _absolute_paths(cfg)  # as the checkpoint holds them, so that the same command line resumes
     _resolve_auto_resume(cfg, run_dir, dist)
     _refuse_to_overwrite_a_run(cfg, run_dir)

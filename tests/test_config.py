@@ -204,7 +204,7 @@ def test_prune_include_takes_one_pattern_as_a_string(tmp_path):
     ("+model.pretrained=true", r"\+model.pretrained: model has no key 'pretrained', so it would be ignored \(its keys: "
                                r"kwargs, name\).*model arguments go under \+model.kwargs.<name>"),
     ("+epochs=10", r"\+epochs: the config has no top-level key 'epochs', so it would be ignored \(its keys: data, "
-                   r"init, model, optim, pix, prune, resume, trainer\).*optim.epochs"),
+                   r"imports, init, model, optim, pix, prune, resume, trainer\).*optim.epochs"),
     ("+optim.lr_min=0", r"\+optim.lr_min: optim has no key 'lr_min'"),
 ])
 def test_keys_added_with_plus_that_nothing_reads_are_refused(monkeypatch, override, match):

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable
+import importlib
+import re
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import torch.nn as nn
 
-__all__ = ["register_model", "list_models", "create_model"]
+__all__ = ["register_model", "list_models", "create_model", "import_modules"]
 
 TIMM_PREFIX = "timm:"
 
@@ -16,13 +20,65 @@ _entrypoint_module: dict[str, str] = {}
 
 
 def register_model(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
-    """Register `fn` under its function name; `fn(num_classes, in_chans, **kwargs)` builds the model."""
+    """Register `fn` under its function name; `fn(num_classes, in_chans, **kwargs)` builds the model.
+
+    Your own architecture: decorate its builder in an importable module (`my_nets.py`), import that module before
+    `create_model` / `compress.load` (train.py and export.py: `imports=[my_nets]`)."""
     name = fn.__name__
     if name in _entrypoints:
-        raise ValueError(f"register_model: {name!r} is already registered (by {_entrypoint_module[name]})")
+        raise ValueError(f"register_model: {name!r} is already registered (by {_entrypoints[name].__module__})")
     _entrypoints[name] = fn
     _entrypoint_module[name] = fn.__module__.rpartition(".")[2]
     return fn
+
+
+_MODULE_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
+def import_modules(names, search_dir: str | Path) -> list[str]:
+    """Import the Python modules `names` (a module name or a list of them: `my_nets`, `pkg.nets`) so that the models
+    their `@register_model` builders define can be built; `search_dir` (the directory the command was started in)
+    is searched first. Returns the names. Raises ValueError for a name that is not a module name or not found;
+    an error inside the module propagates, with a note naming it."""
+    if names is None or isinstance(names, str):
+        names = [] if names is None else [names]
+    elif isinstance(names, Iterable):
+        names = list(names)
+    else:
+        raise ValueError(f"imports: {names!r} is not a module name or a list of them (imports=[my_nets])")
+    for name in names:
+        if not isinstance(name, str) or not _MODULE_NAME.fullmatch(name):
+            hint = (f" (a file path? give its module name, e.g. {Path(name).with_suffix('').as_posix().replace('/', '.')})"
+                    if isinstance(name, str) and ("/" in name or name.endswith(".py")) else "")
+            raise ValueError(f"imports: {name!r} is not a Python module name{hint}")
+    search_dir = str(Path(search_dir).resolve())
+    if search_dir not in sys.path:
+        sys.path.insert(0, search_dir)
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            if err.name is None or not (name == err.name or name.startswith(err.name + ".")):
+                raise  # the module was found and itself imports something missing
+            raise ValueError(f"imports: no module named {name!r} in {search_dir}, on PYTHONPATH or installed; "
+                             "run the command where the module is, or add its folder to PYTHONPATH") from None
+        except Exception as err:
+            err.add_note(f"(raised while importing {name!r}, named in imports=)")
+            raise
+    return names
+
+
+def _unknown_model(name: str) -> str:
+    return (f"create_model: unknown model {name!r}. Known models: {', '.join(list_models())}; any timm model is "
+            f"accepted as '{TIMM_PREFIX}<name>' (e.g. '{TIMM_PREFIX}resnet18'). Your own model: register its builder "
+            "with @compress.register_model in a module and import that module first (train.py and export.py: "
+            "imports=[module])")
+
+
+def registering_module(name: str) -> str | None:
+    """The module whose `@register_model` defined `name` (full dotted name), None for timm or unknown names."""
+    fn = _entrypoints.get(name)
+    return fn.__module__ if fn is not None else None
 
 
 def list_models(pattern: str = "*", module: str | None = None) -> list[str]:
@@ -60,7 +116,9 @@ def create_model(
 
     Returns:
         The model, with `model.compress_arch = {"name": name, "kwargs": {...}}` such that
-        `create_model(name, **model.compress_arch["kwargs"])` rebuilds the same architecture.
+        `create_model(name, **model.compress_arch["kwargs"])` rebuilds the same architecture; for a model
+        registered outside compress, also "module": the module that registers it (a hint for loading elsewhere:
+        nothing ever imports it on its own).
     """
     if not isinstance(name, str):
         raise ValueError(f"create_model: the model name must be a string, got {name!r}")
@@ -80,12 +138,12 @@ def create_model(
     elif name in _entrypoints:
         model = _entrypoints[name](num_classes=num_classes, in_chans=in_chans, **kwargs)
     else:
-        raise ValueError(
-            f"create_model: unknown model {name!r}. Known models: {', '.join(list_models())}; "
-            f"any timm model is accepted as '{TIMM_PREFIX}<name>' (e.g. '{TIMM_PREFIX}resnet18')."
-        )
+        raise ValueError(_unknown_model(name))
     model.compress_arch = {
         "name": name,
         "kwargs": {"num_classes": num_classes, "input_size": input_size, "in_chans": in_chans, **kwargs},
     }
+    module = registering_module(name)
+    if module is not None and not module.startswith("compress."):  # your own model: where to find its builder
+        model.compress_arch["module"] = module
     return model

@@ -1,0 +1,156 @@
+"""Your own architecture: a model registered in the user's module trains with train.py (imports=), exports, saves and
+loads; nothing imports a module because a file names it."""
+
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+import compress
+from compress.checkpoint import unregistered_module
+from compress.engine import run
+from compress.export import load_training_checkpoint
+from compress.models import create_model, import_modules
+
+ROOT = Path(__file__).resolve().parents[1]
+_serial = itertools.count()
+
+# a user's module: a small ConvNet not in the registry, whose head pools with x.mean
+MODULE = '''
+import torch.nn as nn
+import compress
+
+
+class Net(nn.Module):
+    def __init__(self, num_classes, in_chans, width):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(in_chans, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
+        self.body = nn.Sequential(nn.Conv2d(width, 2 * width, 3, stride=2, padding=1, bias=False),
+                                  nn.BatchNorm2d(2 * width), nn.ReLU())
+        self.head = nn.Linear(2 * width, num_classes)
+
+    def forward(self, x):
+        return self.head(self.body(self.stem(x)).mean((2, 3)))
+
+
+@compress.register_model
+def {name}(num_classes=10, in_chans=3, width=8):
+    return Net(num_classes, in_chans, width)
+'''
+
+
+def _user_module(folder: Path) -> tuple[str, str]:
+    """(module name, model name), unique in this process: a module file in `folder` registering a model."""
+    n = next(_serial)
+    module, model = f"own_nets_{n}", f"own_net_{n}"
+    (folder / f"{module}.py").write_text(MODULE.replace("{name}", model))
+    return module, model
+
+
+TINY = ["data=fake", "data.input_size=8", "data.num_classes=3", "data.train_size=16", "data.test_size=8",
+        "data.batch_size=8", "optim=sgd_multistep", "optim.epochs=2", "optim.milestones=[1]", "prune=swp", "prune.alpha=0.04", "prune.threshold=0.95"]
+
+
+def _compose(*overrides: str):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        return compose("train", overrides=list(overrides))
+
+
+def test_import_modules_registers_the_models_of_a_module_in_the_launch_directory(tmp_path):
+    module, model_name = _user_module(tmp_path)
+    assert import_modules(module, tmp_path) == [module]  # one name may be given as a string
+    model = create_model(model_name, num_classes=4, width=6)
+    assert model.compress_arch == {"name": model_name, "module": module,
+                                   "kwargs": {"num_classes": 4, "input_size": 32, "in_chans": 3, "width": 6}}
+    assert "module" not in create_model("resnet20").compress_arch  # the library's own models name no module
+    assert unregistered_module(model.compress_arch) is None
+
+
+def test_import_modules_errors_name_the_problem(tmp_path):
+    with pytest.raises(ValueError, match=r"'nets/my_nets.py' is not a Python module name.*nets\.my_nets"):
+        import_modules(["nets/my_nets.py"], tmp_path)
+    with pytest.raises(ValueError, match=r"no module named 'not_there_anywhere' in .*PYTHONPATH"):
+        import_modules(["not_there_anywhere"], tmp_path)
+    with pytest.raises(ValueError, match="not a module name or a list of them"):
+        import_modules(5, tmp_path)
+    (tmp_path / "broken_nets_mod.py").write_text("import torch\nraise RuntimeError('bug in the user module')\n")
+    with pytest.raises(RuntimeError, match="bug in the user module") as info:
+        import_modules(["broken_nets_mod"], tmp_path)
+    assert "named in imports=" in " ".join(info.value.__notes__)
+    (tmp_path / "needs_missing_mod.py").write_text("import a_dependency_not_installed\n")
+    with pytest.raises(ModuleNotFoundError, match="a_dependency_not_installed"):  # the module's own import error
+        import_modules(["needs_missing_mod"], tmp_path)
+
+
+def test_an_unregistered_model_names_the_module_to_import():
+    assert "import it first: `import my_nets`" in unregistered_module({"name": "never_registered", "module": "my_nets"})
+    assert "registered by a script (__main__)" in unregistered_module({"name": "never_registered", "module": "__main__"})
+    with pytest.raises(ValueError, match=r"unknown model 'never_registered'.*@compress.register_model.*imports="):
+        create_model("never_registered")
+
+
+def test_own_model_trains_exports_and_resumes_only_with_its_imports(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the launch directory: imports are searched there
+    module, model_name = _user_module(tmp_path)
+    cfg = _compose(*TINY, f"imports=[{module}]", f"model.name={model_name}", "+model.kwargs.width=6",
+                   "trainer.max_steps=1")
+    summary = run(cfg, run_dir=tmp_path / "run")
+    assert summary["steps"] == 1
+    ckpt = tmp_path / "run" / "checkpoints" / "last.pt"
+    model, _ = load_training_checkpoint(ckpt)
+    assert model.compress_arch["module"] == module and model.stem[0].out_channels == 6
+
+    monkeypatch.delitem(sys.modules, module)  # a new process that has not imported it
+    with pytest.raises(ValueError, match=rf"trained with imports=\['{module}'\].*pass imports=\[{module}\] to export"):
+        load_training_checkpoint(ckpt)
+    resume = _compose(*TINY, f"model.name={model_name}", "+model.kwargs.width=6", "resume=true")
+    with pytest.raises(ValueError, match=rf"resume: the run imported \['{module}'\].*pass imports=\[{module}\] again"):
+        run(resume, run_dir=tmp_path / "run")  # a config built in Python: the checkpoint's imports are not run either
+
+
+def test_train_py_and_export_py_take_imports_and_load_names_the_module(tmp_path):
+    """The user's path: train.py and export.py started in the folder of their module; the compact file then loads in
+    a process that imports the module, and in one that does not, fails naming it."""
+    module, model_name = _user_module(tmp_path)
+    train = [sys.executable, str(ROOT / "train.py"), *TINY, f"imports=[{module}]", f"model.name={model_name}",
+             "trainer.max_steps=2", "prune.threshold=0.988", f"hydra.run.dir={tmp_path / 'run'}"]  # about half
+    proc = subprocess.run(train, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    export = [sys.executable, str(ROOT / "export.py"), "ckpt=run/checkpoints/last.pt", "out=exp",
+              "profile.latency=false", "onnx.enabled=false"]
+    proc = subprocess.run([*export, f"imports=[{module}]"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    compact_file = tmp_path / "exp" / "model.compact.safetensors"
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    torch.save(x, tmp_path / "x.pt")
+    script = (f"import sys, torch, compress\nx = torch.load('x.pt')\n"
+              f"try:\n    compress.load('{compact_file}')\nexcept ValueError as err:\n    print('REFUSED', err)\n"
+              f"import {module}\nm = compress.load('{compact_file}').double()\n"
+              "with torch.no_grad():\n    torch.save(m(x), 'y.pt')\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"REFUSED compress.load({compact_file}): the model '{model_name}' is built by module '{module}'" in proc.stdout
+
+    # the compact model computes the trained model with the stripes at or below prune.threshold zeroed (float64)
+    import_modules([module], tmp_path)
+    trained, cfg = load_training_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")
+    trained = trained.double()
+    pruned = 0
+    with torch.no_grad():
+        for conv in (m for m in trained.modules() if isinstance(m, compress.SkeletonConv2d)):
+            drop = conv.skeleton.abs() <= cfg["prune"]["threshold"]
+            conv.skeleton[drop] = 0
+            pruned += int(drop.sum())
+        want = trained(x)
+    got = torch.load(tmp_path / "y.pt")
+    assert 0 < pruned < 162 and want.std() > 0  # 162 stripes: 8 and 16 filters of 9
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max()), (got - want).abs().max()
+    assert compress.load(compact_file).compress_arch["module"] == module
