@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.nn.utils import parametrize
 
 from compress._digest import digest
 from compress._files import atomic_write
@@ -176,11 +177,19 @@ def _build(key: str, config: dict, where: str) -> nn.Module:
         raise ValueError(f"{where}: cannot build {key} from config {config}: {err}") from None
 
 
+def _recorded_class(module: nn.Module):
+    """What `_same` compares of a module's class: a class may stand for its base in the recipe (`recipe_base`, e.g.
+    PiXBottleneck: the same modules and state as torchvision's Bottleneck, another forward; `load` gives it back
+    its class); a parametrised module (weight_norm), whose class torch makes anew at each call, is its class before
+    that with the types of its parametrisations."""
+    if parametrize.is_parametrized(module):
+        kinds = sorted((name, tuple(type(p).__qualname__ for p in plist)) for name, plist in module.parametrizations.items())
+        return parametrize.type_before_parametrizations(module), tuple(kinds)
+    return getattr(type(module), "recipe_base", type(module))
+
+
 def _same(model_mod: nn.Module, ref_mod: nn.Module | None) -> bool:
-    # a class may stand for its base in the recipe (`recipe_base`, e.g. PiXBottleneck: the same modules and
-    # state as torchvision's Bottleneck, another forward); `load` gives it back its class
-    recorded = getattr(type(model_mod), "recipe_base", type(model_mod))
-    if ref_mod is None or recorded is not type(ref_mod):
+    if ref_mod is None or _recorded_class(model_mod) != _recorded_class(ref_mod):
         return False
     key = _type_key(model_mod)
     if key is None:  # no config(): its settings as printed (a pool's size, a Linear's features, a dropout's p)

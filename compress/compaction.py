@@ -56,6 +56,7 @@ from compress.surgery import (
     fold_constant_inputs,
     get_module,
     is_elementwise,
+    read_directly,
     remove_channels,
     replace_module,
     trace,
@@ -202,6 +203,7 @@ def _compact_at(model: nn.Module, threshold: float, fold: bool, multiple: int = 
             replace_module(out, name, m.to_dense())
             pruned.append(name)
     graph = trace(out)
+    direct = set() if graph is None else read_directly(graph)
     if graph is not None:
         chains = find_chains(out, graph)
         while any([_shrink(out, chain, multiple) for chain in chains]):
@@ -211,7 +213,7 @@ def _compact_at(model: nn.Module, threshold: float, fold: bool, multiple: int = 
                 bn = get_module(out, bn_name)
                 fold_bn_into_conv(get_module(out, conv_name), bn)
                 replace_module(out, bn_name, bn_remainder(bn))
-    _to_stripe_convs(out, pruned)
+    _to_stripe_convs(out, pruned, direct)
     if graph is not None:
         for name in _unread_pix_blocks(out):
             replace_module(out, name, ZeroChannels(get_module(out, name).out_channels))
@@ -276,11 +278,14 @@ def _shrink(model: nn.Module, chain: Chain, multiple: int = 1) -> bool:
     return changed
 
 
-def _to_stripe_convs(model: nn.Module, pruned: list[str]) -> None:
+def _to_stripe_convs(model: nn.Module, pruned: list[str], direct: set[str]) -> None:
     """Pruned convs -> StripeConv2d (or stay nn.Conv2d when every stripe is kept); any other groups-1
-    conv whose weight is all zero -> StripeConv2d with no stripe."""
+    conv whose weight is all zero -> StripeConv2d with no stripe. Convs whose weight the forward also reads
+    directly (`direct`, `read_directly`) stay nn.Conv2d: a StripeConv2d holds its weight in another shape."""
     for name, m in list(model.named_modules()):
         if type(m) is not nn.Conv2d or m.groups != 1 or (name not in pruned and not stripe_padding_ok(m)):
+            continue
+        if name in direct:
             continue
         mask = m.weight.detach().abs().amax(1) > 0  # (N, kh, kw)
         if (name in pruned and not bool(mask.all())) or not bool(mask.any()):
@@ -300,9 +305,10 @@ def _fuse_relu(model: nn.Module) -> list[str]:
     if graph is None:
         return []
     calls = Counter(n.target for n in graph.nodes if n.op == "call_module")
+    direct = read_directly(graph)
     fused = []
     for node in graph.nodes:
-        if node.op != "call_module" or calls[node.target] != 1:
+        if node.op != "call_module" or calls[node.target] != 1 or node.target in direct:
             continue
         conv = get_module(model, node.target)
         if type(conv) is not nn.Conv2d and not isinstance(conv, StripeConv2d):

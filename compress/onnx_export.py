@@ -179,7 +179,8 @@ def export_onnx(
                 opset_version=opset,
                 dynamo=False,
             )
-        except torch.onnx.OnnxExporterError as err:  # an op or shape torch.onnx cannot express (not ours)
+        except (torch.onnx.OnnxExporterError, AssertionError) as err:  # what torch.onnx cannot express (not ours; a
+            # BN without running statistics fails an assert in its symbolic)
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ValueError(
                 f"export_onnx: torch.onnx cannot export this model at input size {tuple(input_size)} (opset {opset}): "

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
-from compress.surgery import conv_bn_pairs, conv_config, replace_module
+from compress.surgery import conv_bn_pairs, conv_config, read_directly, replace_module, trace
 
 __all__ = ["SkeletonConv2d", "attach_skeletons", "swp_update", "skeleton_stats"]
 
@@ -137,6 +137,13 @@ def eligible_convs(
                       "stripe convs cannot express (padding_mode reflect/replicate/circular, or an asymmetric 'same') "
                       "gets no skeleton; those layers stay dense", stacklevel=3)
     eligible = [(name, m) for name, m in candidates if name not in padded]
+    graph = trace(model, None) if eligible else None  # an untraceable forward: compaction says so itself
+    direct = sorted(read_directly(graph) & {name for name, _ in eligible}) if graph is not None else []
+    if direct:
+        warnings.warn(f"attach_skeletons: {', '.join(direct[:5])}{', ...' if len(direct) > 5 else ''}: the forward "
+                      "also reads the weight of these convs directly (as F.conv2d(x, conv.weight)), where a skeleton "
+                      "would not act; they get none, and compaction leaves them as they are", stacklevel=3)
+    eligible = [(name, m) for name, m in eligible if name not in direct]
     shared = [names_of[id(m)] for _, m in eligible if len(names_of[id(m)]) > 1]
     if shared:
         warnings.warn(f"attach_skeletons: {', '.join(' = '.join(n) for n in shared)}: one conv under several names "

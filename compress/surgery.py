@@ -23,6 +23,7 @@ __all__ = [
     "trace",
     "find_chains",
     "conv_bn_pairs_traced",
+    "read_directly",
     "bn_remainder",
     "chain_constants",
     "consumer_columns",
@@ -126,19 +127,21 @@ class _Tracer(fx.Tracer):
         )
 
 
-def trace(model: nn.Module, consequence: str = "dead filters are kept and BatchNorm is not folded") -> fx.Graph | None:
-    """The torch.fx graph of `model` traced in eval mode, or None (with a warning saying the `consequence`) if
-    tracing fails."""
+def trace(model: nn.Module, consequence: str | None = "dead filters are kept and BatchNorm is not folded"
+          ) -> fx.Graph | None:
+    """The torch.fx graph of `model` traced in eval mode, or None (with a warning saying the `consequence`; none
+    when it is None) if tracing fails."""
     was_training = model.training
     model.eval()
     try:
         return _Tracer().trace(model)
     except Exception as err:  # any tracing failure means: no graph-based surgery
-        warnings.warn(
-            f"torch.fx cannot trace {type(model).__name__} ({type(err).__name__}: {err}); {consequence}. Make "
-            "the forward traceable to enable that.",
-            stacklevel=3,
-        )
+        if consequence is not None:
+            warnings.warn(
+                f"torch.fx cannot trace {type(model).__name__} ({type(err).__name__}: {err}); {consequence}. Make "
+                "the forward traceable to enable that.",
+                stacklevel=3,
+            )
         return None
     finally:
         model.train(was_training)
@@ -155,14 +158,26 @@ def _module_calls(graph: fx.Graph) -> Counter:
     return Counter(n.target for n in graph.nodes if n.op == "call_module")
 
 
-def _channelwise_step(model: nn.Module, node: fx.Node, src: fx.Node, channels: int, calls: Counter):
+def read_directly(graph: fx.Graph) -> set[str]:
+    """Names of the modules whose parameters or buffers the forward reads itself (fx `get_attr` nodes, as in
+    `F.conv2d(x, self.conv.weight)`), not only by calling the module. Surgery leaves them alone: a skeleton, a folded
+    BN or removed channels would change, or break, what those reads see."""
+    return {n.target.rpartition(".")[0] for n in graph.nodes if n.op == "get_attr"}
+
+
+def _once(calls: Counter, direct: set[str], name: str) -> bool:
+    """Whether module `name` is called once and its tensors are read only through that call."""
+    return calls[name] == 1 and name not in direct
+
+
+def _channelwise_step(model: nn.Module, node: fx.Node, src: fx.Node, channels: int, calls: Counter, direct: set[str]):
     if not _only_input(node, src):
         return None
     args, kwargs = tuple(node.args[1:]), dict(node.kwargs)
     if node.op == "call_module":
         m = model.get_submodule(node.target)
         if isinstance(m, nn.BatchNorm2d):  # in eval mode a fixed per-channel map, unless it keeps no statistics
-            ok = m.num_features == channels and calls[node.target] == 1 and m.running_mean is not None
+            ok = m.num_features == channels and _once(calls, direct, node.target) and m.running_mean is not None
             return Step("module", node.target) if ok else None
         if isinstance(m, _ELEMENTWISE_MODULES):
             return Step("module", node.target)
@@ -198,8 +213,9 @@ def _is_flatten(node: fx.Node) -> bool:
     return start == 1 and end == -1
 
 
-def _consumer(model: nn.Module, node: fx.Node, src: fx.Node, channels: int, calls: Counter, cls) -> bool:
-    if node.op != "call_module" or node.args != (src,) or node.kwargs or calls[node.target] != 1:
+def _consumer(model: nn.Module, node: fx.Node, src: fx.Node, channels: int, calls: Counter, direct: set[str],
+              cls) -> bool:
+    if node.op != "call_module" or node.args != (src,) or node.kwargs or not _once(calls, direct, node.target):
         return False
     m = model.get_submodule(node.target)
     if cls is nn.Linear:
@@ -207,22 +223,22 @@ def _consumer(model: nn.Module, node: fx.Node, src: fx.Node, channels: int, call
     return type(m) is nn.Conv2d and m.groups == 1 and m.in_channels == channels
 
 
-def _chain_from(model: nn.Module, node: fx.Node, calls: Counter) -> Chain | None:
+def _chain_from(model: nn.Module, node: fx.Node, calls: Counter, direct: set[str]) -> Chain | None:
     channels = model.get_submodule(node.target).out_channels
     steps, cur = [], node
     while True:
         users = list(cur.users)
-        if users and all(_consumer(model, u, cur, channels, calls, nn.Conv2d) for u in users):
+        if users and all(_consumer(model, u, cur, channels, calls, direct, nn.Conv2d) for u in users):
             return Chain(node.target, steps, [u.target for u in users])
         if len(users) != 1:
             return None
         (user,) = users
         if _is_flatten(user) and _only_input(user, cur):
             linear = list(user.users)
-            if len(linear) == 1 and _consumer(model, linear[0], user, channels, calls, nn.Linear):
+            if len(linear) == 1 and _consumer(model, linear[0], user, channels, calls, direct, nn.Linear):
                 return Chain(node.target, steps, [linear[0].target])
             return None
-        step = _channelwise_step(model, user, cur, channels, calls)
+        step = _channelwise_step(model, user, cur, channels, calls, direct)
         if step is None:
             return None
         steps.append(step)
@@ -233,16 +249,17 @@ def find_chains(model: nn.Module, graph: fx.Graph) -> list[Chain]:
     """Chains of every Conv2d (groups 1, called once) whose output channels can be removed, in graph order.
 
     Never returns a conv feeding a residual add, a concatenation or anything but channel-wise ops
-    (BN, activations, dropout, max/adaptive pools) followed by convs or flatten -> Linear.
+    (BN, activations, dropout, max/adaptive pools) followed by convs or flatten -> Linear, nor a chain through a
+    module whose tensors the forward also reads directly (`read_directly`).
     """
-    calls = _module_calls(graph)
+    calls, direct = _module_calls(graph), read_directly(graph)
     chains = []
     for node in graph.nodes:
-        if node.op != "call_module" or calls[node.target] != 1:
+        if node.op != "call_module" or not _once(calls, direct, node.target):
             continue
         m = model.get_submodule(node.target)
         if type(m) is nn.Conv2d and m.groups == 1:
-            chain = _chain_from(model, node, calls)
+            chain = _chain_from(model, node, calls, direct)
             if chain is not None:
                 chains.append(chain)
     return chains
@@ -286,17 +303,18 @@ def foldable_conv(conv: nn.Module) -> bool:
 
 def conv_bn_pairs_traced(model: nn.Module, graph: fx.Graph, foldable: bool = True) -> dict[str, str]:
     """Map each Conv2d (called once) whose only user is a BatchNorm2d (called once) to that BN's name; with
-    `foldable`, only pairs that fold: a `foldable_conv` and a BN that `bn_remainder` can fold."""
-    calls = _module_calls(graph)
+    `foldable`, only pairs that fold: a `foldable_conv` and a BN that `bn_remainder` can fold. Neither may have
+    tensors the forward also reads directly (`read_directly`)."""
+    calls, direct = _module_calls(graph), read_directly(graph)
     pairs = {}
     for node in graph.nodes:
-        if node.op != "call_module" or calls[node.target] != 1:
+        if node.op != "call_module" or not _once(calls, direct, node.target):
             continue
         conv = model.get_submodule(node.target)
         if not isinstance(conv, nn.Conv2d) or (foldable and not foldable_conv(conv)) or len(node.users) != 1:
             continue
         (user,) = node.users
-        if user.op == "call_module" and user.args == (node,) and calls[user.target] == 1:
+        if user.op == "call_module" and user.args == (node,) and _once(calls, direct, user.target):
             bn = model.get_submodule(user.target)
             if isinstance(bn, nn.BatchNorm2d) and (not foldable or bn_remainder(bn) is not None):
                 pairs[node.target] = user.target

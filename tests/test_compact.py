@@ -490,3 +490,66 @@ def test_convs_with_padding_stripes_cannot_express_get_no_skeleton():
     out = compact(model.eval())
     assert isinstance(out[1], StripeConv2d) and type(out[2]) is nn.Conv2d
     torch.testing.assert_close(out(x), model(x), rtol=1e-6, atol=1e-6)
+
+
+class _ReadsWeights(nn.Module):
+    """Convs whose tensors the forward also reads itself: conv2's weight (a 3x3 conv that could get a skeleton),
+    proj's weight with its BN after it (a 1x1 conv BN would fold into), and b's weight (the consumer of a's
+    channels, which dead filters of a would slice)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.proj = nn.Conv2d(8, 8, 1, bias=False)
+        self.bn = nn.BatchNorm2d(8)
+        self.a = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.b = nn.Conv2d(8, 8, 3, padding=1)
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x):
+        x = torch.relu(self.conv1(x))
+        x = torch.relu(torch.nn.functional.conv2d(x, self.conv2.weight, self.conv2.bias, padding=1)) + self.conv2(x)
+        x = torch.relu(self.bn(self.proj(x))) + torch.nn.functional.conv2d(x, self.proj.weight)
+        x = self.b(torch.relu(self.a(x))) + torch.nn.functional.conv2d(x, self.b.weight, padding=1)
+        return self.fc(x.mean((2, 3)))
+
+
+def test_convs_whose_weights_the_forward_reads_directly_are_left_alone():
+    """A conv whose weight the forward also reads (F.conv2d(x, conv.weight)) gets no skeleton (it had no effect on
+    that read: compaction then changed the function, or crashed with the stripe weight's shape), no BN folded into
+    it, and no channels removed as the consumer of dead filters (crashed); the compact model stays exact."""
+    torch.manual_seed(0)
+    model = _ReadsWeights().double()
+    _randomize_bn(model, torch.Generator().manual_seed(1))
+    with pytest.warns(UserWarning, match=r"attach_skeletons: b, conv2: the forward also reads the weight"):
+        assert attach_skeletons(model) == ["conv1", "a"]
+    with torch.no_grad():
+        model.conv1.skeleton[:, 0] = 0  # stripes pruned
+        model.a.skeleton[:3] = 0  # dead filters, whose channels b (read directly) must keep
+    model.eval()
+    x = torch.randn(2, 3, 10, 10, dtype=torch.float64)
+    for fold in (False, True):
+        out = compact(model, fold_bn=fold)
+        assert type(out.conv2) is nn.Conv2d and type(out.proj) is nn.Conv2d and isinstance(out.bn, nn.BatchNorm2d)
+        assert out.b.in_channels == 8 and isinstance(out.conv1, StripeConv2d)
+        torch.testing.assert_close(out(x), model(x), rtol=1e-12, atol=1e-12)
+
+
+@compress.register_model
+def _test_weight_norm_net(num_classes=10, in_chans=3):
+    return nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Conv2d(in_chans, 8, 3, padding=1)), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, num_classes))
+
+
+def test_a_weight_norm_conv_saves_and_loads(tmp_path):
+    """torch makes a new class for each parametrised module, so a weight_norm conv never equalled the rebuilt
+    architecture's and save refused every model holding one."""
+    model = create_model("_test_weight_norm_net", num_classes=4)
+    with torch.no_grad():
+        model[0].parametrizations.weight.original0.uniform_(0.5, 2)  # g, unlike its initial value
+    x = torch.randn(2, 3, 8, 8)
+    path = save(model.eval(), tmp_path / "wn.safetensors")
+    again = load(path)
+    assert torch.nn.utils.parametrize.is_parametrized(again[0])
+    assert torch.equal(again(x), model(x))

@@ -100,6 +100,10 @@ def test_onnx_export_of_an_op_torch_onnx_lacks_says_how_to_export_without_it(tmp
     with pytest.raises(ValueError, match=r"cannot export this model at input size \(3, 16, 16\) \(opset 17\): "
                                          r"Exporting the operator 'aten::_upsample_bilinear2d_aa'.*onnx.enabled=false"):
         export_onnx(Resized().eval(), tmp_path / "m.onnx", (3, 16, 16))
+    # a BN without running statistics fails an assert in torch.onnx's symbolic: the same error, not a bare assert
+    no_stats = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, track_running_stats=False)).eval()
+    with pytest.raises(ValueError, match=r"cannot export this model .*batch_size and channel_size.*onnx.enabled=false"):
+        export_onnx(no_stats, tmp_path / "m.onnx", (3, 16, 16))
 
 
 def test_onnx_shift_mode_uses_no_stripe_ops(tmp_path):

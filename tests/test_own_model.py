@@ -154,3 +154,17 @@ def test_train_py_and_export_py_take_imports_and_load_names_the_module(tmp_path)
     assert 0 < pruned < 162 and want.std() > 0  # 162 stripes: 8 and 16 filters of 9
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max()), (got - want).abs().max()
     assert compress.load(compact_file).compress_arch["module"] == module
+
+
+def test_a_definition_run_again_replaces_itself_and_another_of_the_same_name_is_refused():
+    """A notebook cell run twice registers the same builder again; a different function under a taken name (or a
+    library model's name) is refused."""
+    source = "import compress\n@compress.register_model\ndef rerun_net(num_classes=10, in_chans=3, width=2):\n" \
+             "    return __import__('torch').nn.Conv2d(in_chans, width, 3)\n"
+    for width_default in (2, 5):  # the second run redefines it: the new definition is the one built
+        exec(source.replace("width=2", f"width={width_default}"), {"__name__": "notebook_cell"})
+        assert create_model("rerun_net").out_channels == width_default
+    with pytest.raises(ValueError, match=r"'rerun_net' is already registered \(by notebook_cell\); give yours another"):
+        exec(source, {"__name__": "another_module"})
+    with pytest.raises(ValueError, match="'resnet56' is already registered"):
+        exec(source.replace("rerun_net", "resnet56"), {"__name__": "notebook_cell"})

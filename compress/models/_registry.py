@@ -23,10 +23,14 @@ def register_model(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
     """Register `fn` under its function name; `fn(num_classes, in_chans, **kwargs)` builds the model.
 
     Your own architecture: decorate its builder in an importable module (`my_nets.py`), import that module before
-    `create_model` / `compress.load` (train.py and export.py: `imports=[my_nets]`)."""
+    `create_model` / `compress.load` (train.py and export.py: `imports=[my_nets]`). The same definition run again
+    (a notebook cell, a reloaded module) replaces its earlier self; another function of a registered name is an
+    error."""
     name = fn.__name__
-    if name in _entrypoints:
-        raise ValueError(f"register_model: {name!r} is already registered (by {_entrypoints[name].__module__})")
+    old = _entrypoints.get(name)
+    if old is not None and (old.__module__, old.__qualname__) != (fn.__module__, fn.__qualname__):
+        raise ValueError(f"register_model: {name!r} is already registered (by {old.__module__}); give yours another "
+                         "name")
     _entrypoints[name] = fn
     _entrypoint_module[name] = fn.__module__.rpartition(".")[2]
     return fn
