@@ -241,21 +241,27 @@ def _reference(arch: dict, where: str) -> nn.Module:
         raise ValueError(f"{where}: cannot rebuild the architecture {arch}: {err}") from None
 
 
-def unregistered_module(arch: dict) -> str | None:
-    """What to import for an `arch` (a `compress_arch`) of your own model whose builder is not registered in this
-    process (None when it is registered, or the arch names no module): loading never imports code a file names."""
+def unregistered_module(arch: dict, imports: list[str] = ()) -> str | None:
+    """What to import for an `arch` (a `compress_arch`) whose builder is not registered in this process: the module
+    it records (your own model's), else the `imports` its run used; None when it is registered (or timm's), or when
+    nothing says where it comes from (create_model's own error lists the known models). Loading never imports code
+    a file names, so this only says what to import."""
     from compress.models._registry import TIMM_PREFIX, registering_module
 
     name, module = arch.get("name"), arch.get("module")
-    if not isinstance(module, str) or not isinstance(name, str) or name.startswith(TIMM_PREFIX):
-        return None
-    if registering_module(name) is not None:
+    if not isinstance(name, str) or name.startswith(TIMM_PREFIX) or registering_module(name) is not None:
         return None
     if module == "__main__":
         return (f"the model {name!r} was registered by a script (__main__), so no other process can build it; move its "
                 "@compress.register_model builder into a module, import that module, and save the model again")
-    return (f"the model {name!r} is built by module {module!r}, which this process has not imported (nothing imports "
-            f"code a file names); import it first: `import {module}`, or train.py / export.py imports=[{module}]")
+    if isinstance(module, str):
+        return (f"the model {name!r} is built by module {module!r}, which this process has not imported (nothing "
+                f"imports code a file names); import it first: `import {module}`, or train.py / export.py "
+                f"imports=[{module}]")
+    if imports:
+        return (f"the model {name!r} is not registered in this process; its run imported {list(imports)}: pass "
+                f"imports=[{','.join(imports)}] (nothing imports code a file names)")
+    return None
 
 
 def _arch(model: nn.Module) -> dict:

@@ -25,7 +25,6 @@ import operator
 import os
 import random
 import shutil
-import sys
 import time
 import warnings
 from collections.abc import Sequence
@@ -44,11 +43,11 @@ from compress._files import atomic_write, launch_path, remove_if_only_hydra
 from compress._logging import RunLogger, format_summary, progress, say
 from compress._macs import estimate_macs
 from compress._trainstate import atomic_save, load_checkpoint, rng_state, set_rng_state
-from compress.checkpoint import build_recipe, rebuild_for
+from compress.checkpoint import build_recipe, rebuild_for, unregistered_module
 from compress.checkpoint import load as load_compact
 from compress.compaction import check_target_macs
 from compress.data import MAX_SEED, build_data
-from compress.models import TIMM_PREFIX, create_model, import_modules
+from compress.models import TIMM_PREFIX, create_model, import_modules, module_names
 from compress.pix import apply_pix, check_tau
 from compress.skeleton import attach_skeletons, check_nonnegative, skeleton_stats, swp_update
 from compress.stripe import stripe_counts
@@ -522,7 +521,7 @@ def _refuse_added_keys(cfg: DictConfig) -> None:
 # keys a resumed run may change besides trainer.*: where the data is read from, how many processes load it (other
 # loader worker counts draw other augmentation streams), the per-process batch sizes (so that a run resumed on
 # another number of processes can keep its global batch: data.EpochSampler gives the same global batches), and the
-# modules imported to register models (a checkpoint's own list is never imported: `_resume_config`)
+# modules imported to register models (a checkpoint's own list is never imported: `_require_model`)
 RESUME_MAY_CHANGE = ("data.root", "data.num_workers", "data.batch_size", "data.eval_batch_size", "imports")
 
 
@@ -604,7 +603,7 @@ def _resume_config(cfg: DictConfig, run_dir: Path, given: set[str] | None = None
         if ignored:
             say(f"resume: using the checkpoint's settings for {ignored} (a config built in Python changes only "
                 f"trainer.* on resume; {', '.join(RESUME_MAY_CHANGE)} change on train.py's command line)")
-        _require_imported(merged, saved, run_dir, ckpt)
+        _require_model(merged, saved, run_dir, ckpt)
         return merged, ckpt
     conflicts = sorted(
         k for k in given
@@ -624,19 +623,19 @@ def _resume_config(cfg: DictConfig, run_dir: Path, given: set[str] | None = None
                              {"resume": cfg.resume})
     for key in sorted(k for k in given if _may_change_on_resume(k)):
         OmegaConf.update(merged, key, OmegaConf.select(cfg, key), merge=False)
-    _require_imported(merged, saved, run_dir, ckpt)
+    _require_model(merged, saved, run_dir, ckpt)
     return merged, ckpt
 
 
-def _require_imported(merged: DictConfig, saved: DictConfig, run_dir: Path, ckpt: dict) -> None:
-    """ValueError (the run's own config put back in its .hydra/) when a resumed run's `imports`, the modules that
-    register its model, are not imported: only the command line's are, never a list a checkpoint names."""
-    missing = [str(m) for m in merged.get("imports") or [] if str(m) not in sys.modules]
-    if missing:
+def _require_model(merged: DictConfig, saved: DictConfig, run_dir: Path, ckpt: dict) -> None:
+    """ValueError (the run's own record put back in its .hydra/) when the resumed run's model is not registered in
+    this process, naming the module to import: only the command line's `imports` are imported, never a list a
+    checkpoint names."""
+    arch = ckpt.get("arch") or {"name": _model_name(merged.model)}
+    missing = unregistered_module(arch, module_names(merged.get("imports")))
+    if missing is not None:
         _record_run_config(saved, run_dir, ckpt.get("hydra_record"))
-        raise ValueError(f"resume: the run imported {missing} (imports=) to build its model, and this command did "
-                         f"not; pass imports=[{','.join(missing)}] again (modules a checkpoint names are not imported "
-                         "on their own)")
+        raise ValueError(f"resume: {missing}")
 
 
 HYDRA_RECORD = ("overrides.yaml", "hydra.yaml")  # the files of Hydra's run record a checkpoint keeps
@@ -740,14 +739,15 @@ def _model_name(model_cfg: DictConfig) -> str:
 
 def _check_input_size(raw: nn.Module, data, device: torch.device) -> None:
     """One eval forward of a random image of the data's size, so that a model that cannot take it fails here with
-    the data key named (not at the first training step with a bare shape error)."""
+    the data key named (not at the first training step with a bare shape error), and one whose logits are not the
+    data's classes (a builder of your own that ignores num_classes) is refused."""
     gen = torch.Generator().manual_seed(0)  # a private generator: the check never moves the training RNG streams
     x = torch.randn(1, data.in_chans, data.input_size, data.input_size, generator=gen).to(device)
     was_training = raw.training
     raw.eval()
     try:
         with torch.no_grad():
-            raw(x)
+            logits = raw(x)
     except (RuntimeError, ValueError, AssertionError) as err:
         first = (str(err).splitlines() or [type(err).__name__])[0]
         raise ValueError(
@@ -757,6 +757,10 @@ def _check_input_size(raw: nn.Module, data, device: torch.device) -> None:
         ) from err
     finally:
         raw.train(was_training)
+    if not (isinstance(logits, torch.Tensor) and tuple(logits.shape) == (1, data.num_classes)):
+        shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise ValueError(f"the model gives {shape} for one image, not (1, {data.num_classes}): logits of the data's "
+                         f"{data.num_classes} classes; a model builder must use its num_classes argument")
 
 
 def _patterns(value) -> list[str] | None:
@@ -828,12 +832,6 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     cfg, ckpt = _resume_config(cfg, run_dir, given)
     _check_config(cfg, ckpt)
     hydra_record = _hydra_record(run_dir) if dist.is_main else None  # this command's, kept in its checkpoints
-    if cfg.init is not None and ckpt is None and dist.is_main and any(k.startswith("prune") for k in given or ()):
-        say(f"note: the prune settings have no effect with init={cfg.init}: a compact model fine-tunes its kept "
-            "stripes, and no skeletons are attached")
-    if "pix.tau" in (given or ()) and cfg.pix.zeta is None and dist.is_main:
-        say(f"note: pix.tau={cfg.pix.tau} has no effect without pix.zeta (no PiX blocks"
-            + (f" are added; init={cfg.init} keeps its own)" if cfg.init is not None else ")"))
     if ckpt is None and "seed" not in cfg.data:  # trainer.seed also seeds the data order, worker seeds, fake data
         with open_dict(cfg):
             cfg.data.seed = cfg.trainer.seed
@@ -843,6 +841,13 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
 
     data = build_data(cfg.data, rank=dist.rank, world_size=dist.world_size)
     raw = _build_model(cfg, data, ckpt)
+    # notes after the model is built: a command refused before (an init= file that does not load) leaves no run dir
+    if cfg.init is not None and ckpt is None and dist.is_main and any(k.startswith("prune") for k in given or ()):
+        say(f"note: the prune settings have no effect with init={cfg.init}: a compact model fine-tunes its kept "
+            "stripes, and no skeletons are attached")
+    if "pix.tau" in (given or ()) and cfg.pix.zeta is None and dist.is_main:
+        say(f"note: pix.tau={cfg.pix.tau} has no effect without pix.zeta (no PiX blocks"
+            + (f" are added; init={cfg.init} keeps its own)" if cfg.init is not None else ")"))
     if cfg.init is not None and ckpt is None and dist.is_main and (getattr(raw, "compress_compaction", None) or {}).get("fold_bn"):
         say(
             f"note: init={cfg.init} has its BatchNorms folded into its convs (export's default fold_bn=true), so it "

@@ -12,7 +12,6 @@ import copy
 import json
 import os
 import shutil
-import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -25,7 +24,7 @@ from compress.checkpoint import load, rebuild_for, unregistered_module
 from compress.checkpoint import save as save_compact
 from compress.compaction import choose_modes, compact
 from compress.graphs import CUDAGraphModel
-from compress.models import create_model
+from compress.models import create_model, module_names
 from compress.onnx_export import STRIPE_MODES, check_onnx, export_onnx
 from compress.pix import apply_pix
 from compress.profile import measure_latencies, profile
@@ -71,16 +70,12 @@ def load_training_checkpoint(path: str | os.PathLike) -> tuple[nn.Module, dict]:
     path = Path(path)
     state = load_checkpoint(path, hint="pass ckpt=<run dir>/checkpoints/last.pt (or a compact .safetensors file)")
     cfg = state["config"]
-    missing = [str(m) for m in cfg.get("imports") or [] if str(m) not in sys.modules]
-    if missing:
-        raise ValueError(f"export: {path} was trained with imports={missing} (the modules that register its model), "
-                         f"which this process has not imported; pass imports=[{','.join(missing)}] to export.py "
-                         "(modules a checkpoint names are not imported on their own)")
+    arch = dict(state.get("arch") or _arch_from_config(cfg, path))  # a fine-tuning run's: its compact model's
+    missing = unregistered_module(arch, module_names(cfg.get("imports")))
+    if missing is not None:
+        raise ValueError(f"export: {path}: {missing}")
     if cfg.get("init"):  # a fine-tuning run of a compact model: its structure is that file's
         return _fine_tuned(path, state, str(cfg["init"])), cfg
-    arch = dict(state.get("arch") or _arch_from_config(cfg, path))
-    if unregistered_module(arch) is not None:
-        raise ValueError(f"export: {path}: {unregistered_module(arch)}")
     pix = cfg.get("pix") or {}
     if "pix" not in arch and pix.get("zeta") is not None:  # checkpoints whose arch predates its "pix" entry
         arch["pix"] = {"zeta": int(pix["zeta"]), "tau": float(pix.get("tau", 0.5))}

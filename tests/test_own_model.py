@@ -16,6 +16,7 @@ from compress.checkpoint import unregistered_module
 from compress.engine import run
 from compress.export import load_training_checkpoint
 from compress.models import create_model, import_modules
+from compress.models._registry import _entrypoints
 
 ROOT = Path(__file__).resolve().parents[1]
 _serial = itertools.count()
@@ -83,8 +84,14 @@ def test_import_modules_errors_name_the_problem(tmp_path):
         import_modules(["broken_nets_mod"], tmp_path)
     assert "named in imports=" in " ".join(info.value.__notes__)
     (tmp_path / "needs_missing_mod.py").write_text("import a_dependency_not_installed\n")
-    with pytest.raises(ModuleNotFoundError, match="a_dependency_not_installed"):  # the module's own import error
+    with pytest.raises(ModuleNotFoundError, match="a_dependency_not_installed") as info:  # the module's own error
         import_modules(["needs_missing_mod"], tmp_path)
+    assert "'needs_missing_mod', named in imports=" in " ".join(info.value.__notes__)
+    (tmp_path / "file_given_mod.py").write_text("raise RuntimeError('a file path must not be imported')\n")
+    with pytest.raises(ValueError, match=r"'file_given_mod.py' is not a Python module name.*imports=\[file_given_mod\]"):
+        import_modules(["file_given_mod.py"], tmp_path)
+    with pytest.raises(ValueError, match=r"'/abs/nets.py' is not a Python module name.*add its folder to PYTHONPATH"):
+        import_modules("/abs/nets.py", tmp_path)
 
 
 def test_an_unregistered_model_names_the_module_to_import():
@@ -105,12 +112,49 @@ def test_own_model_trains_exports_and_resumes_only_with_its_imports(tmp_path, mo
     model, _ = load_training_checkpoint(ckpt)
     assert model.compress_arch["module"] == module and model.stem[0].out_channels == 6
 
-    monkeypatch.delitem(sys.modules, module)  # a new process that has not imported it
-    with pytest.raises(ValueError, match=rf"trained with imports=\['{module}'\].*pass imports=\[{module}\] to export"):
+    monkeypatch.delitem(_entrypoints, model_name)  # a new process that has not imported the module
+    with pytest.raises(ValueError, match=rf"export: .*last.pt: the model '{model_name}' is built by module '{module}', "
+                                         rf"which this process has not imported.*imports=\[{module}\]"):
         load_training_checkpoint(ckpt)
     resume = _compose(*TINY, f"model.name={model_name}", "+model.kwargs.width=6", "resume=true")
-    with pytest.raises(ValueError, match=rf"resume: the run imported \['{module}'\].*pass imports=\[{module}\] again"):
+    with pytest.raises(ValueError, match=rf"resume: the model '{model_name}' is built by module '{module}'"):
         run(resume, run_dir=tmp_path / "run")  # a config built in Python: the checkpoint's imports are not run either
+    # a checkpoint older than the arch's "module" names the run's imports instead
+    state = torch.load(ckpt, weights_only=True)
+    del state["arch"]["module"], state["sha256"]  # (an edited file drops its digest: files before digests load)
+    torch.save(state, tmp_path / "old.pt")
+    with pytest.raises(ValueError, match=rf"'{model_name}' is not registered in this process; its run imported "
+                                         rf"\['{module}'\]: pass imports=\[{module}\]"):
+        load_training_checkpoint(tmp_path / "old.pt")
+
+
+def test_imports_of_a_run_of_a_library_model_are_not_needed_again_and_a_bare_name_is_a_list(tmp_path, monkeypatch):
+    """imports= given to a run of a library model: resume and export need not repeat it. A single module given as a
+    bare string is one module name (not its letters) when resume and export read the run's config back."""
+    monkeypatch.chdir(tmp_path)
+    module, _ = _user_module(tmp_path)
+    cfg = _compose(*TINY, f"imports={module}", "model=resnet20", "trainer.max_steps=1")
+    run(cfg, run_dir=tmp_path / "run")
+    saved = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["config"]
+    assert saved["imports"] == module
+    model, _ = load_training_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")
+    assert model.compress_arch["name"] == "resnet20"
+    assert run(_compose(*TINY, "resume=true", "trainer.max_steps=2"), run_dir=tmp_path / "run")["steps"] == 2
+
+
+def test_builders_that_return_no_module_or_ignore_num_classes_are_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "odd_builders_mod.py").write_text(
+        "import torch.nn as nn, compress\n"
+        "@compress.register_model\ndef returns_a_string(num_classes=10, in_chans=3):\n    return 'a model'\n"
+        "@compress.register_model\ndef fixed_classes(num_classes=10, in_chans=3):\n"
+        "    return nn.Sequential(nn.Conv2d(in_chans, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 7))\n")
+    import_modules(["odd_builders_mod"], tmp_path)
+    with pytest.raises(ValueError, match=r"builder odd_builders_mod.returns_a_string returned a str, not a torch.nn"):
+        create_model("returns_a_string")
+    cfg = _compose(*TINY, "model.name=fixed_classes", "trainer.max_steps=1")
+    with pytest.raises(ValueError, match=r"gives \(1, 7\) for one image, not \(1, 3\).*must use its num_classes"):
+        run(cfg, run_dir=tmp_path / "run")
 
 
 def test_train_py_and_export_py_take_imports_and_load_names_the_module(tmp_path):
@@ -126,6 +170,12 @@ def test_train_py_and_export_py_take_imports_and_load_names_the_module(tmp_path)
     proc = subprocess.run([*export, f"imports=[{module}]"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     compact_file = tmp_path / "exp" / "model.compact.safetensors"
+    # fine-tuning it without imports=: refused naming the module, before any note, so no run dir is left behind
+    refused = [*train[:2], "data=fake", "data.input_size=8", "data.num_classes=3", "prune.alpha=0.1",
+               f"init={compact_file}", f"hydra.run.dir={tmp_path / 'refused'}"]
+    proc = subprocess.run(refused, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and f"is built by module '{module}'" in proc.stderr
+    assert "note:" not in proc.stdout and not (tmp_path / "refused").exists()
 
     torch.manual_seed(0)
     x = torch.randn(2, 3, 8, 8, dtype=torch.float64)

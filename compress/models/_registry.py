@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch.nn as nn
 
-__all__ = ["register_model", "list_models", "create_model", "import_modules"]
+__all__ = ["register_model", "list_models", "create_model", "import_modules", "module_names"]
 
 TIMM_PREFIX = "timm:"
 
@@ -39,22 +39,33 @@ def register_model(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
 _MODULE_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 
-def import_modules(names, search_dir: str | Path) -> list[str]:
-    """Import the Python modules `names` (a module name or a list of them: `my_nets`, `pkg.nets`) so that the models
+def module_names(value) -> list[str]:
+    """`imports=` as a list of module names: one name (a string) or a list of them; ValueError for anything else,
+    a file path included (with the module name to give instead)."""
+    if value is None or isinstance(value, str):
+        names = [] if value is None else [value]
+    elif isinstance(value, Iterable):
+        names = list(value)
+    else:
+        raise ValueError(f"imports: {value!r} is not a module name or a list of them (imports=[my_nets])")
+    for name in names:
+        if not isinstance(name, str) or not _MODULE_NAME.fullmatch(name) or name.endswith(".py"):
+            hint = ""
+            if isinstance(name, str) and ("/" in name or name.endswith(".py")):
+                path = Path(name).with_suffix("")
+                dotted = ".".join(path.parts) if not path.is_absolute() and ".." not in path.parts else None
+                hint = (f" (a file path? give its module name, e.g. imports=[{dotted}], run where it is" if dotted else
+                        " (a file path? give its module name, and add its folder to PYTHONPATH") + ")"
+            raise ValueError(f"imports: {name!r} is not a Python module name{hint}")
+    return [str(name) for name in names]
+
+
+def import_modules(value, search_dir: str | Path) -> list[str]:
+    """Import the Python modules `value` names (`module_names`: `my_nets`, `[my_nets, pkg.nets]`) so that the models
     their `@register_model` builders define can be built; `search_dir` (the directory the command was started in)
     is searched first. Returns the names. Raises ValueError for a name that is not a module name or not found;
-    an error inside the module propagates, with a note naming it."""
-    if names is None or isinstance(names, str):
-        names = [] if names is None else [names]
-    elif isinstance(names, Iterable):
-        names = list(names)
-    else:
-        raise ValueError(f"imports: {names!r} is not a module name or a list of them (imports=[my_nets])")
-    for name in names:
-        if not isinstance(name, str) or not _MODULE_NAME.fullmatch(name):
-            hint = (f" (a file path? give its module name, e.g. {Path(name).with_suffix('').as_posix().replace('/', '.')})"
-                    if isinstance(name, str) and ("/" in name or name.endswith(".py")) else "")
-            raise ValueError(f"imports: {name!r} is not a Python module name{hint}")
+    an error inside a module propagates, with a note naming it."""
+    names = module_names(value)
     search_dir = str(Path(search_dir).resolve())
     if search_dir not in sys.path:
         sys.path.insert(0, search_dir)
@@ -62,10 +73,11 @@ def import_modules(names, search_dir: str | Path) -> list[str]:
         try:
             importlib.import_module(name)
         except ModuleNotFoundError as err:
-            if err.name is None or not (name == err.name or name.startswith(err.name + ".")):
-                raise  # the module was found and itself imports something missing
-            raise ValueError(f"imports: no module named {name!r} in {search_dir}, on PYTHONPATH or installed; "
-                             "run the command where the module is, or add its folder to PYTHONPATH") from None
+            if err.name is not None and (name == err.name or name.startswith(err.name + ".")):
+                raise ValueError(f"imports: no module named {name!r} in {search_dir}, on PYTHONPATH or installed; run "
+                                 "the command where the module is, or add its folder to PYTHONPATH") from None
+            err.add_note(f"(raised while importing {name!r}, named in imports=)")  # the module imports something missing
+            raise
         except Exception as err:
             err.add_note(f"(raised while importing {name!r}, named in imports=)")
             raise
@@ -141,6 +153,9 @@ def create_model(
         )
     elif name in _entrypoints:
         model = _entrypoints[name](num_classes=num_classes, in_chans=in_chans, **kwargs)
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"create_model: the builder {_entrypoints[name].__module__}.{name} returned a "
+                             f"{type(model).__name__}, not a torch.nn.Module; return the model it builds")
     else:
         raise ValueError(_unknown_model(name))
     model.compress_arch = {
