@@ -47,7 +47,7 @@ from compress.checkpoint import build_recipe, rebuild_for, unregistered_module
 from compress.checkpoint import load as load_compact
 from compress.compaction import check_target_macs
 from compress.data import MAX_SEED, build_data
-from compress.models import TIMM_PREFIX, create_model, import_modules, module_names
+from compress.models import TIMM_PREFIX, create_model, import_modules, load_weights, module_names
 from compress.pix import apply_pix, check_tau
 from compress.skeleton import attach_skeletons, check_nonnegative, skeleton_stats, swp_update
 from compress.stripe import stripe_counts
@@ -440,6 +440,9 @@ BOOLEAN_KEYS = ("trainer.amp", "trainer.channels_last", "trainer.compile", "trai
 def _check_config(cfg: DictConfig, ckpt: dict | None = None) -> None:
     """Reject settings this version cannot honour, with the fix in the message. A resumed fine-tuning run whose
     checkpoint holds its model's recipe (`init_recipe`) does not need its init= file any more."""
+    if cfg.init is not None and cfg.model.get("weights") is not None:
+        raise ValueError("init and model.weights are both set: a compact model carries its own weights; leave "
+                         "model.weights=null")
     if cfg.init is not None and not Path(str(cfg.init)).is_file() and not (ckpt or {}).get("init_recipe"):
         raise ValueError(f"init={cfg.init}: no such file; give a compact model file written by export.py or compress.save")
     if cfg.init is not None and cfg.pix.zeta is not None:
@@ -513,7 +516,8 @@ def _refuse_added_keys(cfg: DictConfig) -> None:
                              f"{known}); check the spelling and the group (e.g. optim.epochs, not epochs)")
         if group in FIXED_GROUPS or (group == "model" and leaf.partition(".")[0] != "kwargs"):
             known = sorted(k for k in cfg[group] if k != leaf)
-            fix = "; model arguments go under +model.kwargs.<name>" if group == "model" else ""
+            fix = ("; model arguments go under +model.kwargs.<name> (pretrained weights: model.weights=<a local state "
+                   "dict file>)" if group == "model" else "")
             raise ValueError(f"+{o.key_or_group}: {group} has no key {leaf!r}, so it would be ignored (its keys: "
                              f"{', '.join(known)}); set existing keys without '+', and check the spelling{fix}")
 
@@ -770,10 +774,11 @@ def _patterns(value) -> list[str] | None:
     return [str(value)] if isinstance(value, str) else [str(v) for v in value]
 
 
-def _build_model(cfg: DictConfig, data, ckpt: dict | None = None) -> nn.Module:
+def _build_model(cfg: DictConfig, data, ckpt: dict | None = None, announce: bool = True) -> nn.Module:
     """The model to train: a compact model file (`init=`, fine-tuned as it is: its stripe convs train
     their kept weights; on resume its structure comes from the checkpoint's `init_recipe`), or a fresh registry
-    model, with PiX applied when `pix.zeta` is set."""
+    model, starting from `model.weights` when given, with PiX applied when `pix.zeta` is set. `announce`: say what
+    was loaded (the main process)."""
     if cfg.init is not None:
         recipe = (ckpt or {}).get("init_recipe")
         model = (rebuild_for(recipe, ckpt["model"], f"resume: init_recipe of {cfg.init}") if recipe
@@ -798,6 +803,11 @@ def _build_model(cfg: DictConfig, data, ckpt: dict | None = None) -> nn.Module:
             raise
         raise ValueError(f"model.kwargs={kwargs}: {cfg.model.name} does not take them ({err}); check the "
                          "constructor's arguments, or drop model.kwargs") from None
+    if cfg.model.get("weights") is not None and ckpt is None:  # a resumed run has its checkpoint's weights
+        fresh = load_weights(raw, cfg.model.weights)
+        if announce:
+            say(f"model.weights: started from {cfg.model.weights}"
+                + (f"; {', '.join(fresh)} kept as initialised (another number of classes in the file)" if fresh else ""))
     if cfg.pix.zeta is not None:
         apply_pix(raw, cfg.pix.zeta, float(cfg.pix.tau))
     return raw
@@ -809,6 +819,8 @@ def _absolute_paths(cfg: DictConfig) -> None:
     find the files from any working directory."""
     if cfg.init is not None:
         cfg.init = str(launch_path(cfg.init))
+    if cfg.model.get("weights") is not None:
+        cfg.model.weights = str(launch_path(cfg.model.weights))
     if "root" in cfg.data and not OmegaConf.is_missing(cfg.data, "root") and cfg.data.root is not None:
         cfg.data.root = str(launch_path(cfg.data.root))
     if isinstance(cfg.resume, str) and cfg.resume != "auto":
@@ -840,7 +852,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     _seed_everything(cfg.trainer.seed + dist.rank)
 
     data = build_data(cfg.data, rank=dist.rank, world_size=dist.world_size)
-    raw = _build_model(cfg, data, ckpt)
+    raw = _build_model(cfg, data, ckpt, announce=dist.is_main)
     # notes after the model is built: a command refused before (an init= file that does not load) leaves no run dir
     if cfg.init is not None and ckpt is None and dist.is_main and any(k.startswith("prune") for k in given or ()):
         say(f"note: the prune settings have no effect with init={cfg.init}: a compact model fine-tunes its kept "

@@ -205,7 +205,8 @@ def test_prune_include_takes_one_pattern_as_a_string(tmp_path):
 
 @pytest.mark.parametrize("override, match", [
     ("+model.pretrained=true", r"\+model.pretrained: model has no key 'pretrained', so it would be ignored \(its keys: "
-                               r"kwargs, name\).*model arguments go under \+model.kwargs.<name>"),
+                               r"kwargs, name, weights\).*model arguments go under \+model.kwargs.<name> "
+                               r"\(pretrained weights: model.weights=<a local state dict file>\)"),
     ("+epochs=10", r"\+epochs: the config has no top-level key 'epochs', so it would be ignored \(its keys: data, "
                    r"imports, init, model, optim, pix, prune, resume, trainer\).*optim.epochs"),
     ("+optim.lr_min=0", r"\+optim.lr_min: optim has no key 'lr_min'"),

@@ -205,3 +205,47 @@ def test_bad_depth_and_duplicate_registration():
         @register_model
         def resnet56():
             pass
+
+
+def test_load_weights_takes_a_state_dict_file_and_keeps_a_classifier_of_other_classes_fresh(tmp_path):
+    """A pretrained file (here a random torchvision ResNet-18 of 1000 classes, saved as torchvision does, wrapped as
+    training scripts do, and as timm's safetensors) loads into create_model's model; a classifier of another size
+    stays as initialised; another architecture, input channels or a pickled whole model are clear errors."""
+    import torchvision
+    from safetensors.torch import save_file
+
+    from compress.models import load_weights
+
+    torch.manual_seed(0)
+    source = torchvision.models.resnet18(num_classes=1000)
+    with torch.no_grad():
+        source.layer4[1].bn2.running_var.uniform_(0.5, 2)  # buffers travel too
+    torch.save(source.state_dict(), tmp_path / "r18.pth")
+    model = create_model("resnet18", num_classes=10)
+    fc_before = model.fc.weight.clone()
+    assert load_weights(model, tmp_path / "r18.pth") == ["fc.bias", "fc.weight"]
+    for key, value in source.state_dict().items():
+        if not key.startswith("fc."):
+            assert torch.equal(model.state_dict()[key], value), key
+    assert torch.equal(model.fc.weight, fc_before)
+
+    torch.save({"epoch": 3, "state_dict": {f"module.{k}": v for k, v in source.state_dict().items()}}, tmp_path / "w.pth")
+    same_classes = create_model("resnet18", num_classes=1000)
+    assert load_weights(same_classes, tmp_path / "w.pth") == []
+    assert torch.equal(same_classes.fc.weight, source.fc.weight)
+
+    timm_source = create_model("timm:resnet26d", num_classes=1000)
+    save_file(timm_source.state_dict(), str(tmp_path / "t.safetensors"))
+    timm_model = create_model("timm:resnet26d", num_classes=5)
+    assert load_weights(timm_model, tmp_path / "t.safetensors") == ["fc.bias", "fc.weight"]  # timm's get_classifier
+    assert torch.equal(timm_model.conv1[0].weight, timm_source.conv1[0].weight)
+
+    with pytest.raises(ValueError, match=r"does not fit ResNet: missing: layer1.2.conv1.weight.*same architecture"):
+        load_weights(create_model("resnet34"), tmp_path / "r18.pth")
+    with pytest.raises(ValueError, match=r"other shapes: conv1.weight \(64, 3, 7, 7\) \(model: \(64, 1, 7, 7\)\)"):
+        load_weights(create_model("resnet18", in_chans=1), tmp_path / "r18.pth")
+    torch.save(source, tmp_path / "whole.pth")
+    with pytest.raises(ValueError, match="pickled Python objects .* never loaded"):
+        load_weights(create_model("resnet18"), tmp_path / "whole.pth")
+    with pytest.raises(FileNotFoundError, match="no file at .*nothing is downloaded"):
+        load_weights(create_model("resnet18"), tmp_path / "absent.pth")

@@ -719,3 +719,27 @@ def test_resuming_a_checkpoint_with_non_finite_weights_is_refused(tmp_path):
     atomic_save(state, path)  # with the digest of the edited contents
     with pytest.raises(ValueError, match="resume: the checkpoint's weights hold NaN or inf values"):
         run(_compose(*TINY, "resume=true"), run_dir=tmp_path)
+
+
+def test_model_weights_starts_swp_from_a_state_dict_file(tmp_path, monkeypatch):
+    """model.weights=<file> (relative to the launch directory): the run starts from the file's weights (its 10-class
+    head kept fresh for 3 classes), then attaches skeletons; resume does not need the file; with init= it is refused."""
+    from compress.models import create_model
+
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(1)
+    source = create_model("resnet20", num_classes=10)
+    torch.save(source.state_dict(), tmp_path / "pretrained.pth")
+    cfg = _compose(*TINY, "model.weights=pretrained.pth", "optim.lr=1e-9", "trainer.max_steps=1")
+    run(cfg, run_dir=tmp_path / "run")
+    trained = _weights(tmp_path / "run")
+    for key, value in source.state_dict().items():
+        if key.endswith(".weight") and value.dim() == 4:  # convs: one step at lr 1e-9 leaves them where they began
+            torch.testing.assert_close(trained[key], value, rtol=0, atol=1e-6)
+    assert trained["fc.weight"].shape == (3, 64)
+    assert torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["config"]["model"]["weights"] \
+        == str(tmp_path / "pretrained.pth")
+    (tmp_path / "pretrained.pth").unlink()
+    assert run(_compose(*TINY, "resume=true", "trainer.max_steps=2"), run_dir=tmp_path / "run")["steps"] == 2
+    with pytest.raises(ValueError, match="init and model.weights are both set"):
+        run(_compose(*TINY, "model.weights=x.pth", "init=x.safetensors"), run_dir=tmp_path / "other")

@@ -143,7 +143,8 @@ def create_model(
         raise ValueError(
             f"create_model: {sources} would make the constructor read weights; create_model builds random weights "
             "and never reads a file or the network (compact files and checkpoints carry their own weights): drop "
-            "them, and load a state dict into the built model instead"
+            "them, and load a local state dict file into the built model instead (train.py model.weights=<file>; "
+            "Python: compress.models.load_weights(model, file))"
         )
     if name.startswith(TIMM_PREFIX):
         from .external import create_timm_model

@@ -1,0 +1,94 @@
+"""Dense weights from a local file (a pretrained torchvision/timm state dict) loaded into a freshly built model, so
+that SWP can start from them. Nothing is downloaded and nothing pickled is executed."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+__all__ = ["load_weights"]
+
+# dicts that wrap a state dict in common training scripts (timm's train.py, torchvision's references, Lightning)
+_WRAPPERS = ("state_dict", "model", "model_state_dict", "state_dict_ema", "model_ema")
+_PREFIXES = ("module.", "_orig_mod.")  # DistributedDataParallel / DataParallel, torch.compile
+
+
+def _read(path: Path) -> dict[str, torch.Tensor]:
+    from compress._trainstate import _is_safetensors
+
+    if not path.is_file():
+        raise FileNotFoundError(f"model.weights: no file at {path}; give a local state dict file (.pth, .pt or "
+                                ".safetensors; nothing is downloaded)")
+    if _is_safetensors(path):
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise ValueError(f"model.weights: {path} holds pickled Python objects (a whole model saved with "
+                         "torch.save(model)?), which are never loaded because loading them can run code; save "
+                         "model.state_dict() instead") from None
+    except Exception as err:  # a damaged archive surfaces as almost any error type inside torch.load
+        raise ValueError(f"model.weights: {path} is not a readable torch file ({type(err).__name__}: "
+                         f"{str(err).splitlines()[0] if str(err) else ''})") from None
+    if isinstance(state, dict) and "config" in state and "model" in state and "optimizer" in state:
+        raise ValueError(f"model.weights: {path} is a train.py checkpoint; continue it with resume={path}, or export "
+                         "it and fine-tune the compact model with init=<file>")
+    while isinstance(state, dict) and not any(isinstance(v, torch.Tensor) for v in state.values()):
+        inner = next((state[k] for k in _WRAPPERS if isinstance(state.get(k), dict)), None)
+        if inner is None:
+            break
+        state = inner
+    if not isinstance(state, dict) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"model.weights: {path} holds no state dict (a dict of tensor names to tensors)")
+    for prefix in _PREFIXES:
+        if all(k.startswith(prefix) for k in state):
+            state = {k[len(prefix):]: v for k, v in state.items()}
+    return state
+
+
+def _classifier(model: nn.Module) -> str | None:
+    """The name of the model's classifier module: timm's `get_classifier()`, else its last nn.Linear."""
+    head = model.get_classifier() if callable(getattr(model, "get_classifier", None)) else None
+    names = {id(m): n for n, m in model.named_modules()}
+    if isinstance(head, nn.Module) and id(head) in names:
+        return names[id(head)]
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    return linears[-1] if linears else None
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, path: str | os.PathLike) -> list[str]:
+    """Copy the tensors of the state dict file at `path` into `model` (as built by `create_model`), in place; return
+    the classifier entries left as initialised because the file's differ in shape (another number of classes) or
+    are absent (a headless file).
+
+    The file: a torch file read with `weights_only=True` (a state dict, possibly inside a "state_dict"/"model"/...
+    dict, keys possibly prefixed "module." or "_orig_mod.") or a safetensors file. Every other entry must match the
+    model's names and shapes (num_batches_tracked may be absent); otherwise a ValueError lists what differs.
+    """
+    path = Path(path)
+    state = _read(path)
+    own = model.state_dict()
+    head = _classifier(model)
+    fresh = sorted(k for k in own if head is not None and k.rpartition(".")[0] == head
+                   and (k not in state or state[k].shape != own[k].shape))
+    missing = [k for k in own if k not in state and k not in fresh and not k.endswith("num_batches_tracked")]
+    unexpected = [k for k in state if k not in own]
+    mismatched = [f"{k} {tuple(state[k].shape)} (model: {tuple(own[k].shape)})"
+                  for k in state if k in own and k not in fresh and state[k].shape != own[k].shape]
+    if missing or unexpected or mismatched:
+        parts = [f"{what}: {', '.join(keys[:5])}{', ...' if len(keys) > 5 else ''} ({len(keys)})"
+                 for what, keys in (("missing", missing), ("unexpected", unexpected), ("other shapes", mismatched))
+                 if keys]
+        raise ValueError(f"model.weights: {path} does not fit {type(model).__name__}: {'; '.join(parts)}. Give the "
+                         "state dict of the same architecture (model=, model.kwargs, data.in_chans)")
+    for key, value in state.items():
+        if key not in fresh:
+            own[key].copy_(value)
+    return fresh
