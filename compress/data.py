@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-__all__ = ["Data", "DatasetNotFoundError", "EpochSampler", "build_data", "DATASETS"]
+__all__ = ["Data", "DatasetNotFoundError", "EpochSampler", "build_data", "load_image", "DATASETS"]
 
 # Accepted cfg keys and their defaults (None: dataset-specific or unset).
 _DEFAULTS: dict[str, Any] = {
@@ -60,6 +60,7 @@ class Data:
     num_classes: int
     input_size: int
     in_chans: int
+    classes: list[str] | None = None  # class names in label order, where the data names them (folders, CIFAR)
 
 
 class DatasetNotFoundError(FileNotFoundError):
@@ -125,7 +126,9 @@ def build_data(cfg, rank: int = 0, world_size: int = 1) -> Data:
         raise ValueError(f"build_data: {name} has {num_classes} class; a classifier needs at least 2 (an image folder "
                          "needs a subfolder per class under train/ and val/)")
     train_loader, test_loader = _loaders(train, test, opts, rank, world_size)
-    return Data(train_loader, test_loader, num_classes, opts["input_size"], opts["in_chans"])
+    classes = getattr(train, "classes", None)
+    return Data(train_loader, test_loader, num_classes, opts["input_size"], opts["in_chans"],
+                [str(c) for c in classes] if classes is not None else None)
 
 
 def _options(cfg) -> dict[str, Any]:
@@ -148,6 +151,10 @@ def _options(cfg) -> dict[str, Any]:
         raise ValueError(f"build_data: {name} images have 3 channels, got data.in_chans={opts['in_chans']}")
     if opts["eval_batch_size"] is None:
         opts["eval_batch_size"] = opts["batch_size"]
+    sized = [k for k in ("train_size", "test_size") if given.get(k) is not None]
+    if sized and name != "fake":
+        raise ValueError(f"build_data: data.{sized[0]} sets the size of data=fake only; {name} uses every image "
+                         "under data.root (give a smaller folder for a quick run)")
     lowest = {"batch_size": 1, "eval_batch_size": 1, "input_size": 1, "in_chans": 1, "num_workers": 0,
               "train_size": 1, "test_size": 1, "num_classes": 2, "seed": 0}  # (one class: nothing to learn)
     for key, least in lowest.items():
@@ -254,10 +261,11 @@ def _cifar(opts: dict):
     name, size = opts["name"], opts["input_size"]
     cls_name, folder, num_classes, mean, std = _CIFAR[name]
     how = f"Set data.root=<dir containing {folder}/>, or data.download=true to download it into data.root."
-    made = None  # the download's destination, when this call creates it (removed again if the download fails)
+    made = None  # the topmost folder this call creates for the download (removed again if the download fails)
     if opts["download"] and opts["root"] is not None and not Path(opts["root"]).expanduser().exists():
-        made = Path(opts["root"]).expanduser()
-        made.mkdir(parents=True)
+        target = Path(opts["root"]).expanduser().absolute()
+        made = next(p for p in reversed([target, *target.parents]) if not p.exists())
+        target.mkdir(parents=True)
     root = _require_root(opts, f"{folder}/ (the python version of {name}, extracted)", how)
     if not opts["download"] and not (root / folder).is_dir():
         raise DatasetNotFoundError(f"{name}: {root / folder}/ not found under data.root={root}. {how}")
@@ -311,17 +319,41 @@ def _image_folder(opts: dict):
     normalize = [T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
     train_tf = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip()] + normalize)
     test_tf = T.Compose([T.Resize(round(size / 0.875)), T.CenterCrop(size)] + normalize)
-    try:
-        train = tvd.ImageFolder(str(root / "train"), transform=train_tf)
-        test = tvd.ImageFolder(str(root / "val"), transform=test_tf)
-    except FileNotFoundError as e:  # torchvision: no class folders or no images
-        raise DatasetNotFoundError(f"{name}: {e}; expected {expected} in data.root={root}. {how}") from e
+    splits = []
+    for split, transform in (("train", train_tf), ("val", test_tf)):
+        try:
+            splits.append(tvd.ImageFolder(str(root / split), transform=transform, loader=load_image))
+        except FileNotFoundError as e:  # torchvision: no class folders or no images
+            raise DatasetNotFoundError(f"{name}: {split}/: {e}; expected {expected} in data.root={root}. {how}") from e
+    train, test = splits
     if train.classes != test.classes:
+        only = [f"only in {split}/: {', '.join(sorted(extra)[:5])}{', ...' if len(extra) > 5 else ''}"
+                for split, extra in (("train", set(train.classes) - set(test.classes)),
+                                     ("val", set(test.classes) - set(train.classes))) if extra]
         raise ValueError(
-            f"{name}: train/ has {len(train.classes)} classes and val/ has {len(test.classes)} "
-            f"(or they differ by name) in data.root={root}; both need the same class folders"
+            f"{name}: train/ has {len(train.classes)} class folders and val/ {len(test.classes)} in data.root={root} "
+            f"({'; '.join(only)}); both need the same class folders (a hidden folder such as .ipynb_checkpoints "
+            "counts as a class, as in torchvision's ImageFolder: remove it)"
         )
     return train, test, len(train.classes)
+
+
+def load_image(path: str):
+    """The image file at `path` as an 8-bit RGB PIL image. 16-bit images (PNG/TIFF modes I;16 and I) are scaled to
+    8 bits (PIL's convert would clip them at 255: nearly white); an unreadable or truncated file is an OSError
+    naming it (PIL's error does not)."""
+    from PIL import Image
+
+    try:
+        with open(path, "rb") as f:
+            img = Image.open(f)
+            img.load()
+    except Exception as err:
+        raise OSError(f"cannot read the image {path} ({type(err).__name__}: {err}); remove or replace the file") from None
+    if img.mode.startswith("I;16") or img.mode == "I":
+        wide = np.asarray(img, dtype=np.float64).clip(0, 65535)
+        img = Image.fromarray((wide * (255 / 65535)).round().astype(np.uint8))
+    return img.convert("RGB")
 
 
 # ---- fake -----------------------------------------------------------------------------------------

@@ -852,6 +852,14 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     _seed_everything(cfg.trainer.seed + dist.rank)
 
     data = build_data(cfg.data, rank=dist.rank, world_size=dist.world_size)
+    if ckpt is not None and ckpt.get("data_classes") and data.classes and ckpt["data_classes"] != data.classes:
+        if dist.is_main:
+            _record_run_config(ckpt["config"], run_dir, ckpt.get("hydra_record"))
+        differ = sorted(set(ckpt["data_classes"]) ^ set(data.classes))[:5]
+        raise ValueError(f"resume: data.root={cfg.data.get('root')} has other classes than the run trained on "
+                         f"({len(data.classes)} against {len(ckpt['data_classes'])}; "
+                         + (f"differing: {', '.join(differ)}" if differ else "in another order")
+                         + "), so the labels would change; give the data.root of the run's data")
     raw = _build_model(cfg, data, ckpt, announce=dist.is_main)
     # notes after the model is built: a command refused before (an init= file that does not load) leaves no run dir
     if cfg.init is not None and ckpt is None and dist.is_main and any(k.startswith("prune") for k in given or ()):
@@ -951,6 +959,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
             "epoch_samples": epoch_start + done * batch * dist.world_size if partial else 0,
             "batch_size": batch,
             "train_size": len(data.train.dataset),
+            "data_classes": data.classes,  # label order: a resume on other class folders is refused
             "step": at,
             "best_accuracy": best,
             "test": test,

@@ -458,6 +458,9 @@ def test_failed_cifar_download_is_clear(tmp_path, monkeypatch):
     with pytest.raises(DatasetNotFoundError, match=r"downloading into data.root=.*failed.*cifar-10-batches-py/"):
         build_data({"name": "cifar10", "root": str(tmp_path / "new"), "download": True})
     assert not (tmp_path / "new").exists()  # the folder the download made is gone again
+    with pytest.raises(DatasetNotFoundError, match=r"downloading into data.root=.*failed"):
+        build_data({"name": "cifar10", "root": str(tmp_path / "a" / "b" / "c"), "download": True})
+    assert not (tmp_path / "a").exists()  # and the folders above it that it made
 
 
 def test_missing_imagenet(tmp_path):
@@ -483,3 +486,54 @@ def test_config_errors():
         build_data({"name": "digits", "num_classes": 100})
     with pytest.raises(ValueError, match="3 channels"):
         build_data({"name": "cifar10", "in_chans": 1})
+
+
+def _folder(root, classes, n=2, size=(12, 10), seed=0):
+    rng = np.random.default_rng(seed)
+    for split in ("train", "val"):
+        for cls in classes:
+            (root / split / cls).mkdir(parents=True, exist_ok=True)
+            for i in range(n):
+                Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8)).save(root / split / cls / f"{i}.png")
+
+
+def test_image_folders_read_16_bit_images_scaled_and_name_a_bad_file(tmp_path):
+    """A 16-bit PNG is scaled to 8 bits (it was clipped at 255: almost white), equal to its 8-bit version within
+    rounding; a truncated image fails naming its file; differing class folders and an empty class name themselves."""
+    from compress.data import load_image
+
+    ramp16 = np.tile(np.linspace(0, 65535, 40).round().astype(np.uint16), (12, 1))
+    Image.fromarray(ramp16).save(tmp_path / "ramp16.png")
+    Image.fromarray((ramp16 / 257).round().astype(np.uint8)).save(tmp_path / "ramp8.png")
+    assert Image.open(tmp_path / "ramp16.png").mode.startswith("I")
+    got = np.asarray(load_image(str(tmp_path / "ramp16.png")), dtype=np.int16)
+    want = np.asarray(load_image(str(tmp_path / "ramp8.png")), dtype=np.int16)
+    assert got.shape == (12, 40, 3) and np.abs(got - want).max() <= 1 and got.min() == 0 and got.max() == 255
+
+    root = tmp_path / "folder"
+    _folder(root, ["a", "b"])
+    bad = root / "train" / "b" / "1.png"
+    bad.write_bytes(bad.read_bytes()[: len(bad.read_bytes()) // 2])
+    data = build_data({"name": "imagefolder", "root": str(root), "input_size": 8, "batch_size": 4})
+    with pytest.raises(OSError, match=rf"cannot read the image {bad} .*remove or replace the file"):
+        _all(data.train)
+
+    (root / "train" / ".ipynb_checkpoints").mkdir()
+    Image.fromarray(np.zeros((4, 4, 3), np.uint8)).save(root / "train" / ".ipynb_checkpoints" / "x.png")
+    with pytest.raises(ValueError, match=r"train/ has 3 class folders and val/ 2 .*only in train/: \.ipynb_checkpoints"):
+        build_data({"name": "imagefolder", "root": str(root), "input_size": 8})
+    shutil.rmtree(root / "train" / ".ipynb_checkpoints")
+    (root / "val" / "c").mkdir()
+    (root / "train" / "c").mkdir()
+    (root / "train" / "c" / "0.png").write_bytes((root / "train" / "a" / "0.png").read_bytes())
+    with pytest.raises(DatasetNotFoundError, match=r"imagefolder: val/: Found no valid file for the classes c"):
+        build_data({"name": "imagefolder", "root": str(root), "input_size": 8})
+
+
+def test_train_and_test_sizes_are_refused_outside_fake_data(tmp_path):
+    _folder(tmp_path, ["a", "b"])
+    with pytest.raises(ValueError, match=r"data.train_size sets the size of data=fake only; imagefolder uses every"):
+        build_data({"name": "imagefolder", "root": str(tmp_path), "train_size": 2})
+    with pytest.raises(ValueError, match=r"data.test_size sets the size of data=fake only; digits"):
+        build_data({"name": "digits", "test_size": 2})
+    assert build_data({"name": "imagefolder", "root": str(tmp_path), "input_size": 8}).classes == ["a", "b"]

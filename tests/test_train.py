@@ -743,3 +743,30 @@ def test_model_weights_starts_swp_from_a_state_dict_file(tmp_path, monkeypatch):
     assert run(_compose(*TINY, "resume=true", "trainer.max_steps=2"), run_dir=tmp_path / "run")["steps"] == 2
     with pytest.raises(ValueError, match="init and model.weights are both set"):
         run(_compose(*TINY, "model.weights=x.pth", "init=x.safetensors"), run_dir=tmp_path / "other")
+
+
+def test_resume_on_class_folders_other_than_the_runs_is_refused(tmp_path, monkeypatch):
+    """Another data.root with as many images but other class folders would shift the labels silently: refused."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for root, classes in (("plain", ["a", "b"]), ("renamed", ["b", "c"])):
+        for split in ("train", "val"):
+            for cls in classes:
+                (tmp_path / root / split / cls).mkdir(parents=True)
+                for i in range(4):
+                    Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(
+                        tmp_path / root / split / cls / f"{i}.png")
+    common = [*(o for o in TINY if not o.startswith("data")), "data=imagefolder", "data.input_size=8",
+              "data.batch_size=4"]
+    run(_compose(*common, f"data.root={tmp_path / 'plain'}", "trainer.max_steps=1"), run_dir=tmp_path / "run")
+    assert torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["data_classes"] == ["a", "b"]
+    monkeypatch.setattr("compress.engine._command_line_keys", lambda: {"resume", "data.root", "trainer.max_steps"})
+    with pytest.raises(ValueError, match=r"resume: data.root=.*renamed has other classes than the run trained on "
+                                         r"\(2 against 2; differing: a, c\), so the labels would change"):
+        run(_compose(*common, f"data.root={tmp_path / 'renamed'}", "resume=true"), run_dir=tmp_path / "run")
+    moved = tmp_path / "moved"
+    shutil.copytree(tmp_path / "plain", moved)  # a moved copy of the same data resumes
+    assert run(_compose(*common, f"data.root={moved}", "resume=true", "trainer.max_steps=2"),
+               run_dir=tmp_path / "run")["steps"] == 2
