@@ -19,6 +19,7 @@ where the rank exists and reseeds new ranks from (trainer.seed, rank, step).
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import operator
@@ -48,6 +49,7 @@ from compress.checkpoint import load as load_compact
 from compress.compaction import check_target_macs
 from compress.data import MAX_SEED, build_data
 from compress.models import TIMM_PREFIX, create_model, import_modules, load_weights, module_names
+from compress.models._weights import read_weights, weights_problems
 from compress.pix import apply_pix, check_tau
 from compress.skeleton import attach_skeletons, check_nonnegative, skeleton_stats, swp_update
 from compress.stripe import stripe_counts
@@ -499,6 +501,7 @@ def _command_line_keys() -> set[str] | None:
 
 
 FIXED_GROUPS = ("prune", "optim", "trainer", "pix")  # every key they read is in their yaml files
+MODEL_KEYS = ("name", "kwargs", "weights", "source")  # what the model group may hold (kwargs: any constructor argument)
 
 
 def _refuse_added_keys(cfg: DictConfig) -> None:
@@ -514,7 +517,7 @@ def _refuse_added_keys(cfg: DictConfig) -> None:
             known = ", ".join(sorted(k for k in cfg if k != group))
             raise ValueError(f"+{group}: the config has no top-level key {group!r}, so it would be ignored (its keys: "
                              f"{known}); check the spelling and the group (e.g. optim.epochs, not epochs)")
-        if group in FIXED_GROUPS or (group == "model" and leaf.partition(".")[0] != "kwargs"):
+        if group in FIXED_GROUPS or (group == "model" and leaf.partition(".")[0] not in MODEL_KEYS):
             known = sorted(k for k in cfg[group] if k != leaf)
             fix = ("; model arguments go under +model.kwargs.<name> (pretrained weights: model.weights=<a local state "
                    "dict file>)" if group == "model" else "")
@@ -524,9 +527,11 @@ def _refuse_added_keys(cfg: DictConfig) -> None:
 
 # keys a resumed run may change besides trainer.*: where the data is read from, how many processes load it (other
 # loader worker counts draw other augmentation streams), the per-process batch sizes (so that a run resumed on
-# another number of processes can keep its global batch: data.EpochSampler gives the same global batches), and the
-# modules imported to register models (a checkpoint's own list is never imported: `_require_model`)
-RESUME_MAY_CHANGE = ("data.root", "data.num_workers", "data.batch_size", "data.eval_batch_size", "imports")
+# another number of processes can keep its global batch: data.EpochSampler gives the same global batches), the
+# modules imported to register models (a checkpoint's own list is never imported: `_require_model`), and the weights
+# file a fresh run started from (a resumed run has its checkpoint's)
+RESUME_MAY_CHANGE = ("data.root", "data.num_workers", "data.batch_size", "data.eval_batch_size", "imports",
+                     "model.weights")
 
 
 def _may_change_on_resume(key: str) -> bool:
@@ -804,12 +809,44 @@ def _build_model(cfg: DictConfig, data, ckpt: dict | None = None, announce: bool
         raise ValueError(f"model.kwargs={kwargs}: {cfg.model.name} does not take them ({err}); check the "
                          "constructor's arguments, or drop model.kwargs") from None
     if cfg.model.get("weights") is not None and ckpt is None:  # a resumed run has its checkpoint's weights
-        fresh = load_weights(raw, cfg.model.weights)
-        if announce:
-            say(f"model.weights: started from {cfg.model.weights}"
-                + (f"; {', '.join(fresh)} kept as initialised (another number of classes in the file)" if fresh else ""))
+        return _start_from_weights(raw, cfg, announce)
     if cfg.pix.zeta is not None:
         apply_pix(raw, cfg.pix.zeta, float(cfg.pix.tau))
+    return raw
+
+
+@torch.no_grad()
+def _start_from_weights(raw: nn.Module, cfg: DictConfig, announce: bool) -> nn.Module:
+    """`raw` (PiX applied where `pix.zeta` says) with the weights of the `model.weights` file: a PiX model's own
+    weights, or a plain model's loaded before PiX replaces its squeeze convs (and, at other widths, rebuilds
+    layers), which the run then counts and names."""
+    path, zeta = cfg.model.weights, cfg.pix.zeta
+    state = read_weights(path)
+    plain = copy.deepcopy(raw) if zeta is not None else None
+    if zeta is not None:
+        apply_pix(raw, zeta, float(cfg.pix.tau))
+    replaced = []
+    if zeta is not None and weights_problems(raw, state)[1] is not None:  # not the PiX model's: the plain model's
+        raw = plain
+        try:
+            fresh = load_weights(raw, path, state)
+        except ValueError as err:
+            raise ValueError(f"{err} (with pix.zeta the file may also hold the PiX model's own weights)") from None
+        before = {k: v.clone() for k, v in raw.state_dict().items() if k in state}
+        apply_pix(raw, zeta, float(cfg.pix.tau))
+        after = raw.state_dict()
+        replaced = sorted(k for k, v in before.items()
+                          if k not in fresh and not (k in after and after[k].shape == v.shape and torch.equal(after[k], v)))
+    else:
+        fresh = load_weights(raw, path, state)
+    modules = sorted({k.rpartition(".")[0] for k in replaced})
+    if announce:
+        say(f"model.weights: started from {path}"
+            + (f"; {', '.join(fresh)} kept as initialised (the file's classifier has another shape, or none)"
+               if fresh else "")
+            + (f"; pix.zeta={zeta} replaced {len(replaced)} of its {len(state)} tensors, in {len(modules)} modules "
+               f"({', '.join(modules[:4])}{', ...' if len(modules) > 4 else ''}): PiX takes the squeeze convs' place "
+               "and builds the layers whose width it changes anew" if replaced else ""))
     return raw
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+import compress
 from compress.models import create_model, list_models, register_model
 
 CIFAR_MODELS = list_models(module="cifar_resnet") + list_models(module="cifar_vgg")
@@ -245,7 +246,23 @@ def test_load_weights_takes_a_state_dict_file_and_keeps_a_classifier_of_other_cl
     with pytest.raises(ValueError, match=r"other shapes: conv1.weight \(64, 3, 7, 7\) \(model: \(64, 1, 7, 7\)\)"):
         load_weights(create_model("resnet18", in_chans=1), tmp_path / "r18.pth")
     torch.save(source, tmp_path / "whole.pth")
-    with pytest.raises(ValueError, match="pickled Python objects .* never loaded"):
+    with pytest.raises(ValueError, match="holds Python objects besides tensors .* never loaded"):
         load_weights(create_model("resnet18"), tmp_path / "whole.pth")
+    (tmp_path / "text.pth").write_text("not a checkpoint at all")
+    with pytest.raises(ValueError, match="text.pth is not a torch file"):
+        load_weights(create_model("resnet18"), tmp_path / "text.pth")
+    import argparse  # training scripts' checkpoints: their args, tensor metadata beside the wrapped state dict
+
+    torch.save({"model": source.state_dict(), "args": argparse.Namespace(lr=0.1), "epoch": 3,
+                "best_acc1": torch.tensor(70.1)}, tmp_path / "script.pth")
+    assert load_weights(create_model("resnet18", num_classes=1000), tmp_path / "script.pth") == []
+    broken = {k: v.clone() for k, v in source.state_dict().items()}
+    broken["conv1.weight"][0, 0, 0, 0] = float("nan")
+    torch.save(broken, tmp_path / "nan.pth")
+    with pytest.raises(ValueError, match=r"nan.pth holds NaN or inf values in conv1.weight"):
+        load_weights(create_model("resnet18"), tmp_path / "nan.pth")
+    compress.save(create_model("resnet20"), tmp_path / "compact.safetensors")
+    with pytest.raises(ValueError, match=r"is a compact model file .*init="):
+        load_weights(create_model("resnet20"), tmp_path / "compact.safetensors")
     with pytest.raises(FileNotFoundError, match="no file at .*nothing is downloaded"):
         load_weights(create_model("resnet18"), tmp_path / "absent.pth")

@@ -770,3 +770,33 @@ def test_resume_on_class_folders_other_than_the_runs_is_refused(tmp_path, monkey
     shutil.copytree(tmp_path / "plain", moved)  # a moved copy of the same data resumes
     assert run(_compose(*common, f"data.root={moved}", "resume=true", "trainer.max_steps=2"),
                run_dir=tmp_path / "run")["steps"] == 2
+
+
+def test_model_weights_with_pix_loads_a_plain_or_a_pix_models_file_and_names_what_pix_replaced(tmp_path, capsys):
+    """With pix.zeta, a plain model's file is loaded before PiX replaces its squeeze convs, which the run counts and
+    names; a PiX model's own file is loaded into the PiX model. (A bottleneck CIFAR ResNet, pix.zeta=4.)"""
+    from compress.models import create_model
+    from compress.pix import apply_pix
+
+    torch.manual_seed(2)
+    plain = create_model("resnet29_bottleneck", num_classes=3)
+    torch.save(plain.state_dict(), tmp_path / "plain.pth")
+    common = [*TINY, "model=resnet29_bottleneck", "pix.zeta=4", "optim.lr=1e-9", "trainer.max_steps=1"]
+    run(_compose(*common, f"model.weights={tmp_path / 'plain.pth'}"), run_dir=tmp_path / "a")
+    said = capsys.readouterr().out
+    assert re.search(r"pix.zeta=4 replaced \d+ of its \d+ tensors, in \d+ modules \(layer1.0.bn1, layer1.0.conv1, ",
+                     said), said
+    trained = _weights(tmp_path / "a")
+    assert torch.allclose(trained["layer1.0.conv2.weight"], plain.state_dict()["layer1.0.conv2.weight"], atol=1e-6)
+    # the squeeze conv's place: PiX's predictor (same name and shape, its own initial weights)
+    assert not torch.allclose(trained["layer1.0.conv1.weight"], plain.state_dict()["layer1.0.conv1.weight"], atol=1e-3)
+
+    pix_model = create_model("resnet29_bottleneck", num_classes=3)
+    apply_pix(pix_model, 4, 0.5)
+    torch.save(pix_model.state_dict(), tmp_path / "pix.pth")
+    run(_compose(*common, f"model.weights={tmp_path / 'pix.pth'}"), run_dir=tmp_path / "b")
+    assert "replaced" not in capsys.readouterr().out
+    trained = _weights(tmp_path / "b")
+    for key, value in pix_model.state_dict().items():
+        if value.dim() == 4:
+            torch.testing.assert_close(trained[key], value, rtol=0, atol=1e-6)

@@ -3,6 +3,7 @@ that SWP can start from them. Nothing is downloaded and nothing pickled is execu
 
 from __future__ import annotations
 
+import argparse
 import os
 import pickle
 from pathlib import Path
@@ -10,45 +11,62 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-__all__ = ["load_weights"]
+__all__ = ["load_weights", "read_weights", "weights_problems"]
 
 # dicts that wrap a state dict in common training scripts (timm's train.py, torchvision's references, Lightning)
 _WRAPPERS = ("state_dict", "model", "model_state_dict", "state_dict_ema", "model_ema")
 _PREFIXES = ("module.", "_orig_mod.")  # DistributedDataParallel / DataParallel, torch.compile
 
 
-def _read(path: Path) -> dict[str, torch.Tensor]:
-    from compress._trainstate import _is_safetensors
+def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The state dict in the file at `path` (see `load_weights`); ValueError naming the file and the fix for
+    anything else."""
+    from safetensors import safe_open
 
+    from compress._trainstate import _is_safetensors
+    from compress.checkpoint import _META_KEY
+
+    path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"model.weights: no file at {path}; give a local state dict file (.pth, .pt or "
                                 ".safetensors; nothing is downloaded)")
     if _is_safetensors(path):
-        from safetensors.torch import load_file
-
-        return load_file(str(path))
+        with safe_open(str(path), framework="pt") as f:
+            if _META_KEY in (f.metadata() or {}):
+                raise ValueError(f"model.weights: {path} is a compact model file (export.py / compress.save); "
+                                 f"fine-tune it with init={path} instead")
+            return {k: f.get_tensor(k) for k in f.keys()}
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        raise ValueError(f"model.weights: {path} holds pickled Python objects (a whole model saved with "
-                         "torch.save(model)?), which are never loaded because loading them can run code; save "
-                         "model.state_dict() instead") from None
+        with torch.serialization.safe_globals([argparse.Namespace]):  # the args that training scripts save
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        detail = str(err).splitlines()[0] if str(err) else ""
+        if "global" not in str(err).lower():
+            raise ValueError(f"model.weights: {path} is not a torch file ({detail})") from None
+        raise ValueError(f"model.weights: {path} holds Python objects besides tensors ({detail}), which are never "
+                         "loaded because unpickling them can run code; save the state dict alone, e.g. "
+                         "torch.save(model.state_dict(), 'weights.pth')") from None
     except Exception as err:  # a damaged archive surfaces as almost any error type inside torch.load
         raise ValueError(f"model.weights: {path} is not a readable torch file ({type(err).__name__}: "
                          f"{str(err).splitlines()[0] if str(err) else ''})") from None
     if isinstance(state, dict) and "config" in state and "model" in state and "optimizer" in state:
         raise ValueError(f"model.weights: {path} is a train.py checkpoint; continue it with resume={path}, or export "
                          "it and fine-tune the compact model with init=<file>")
-    while isinstance(state, dict) and not any(isinstance(v, torch.Tensor) for v in state.values()):
+    while isinstance(state, dict) and not all(isinstance(v, torch.Tensor) for v in state.values()):
         inner = next((state[k] for k in _WRAPPERS if isinstance(state.get(k), dict)), None)
         if inner is None:
             break
         state = inner
     if not isinstance(state, dict) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ValueError(f"model.weights: {path} holds no state dict (a dict of tensor names to tensors)")
+        raise ValueError(f"model.weights: {path} holds no state dict (a dict of tensor names to tensors, possibly "
+                         f"under one of the keys {', '.join(_WRAPPERS)})")
     for prefix in _PREFIXES:
         if all(k.startswith(prefix) for k in state):
             state = {k[len(prefix):]: v for k, v in state.items()}
+    bad = [k for k, v in state.items() if v.is_floating_point() and not bool(v.isfinite().all())]
+    if bad:
+        raise ValueError(f"model.weights: {path} holds NaN or inf values in {', '.join(bad[:5])}"
+                         f"{', ...' if len(bad) > 5 else ''}; give a file of finite weights")
     return state
 
 
@@ -62,18 +80,9 @@ def _classifier(model: nn.Module) -> str | None:
     return linears[-1] if linears else None
 
 
-@torch.no_grad()
-def load_weights(model: nn.Module, path: str | os.PathLike) -> list[str]:
-    """Copy the tensors of the state dict file at `path` into `model` (as built by `create_model`), in place; return
-    the classifier entries left as initialised because the file's differ in shape (another number of classes) or
-    are absent (a headless file).
-
-    The file: a torch file read with `weights_only=True` (a state dict, possibly inside a "state_dict"/"model"/...
-    dict, keys possibly prefixed "module." or "_orig_mod.") or a safetensors file. Every other entry must match the
-    model's names and shapes (num_batches_tracked may be absent); otherwise a ValueError lists what differs.
-    """
-    path = Path(path)
-    state = _read(path)
+def weights_problems(model: nn.Module, state: dict[str, torch.Tensor]) -> tuple[list[str], str | None]:
+    """(the classifier entries of `model` the state dict leaves as initialised, what keeps it from fitting `model`
+    or None)."""
     own = model.state_dict()
     head = _classifier(model)
     fresh = sorted(k for k in own if head is not None and k.rpartition(".")[0] == head
@@ -82,12 +91,28 @@ def load_weights(model: nn.Module, path: str | os.PathLike) -> list[str]:
     unexpected = [k for k in state if k not in own]
     mismatched = [f"{k} {tuple(state[k].shape)} (model: {tuple(own[k].shape)})"
                   for k in state if k in own and k not in fresh and state[k].shape != own[k].shape]
-    if missing or unexpected or mismatched:
-        parts = [f"{what}: {', '.join(keys[:5])}{', ...' if len(keys) > 5 else ''} ({len(keys)})"
-                 for what, keys in (("missing", missing), ("unexpected", unexpected), ("other shapes", mismatched))
-                 if keys]
-        raise ValueError(f"model.weights: {path} does not fit {type(model).__name__}: {'; '.join(parts)}. Give the "
-                         "state dict of the same architecture (model=, model.kwargs, data.in_chans)")
+    parts = [f"{what}: {', '.join(keys[:5])}{', ...' if len(keys) > 5 else ''} ({len(keys)})"
+             for what, keys in (("missing", missing), ("unexpected", unexpected), ("other shapes", mismatched)) if keys]
+    return fresh, "; ".join(parts) or None
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, path: str | os.PathLike, state: dict[str, torch.Tensor] | None = None) -> list[str]:
+    """Copy the tensors of the state dict file at `path` into `model` (as built by `create_model`), in place; return
+    the classifier entries left as initialised because the file's differ in shape (another number of classes) or
+    are absent (a headless file).
+
+    The file: a torch file read with `weights_only=True` (a state dict, possibly inside a "state_dict"/"model"/...
+    dict, keys possibly prefixed "module." or "_orig_mod.") or a safetensors file; finite values. Every other entry
+    must match the model's names and shapes (num_batches_tracked may be absent); otherwise a ValueError lists what
+    differs. `state`: the file's contents, read already (`read_weights`).
+    """
+    state = read_weights(path) if state is None else state
+    fresh, problems = weights_problems(model, state)
+    if problems:
+        raise ValueError(f"model.weights: {path} does not fit {type(model).__name__}: {problems}. Give the state dict "
+                         "of the same architecture (model=, model.kwargs, data.in_chans)")
+    own = model.state_dict()
     for key, value in state.items():
         if key not in fresh:
             own[key].copy_(value)
