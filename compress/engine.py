@@ -851,7 +851,7 @@ def _start_from_weights(raw: nn.Module, cfg: DictConfig, announce: bool) -> nn.M
 
 
 def _absolute_paths(cfg: DictConfig) -> None:
-    """Make `init`, `data.root` and a `resume=<file>` absolute, in place, against the directory train.py was
+    """Make `init`, `model.weights`, `data.root` and a `resume=<file>` absolute, in place, against the directory train.py was
     launched from (not the run dir `hydra.job.chdir=true` moves into): saved with the run, they let resume and export
     find the files from any working directory."""
     if cfg.init is not None:
