@@ -288,6 +288,10 @@ def build_recipe(model: nn.Module) -> dict:
         inner = "model._orig_mod (the module torch.compile wraps)" if hasattr(model, "_orig_mod") else "model.module"
         raise ValueError(f"compress.save: {type(model).__name__} is a wrapper; save the model inside it: {inner}")
     arch = _arch(model)
+    if arch.get("module") == "__main__":
+        warnings.warn(f"compress.save: the model {arch['name']!r} was registered by a script (__main__); only a process "
+                      "that registers it again can load the file: move its @compress.register_model builder into a "
+                      "module", stacklevel=3)
     ref = _reference(arch, "compress.save")
     replacements = []
     for name, module in model.named_modules():

@@ -528,10 +528,11 @@ def _refuse_added_keys(cfg: DictConfig) -> None:
 # keys a resumed run may change besides trainer.*: where the data is read from, how many processes load it (other
 # loader worker counts draw other augmentation streams), the per-process batch sizes (so that a run resumed on
 # another number of processes can keep its global batch: data.EpochSampler gives the same global batches), the
-# modules imported to register models (a checkpoint's own list is never imported: `_require_model`), and the weights
-# file a fresh run started from (a resumed run has its checkpoint's)
-RESUME_MAY_CHANGE = ("data.root", "data.num_workers", "data.batch_size", "data.eval_batch_size", "imports",
-                     "model.weights")
+# and the modules imported to register models (a checkpoint's own list is never imported: `_require_model`)
+RESUME_MAY_CHANGE = ("data.root", "data.num_workers", "data.batch_size", "data.eval_batch_size", "imports")
+# keys a resume does not read, whatever the command line says: the run's record keeps the checkpoint's value (a
+# resumed run has its checkpoint's weights, not those of the file a fresh run started from)
+RESUME_IGNORES = ("model.weights",)
 
 
 def _may_change_on_resume(key: str) -> bool:
@@ -544,7 +545,7 @@ def _compared_values(saved: DictConfig, cfg: DictConfig, key: str) -> tuple:
     a data group given without a seed without the seed the run derived from trainer.seed."""
     old, new = _plain_value(saved, key), _plain_value(cfg, key)
     if isinstance(old, dict) and isinstance(new, dict):
-        free = {k.partition(".")[2] for k in RESUME_MAY_CHANGE if k.startswith(key + ".")}
+        free = {k.partition(".")[2] for k in RESUME_MAY_CHANGE + RESUME_IGNORES if k.startswith(key + ".")}
         if key == "data" and "seed" not in new:
             free.add("seed")
         old, new = ({k: v for k, v in d.items() if k not in free} for d in (old, new))
@@ -616,7 +617,7 @@ def _resume_config(cfg: DictConfig, run_dir: Path, given: set[str] | None = None
         return merged, ckpt
     conflicts = sorted(
         k for k in given
-        if k != "resume" and not k.startswith("hydra") and not _may_change_on_resume(k)
+        if k != "resume" and not k.startswith("hydra") and not _may_change_on_resume(k) and k not in RESUME_IGNORES
         and operator.ne(*_compared_values(saved, cfg, k))
     )  # fmt: skip
     if conflicts:
@@ -632,6 +633,9 @@ def _resume_config(cfg: DictConfig, run_dir: Path, given: set[str] | None = None
                              {"resume": cfg.resume})
     for key in sorted(k for k in given if _may_change_on_resume(k)):
         OmegaConf.update(merged, key, OmegaConf.select(cfg, key), merge=False)
+    for key in sorted(k for k in given if k in RESUME_IGNORES and operator.ne(*_compared_values(saved, cfg, k))):
+        say(f"resume: {key}={_plain_value(cfg, key)} is not read (the run goes on from its checkpoint's weights); "
+            f"its record keeps {_plain_value(saved, key)}")
     _require_model(merged, saved, run_dir, ckpt)
     return merged, ckpt
 
@@ -831,7 +835,8 @@ def _start_from_weights(raw: nn.Module, cfg: DictConfig, announce: bool) -> nn.M
         try:
             fresh = load_weights(raw, path, state)
         except ValueError as err:
-            raise ValueError(f"{err} (with pix.zeta the file may also hold the PiX model's own weights)") from None
+            raise ValueError(f"{err} (with pix.zeta={zeta} the file may also hold the weights of a PiX model of that "
+                             "zeta; a PiX model's file of another zeta fits neither)") from None
         before = {k: v.clone() for k, v in raw.state_dict().items() if k in state}
         apply_pix(raw, zeta, float(cfg.pix.tau))
         after = raw.state_dict()

@@ -208,6 +208,13 @@ def test_bad_depth_and_duplicate_registration():
             pass
 
 
+def broken_state(model: nn.Module) -> dict:
+    """`model`'s state dict with one NaN in conv1.weight."""
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["conv1.weight"][0, 0, 0, 0] = float("nan")
+    return state
+
+
 def test_load_weights_takes_a_state_dict_file_and_keeps_a_classifier_of_other_classes_fresh(tmp_path):
     """A pretrained file (here a random torchvision ResNet-18 of 1000 classes, saved as torchvision does, wrapped as
     training scripts do, and as timm's safetensors) loads into create_model's model; a classifier of another size
@@ -248,17 +255,22 @@ def test_load_weights_takes_a_state_dict_file_and_keeps_a_classifier_of_other_cl
     torch.save(source, tmp_path / "whole.pth")
     with pytest.raises(ValueError, match="holds Python objects besides tensors .* never loaded"):
         load_weights(create_model("resnet18"), tmp_path / "whole.pth")
-    (tmp_path / "text.pth").write_text("not a checkpoint at all")
-    with pytest.raises(ValueError, match="text.pth is not a torch file"):
-        load_weights(create_model("resnet18"), tmp_path / "text.pth")
+    for text in ("not a checkpoint at all", '{"json": 1}'):
+        (tmp_path / "text.pth").write_text(text)
+        with pytest.raises(ValueError, match=r"text.pth is not a torch file[^;]*$") as info:
+            load_weights(create_model("resnet18"), tmp_path / "text.pth")
+        assert "weights_only" not in str(info.value)  # not torch's advice to unpickle it after all
+    save_file({f"module.{k}": v for k, v in broken_state(source).items()}, str(tmp_path / "nan.safetensors"))
+    with pytest.raises(ValueError, match=r"nan.safetensors holds NaN or inf values in conv1.weight"):  # prefix gone too
+        load_weights(create_model("resnet18"), tmp_path / "nan.safetensors")
     import argparse  # training scripts' checkpoints: their args, tensor metadata beside the wrapped state dict
 
     torch.save({"model": source.state_dict(), "args": argparse.Namespace(lr=0.1), "epoch": 3,
                 "best_acc1": torch.tensor(70.1)}, tmp_path / "script.pth")
     assert load_weights(create_model("resnet18", num_classes=1000), tmp_path / "script.pth") == []
-    broken = {k: v.clone() for k, v in source.state_dict().items()}
-    broken["conv1.weight"][0, 0, 0, 0] = float("nan")
-    torch.save(broken, tmp_path / "nan.pth")
+    torch.save({"model": {"arch": "resnet18", "depth": 18}, "model_state_dict": source.state_dict()}, tmp_path / "m.pth")
+    assert load_weights(create_model("resnet18", num_classes=1000), tmp_path / "m.pth") == []  # the tensors' wrapper
+    torch.save(broken_state(source), tmp_path / "nan.pth")
     with pytest.raises(ValueError, match=r"nan.pth holds NaN or inf values in conv1.weight"):
         load_weights(create_model("resnet18"), tmp_path / "nan.pth")
     compress.save(create_model("resnet20"), tmp_path / "compact.safetensors")

@@ -94,6 +94,16 @@ def test_import_modules_errors_name_the_problem(tmp_path):
         import_modules("/abs/nets.py", tmp_path)
 
 
+def test_saving_a_model_registered_by_a_script_warns_that_no_other_process_can_load_it(tmp_path):
+    exec("import compress, torch.nn as nn\n@compress.register_model\ndef script_net(num_classes=10, in_chans=3):\n"
+         "    return nn.Sequential(nn.Conv2d(in_chans, 4, 3), nn.Flatten(), nn.LazyLinear(num_classes))\n",
+         {"__name__": "__main__"})
+    model = create_model("script_net")
+    model(torch.randn(1, 3, 8, 8))  # LazyLinear takes its size
+    with pytest.warns(UserWarning, match=r"'script_net' was registered by a script \(__main__\); only a process"):
+        compress.save(model, tmp_path / "s.safetensors")
+
+
 def test_an_unregistered_model_names_the_module_to_import():
     assert "import it first: `import my_nets`" in unregistered_module({"name": "never_registered", "module": "my_nets"})
     assert "registered by a script (__main__)" in unregistered_module({"name": "never_registered", "module": "__main__"})

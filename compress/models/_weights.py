@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import pickle
+import re
 from pathlib import Path
 
 import torch
@@ -35,25 +36,14 @@ def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
             if _META_KEY in (f.metadata() or {}):
                 raise ValueError(f"model.weights: {path} is a compact model file (export.py / compress.save); "
                                  f"fine-tune it with init={path} instead")
-            return {k: f.get_tensor(k) for k in f.keys()}
-    try:
-        with torch.serialization.safe_globals([argparse.Namespace]):  # the args that training scripts save
-            state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        detail = str(err).splitlines()[0] if str(err) else ""
-        if "global" not in str(err).lower():
-            raise ValueError(f"model.weights: {path} is not a torch file ({detail})") from None
-        raise ValueError(f"model.weights: {path} holds Python objects besides tensors ({detail}), which are never "
-                         "loaded because unpickling them can run code; save the state dict alone, e.g. "
-                         "torch.save(model.state_dict(), 'weights.pth')") from None
-    except Exception as err:  # a damaged archive surfaces as almost any error type inside torch.load
-        raise ValueError(f"model.weights: {path} is not a readable torch file ({type(err).__name__}: "
-                         f"{str(err).splitlines()[0] if str(err) else ''})") from None
+            state = {k: f.get_tensor(k) for k in f.keys()}
+    else:
+        state = _torch_file(path)
     if isinstance(state, dict) and "config" in state and "model" in state and "optimizer" in state:
         raise ValueError(f"model.weights: {path} is a train.py checkpoint; continue it with resume={path}, or export "
                          "it and fine-tune the compact model with init=<file>")
     while isinstance(state, dict) and not all(isinstance(v, torch.Tensor) for v in state.values()):
-        inner = next((state[k] for k in _WRAPPERS if isinstance(state.get(k), dict)), None)
+        inner = next((state[k] for k in _WRAPPERS if isinstance(state.get(k), dict) and _holds_tensors(state[k])), None)
         if inner is None:
             break
         state = inner
@@ -68,6 +58,28 @@ def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         raise ValueError(f"model.weights: {path} holds NaN or inf values in {', '.join(bad[:5])}"
                          f"{', ...' if len(bad) > 5 else ''}; give a file of finite weights")
     return state
+
+
+def _torch_file(path: Path):
+    """The contents of a torch file, read with `weights_only=True` (argparse args, which training scripts save beside
+    the weights, allowed); ValueError naming the file otherwise."""
+    try:
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(err))
+        if found is None:
+            raise ValueError(f"model.weights: {path} is not a torch file (a state dict saved with torch.save, or a "
+                             ".safetensors file)") from None
+        raise ValueError(f"model.weights: {path} holds Python objects besides tensors ({found.group(1)}), which are "
+                         "never loaded because unpickling them can run code; save the state dict alone, e.g. "
+                         "torch.save(model.state_dict(), 'weights.pth')") from None
+    except Exception as err:  # a damaged archive surfaces as almost any error type inside torch.load
+        raise ValueError(f"model.weights: {path} is not a torch file, or a damaged one ({type(err).__name__})") from None
+
+
+def _holds_tensors(d: dict) -> bool:
+    return any(isinstance(v, (torch.Tensor, dict)) for v in d.values())
 
 
 def _classifier(model: nn.Module) -> str | None:
