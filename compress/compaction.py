@@ -34,7 +34,6 @@ import copy
 import math
 import numbers
 import warnings
-from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -48,6 +47,7 @@ from compress.stripe import Conv2dReLU, StripeConv2d, masked_conv, stripe_paddin
 from compress.surgery import (
     Chain,
     bn_remainder,
+    called_once,
     chain_constants,
     consumer_columns,
     consumers_unpadded,
@@ -304,21 +304,20 @@ def _fuse_relu(model: nn.Module) -> list[str]:
     graph = trace(model)
     if graph is None:
         return []
-    calls = Counter(n.target for n in graph.nodes if n.op == "call_module")
-    direct = read_directly(graph)
+    once = called_once(graph)
     fused = []
     for node in graph.nodes:
-        if node.op != "call_module" or calls[node.target] != 1 or node.target in direct:
+        if node.op != "call_module" or node.target not in once:
             continue
         conv = get_module(model, node.target)
         if type(conv) is not nn.Conv2d and not isinstance(conv, StripeConv2d):
             continue
-        relu = _sole_consumer(model, node, calls)
+        relu = _sole_consumer(model, node, once)
         if relu is None or type(get_module(model, relu.target)) is not nn.ReLU:
             continue
         if isinstance(conv, StripeConv2d):
             conv.relu = True
-            pool = _sole_consumer(model, relu, calls)
+            pool = _sole_consumer(model, relu, once)
             if pool is not None and _is_pool2x2(get_module(model, pool.target)):
                 conv.pool, conv.pool_ceil = True, get_module(model, pool.target).ceil_mode
                 replace_module(model, pool.target, nn.Identity())
@@ -329,12 +328,12 @@ def _fuse_relu(model: nn.Module) -> list[str]:
     return fused
 
 
-def _sole_consumer(model: nn.Module, node, calls: Counter):
-    """The fx node of the once-called module, not an nn.Identity, that is the only consumer of fx node `node`
-    through once-called nn.Identity modules (folded BNs, fused ReLUs); None if there is none."""
+def _sole_consumer(model: nn.Module, node, once: set[str]):
+    """The fx node of the once-called module (`called_once`), not an nn.Identity, that is the only consumer of fx
+    node `node` through once-called nn.Identity modules (folded BNs, fused ReLUs); None if there is none."""
     while len(node.users) == 1:
         (node,) = node.users
-        if node.op != "call_module" or calls[node.target] != 1:
+        if node.op != "call_module" or node.target not in once:
             return None
         if type(get_module(model, node.target)) is not nn.Identity:
             return node

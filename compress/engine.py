@@ -527,8 +527,8 @@ def _refuse_added_keys(cfg: DictConfig) -> None:
 
 # keys a resumed run may change besides trainer.*: where the data is read from, how many processes load it (other
 # loader worker counts draw other augmentation streams), the per-process batch sizes (so that a run resumed on
-# another number of processes can keep its global batch: data.EpochSampler gives the same global batches), the
-# and the modules imported to register models (a checkpoint's own list is never imported: `_require_model`)
+# another number of processes can keep its global batch: data.EpochSampler gives the same global batches), and the
+# modules imported to register models (a checkpoint's own list is never imported: `_require_model`)
 RESUME_MAY_CHANGE = ("data.root", "data.num_workers", "data.batch_size", "data.eval_batch_size", "imports")
 # keys a resume does not read, whatever the command line says: the run's record keeps the checkpoint's value (a
 # resumed run has its checkpoint's weights, not those of the file a fresh run started from)

@@ -24,6 +24,7 @@ __all__ = [
     "find_chains",
     "conv_bn_pairs_traced",
     "read_directly",
+    "called_once",
     "bn_remainder",
     "chain_constants",
     "consumer_columns",
@@ -154,10 +155,6 @@ def _only_input(node: fx.Node, src: fx.Node) -> bool:
     return bool(node.args) and node.args[0] is src and not others
 
 
-def _module_calls(graph: fx.Graph) -> Counter:
-    return Counter(n.target for n in graph.nodes if n.op == "call_module")
-
-
 def read_directly(graph: fx.Graph) -> set[str]:
     """Names of the modules whose parameters or buffers the forward reads itself (fx `get_attr` nodes, as in
     `F.conv2d(x, self.conv.weight)`), not only by calling the module. Surgery leaves them alone: a skeleton, a folded
@@ -165,19 +162,21 @@ def read_directly(graph: fx.Graph) -> set[str]:
     return {n.target.rpartition(".")[0] for n in graph.nodes if n.op == "get_attr"}
 
 
-def _once(calls: Counter, direct: set[str], name: str) -> bool:
-    """Whether module `name` is called once and its tensors are read only through that call."""
-    return calls[name] == 1 and name not in direct
+def called_once(graph: fx.Graph) -> set[str]:
+    """Names of the modules the graph calls exactly once and whose tensors it reads only through that call: the
+    modules surgery may change (one shared by several call sites, or read directly, `read_directly`, is left alone)."""
+    calls = Counter(n.target for n in graph.nodes if n.op == "call_module")
+    return {name for name, count in calls.items() if count == 1} - read_directly(graph)
 
 
-def _channelwise_step(model: nn.Module, node: fx.Node, src: fx.Node, channels: int, calls: Counter, direct: set[str]):
+def _channelwise_step(model: nn.Module, node: fx.Node, src: fx.Node, channels: int, once: set[str]):
     if not _only_input(node, src):
         return None
     args, kwargs = tuple(node.args[1:]), dict(node.kwargs)
     if node.op == "call_module":
         m = model.get_submodule(node.target)
         if isinstance(m, nn.BatchNorm2d):  # in eval mode a fixed per-channel map, unless it keeps no statistics
-            ok = m.num_features == channels and _once(calls, direct, node.target) and m.running_mean is not None
+            ok = m.num_features == channels and node.target in once and m.running_mean is not None
             return Step("module", node.target) if ok else None
         if isinstance(m, _ELEMENTWISE_MODULES):
             return Step("module", node.target)
@@ -213,9 +212,9 @@ def _is_flatten(node: fx.Node) -> bool:
     return start == 1 and end == -1
 
 
-def _consumer(model: nn.Module, node: fx.Node, src: fx.Node, channels: int, calls: Counter, direct: set[str],
+def _consumer(model: nn.Module, node: fx.Node, src: fx.Node, channels: int, once: set[str],
               cls) -> bool:
-    if node.op != "call_module" or node.args != (src,) or node.kwargs or not _once(calls, direct, node.target):
+    if node.op != "call_module" or node.args != (src,) or node.kwargs or node.target not in once:
         return False
     m = model.get_submodule(node.target)
     if cls is nn.Linear:
@@ -223,22 +222,22 @@ def _consumer(model: nn.Module, node: fx.Node, src: fx.Node, channels: int, call
     return type(m) is nn.Conv2d and m.groups == 1 and m.in_channels == channels
 
 
-def _chain_from(model: nn.Module, node: fx.Node, calls: Counter, direct: set[str]) -> Chain | None:
+def _chain_from(model: nn.Module, node: fx.Node, once: set[str]) -> Chain | None:
     channels = model.get_submodule(node.target).out_channels
     steps, cur = [], node
     while True:
         users = list(cur.users)
-        if users and all(_consumer(model, u, cur, channels, calls, direct, nn.Conv2d) for u in users):
+        if users and all(_consumer(model, u, cur, channels, once, nn.Conv2d) for u in users):
             return Chain(node.target, steps, [u.target for u in users])
         if len(users) != 1:
             return None
         (user,) = users
         if _is_flatten(user) and _only_input(user, cur):
             linear = list(user.users)
-            if len(linear) == 1 and _consumer(model, linear[0], user, channels, calls, direct, nn.Linear):
+            if len(linear) == 1 and _consumer(model, linear[0], user, channels, once, nn.Linear):
                 return Chain(node.target, steps, [linear[0].target])
             return None
-        step = _channelwise_step(model, user, cur, channels, calls, direct)
+        step = _channelwise_step(model, user, cur, channels, once)
         if step is None:
             return None
         steps.append(step)
@@ -252,14 +251,14 @@ def find_chains(model: nn.Module, graph: fx.Graph) -> list[Chain]:
     (BN, activations, dropout, max/adaptive pools) followed by convs or flatten -> Linear, nor a chain through a
     module whose tensors the forward also reads directly (`read_directly`).
     """
-    calls, direct = _module_calls(graph), read_directly(graph)
+    once = called_once(graph)
     chains = []
     for node in graph.nodes:
-        if node.op != "call_module" or not _once(calls, direct, node.target):
+        if node.op != "call_module" or node.target not in once:
             continue
         m = model.get_submodule(node.target)
         if type(m) is nn.Conv2d and m.groups == 1:
-            chain = _chain_from(model, node, calls, direct)
+            chain = _chain_from(model, node, once)
             if chain is not None:
                 chains.append(chain)
     return chains
@@ -305,16 +304,16 @@ def conv_bn_pairs_traced(model: nn.Module, graph: fx.Graph, foldable: bool = Tru
     """Map each Conv2d (called once) whose only user is a BatchNorm2d (called once) to that BN's name; with
     `foldable`, only pairs that fold: a `foldable_conv` and a BN that `bn_remainder` can fold. Neither may have
     tensors the forward also reads directly (`read_directly`)."""
-    calls, direct = _module_calls(graph), read_directly(graph)
+    once = called_once(graph)
     pairs = {}
     for node in graph.nodes:
-        if node.op != "call_module" or not _once(calls, direct, node.target):
+        if node.op != "call_module" or node.target not in once:
             continue
         conv = model.get_submodule(node.target)
         if not isinstance(conv, nn.Conv2d) or (foldable and not foldable_conv(conv)) or len(node.users) != 1:
             continue
         (user,) = node.users
-        if user.op == "call_module" and user.args == (node,) and _once(calls, direct, user.target):
+        if user.op == "call_module" and user.args == (node,) and user.target in once:
             bn = model.get_submodule(user.target)
             if isinstance(bn, nn.BatchNorm2d) and (not foldable or bn_remainder(bn) is not None):
                 pairs[node.target] = user.target

@@ -16,7 +16,6 @@ __all__ = ["register_model", "list_models", "create_model", "import_modules", "m
 TIMM_PREFIX = "timm:"
 
 _entrypoints: dict[str, Callable[..., nn.Module]] = {}
-_entrypoint_module: dict[str, str] = {}
 
 
 def register_model(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
@@ -32,7 +31,6 @@ def register_model(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
         raise ValueError(f"register_model: {name!r} is already registered (by {old.__module__}); give yours another "
                          "name")
     _entrypoints[name] = fn
-    _entrypoint_module[name] = fn.__module__.rpartition(".")[2]
     return fn
 
 
@@ -72,13 +70,11 @@ def import_modules(value, search_dir: str | Path) -> list[str]:
     for name in names:
         try:
             importlib.import_module(name)
-        except ModuleNotFoundError as err:
-            if err.name is not None and (name == err.name or name.startswith(err.name + ".")):
+        except Exception as err:
+            missing = getattr(err, "name", None) if isinstance(err, ModuleNotFoundError) else None
+            if missing is not None and (name == missing or name.startswith(missing + ".")):  # not the module's imports
                 raise ValueError(f"imports: no module named {name!r} in {search_dir}, on PYTHONPATH or installed; run "
                                  "the command where the module is, or add its folder to PYTHONPATH") from None
-            err.add_note(f"(raised while importing {name!r}, named in imports=)")  # the module imports something missing
-            raise
-        except Exception as err:
             err.add_note(f"(raised while importing {name!r}, named in imports=)")
             raise
     return names
@@ -103,8 +99,8 @@ def list_models(pattern: str = "*", module: str | None = None) -> list[str]:
     `timm:<name>` that timm knows is accepted by `create_model`."""
     return sorted(
         name
-        for name in _entrypoints
-        if fnmatch.fnmatchcase(name, pattern) and (module is None or _entrypoint_module[name] == module)
+        for name, fn in _entrypoints.items()
+        if fnmatch.fnmatchcase(name, pattern) and (module is None or fn.__module__.rpartition(".")[2] == module)
     )
 
 
