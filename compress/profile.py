@@ -18,6 +18,15 @@ Two conventions (`profile(..., convention=...)`; the report records which one it
   reproduces ResNet-50 4.12 G and the PiX totals of paper Table 1 within 1% (PiX ResNet-50/101/152
   at zeta 4: 3.18/6.05/8.91 G; thin ResNet-50 at zeta 8: 1.39 G, where "layers" gives 1.367 G).
 
+Convolutions and matrix products that forward code calls itself (``F.conv2d(x, self.conv.weight)``,
+``x @ w``, ``F.linear``, ``torch.einsum``, ``F.scaled_dot_product_attention``) count too: the count pass
+watches the dispatcher (a ``TorchDispatchMode``, as ``torch.utils.flop_counter`` does) and adds, in both
+conventions, the MACs of every ``aten`` convolution, ``mm``/``addmm``/``bmm``/``baddbmm``/``mv``/``addmv`` and
+fused attention that runs outside a counted layer (one with a handler or ``macs()``, which accounts for its own
+work) to the row of the innermost module whose forward called it (a row with no params of its own if that
+module has no row otherwise); ``ProfileReport.functional_macs`` sums them. Other functional ops (``F.relu``,
+pooling, ``x + y``) add nothing, also in the "paper" convention.
+
 Profiled layers are the leaf modules, every module with a `macs` method (whose children are
 then not profiled separately) and every other module that holds parameters or buffers of its own
 (timm's BatchNormAct2d, a layer-scale gamma): its row counts those and its own output, its children
@@ -38,6 +47,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from compress.pix import ResidualReLU
 from compress.stripe import Conv2dReLU, StripeConv2d
@@ -109,6 +119,59 @@ _PAPER_EXTRA: dict[type[nn.Module], MacsHandler] = {
     nn.AdaptiveMaxPool1d: _per_input, nn.AdaptiveMaxPool2d: _per_input, nn.AdaptiveMaxPool3d: _per_input,
 }
 CONVENTIONS = ("layers", "paper")
+
+
+def _arg(args: tuple, kwargs: dict, index: int, name: str):
+    return args[index] if len(args) > index else kwargs[name]
+
+
+def _convolution_macs(args: tuple, kwargs: dict, out: torch.Tensor) -> int:
+    """aten.convolution: as `_conv_macs` (transposed: as `_conv_transpose_macs`) from the weight's shape, (N, C/g, *k)
+    (transposed: (C, N/g, *k))."""
+    weight = _arg(args, kwargs, 1, "weight")
+    scattered = _arg(args, kwargs, 0, "input") if _arg(args, kwargs, 6, "transposed") else out
+    return scattered.numel() * math.prod(weight.shape[1:])
+
+
+def _product_macs(first: int) -> Callable[[tuple, dict, torch.Tensor], int]:
+    """A matrix product whose first factor, (..., K), is argument `first`: K MACs per output element."""
+    return lambda args, kwargs, out: out.numel() * args[first].shape[-1]
+
+
+def _attention_macs(args: tuple, kwargs: dict, out) -> int:
+    """Fused attention of q (..., L, E), k (..., S, E), v (..., S, Ev): q @ k^T and the weights @ v."""
+    q, k, v = args[:3]
+    return q[..., 0].numel() * k.shape[-2] * (q.shape[-1] + v.shape[-1])
+
+
+_aten = torch.ops.aten
+# MACs of the aten ops a forward may call itself, from their arguments and output (`_FunctionalMacs`)
+_FUNCTIONAL_MACS = {
+    _aten.convolution: _convolution_macs,
+    _aten.mm: _product_macs(0), _aten.bmm: _product_macs(0), _aten.mv: _product_macs(0),
+    _aten.addmm: _product_macs(1), _aten.baddbmm: _product_macs(1), _aten.addmv: _product_macs(1),
+}
+
+
+class _FunctionalMacs(TorchDispatchMode):
+    """Calls `add(macs)` for each convolution, matrix product (`_FUNCTIONAL_MACS`) and fused attention
+    (`aten._scaled_dot_product_*`) dispatched while it is active. Composite ops (F.conv2d, F.linear, matmul, einsum)
+    reach it as these primitives outside inference mode; the primitive is seen once, not the kernels it calls."""
+
+    def __init__(self, add: Callable[[int], None]):
+        super().__init__()
+        self.add = add
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func.overloadpacket
+        formula = _FUNCTIONAL_MACS.get(packet)
+        if formula is None and packet.__name__.startswith("_scaled_dot_product"):
+            formula = _attention_macs
+        if formula is not None:
+            self.add(int(formula(args, kwargs, out)))
+        return out
 
 
 def register_macs_handler(module_type: type[nn.Module], handler: MacsHandler) -> None:
@@ -199,7 +262,8 @@ class ProfileReport:
 
     `activation_bytes` = {"max": largest layer output, "sum": all new layer outputs} in bytes;
     `latency_ms` is the median forward time at `batch_size` on `device` (None when not measured);
-    `convention` is how MACs were counted ("layers" or "paper", see the module docstring).
+    `convention` is how MACs were counted ("layers" or "paper", see the module docstring); `functional_macs`: the
+    part of `macs` from convolutions and matrix products that forward code calls itself (module docstring).
     """
 
     input_size: list[int]
@@ -212,6 +276,7 @@ class ProfileReport:
     batch_size: int
     layers: list[LayerProfile] = field(default_factory=list)
     convention: str = "layers"
+    functional_macs: int = 0
 
     def to_dict(self) -> dict:
         """JSON-ready dict with the totals and `layers` (a list of per-layer dicts)."""
@@ -225,7 +290,9 @@ class ProfileReport:
         return "\n".join([
             f"profile of one {size} input ({len(self.layers)} layers, MACs by the {self.convention!r} convention)",
             f"  params            {self.params / 1e6:.3f} M",
-            f"  MACs              {self.macs / 1e6:.2f} M",
+            f"  MACs              {self.macs / 1e6:.2f} M" + (
+                f" ({self.functional_macs / 1e6:.2f} M in ops forward code calls itself)" if self.functional_macs
+                else ""),
             f"  weight bytes      {self.weight_bytes / 2**20:.2f} MiB",
             f"  activation bytes  {self.activation_bytes['max'] / 2**20:.2f} MiB largest, "
             f"{self.activation_bytes['sum'] / 2**20:.2f} MiB in all",
@@ -233,22 +300,46 @@ class ProfileReport:
         ])
 
 
-def _count(model: nn.Module, x: torch.Tensor, convention: str = "layers") -> tuple[list[LayerProfile], int]:
-    """Per-layer rows for one forward of `x` (a module called more than once sums its calls), and the bytes of the
-    largest single new output tensor."""
+def _count(model: nn.Module, x: torch.Tensor, convention: str = "layers") -> tuple[list[LayerProfile], int, int]:
+    """Per-layer rows for one forward of `x` (a module called more than once sums its calls), the bytes of the
+    largest single new output tensor, and the MACs of functional ops (`_FunctionalMacs`) among the rows'. Runs
+    outside inference mode (no grad), where composite ops reach `_FunctionalMacs` as the primitives it counts."""
     rows: dict[str, LayerProfile] = {}
     largest = 0
     seen_storage: set[int] = set()
     keep_alive: list[torch.Tensor] = []  # holds outputs so a freed pointer is not reused and miscounted
+    running: list[str] = []  # the modules whose forward is running, innermost last
+    in_counted = 0  # how many of them count their own work (a handler or macs()): ops inside are theirs
+    functional: dict[str, int] = {}  # MACs of ops the forward of each module called itself, until it returns
+    functional_total = 0
 
-    def hook(name: str, module: nn.Module, handler: MacsHandler | None):
+    def add_functional(macs: int) -> None:
+        nonlocal functional_total
+        if not in_counted:
+            functional[running[-1]] = functional.get(running[-1], 0) + macs
+            functional_total += macs
+
+    def pre(name: str, counted: bool):
+        def fn(mod: nn.Module, inputs: tuple) -> None:
+            nonlocal in_counted
+            running.append(name)
+            in_counted += counted
+
+        return fn
+
+    def post(name: str, counted: bool, handler: MacsHandler | None, profiled: bool):
         def fn(mod: nn.Module, inputs: tuple, out) -> None:
-            nonlocal largest
-            inp = inputs[0] if inputs else None
+            nonlocal largest, in_counted
+            running.pop()
+            in_counted -= counted
             out_t = out if isinstance(out, torch.Tensor) else None
+            extra = functional.pop(name, 0)
+            if not (profiled or extra):
+                return
+            inp = inputs[0] if inputs else None
             macs = int(handler(mod, inp, out_t)) if handler is not None and out_t is not None else 0
             act = 0
-            if out_t is not None:
+            if profiled and out_t is not None:
                 ptr = out_t.untyped_storage().data_ptr()
                 if ptr not in seen_storage:
                     seen_storage.add(ptr)
@@ -258,29 +349,38 @@ def _count(model: nn.Module, x: torch.Tensor, convention: str = "layers") -> tup
             row = rows.get(name)
             if row is None:  # first call; a module called twice accumulates
                 whole = len(mod._modules) == 0 or _covers_children(mod)  # else its children have rows
+                # a module with a row only for the ops its forward calls itself counts no tensors (its children do)
                 rows[name] = LayerProfile(
                     name=name,
                     type=type(mod).__name__,
-                    params=sum(p.numel() for p in mod.parameters(recurse=whole)),
-                    macs=macs,
-                    weight_bytes=_nbytes(_weight_tensors(mod, recurse=whole)),
+                    params=sum(p.numel() for p in mod.parameters(recurse=whole)) if profiled else 0,
+                    macs=macs + extra,
+                    weight_bytes=_nbytes(_weight_tensors(mod, recurse=whole)) if profiled else 0,
                     activation_bytes=act,
                     output_shape=list(out_t.shape) if out_t is not None else [],
                 )
             else:
-                row.macs += macs
+                row.macs += macs + extra
                 row.activation_bytes += act
 
         return fn
 
-    handles = [m.register_forward_hook(hook(n, m, _handler(m, convention))) for n, m in _profiled_modules(model)]
-    seen_storage.add(x.untyped_storage().data_ptr())
+    profiled = {name for name, _ in _profiled_modules(model)}
+    handles = []
+    for name, m in model.named_modules():
+        counted = _handler(m) is not None  # the "layers" handler: its work includes the ops inside
+        handles += [m.register_forward_pre_hook(pre(name, counted)),
+                    m.register_forward_hook(post(name, counted, _handler(m, convention), name in profiled))]
     try:
-        model(x)
+        with torch.inference_mode(False), torch.no_grad():
+            x = x.clone()  # a normal tensor: the model may work on it in place
+            seen_storage.add(x.untyped_storage().data_ptr())
+            with _FunctionalMacs(add_functional):
+                model(x)
     finally:
         for h in handles:
             h.remove()
-    return list(rows.values()), largest
+    return list(rows.values()), largest, functional_total
 
 
 def _sync(device: torch.device) -> None:
@@ -387,7 +487,7 @@ def profile(
     try:
         gen = torch.Generator().manual_seed(0)  # a private generator: profiling never moves the global RNG
         x = torch.randn(1, *input_size, dtype=dtype, generator=gen).to(device, memory_format=memory_format)
-        layers, largest = _count(model, x, convention)
+        layers, largest, functional_macs = _count(model, x, convention)
         ms = None
         if latency:
             xb = torch.randn(batch_size, *input_size, dtype=dtype, generator=gen).to(device, memory_format=memory_format)
@@ -408,6 +508,7 @@ def profile(
         batch_size=batch_size,
         layers=layers,
         convention=convention,
+        functional_macs=functional_macs,
     )
 
 

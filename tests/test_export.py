@@ -228,7 +228,8 @@ def test_export_flow(training_checkpoint, tmp_path):
     assert (tmp_path / FILES[4]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # the compact file exported again reports the same stripes, over the dense layers (two filters per layer died)
-    again = export_checkpoint(tmp_path / FILES[0], tmp_path / "again", onnx=False, latency=False)
+    again = export_checkpoint(tmp_path / FILES[0], tmp_path / "again", onnx=False, latency=False,
+                              choose_stripe_modes=False)  # modes by the cost model, as above (timed ones vary)
     assert again["stripes"] == data["stripes"]
     # asked not to fold, it still compares the (folded) compact file with a folded dense baseline
     with pytest.warns(UserWarning, match="fold_bn=false is ignored"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from compress.models import create_model
 from compress.profile import compare, profile
@@ -235,3 +236,72 @@ def test_latency_leaves_the_global_rng_alone_and_takes_the_memory_format():
     profile(model, (3, 5, 5), batch_size=2, repeats=2, warmup=1, memory_format=torch.channels_last)
     assert torch.equal(torch.rand(3), want)
     assert seen and all(seen)
+
+
+class FunctionalOps(nn.Module):
+    """Convolutions and products its forward calls itself: F.conv2d on a child conv's weight (4 -> 6, 3x3, pad 1),
+    a transposed conv on a weight of its own, a matrix product, an einsum and fused attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 6, 3, padding=1)
+        self.up = nn.Parameter(torch.randn(6, 2, 2, 2))  # conv_transpose2d weight (C_in 6, C_out 2, 2x2)
+        self.proj = nn.Parameter(torch.randn(5, 3))
+
+    def forward(self, x):  # x (1, 4, 5, 5)
+        y = self.conv(x)  # a module call: counted by the conv's row
+        y = y + F.conv2d(x, self.conv.weight, padding=1)  # 150 outputs * 4*9 = 5400
+        z = F.conv_transpose2d(y, self.up, stride=2)  # 150 inputs * 2*2*2 = 1200
+        rows = z.flatten(2)  # (1, 2, 100)
+        t = rows.transpose(1, 2)[..., :1].expand(1, 100, 5) @ self.proj  # (1, 100, 3): 300 outputs * 5 = 1500
+        e = torch.einsum("bik,bjk->bij", t, t)  # (1, 100, 100): 10000 outputs * 3 = 30000
+        q = t.view(1, 1, 100, 3)
+        a = F.scaled_dot_product_attention(q, q, q)  # 100 * 100 * (3 + 3) = 60000
+        return e.mean() + a.mean()
+
+
+def test_functional_convs_and_products_count_in_the_row_of_the_module_that_calls_them():
+    model = FunctionalOps()
+    functional = 5400 + 1200 + 1500 + 30000 + 60000
+    for convention in ("layers", "paper"):
+        rep = profile(model, (4, 5, 5), latency=False, convention=convention)
+        rows = {row.name: row for row in rep.layers}
+        conv = 150 * 36 + (150 if convention == "paper" else 0)  # the paper convention adds the conv's bias
+        assert rows["conv"].macs == conv  # the module call only
+        assert rows[""].macs == functional and rows[""].type == "FunctionalOps"
+        assert rep.functional_macs == functional and rep.macs == conv + functional
+    assert (rows[""].params, rows[""].weight_bytes) == (48 + 15, 4 * 63)  # its own up and proj, as before
+    assert "in ops forward code calls itself" in str(rep)
+
+
+class DirectRead(nn.Module):
+    """Holds only a conv (3 -> 5, 3x3, no padding) and calls F.conv2d on its weight instead of calling it."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 5, 3, bias=False)
+
+    def forward(self, x):
+        return F.conv2d(x, self.conv.weight)
+
+
+def test_a_module_with_no_row_gets_one_for_its_functional_ops():
+    rep = profile(nn.Sequential(DirectRead(), nn.Flatten()), (3, 6, 6), latency=False)
+    rows = {row.name: row for row in rep.layers}
+    assert sorted(rows) == ["0", "1"]  # the uncalled conv has no row; its container one for its F.conv2d
+    assert (rows["0"].type, rows["0"].macs, rows["0"].params, rows["0"].output_shape) == ("DirectRead", 80 * 27, 0,
+                                                                                          [1, 5, 4, 4])
+    assert rep.macs == rep.functional_macs == 80 * 27 and rep.params == 5 * 27
+
+
+def test_ops_inside_a_layer_that_counts_itself_are_not_counted_again():
+    """A module with macs() (here claiming 7) owns every op its forward runs, functional ones included; an
+    nn.Conv2d's own aten.convolution is its row's, not a functional op."""
+
+    class Claims(ClaimedWork):
+        def forward(self, x):
+            return F.conv2d(self.conv(x), torch.ones(6, 6, 1, 1))
+
+    rep = profile(nn.Sequential(Claims(3, 6, lambda inp, out: 7), nn.Conv2d(6, 2, 1)), (3, 4, 4), latency=False)
+    assert rep.functional_macs == 0 and rep.macs == 7 + 16 * 2 * 6
+    assert profile(create_model("resnet20"), (3, 32, 32), latency=False).functional_macs == 0
