@@ -924,7 +924,10 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     swp = None
     if cfg.prune.name == "swp" and cfg.init is None:
         include, exclude = _patterns(cfg.prune.include), _patterns(cfg.prune.exclude)
-        if not attach_skeletons(raw, cfg.prune.min_kernel_size, include, exclude):
+        # a random image of the data's size finds direct weight reads in a forward fx cannot trace
+        example = torch.randn(1, data.in_chans, data.input_size, data.input_size,
+                              generator=torch.Generator().manual_seed(0))
+        if not attach_skeletons(raw, cfg.prune.min_kernel_size, include, exclude, example):
             raise ValueError(
                 f"SWP: no conv of {cfg.model.name} gets a skeleton with prune.include={include}, "
                 f"prune.exclude={exclude}, prune.min_kernel_size={cfg.prune.min_kernel_size}; check the patterns "

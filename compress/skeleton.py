@@ -19,7 +19,14 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
-from compress.surgery import conv_bn_pairs, conv_config, read_directly, replace_module, trace
+from compress.surgery import (
+    conv_bn_pairs,
+    conv_config,
+    read_directly,
+    read_outside_their_call,
+    replace_module,
+    trace,
+)
 
 __all__ = ["SkeletonConv2d", "attach_skeletons", "swp_update", "skeleton_stats"]
 
@@ -88,15 +95,19 @@ def attach_skeletons(
     min_kernel_size: int = 2,
     include: Sequence[str] | None = None,
     exclude: Sequence[str] | None = None,
+    example_input: torch.Tensor | None = None,
 ) -> list[str]:
     """Replace eligible Conv2d modules of `model` by SkeletonConv2d, in place; return their names.
 
     Eligible: plain nn.Conv2d, groups == 1, max(kh, kw) >= min_kernel_size, the name matches one of `include`
     (fnmatch patterns; None = all) and none of `exclude`. Convs that already have a skeleton are kept. Subclasses
     of nn.Conv2d whose forward transforms the weight or the input (timm's StdConv2d, ScaledStdConv2d, Conv2dSame)
-    get none, with a warning naming them: a skeleton would change what they compute.
+    get none, with a warning naming them: a skeleton would change what they compute. A conv whose weight the
+    forward also reads itself (``F.conv2d(x, conv.weight)``) gets none either, with a warning: it is found in the
+    torch.fx graph, or, for a forward fx cannot trace, in one forward of `example_input` (a (B, C, H, W) batch
+    the model takes; without it such reads go unseen).
     """
-    names = eligible_convs(model, min_kernel_size, include, exclude)
+    names = eligible_convs(model, min_kernel_size, include, exclude, example_input)
     for name in names:
         replace_module(model, name, SkeletonConv2d.from_conv(model.get_submodule(name)))
     from compress.stripe import Conv2dReLU
@@ -118,6 +129,7 @@ def eligible_convs(
     min_kernel_size: int = 2,
     include: Sequence[str] | None = None,
     exclude: Sequence[str] | None = None,
+    example_input: torch.Tensor | None = None,
 ) -> list[str]:
     """Names of the plain Conv2d modules of `model` that `attach_skeletons` (same arguments) gives a skeleton. A conv
     registered under several names (tied weights) gets none, with a warning: replacing it under one name would untie
@@ -138,7 +150,10 @@ def eligible_convs(
                       "gets no skeleton; those layers stay dense", stacklevel=3)
     eligible = [(name, m) for name, m in candidates if name not in padded]
     graph = trace(model, None) if eligible else None  # an untraceable forward: compaction says so itself
-    direct = sorted(read_directly(graph) & {name for name, _ in eligible}) if graph is not None else []
+    if graph is not None:
+        direct = sorted(read_directly(graph) & {name for name, _ in eligible})
+    else:
+        direct = sorted(_read_in_forward(model, example_input, [name for name, _ in eligible]))
     if direct:
         warnings.warn(f"attach_skeletons: {', '.join(direct[:5])}{', ...' if len(direct) > 5 else ''}: the forward "
                       "also reads the weight of these convs directly (as F.conv2d(x, conv.weight)), where a skeleton "
@@ -149,6 +164,19 @@ def eligible_convs(
         warnings.warn(f"attach_skeletons: {', '.join(' = '.join(n) for n in shared)}: one conv under several names "
                       "(tied weights) gets no skeleton; a skeleton under one name would untie it", stacklevel=3)
     return [name for name, m in eligible if len(names_of[id(m)]) == 1]
+
+
+def _read_in_forward(model: nn.Module, x: torch.Tensor | None, names: list[str]) -> set[str]:
+    """`read_outside_their_call` for a model fx cannot trace, or nothing (no input, no candidates, or a forward that
+    fails on `x`: a warning says the reads went unchecked; the caller's own forward then gives the error)."""
+    if x is None or not names:
+        return set()
+    try:
+        return read_outside_their_call(model, x, names)
+    except Exception as err:  # any failure of the user's forward: the check is skipped, not the run
+        warnings.warn(f"attach_skeletons: one forward of a {tuple(x.shape)} input failed ({type(err).__name__}: "
+                      f"{err}), so convs whose weight the forward reads itself were not looked for", stacklevel=4)
+        return set()
 
 
 def _prunable(name: str, conv: nn.Conv2d, min_kernel_size: int, include, exclude) -> bool:

@@ -24,6 +24,7 @@ __all__ = [
     "find_chains",
     "conv_bn_pairs_traced",
     "read_directly",
+    "read_outside_their_call",
     "called_once",
     "bn_remainder",
     "chain_constants",
@@ -160,6 +161,52 @@ def read_directly(graph: fx.Graph) -> set[str]:
     `F.conv2d(x, self.conv.weight)`), not only by calling the module. Surgery leaves them alone: a skeleton, a folded
     BN or removed channels would change, or break, what those reads see."""
     return {n.target.rpartition(".")[0] for n in graph.nodes if n.op == "get_attr"}
+
+
+def read_outside_their_call(model: nn.Module, x: torch.Tensor, names) -> set[str]:
+    """Which of the modules `names` of `model` have a parameter or buffer that an op reads while the module's own
+    forward is not running, in one eval forward of `x` (no grad): `read_directly` for a forward fx cannot trace,
+    watched at the dispatcher. Views count (a slice of the weight reads it). The model's mode is restored."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    owner = {}  # storage address of each module's tensors -> module name
+    for name in names:
+        for t in [*get_module(model, name).parameters(recurse=False), *get_module(model, name).buffers(recurse=False)]:
+            if t.numel():
+                owner[t.untyped_storage().data_ptr()] = name
+    running = Counter()  # the modules of `names` whose forward (hooks included) is running
+    found = set()
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            for t in tree_leaves((args, kwargs)):
+                if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                    name = owner.get(t.untyped_storage().data_ptr())
+                    if name is not None and not running[name]:
+                        found.add(name)
+            return func(*args, **(kwargs or {}))
+
+    def enter(name):
+        return lambda mod, inputs: running.update([name])
+
+    def leave(name):
+        return lambda mod, inputs, out: running.subtract([name])
+
+    handles = []
+    for name in names:
+        m = get_module(model, name)  # first in, last out: its own hooks (weight_norm's) run inside
+        handles += [m.register_forward_pre_hook(enter(name), prepend=True), m.register_forward_hook(leave(name))]
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), Watch():
+            model(x)
+    finally:
+        model.train(was_training)
+        for h in handles:
+            h.remove()
+    return found
 
 
 def called_once(graph: fx.Graph) -> set[str]:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import compress
 from compress import compact, load, save
@@ -534,6 +536,46 @@ def test_convs_whose_weights_the_forward_reads_directly_are_left_alone():
         assert type(out.conv2) is nn.Conv2d and type(out.proj) is nn.Conv2d and isinstance(out.bn, nn.BatchNorm2d)
         assert out.b.in_channels == 8 and isinstance(out.conv1, StripeConv2d)
         torch.testing.assert_close(out(x), model(x), rtol=1e-12, atol=1e-12)
+
+
+class _ReadsWeightsUntraceably(_ReadsWeights):
+    """_ReadsWeights with a data-dependent branch before its head: fx cannot trace it."""
+
+    def forward(self, x):
+        y = super().forward(x)
+        return y if y.sum() > 0 else -y
+
+
+def test_direct_reads_in_a_forward_fx_cannot_trace_are_found_in_one_forward_of_the_example_input():
+    model = _ReadsWeightsUntraceably()
+    with pytest.warns(UserWarning, match=r"attach_skeletons: b, conv2: the forward also reads the weight"):
+        assert attach_skeletons(copy.deepcopy(model), example_input=torch.randn(1, 3, 6, 6)) == ["conv1", "a"]
+    assert model.training  # the probe's eval forward restored the mode
+    # without an input the reads go unseen (README, "Not done yet"); a forward that fails says the check was skipped
+    assert attach_skeletons(copy.deepcopy(model)) == ["conv1", "conv2", "a", "b"]
+    with pytest.warns(UserWarning, match=r"one forward of a \(1, 4, 6, 6\) input failed .* were not looked for"):
+        assert attach_skeletons(copy.deepcopy(model), example_input=torch.randn(1, 4, 6, 6)) == ["conv1", "conv2",
+                                                                                                 "a", "b"]
+
+
+def test_the_forward_probe_sees_views_and_leaves_hooks_of_the_conv_inside_its_call():
+    """A slice of a weight read outside the conv's call counts; old-style weight_norm computes the weight from
+    weight_g and weight_v in the conv's own pre-hook, which is inside the call."""
+    from compress.surgery import read_outside_their_call
+
+    class Sliced(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+            self.normed = torch.nn.utils.weight_norm(nn.Conv2d(4, 4, 3))
+
+        def forward(self, x):
+            y = self.normed(self.conv(x))
+            return y + F.conv2d(x, self.conv.weight[:, :, :1, :1]).mean()
+
+    model = Sliced()
+    x = torch.randn(1, 3, 8, 8)
+    assert read_outside_their_call(model, x, ["conv", "normed"]) == {"conv"}
 
 
 @compress.register_model

@@ -228,3 +228,28 @@ def test_a_definition_run_again_replaces_itself_and_another_of_the_same_name_is_
         exec(source, {"__name__": "another_module"})
     with pytest.raises(ValueError, match="'resnet56' is already registered"):
         exec(source.replace("rerun_net", "resnet56"), {"__name__": "notebook_cell"})
+
+
+def test_a_run_finds_direct_weight_reads_in_a_forward_fx_cannot_trace(tmp_path, monkeypatch):
+    """The run gives attach_skeletons a random image of the data's size, so a conv whose weight an untraceable forward
+    also reads itself gets no skeleton (it would not act on that read)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "reads_mod.py").write_text(
+        "import torch, torch.nn as nn, torch.nn.functional as F, compress\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self, num_classes):\n"
+        "        super().__init__()\n"
+        "        self.a, self.b = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)\n"
+        "        self.head = nn.Linear(4, num_classes)\n"
+        "    def forward(self, x):\n"
+        "        y = self.a(x)\n"
+        "        y = self.b(y) + F.conv2d(y, self.b.weight, padding=1)\n"
+        "        return self.head(y.mean((2, 3))) if y.sum() > 0 else -self.head(y.mean((2, 3)))\n"
+        "@compress.register_model\n"
+        "def reads_net(num_classes=10, in_chans=3):\n"
+        "    return Net(num_classes)\n")
+    cfg = _compose(*TINY, "imports=[reads_mod]", "model.name=reads_net", "trainer.max_steps=1")
+    with pytest.warns(UserWarning, match=r"attach_skeletons: b: the forward also reads the weight"):
+        run(cfg, run_dir=tmp_path / "run")
+    model, _ = load_training_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")
+    assert isinstance(model.a, compress.SkeletonConv2d) and type(model.b) is torch.nn.Conv2d
