@@ -94,7 +94,10 @@ def format_summary(summary: dict) -> str:
             f"stripes kept    {summary['stripes_kept']} / {total}"
             f"  ({summary['stripes_kept'] / total:.1%}), dead filters {summary['filters_dead']}",
             f"MACs            {summary['macs_dense'] / 1e6:.2f} M dense -> {summary['macs_pruned_estimate'] / 1e6:.2f} M"
-            f" estimated ({macs_ratio:.1%})",
+            f" estimated ({macs_ratio:.1%})" + (
+                f", {summary['macs_compact'] / 1e6:.2f} M in the compact model "
+                f"({summary['macs_compact'] / max(summary['macs_dense'], 1):.1%})"
+                if summary.get("macs_compact") is not None else ""),
             f"params          {summary['params'] / 1e6:.3f} M (dense)",
         ]
     else:

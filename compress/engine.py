@@ -1094,6 +1094,9 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
 
     stats = skeleton_stats(raw, threshold)
     macs_dense, macs_pruned = estimate_macs(raw, input_shape, threshold)
+    last = ckpt_dir / "last.pt"
+    macs_compact = _compact_macs(last, threshold, input_shape) if stats["layers"] and dist.is_main and last.is_file() \
+        else None
     evaluated = not np.isnan(test["accuracy"])  # no evaluation in this run or its checkpoint: null, not NaN / -1
     summary = {
         "test_accuracy": test["accuracy"] if evaluated else None,
@@ -1105,6 +1108,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
         "skeleton_layers": len(stats["layers"]),
         "macs_dense": macs_dense,
         "macs_pruned_estimate": macs_pruned,
+        "macs_compact": macs_compact,
         "params": sum(p.numel() for n, p in raw.named_parameters() if not n.endswith("skeleton")),
         # a fine-tuned compact model (init=): its stripe convs' stripes, which fine-tuning keeps as they are
         **({"compact_stripes": stripe_counts(raw)} if cfg.init is not None else {}),
@@ -1124,6 +1128,25 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
         say(format_summary(summary))
     _finish_distributed(dist)
     return summary
+
+
+def _compact_macs(ckpt: Path, threshold: float, input_shape: tuple[int, int, int]) -> int | None:
+    """MACs, for one input, of the compact model of the checkpoint `ckpt` at the run's SWP threshold: what export
+    makes of it unless prune.target_flops raises the threshold. Counted on the CPU, the model loaded as export loads
+    it. None, with a note, when compaction fails (export then says why); its warnings repeat the run's."""
+    from compress.compaction import compact
+    from compress.export import load_training_checkpoint
+    from compress.profile import profile
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, _ = load_training_checkpoint(ckpt)
+            return profile(compact(model, threshold=threshold), input_shape, latency=False).macs
+    except Exception as err:  # the run's outputs are written; the count is only a figure for the summary
+        say(f"note: the compact model's MACs were not counted: compaction failed ({type(err).__name__}: {err}); "
+            f"python export.py ckpt={ckpt} names the problem")
+        return None
 
 
 def _restore_rng(states: list[dict], generator: torch.Generator | None, dist: DistInfo, seed: int, step: int):

@@ -253,7 +253,7 @@ def test_resume_takes_trainer_and_data_location_keys_and_refuses_others(tmp_path
 def _check_run_outputs(run_dir: Path, summary: dict) -> None:
     written = json.loads((run_dir / "summary.json").read_text())
     assert written == pytest.approx(summary)
-    for key in ("test_accuracy", "stripes_total", "stripes_kept", "macs_dense", "macs_pruned_estimate",
+    for key in ("test_accuracy", "stripes_total", "stripes_kept", "macs_dense", "macs_pruned_estimate", "macs_compact",
                 "params", "epochs", "seconds", "run_dir", "checkpoint"):
         assert key in summary
     assert summary["stripes_total"] == 9 * (16 + 6 * 16 + 6 * 32 + 6 * 64)  # resnet20: 19 3x3 convs
@@ -805,3 +805,18 @@ def test_model_weights_with_pix_loads_a_plain_or_a_pix_models_file_and_names_wha
     for key, value in pix_model.state_dict().items():
         if value.dim() == 4:
             torch.testing.assert_close(trained[key], value, rtol=0, atol=1e-6)
+
+
+def test_the_summary_counts_the_compact_models_macs_as_export_does(tmp_path, capsys):
+    """summary.json's macs_compact is the MACs of the model export makes (dead filters take the next layers' input
+    channels with them, which the per-layer estimate does not count), and the summary lines print it."""
+    from compress.export import export_checkpoint
+
+    cfg = _compose(*TINY, "prune.alpha=0.1", "trainer.max_steps=3")  # about 90% of the stripes die
+    summary = run(cfg, run_dir=tmp_path / "run")
+    report = export_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt", tmp_path / "out", onnx=False,
+                               latency=False, choose_stripe_modes=False)
+    assert summary["filters_dead"] > 0
+    assert summary["macs_compact"] == report["compact"]["macs"] < summary["macs_pruned_estimate"]
+    assert f"{summary['macs_compact'] / 1e6:.2f} M in the compact model" in capsys.readouterr().out
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["macs_compact"] == summary["macs_compact"]
