@@ -153,8 +153,9 @@ def _options(cfg) -> dict[str, Any]:
         opts["eval_batch_size"] = opts["batch_size"]
     sized = [k for k in ("train_size", "test_size") if given.get(k) is not None]
     if sized and name != "fake":
-        raise ValueError(f"build_data: data.{sized[0]} sets the size of data=fake only; {name} uses every image "
-                         "under data.root (give a smaller folder for a quick run)")
+        where = ("all 1,797 of its bundled images (trainer.max_steps=N shortens a run)" if name == "digits" else
+                 "every image under data.root (give a smaller folder, or trainer.max_steps=N, for a quick run)")
+        raise ValueError(f"build_data: data.{sized[0]} sets the size of data=fake only; {name} uses {where}")
     lowest = {"batch_size": 1, "eval_batch_size": 1, "input_size": 1, "in_chans": 1, "num_workers": 0,
               "train_size": 1, "test_size": 1, "num_classes": 2, "seed": 0}  # (one class: nothing to learn)
     for key, least in lowest.items():

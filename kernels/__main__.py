@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -53,22 +54,32 @@ def check_compile(jobs: int | None = None) -> int:
     procs = []
     t0 = time.time()
     rc = 0
+    print(f"check-compile: compiling {len(_ext.SOURCES)} sources with {nvcc}, in parallel (a minute or more on a "
+          "few cores)", flush=True)
+    # a kill (timeout's SIGTERM) unwinds too, so the nvcc processes stop and their temporary folder goes
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with tempfile.TemporaryDirectory(prefix="compress_check_") as out:  # objects and nvcc's own temporaries
         env = {**os.environ, "TMPDIR": out}
-        for src in _ext.SOURCES:
-            path = os.path.join(_ext.CSRC, src)
-            cmd = [nvcc, "-c", path, "-o", os.path.join(out, src + ".o")] + common
-            if src.endswith(".cu"):
-                cmd += cu_flags
-            procs.append((src, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                                env=env)))
-        for src, p in procs:
-            log, _ = p.communicate()
-            status = "ok" if p.returncode == 0 else f"FAILED ({p.returncode})"
-            print(f"check-compile: {src}: {status}")
-            if p.returncode != 0:
-                rc = 1
-                print(log[-6000:])
+        try:
+            for src in _ext.SOURCES:
+                path = os.path.join(_ext.CSRC, src)
+                cmd = [nvcc, "-c", path, "-o", os.path.join(out, src + ".o")] + common
+                if src.endswith(".cu"):
+                    cmd += cu_flags
+                procs.append((src, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                                    text=True, env=env)))
+            for src, p in procs:
+                log, _ = p.communicate()
+                status = "ok" if p.returncode == 0 else f"FAILED ({p.returncode})"
+                print(f"check-compile: {src}: {status} ({time.time() - t0:.0f}s)", flush=True)
+                if p.returncode != 0:
+                    rc = 1
+                    print(log[-6000:])
+        finally:
+            for _, p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
     print(f"check-compile: {len(procs)} sources with {nvcc} in {time.time() - t0:.0f}s -> {'ok' if rc == 0 else 'FAILED'}")
     return rc
 

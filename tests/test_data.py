@@ -534,6 +534,7 @@ def test_train_and_test_sizes_are_refused_outside_fake_data(tmp_path):
     _folder(tmp_path, ["a", "b"])
     with pytest.raises(ValueError, match=r"data.train_size sets the size of data=fake only; imagefolder uses every"):
         build_data({"name": "imagefolder", "root": str(tmp_path), "train_size": 2})
-    with pytest.raises(ValueError, match=r"data.test_size sets the size of data=fake only; digits"):
+    with pytest.raises(ValueError, match=r"data.test_size sets the size of data=fake only; digits uses all 1,797 of its "
+                                         r"bundled images \(trainer.max_steps=N"):
         build_data({"name": "digits", "test_size": 2})
     assert build_data({"name": "imagefolder", "root": str(tmp_path), "input_size": 8}).classes == ["a", "b"]
