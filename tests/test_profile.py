@@ -179,6 +179,30 @@ def test_cuda_profile_matches_cpu_counts():
     assert all(row.latency_ms is not None for row in gpu.layers)
 
 
+@pytest.mark.cuda
+def test_cuda_profile_of_compact_pix_and_stripe_models_matches_cpu_and_sees_no_functional_ops():
+    """The kernels' CUDA paths under the count pass's dispatcher watch: a compact SWP + PiX model (stripe convs with
+    fused epilogues, PiX blocks, fused residual tails) counts as on the CPU, and nothing inside those layers counts
+    as a functional op."""
+    from compress import compact
+    from compress.pix import apply_pix
+    from compress.skeleton import attach_skeletons
+
+    model = create_model("resnet29_bottleneck")
+    apply_pix(model, 4)
+    attach_skeletons(model)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "skeleton"):
+                m.skeleton.copy_((torch.rand(m.skeleton.shape, generator=gen) > 0.5).float())
+    small = compact(model.eval(), fold_bn=True, fuse_relu=True)
+    cpu = profile(small, (3, 32, 32), latency=False)
+    gpu = profile(small, (3, 32, 32), batch_size=4, device="cuda", repeats=2)
+    assert (gpu.macs, gpu.params, gpu.functional_macs) == (cpu.macs, cpu.params, 0) and cpu.functional_macs == 0
+    assert gpu.macs < profile(model.cpu(), (3, 32, 32), latency=False).macs
+
+
 def test_str_gives_the_totals():
     report = profile(create_model("resnet20"), input_size=(3, 32, 32), latency=False)
     text = str(report)
