@@ -41,6 +41,7 @@ import torch.nn as nn
 from torch.nn.modules.utils import _pair
 
 import kernels
+from compress._modes import evaluating
 from compress.pix import PiXBlock
 from compress.skeleton import SkeletonConv2d
 from compress.stripe import Conv2dReLU, StripeConv2d, masked_conv, stripe_padding_ok
@@ -55,6 +56,7 @@ from compress.surgery import (
     find_chains,
     fold_constant_inputs,
     get_module,
+    hooked,
     is_elementwise,
     read_directly,
     remove_channels,
@@ -203,7 +205,7 @@ def _compact_at(model: nn.Module, threshold: float, fold: bool, multiple: int = 
             replace_module(out, name, m.to_dense())
             pruned.append(name)
     graph = trace(out)
-    direct = set() if graph is None else read_directly(graph)
+    direct = set() if graph is None else read_directly(graph) | hooked(out)
     if graph is not None:
         chains = find_chains(out, graph)
         while any([_shrink(out, chain, multiple) for chain in chains]):
@@ -304,7 +306,7 @@ def _fuse_relu(model: nn.Module) -> list[str]:
     graph = trace(model)
     if graph is None:
         return []
-    once = called_once(graph)
+    once = called_once(graph, model)
     fused = []
     for node in graph.nodes:
         if node.op != "call_module" or node.target not in once:
@@ -373,12 +375,10 @@ def choose_modes(model: nn.Module, x: torch.Tensor, repeats: int = 5, timing: st
         m.register_forward_pre_hook(lambda mod, args, name=n: inputs.setdefault(name, args[0].clone()))
         for n, m in layers.items()
     ]
-    was_training = model.training
     try:
-        with torch.no_grad():
-            model.eval()(x)  # the inputs inference sees; a train-mode model's BN statistics stay as they were
+        with evaluating(model), torch.no_grad():
+            model(x)  # the inputs inference sees; a train-mode model's BN statistics stay as they were
     finally:
-        model.train(was_training)
         for h in hooks:
             h.remove()
     for name, inp in inputs.items():

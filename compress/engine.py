@@ -43,6 +43,7 @@ from torch.utils.data import DistributedSampler
 from compress._files import atomic_write, launch_path, remove_if_only_hydra
 from compress._logging import RunLogger, format_summary, progress, say
 from compress._macs import estimate_macs
+from compress._modes import evaluating
 from compress._trainstate import atomic_save, load_checkpoint, rng_state, set_rng_state
 from compress.checkpoint import build_recipe, rebuild_for, unregistered_module
 from compress.checkpoint import load as load_compact
@@ -756,10 +757,8 @@ def _check_input_size(raw: nn.Module, data, device: torch.device) -> None:
     data's classes (a builder of your own that ignores num_classes) is refused."""
     gen = torch.Generator().manual_seed(0)  # a private generator: the check never moves the training RNG streams
     x = torch.randn(1, data.in_chans, data.input_size, data.input_size, generator=gen).to(device)
-    was_training = raw.training
-    raw.eval()
     try:
-        with torch.no_grad():
+        with evaluating(raw), torch.no_grad():
             logits = raw(x)
     except (RuntimeError, ValueError, AssertionError) as err:
         first = (str(err).splitlines() or [type(err).__name__])[0]
@@ -768,8 +767,6 @@ def _check_input_size(raw: nn.Module, data, device: torch.device) -> None:
             f"{data.input_size}): {first}. Use a data.input_size the model allows (timm models with a fixed size take "
             f"+model.kwargs.img_size=<size>)"
         ) from err
-    finally:
-        raw.train(was_training)
     if not (isinstance(logits, torch.Tensor) and tuple(logits.shape) == (1, data.num_classes)):
         shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
         raise ValueError(f"the model gives {shape} for one image, not (1, {data.num_classes}): logits of the data's "

@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from compress._modes import evaluating
 from compress.stripe import StripeConv2d
 from compress.surgery import replace_module
 from kernels._utils import max_pool2x2
@@ -161,6 +162,15 @@ def export_onnx(
     import onnx
 
     param = next(model.parameters())
+    if param.dtype == torch.float64:
+        raise ValueError("export_onnx: the model is float64, which onnxruntime's CPU convolutions do not run; export a "
+                         "float32 copy (copy.deepcopy(model).float())")
+    no_stats = [name for name, m in model.named_modules()
+                if isinstance(m, nn.modules.batchnorm._BatchNorm) and not m.track_running_stats]
+    if no_stats:  # (torch.onnx would fail an assert in its symbolic, after printing the whole graph)
+        raise ValueError(f"export_onnx: {', '.join(no_stats[:3])}: a BatchNorm without running statistics "
+                         "(track_running_stats=False) normalises with each batch's own, which ONNX inference cannot "
+                         "express; export without ONNX (export.py onnx.enabled=false)")
     x = torch.randn(1, *input_size, device=param.device, dtype=param.dtype)
     ready = onnx_ready(model, stripe_mode, example=x)
     path = Path(path)
@@ -210,13 +220,8 @@ def check_onnx(path: str | os.PathLike, model: nn.Module, x: torch.Tensor) -> fl
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     (got,) = session.run(None, {"input": x.detach().cpu().float().numpy()})
     got = torch.from_numpy(got)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            want = model(x).float().cpu()
-    finally:
-        model.train(was_training)
+    with evaluating(model), torch.no_grad():
+        want = model(x).float().cpu()
     centred = (got - got.mean(0) - (want - want.mean(0))).abs().max()
     scale = torch.maximum((want - want.mean(0)).abs().max(), CENTRED_FLOOR * want.abs().max()).clamp_min(1e-12)
     return max(_rel_error(got, want), float(centred / scale))

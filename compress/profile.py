@@ -19,13 +19,15 @@ Two conventions (`profile(..., convention=...)`; the report records which one it
   at zeta 4: 3.18/6.05/8.91 G; thin ResNet-50 at zeta 8: 1.39 G, where "layers" gives 1.367 G).
 
 Convolutions and matrix products that forward code calls itself (``F.conv2d(x, self.conv.weight)``,
-``x @ w``, ``F.linear``, ``torch.einsum``, ``F.scaled_dot_product_attention``) count too: the count pass
-watches the dispatcher (a ``TorchDispatchMode``, as ``torch.utils.flop_counter`` does) and adds, in both
-conventions, the MACs of every ``aten`` convolution, ``mm``/``addmm``/``bmm``/``baddbmm``/``mv``/``addmv`` and
-fused attention that runs outside a counted layer (one with a handler or ``macs()``, which accounts for its own
-work) to the row of the innermost module whose forward called it (a row with no params of its own if that
-module has no row otherwise); ``ProfileReport.functional_macs`` sums them. Other functional ops (``F.relu``,
-pooling, ``x + y``) add nothing, also in the "paper" convention.
+``x @ w``, ``F.linear``, ``torch.einsum``, ``F.scaled_dot_product_attention``, ``nn.MultiheadAttention``, whose
+inference fast path is turned off for the count) count too: the count pass watches the dispatcher (a
+``TorchDispatchMode``, as ``torch.utils.flop_counter`` does) and adds, in both conventions, the MACs of every
+``aten`` convolution, ``mm``/``addmm``/``bmm``/``baddbmm``/``addbmm``/``mv``/``addmv``/``dot`` and fused attention
+that runs outside a counted layer's forward (a layer with a handler or ``macs()`` accounts for its own work) to the
+row of the innermost module whose forward, or hook, called it (a row with no params of its own if that module has
+no row otherwise); ``ProfileReport.functional_macs`` sums them. Other functional ops (``F.relu``, pooling,
+``x + y``) add nothing, also in the "paper" convention, and neither do fused recurrent kernels (``nn.LSTM``) or
+``F.bilinear``.
 
 Profiled layers are the leaf modules, every module with a `macs` method (whose children are
 then not profiled separately) and every other module that holds parameters or buffers of its own
@@ -49,6 +51,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from compress._modes import evaluating
 from compress.pix import ResidualReLU
 from compress.stripe import Conv2dReLU, StripeConv2d
 
@@ -150,13 +153,17 @@ _FUNCTIONAL_MACS = {
     _aten.convolution: _convolution_macs,
     _aten.mm: _product_macs(0), _aten.bmm: _product_macs(0), _aten.mv: _product_macs(0),
     _aten.addmm: _product_macs(1), _aten.baddbmm: _product_macs(1), _aten.addmv: _product_macs(1),
+    _aten.addbmm: lambda args, kwargs, out: args[1].numel() * args[2].shape[-1],  # a sum of the batch's products
+    _aten.dot: lambda args, kwargs, out: args[0].numel(), _aten.vdot: lambda args, kwargs, out: args[0].numel(),
 }
+_COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
 
 
 class _FunctionalMacs(TorchDispatchMode):
     """Calls `add(macs)` for each convolution, matrix product (`_FUNCTIONAL_MACS`) and fused attention
-    (`aten._scaled_dot_product_*`) dispatched while it is active. Composite ops (F.conv2d, F.linear, matmul, einsum)
-    reach it as these primitives outside inference mode; the primitive is seen once, not the kernels it calls."""
+    (`aten._scaled_dot_product_*`) dispatched while it is active. A composite op (F.conv2d, F.linear, matmul, einsum,
+    which a forward's own inference_mode block dispatches whole) is run as its decomposition, whose ops come here in
+    turn; each primitive is seen once, not the kernels it calls."""
 
     def __init__(self, add: Callable[[int], None]):
         super().__init__()
@@ -164,11 +171,16 @@ class _FunctionalMacs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         packet = func.overloadpacket
         formula = _FUNCTIONAL_MACS.get(packet)
         if formula is None and packet.__name__.startswith("_scaled_dot_product"):
             formula = _attention_macs
+        if formula is None and func.has_kernel_for_dispatch_key(_COMPOSITE):
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        out = func(*args, **kwargs)
         if formula is not None:
             self.add(int(formula(args, kwargs, out)))
         return out
@@ -316,7 +328,8 @@ def _count(model: nn.Module, x: torch.Tensor, convention: str = "layers") -> tup
     def add_functional(macs: int) -> None:
         nonlocal functional_total
         if not in_counted:
-            functional[running[-1]] = functional.get(running[-1], 0) + macs
+            caller = running[-1] if running else ""  # none yet: a pre-hook of the model itself
+            functional[caller] = functional.get(caller, 0) + macs
             functional_total += macs
 
     def pre(name: str, counted: bool):
@@ -330,6 +343,8 @@ def _count(model: nn.Module, x: torch.Tensor, convention: str = "layers") -> tup
     def post(name: str, counted: bool, handler: MacsHandler | None, profiled: bool):
         def fn(mod: nn.Module, inputs: tuple, out) -> None:
             nonlocal largest, in_counted
+            if not running or running[-1] != name:  # its pre-hook never ran: an earlier pre-hook raised
+                return
             running.pop()
             in_counted -= counted
             out_t = out if isinstance(out, torch.Tensor) else None
@@ -369,15 +384,22 @@ def _count(model: nn.Module, x: torch.Tensor, convention: str = "layers") -> tup
     handles = []
     for name, m in model.named_modules():
         counted = _handler(m) is not None  # the "layers" handler: its work includes the ops inside
+        # the module's call is its forward alone: the user's hooks run outside it (their ops count as the caller's),
+        # and the end of a call that raised is seen too (an exception caught further up)
         handles += [m.register_forward_pre_hook(pre(name, counted)),
-                    m.register_forward_hook(post(name, counted, _handler(m, convention), name in profiled))]
+                    m.register_forward_hook(post(name, counted, _handler(m, convention), name in profiled),
+                                            prepend=True, always_call=True)]
+    fastpath = torch.backends.mha.get_fastpath_enabled()
     try:
+        # nn.MultiheadAttention's inference fast path is one fused op; without it, its products come here one by one
+        torch.backends.mha.set_fastpath_enabled(False)
         with torch.inference_mode(False), torch.no_grad():
             x = x.clone()  # a normal tensor: the model may work on it in place
             seen_storage.add(x.untyped_storage().data_ptr())
             with _FunctionalMacs(add_functional):
                 model(x)
     finally:
+        torch.backends.mha.set_fastpath_enabled(fastpath)
         for h in handles:
             h.remove()
     return list(rows.values()), largest, functional_total
@@ -409,8 +431,8 @@ def measure_latencies(models: Sequence[nn.Module], x: torch.Tensor, warmup: int 
     return [statistics.median(t) for t in times]
 
 
-def _layer_latency(model: nn.Module, x: torch.Tensor, repeats: int) -> dict[str, float]:
-    """Median per-layer forward time (ms) of the profiled layers over `repeats` runs of `model(x)`."""
+def _layer_latency(model: nn.Module, x: torch.Tensor, repeats: int, names: set[str]) -> dict[str, float]:
+    """Median forward time (ms) of the modules `names` (the report's rows) over `repeats` runs of `model(x)`."""
     times: dict[str, list[float]] = {}
     starts: dict[str, float] = {}
 
@@ -429,8 +451,9 @@ def _layer_latency(model: nn.Module, x: torch.Tensor, repeats: int) -> dict[str,
         return fn
 
     handles = []
-    for name, m in _profiled_modules(model):
-        handles += [m.register_forward_pre_hook(pre(name)), m.register_forward_hook(post(name))]
+    for name, m in model.named_modules():
+        if name in names:
+            handles += [m.register_forward_pre_hook(pre(name)), m.register_forward_hook(post(name))]
     try:
         for _ in range(repeats):
             model(x)
@@ -482,9 +505,7 @@ def profile(
     model_device, dtype = _model_device_dtype(model)
     device = torch.device(device) if device is not None else model_device
     model.to(device)
-    was_training = model.training
-    model.eval()
-    try:
+    with evaluating(model):
         gen = torch.Generator().manual_seed(0)  # a private generator: profiling never moves the global RNG
         x = torch.randn(1, *input_size, dtype=dtype, generator=gen).to(device, memory_format=memory_format)
         layers, largest, functional_macs = _count(model, x, convention)
@@ -492,11 +513,9 @@ def profile(
         if latency:
             xb = torch.randn(batch_size, *input_size, dtype=dtype, generator=gen).to(device, memory_format=memory_format)
             (ms,) = measure_latencies([model], xb, warmup=warmup, repeats=repeats)
-            per_layer = _layer_latency(model, xb, repeats)
+            per_layer = _layer_latency(model, xb, repeats, {row.name for row in layers})
             for row in layers:
                 row.latency_ms = per_layer.get(row.name)
-    finally:
-        model.train(was_training)
     return ProfileReport(
         input_size=list(input_size),
         params=sum(p.numel() for p in model.parameters()),

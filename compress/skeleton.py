@@ -22,6 +22,7 @@ import torch.nn as nn
 from compress.surgery import (
     conv_bn_pairs,
     conv_config,
+    hooked,
     read_directly,
     read_outside_their_call,
     replace_module,
@@ -148,7 +149,14 @@ def eligible_convs(
         warnings.warn(f"attach_skeletons: {', '.join(padded[:5])}{', ...' if len(padded) > 5 else ''}: a padding that "
                       "stripe convs cannot express (padding_mode reflect/replicate/circular, or an asymmetric 'same') "
                       "gets no skeleton; those layers stay dense", stacklevel=3)
-    eligible = [(name, m) for name, m in candidates if name not in padded]
+    with_hooks = hooked(model)
+    hooked_convs = [name for name, _ in candidates if name in with_hooks]
+    if hooked_convs:
+        warnings.warn(f"attach_skeletons: {', '.join(hooked_convs[:5])}{', ...' if len(hooked_convs) > 5 else ''}: convs with "
+                      "forward hooks of their own get no skeleton: a SkeletonConv2d in their place would drop the "
+                      "hooks (torch.nn.utils.weight_norm and spectral_norm recompute the weight in one; their "
+                      "torch.nn.utils.parametrizations versions keep working); those layers stay dense", stacklevel=3)
+    eligible = [(name, m) for name, m in candidates if name not in padded and name not in hooked_convs]
     graph = trace(model, None) if eligible else None  # an untraceable forward: compaction says so itself
     if graph is not None:
         direct = sorted(read_directly(graph) & {name for name, _ in eligible})
@@ -156,8 +164,9 @@ def eligible_convs(
         direct = sorted(_read_in_forward(model, example_input, [name for name, _ in eligible]))
     if direct:
         warnings.warn(f"attach_skeletons: {', '.join(direct[:5])}{', ...' if len(direct) > 5 else ''}: the forward "
-                      "also reads the weight of these convs directly (as F.conv2d(x, conv.weight)), where a skeleton "
-                      "would not act; they get none, and compaction leaves them as they are", stacklevel=3)
+                      "also reads the weight of these convs directly (as F.conv2d(x, conv.weight) does), outside their "
+                      "call, where a skeleton would not act; they get none, and compaction leaves them as they are",
+                      stacklevel=3)
     eligible = [(name, m) for name, m in eligible if name not in direct]
     shared = [names_of[id(m)] for _, m in eligible if len(names_of[id(m)]) > 1]
     if shared:

@@ -4,7 +4,7 @@ torch.fx, remove output channels along them, fold constant inputs and BatchNorm 
 from __future__ import annotations
 
 import warnings
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +12,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
+
+from compress._modes import evaluating
 
 __all__ = [
     "conv_config",
@@ -25,6 +27,7 @@ __all__ = [
     "conv_bn_pairs_traced",
     "read_directly",
     "read_outside_their_call",
+    "hooked",
     "called_once",
     "bn_remainder",
     "chain_constants",
@@ -58,13 +61,15 @@ def get_module(model: nn.Module, name: str) -> nn.Module:
 
 
 def replace_module(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
-    """Put `new` at dotted path `name` and return the module it replaced."""
+    """Put `new` at dotted path `name`, and at every other name the same module is registered under (an alias, as
+    `self.norm = self.bn`: torch.fx calls it by its first name only), and return the module it replaced."""
     if not name:
         raise ValueError("replace_module: cannot replace the root module; build a new model instead")
-    parent_name, _, child = name.rpartition(".")
-    parent = get_module(model, parent_name)
-    old = getattr(parent, child)
-    setattr(parent, child, new)
+    old = get_module(model, name)
+    aliases = [n for n, m in model.named_modules(remove_duplicate=False) if m is old and n]
+    for path in aliases or [name]:
+        parent_name, _, child = path.rpartition(".")
+        setattr(get_module(model, parent_name), child, new)
     return old
 
 
@@ -133,10 +138,9 @@ def trace(model: nn.Module, consequence: str | None = "dead filters are kept and
           ) -> fx.Graph | None:
     """The torch.fx graph of `model` traced in eval mode, or None (with a warning saying the `consequence`; none
     when it is None) if tracing fails."""
-    was_training = model.training
-    model.eval()
     try:
-        return _Tracer().trace(model)
+        with evaluating(model):
+            return _Tracer().trace(model)
     except Exception as err:  # any tracing failure means: no graph-based surgery
         if consequence is not None:
             warnings.warn(
@@ -145,8 +149,6 @@ def trace(model: nn.Module, consequence: str | None = "dead filters are kept and
                 stacklevel=3,
             )
         return None
-    finally:
-        model.train(was_training)
 
 
 def _only_input(node: fx.Node, src: fx.Node) -> bool:
@@ -163,57 +165,77 @@ def read_directly(graph: fx.Graph) -> set[str]:
     return {n.target.rpartition(".")[0] for n in graph.nodes if n.op == "get_attr"}
 
 
+_aten = torch.ops.aten
+# ops that read only a tensor's shape, dtype and device, not its values
+_SHAPE_ONLY = frozenset({
+    _aten.empty_like, _aten.zeros_like, _aten.ones_like, _aten.full_like, _aten.rand_like, _aten.randn_like,
+    _aten.randint_like, _aten.new_empty, _aten.new_empty_strided, _aten.new_zeros, _aten.new_ones, _aten.new_full,
+})
+
+
 def read_outside_their_call(model: nn.Module, x: torch.Tensor, names) -> set[str]:
     """Which of the modules `names` of `model` have a parameter or buffer that an op reads while the module's own
     forward is not running, in one eval forward of `x` (no grad): `read_directly` for a forward fx cannot trace,
-    watched at the dispatcher. Views count (a slice of the weight reads it). The model's mode is restored."""
+    watched at the dispatcher. Views count (a slice of the weight reads it); ops that take only a tensor's shape
+    (`zeros_like`, `new_zeros`, ...) do not. Tensors several of `names` share (tied weights) are read inside any of
+    their calls. Each module's mode and `x` are left as they were."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
-    owner = {}  # storage address of each module's tensors -> module name
+    owners = defaultdict(set)  # storage address of each module's tensors -> the modules holding it
     for name in names:
         for t in [*get_module(model, name).parameters(recurse=False), *get_module(model, name).buffers(recurse=False)]:
             if t.numel():
-                owner[t.untyped_storage().data_ptr()] = name
+                owners[t.untyped_storage().data_ptr()].add(name)
     running = Counter()  # the modules of `names` whose forward (hooks included) is running
     found = set()
 
     class Watch(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            for t in tree_leaves((args, kwargs)):
-                if isinstance(t, torch.Tensor) and t.layout == torch.strided:
-                    name = owner.get(t.untyped_storage().data_ptr())
-                    if name is not None and not running[name]:
-                        found.add(name)
+            if func.overloadpacket not in _SHAPE_ONLY:
+                for t in tree_leaves((args, kwargs)):
+                    if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                        held = owners.get(t.untyped_storage().data_ptr(), ())
+                        if held and not any(running[n] for n in held):
+                            found.update(held)
             return func(*args, **(kwargs or {}))
 
     def enter(name):
         return lambda mod, inputs: running.update([name])
 
     def leave(name):
-        return lambda mod, inputs, out: running.subtract([name])
+        def fn(mod, inputs, out):
+            if running[name]:  # (its pre-hook ran: none before it raised)
+                running[name] -= 1
+
+        return fn
 
     handles = []
     for name in names:
         m = get_module(model, name)  # first in, last out: its own hooks (weight_norm's) run inside
-        handles += [m.register_forward_pre_hook(enter(name), prepend=True), m.register_forward_hook(leave(name))]
-    was_training = model.training
-    model.eval()
+        handles += [m.register_forward_pre_hook(enter(name), prepend=True),
+                    m.register_forward_hook(leave(name), always_call=True)]
     try:
-        with torch.no_grad(), Watch():
-            model(x)
+        with evaluating(model), torch.no_grad(), Watch():
+            model(x.clone())  # a forward may work on its input in place
     finally:
-        model.train(was_training)
         for h in handles:
             h.remove()
     return found
 
 
-def called_once(graph: fx.Graph) -> set[str]:
-    """Names of the modules the graph calls exactly once and whose tensors it reads only through that call: the
-    modules surgery may change (one shared by several call sites, or read directly, `read_directly`, is left alone)."""
+def hooked(model: nn.Module) -> set[str]:
+    """Names of the modules with forward hooks or pre-hooks of their own, which surgery leaves alone: a hook may read
+    or set their tensors (the old-style torch.nn.utils.weight_norm and spectral_norm recompute the weight in one)."""
+    return {name for name, m in model.named_modules() if m._forward_pre_hooks or m._forward_hooks}
+
+
+def called_once(graph: fx.Graph, model: nn.Module) -> set[str]:
+    """Names of the modules of `model` its graph calls exactly once and whose tensors only that call reads: the
+    modules surgery may change (one shared by several call sites, read directly, `read_directly`, or with hooks of its
+    own, `hooked`, is left alone)."""
     calls = Counter(n.target for n in graph.nodes if n.op == "call_module")
-    return {name for name, count in calls.items() if count == 1} - read_directly(graph)
+    return {name for name, count in calls.items() if count == 1} - read_directly(graph) - hooked(model)
 
 
 def _channelwise_step(model: nn.Module, node: fx.Node, src: fx.Node, channels: int, once: set[str]):
@@ -298,7 +320,7 @@ def find_chains(model: nn.Module, graph: fx.Graph) -> list[Chain]:
     (BN, activations, dropout, max/adaptive pools) followed by convs or flatten -> Linear, nor a chain through a
     module whose tensors the forward also reads directly (`read_directly`).
     """
-    once = called_once(graph)
+    once = called_once(graph, model)
     chains = []
     for node in graph.nodes:
         if node.op != "call_module" or node.target not in once:
@@ -351,7 +373,7 @@ def conv_bn_pairs_traced(model: nn.Module, graph: fx.Graph, foldable: bool = Tru
     """Map each Conv2d (called once) whose only user is a BatchNorm2d (called once) to that BN's name; with
     `foldable`, only pairs that fold: a `foldable_conv` and a BN that `bn_remainder` can fold. Neither may have
     tensors the forward also reads directly (`read_directly`)."""
-    once = called_once(graph)
+    once = called_once(graph, model)
     pairs = {}
     for node in graph.nodes:
         if node.op != "call_module" or node.target not in once:
@@ -379,10 +401,8 @@ def chain_constants(model: nn.Module, chain: Chain) -> torch.Tensor:
     for step in chain.steps:
         if step.kind == "module":
             m = get_module(model, step.target)
-            was_training = m.training
-            m.eval()
-            x = m(x.clone())
-            m.train(was_training)
+            with evaluating(m):
+                x = m(x.clone())
         elif step.kind == "function":
             x = step.target(x.clone(), *step.args, **step.kwargs)
         elif step.kind == "method":

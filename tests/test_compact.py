@@ -578,6 +578,41 @@ def test_the_forward_probe_sees_views_and_leaves_hooks_of_the_conv_inside_its_ca
     assert read_outside_their_call(model, x, ["conv", "normed"]) == {"conv"}
 
 
+class _TiedAndShapes(nn.Module):
+    """b and c share one weight (each reads it in its own call), d's weight only lends its shape (zeros_like,
+    new_zeros); the forward works on its input in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.b, self.c, self.d = nn.Conv2d(3, 3, 3, padding=1), nn.Conv2d(3, 3, 3, padding=1), nn.Conv2d(3, 3, 1)
+        self.c.weight = self.b.weight
+        self.bn = nn.BatchNorm2d(3)
+
+    def forward(self, x):
+        x.mul_(2)
+        y = self.bn(self.c(self.b(x))) + torch.zeros_like(self.d.weight).sum() + self.d.weight.new_zeros(1)
+        return self.d(y)
+
+
+def test_the_forward_probe_reads_tied_weights_inside_either_call_ignores_shape_only_ops_and_keeps_modes_and_input():
+    from compress.surgery import read_outside_their_call
+
+    model = _TiedAndShapes().train()
+    model.bn.eval()  # a frozen BN
+    x = torch.randn(1, 3, 6, 6)
+    before = x.clone()
+    assert read_outside_their_call(model, x, ["b", "c", "d"]) == set()
+    assert torch.equal(x, before) and model.training and not model.bn.training
+
+
+def test_convs_with_hooks_of_their_own_get_no_skeleton():
+    """Old-style weight_norm recomputes the weight in a forward pre-hook of the conv, which a SkeletonConv2d in its
+    place would drop."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), torch.nn.utils.weight_norm(nn.Conv2d(4, 4, 3)))
+    with pytest.warns(UserWarning, match=r"attach_skeletons: 1: convs with forward hooks of their own get no skeleton"):
+        assert attach_skeletons(model) == ["0"]
+
+
 @compress.register_model
 def _test_weight_norm_net(num_classes=10, in_chans=3):
     return nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Conv2d(in_chans, 8, 3, padding=1)), nn.ReLU(),
@@ -595,3 +630,44 @@ def test_a_weight_norm_conv_saves_and_loads(tmp_path):
     again = load(path)
     assert torch.nn.utils.parametrize.is_parametrized(again[0])
     assert torch.equal(again(x), model(x))
+
+
+class _Aliases(nn.Module):
+    """conv -> BN -> ReLU -> 2x2 max-pool -> conv, the BN and the pool each registered under a second name that the
+    forward calls (torch.fx names a module by its first name), and a 1x1 conv with an old-style weight_norm (its
+    forward pre-hook recomputes the weight from weight_g and weight_v) reading the pruned conv's channels."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(8)
+        self.norm = self.bn
+        self.act = nn.ReLU()
+        self.p = nn.MaxPool2d(2)
+        self.pool = self.p
+        self.mix = torch.nn.utils.weight_norm(nn.Conv2d(8, 4, 1))
+
+    def forward(self, x):
+        return self.mix(self.pool(self.act(self.norm(self.conv(x)))))
+
+
+def test_aliased_modules_fold_and_fuse_under_every_name_and_hooked_convs_are_left_alone():
+    """A folded BN or a fused pool left under its second name ran twice (wrong outputs, no warning); the weight_norm
+    conv, sliced as the consumer of dead filters, failed at the next forward (its hook assigns the weight)."""
+    torch.manual_seed(0)
+    model = _Aliases().double()
+    _randomize_bn(model, torch.Generator().manual_seed(1))
+    assert attach_skeletons(model) == ["conv"]
+    with torch.no_grad():
+        model.conv.skeleton[:3] = 0  # dead filters: mix would lose those input channels
+        model.conv.skeleton[3:, 0] = 0
+    model.eval()
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    with torch.no_grad():
+        want = model(x)
+    for fold, fuse in ((False, False), (True, False), (True, True)):
+        out = compact(model, fold_bn=fold, fuse_relu=fuse)
+        assert out.norm is out.bn and out.pool is out.p and out.mix.in_channels == 8
+        assert isinstance(out.bn, nn.Identity) == fold and isinstance(out.p, nn.Identity) == fuse
+        with torch.no_grad():
+            torch.testing.assert_close(out(x), want, rtol=1e-12, atol=1e-12)

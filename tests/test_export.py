@@ -100,10 +100,14 @@ def test_onnx_export_of_an_op_torch_onnx_lacks_says_how_to_export_without_it(tmp
     with pytest.raises(ValueError, match=r"cannot export this model at input size \(3, 16, 16\) \(opset 17\): "
                                          r"Exporting the operator 'aten::_upsample_bilinear2d_aa'.*onnx.enabled=false"):
         export_onnx(Resized().eval(), tmp_path / "m.onnx", (3, 16, 16))
-    # a BN without running statistics fails an assert in torch.onnx's symbolic: the same error, not a bare assert
+    # a BN without running statistics (torch.onnx fails an assert after printing the graph) and a float64 model
+    # (onnxruntime has no float64 conv on the CPU) are named before torch.onnx runs
     no_stats = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, track_running_stats=False)).eval()
-    with pytest.raises(ValueError, match=r"cannot export this model .*batch_size and channel_size.*onnx.enabled=false"):
+    with pytest.raises(ValueError, match=r"export_onnx: 1: a BatchNorm without running statistics .*onnx.enabled=false"):
         export_onnx(no_stats, tmp_path / "m.onnx", (3, 16, 16))
+    with pytest.raises(ValueError, match=r"export_onnx: the model is float64.*\.float\(\)"):
+        export_onnx(nn.Sequential(nn.Conv2d(3, 4, 3)).double(), tmp_path / "m.onnx", (3, 16, 16))
+    assert not (tmp_path / "m.onnx").exists()
 
 
 def test_onnx_shift_mode_uses_no_stripe_ops(tmp_path):

@@ -329,3 +329,75 @@ def test_ops_inside_a_layer_that_counts_itself_are_not_counted_again():
     rep = profile(nn.Sequential(Claims(3, 6, lambda inp, out: 7), nn.Conv2d(6, 2, 1)), (3, 4, 4), latency=False)
     assert rep.functional_macs == 0 and rep.macs == 7 + 16 * 2 * 6
     assert profile(create_model("resnet20"), (3, 32, 32), latency=False).functional_macs == 0
+
+
+class SelfAttention(nn.Module):
+    """nn.MultiheadAttention (embed 8, 4 heads: an even count takes its fused inference fast path) over the 5 rows of a
+    (1, 5, 8) input: in-projection 5 * 8 * 24 = 960, q @ k^T and weights @ v 2 * 4 heads * 5 * 5 * 2 = 400,
+    out-projection 5 * 8 * 8 = 320 MACs."""
+
+    def __init__(self):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(8, 4, batch_first=True)
+
+    def forward(self, x):
+        return self.mha(x[:, 0], x[:, 0], x[:, 0])[0]
+
+
+def test_multihead_attention_counts_its_products_though_its_fast_path_is_one_fused_op():
+    rep = profile(SelfAttention(), (1, 5, 8), latency=False)
+    assert rep.macs == rep.functional_macs == 960 + 400 + 320
+    assert torch.backends.mha.get_fastpath_enabled()  # restored
+
+
+class InferenceInside(nn.Module):
+    """Composite ops inside the forward's own inference_mode block, dispatched whole: F.conv2d (4 x 3x3 of a 3x5x5
+    input: 36 outputs * 27 = 972), F.linear (36 -> 5: 180) and an einsum (1x5 by 5x1: 5)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Parameter(torch.randn(4, 3, 3, 3))
+        self.fc = nn.Parameter(torch.randn(5, 36))
+
+    def forward(self, x):
+        with torch.inference_mode():
+            z = F.linear(F.conv2d(x, self.conv).flatten(1), self.fc)
+            return torch.einsum("ij,kj->ik", z, z).clone()
+
+
+def test_ops_in_a_forwards_own_inference_mode_and_in_hooks_count():
+    assert profile(InferenceInside(), (3, 5, 5), latency=False).functional_macs == 972 + 180 + 5
+    w = torch.randn(8, 8)
+    model = nn.Sequential(nn.Linear(8, 8))
+    model.register_forward_pre_hook(lambda mod, inp: (inp[0] @ w,))  # before any forward runs: the model's row
+    model[0].register_forward_hook(lambda mod, inp, out: out @ w)  # after the Linear's call: its caller's row
+    rep = profile(model, (1, 2, 8), latency=False)
+    assert {row.name: row.macs for row in rep.layers} == {"0": 128, "": 256} and rep.functional_macs == 256
+
+
+class CatchesAnError(nn.Module):
+    """A child Linear that raises, caught by the forward, then x @ after (2 x 8 by 8 x 8: 128 MACs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fails = nn.Linear(8, 8)
+        self.fails.register_forward_pre_hook(lambda mod, inp: 1 / 0)
+        self.after = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        try:
+            self.fails(x)
+        except ZeroDivisionError:
+            pass
+        return x @ self.after
+
+
+def test_a_call_that_raises_inside_the_forward_does_not_stop_the_count():
+    assert profile(CatchesAnError(), (1, 2, 8), latency=False).functional_macs == 128
+
+
+def test_profile_leaves_each_modules_own_mode():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).train()
+    model[1].eval()  # a frozen BN
+    profile(model, (3, 6, 6), batch_size=2, repeats=1, warmup=0)
+    assert model.training and not model[1].training
