@@ -281,6 +281,32 @@ def _is_flatten(node: fx.Node) -> bool:
     return start == 1 and end == -1
 
 
+def _flattened(model: nn.Module, cur: fx.Node, once: set[str]) -> fx.Node | None:
+    """The node that flattens `cur` (B, C, H, W) to (B, C*H*W) when that is all `cur` feeds (torch.flatten(x, 1),
+    x.flatten(1), a once-called nn.Flatten(), x.view(x.size(0), -1) or its reshape), after it any once-called
+    nn.Dropout / nn.Identity modules (eval: no change); else None."""
+    users = list(cur.users)
+    flat = None
+    if len(users) == 1 and _is_flatten(users[0]) and _only_input(users[0], cur):
+        flat = users[0]
+    elif len(users) == 1 and users[0].op == "call_module" and users[0].target in once and users[0].args == (cur,):
+        m = get_module(model, users[0].target)
+        flat = users[0] if type(m) is nn.Flatten and (m.start_dim, m.end_dim) == (1, -1) else None
+    elif len(users) == 2:  # x.view(x.size(0), -1): the size call and the view
+        size = next((u for u in users if u.op == "call_method" and u.target == "size" and u.args == (cur, 0)), None)
+        view = next((u for u in users if u is not size), None)
+        if (size is not None and list(size.users) == [view] and view.op == "call_method"
+                and view.target in ("view", "reshape") and view.args == (cur, size, -1) and not view.kwargs):
+            flat = view
+    while flat is not None and len(flat.users) == 1:
+        (nxt,) = flat.users
+        if not (nxt.op == "call_module" and nxt.target in once and nxt.args == (flat,) and not nxt.kwargs
+                and type(get_module(model, nxt.target)) in (nn.Dropout, nn.Identity)):
+            break
+        flat = nxt
+    return flat
+
+
 def _consumer(model: nn.Module, node: fx.Node, src: fx.Node, channels: int, once: set[str],
               cls) -> bool:
     if node.op != "call_module" or node.args != (src,) or node.kwargs or node.target not in once:
@@ -298,14 +324,15 @@ def _chain_from(model: nn.Module, node: fx.Node, once: set[str]) -> Chain | None
         users = list(cur.users)
         if users and all(_consumer(model, u, cur, channels, once, nn.Conv2d) for u in users):
             return Chain(node.target, steps, [u.target for u in users])
+        flat = _flattened(model, cur, once)
+        if flat is not None:
+            linear = list(flat.users)
+            if len(linear) == 1 and _consumer(model, linear[0], flat, channels, once, nn.Linear):
+                return Chain(node.target, steps, [linear[0].target])
+            return None
         if len(users) != 1:
             return None
         (user,) = users
-        if _is_flatten(user) and _only_input(user, cur):
-            linear = list(user.users)
-            if len(linear) == 1 and _consumer(model, linear[0], user, channels, once, nn.Linear):
-                return Chain(node.target, steps, [linear[0].target])
-            return None
         step = _channelwise_step(model, user, cur, channels, once)
         if step is None:
             return None
@@ -317,8 +344,8 @@ def find_chains(model: nn.Module, graph: fx.Graph) -> list[Chain]:
     """Chains of every Conv2d (groups 1, called once) whose output channels can be removed, in graph order.
 
     Never returns a conv feeding a residual add, a concatenation or anything but channel-wise ops
-    (BN, activations, dropout, max/adaptive pools) followed by convs or flatten -> Linear, nor a chain through a
-    module whose tensors the forward also reads directly (`read_directly`).
+    (BN, activations, dropout, max/adaptive pools) followed by convs or a flatten (`_flattened`) -> Linear, nor a
+    chain through a module that `called_once` leaves alone.
     """
     once = called_once(graph, model)
     chains = []

@@ -671,3 +671,38 @@ def test_aliased_modules_fold_and_fuse_under_every_name_and_hooked_convs_are_lef
         assert isinstance(out.bn, nn.Identity) == fold and isinstance(out.p, nn.Identity) == fuse
         with torch.no_grad():
             torch.testing.assert_close(out(x), want, rtol=1e-12, atol=1e-12)
+
+
+class _FlattenHead(nn.Module):
+    """conv (3 -> 6) -> BN -> ReLU, then flattened to a Linear in one of the ways user code writes it."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.conv, self.bn, self.act = nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU()
+        self.flat, self.drop = nn.Flatten(), nn.Dropout(0.5)
+        self.fc = nn.Linear(6 * 4 * 4, 5)
+
+    def forward(self, x):
+        y = self.act(self.bn(self.conv(x)))
+        if self.how == "module":
+            return self.fc(self.flat(y))
+        if self.how == "view":
+            return self.fc(y.view(y.size(0), -1))
+        return self.fc(self.drop(torch.flatten(y, 1)))  # "dropout"
+
+
+@pytest.mark.parametrize("how", ["module", "view", "dropout"])
+def test_dead_filters_before_a_flattened_linear_head_are_removed(how):
+    torch.manual_seed(0)
+    model = _FlattenHead(how).double()
+    _randomize_bn(model, torch.Generator().manual_seed(1))
+    attach_skeletons(model)
+    with torch.no_grad():
+        model.conv.skeleton[[1, 4]] = 0  # two dead filters: the Linear loses their 2 * 16 columns
+        model.conv.skeleton[0, 0] = 0  # and 3 stripes of filter 0
+    model.eval()
+    x = torch.randn(2, 3, 4, 4, dtype=torch.float64)
+    out = compact(model, fold_bn=True)
+    assert out.conv.out_channels == 4 and out.fc.in_features == 4 * 16
+    torch.testing.assert_close(out(x), model(x), rtol=1e-12, atol=1e-12)
