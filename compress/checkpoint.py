@@ -39,7 +39,7 @@ from torch.nn.utils import parametrize
 
 from compress._digest import digest
 from compress._files import atomic_write
-from compress.surgery import conv_config, get_module
+from compress.surgery import conv_config, get_module, replace_module
 
 __all__ = ["save", "load", "rebuild", "rebuild_for", "register_module_type", "build_recipe", "FORMAT", "VERSION"]
 
@@ -217,7 +217,10 @@ def _apply(model: nn.Module, replacements: list[dict], removed: list[str], where
         if not (child.isidentifier() or child.isdigit()) or child.startswith("__") or taken:
             raise ValueError(f"{where}: {name!r} cannot name a module (an attribute of its parent that is not a "
                              "module, or not a module name)")
-        setattr(owner, child, new)
+        if isinstance(getattr(owner, child, None), nn.Module):
+            replace_module(model, name, new)  # under its other names too (self.norm = self.bn), as compaction did
+        else:
+            setattr(owner, child, new)
     for name in removed:
         parent, _, child = name.rpartition(".")
         try:

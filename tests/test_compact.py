@@ -706,3 +706,37 @@ def test_dead_filters_before_a_flattened_linear_head_are_removed(how):
     out = compact(model, fold_bn=True)
     assert out.conv.out_channels == 4 and out.fc.in_features == 4 * 16
     torch.testing.assert_close(out(x), model(x), rtol=1e-12, atol=1e-12)
+
+
+class _AliasNet(nn.Module):
+    def __init__(self, num_classes=10):
+        super().__init__()
+        self.conv, self.bn, self.act, self.p = nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(), \
+            nn.MaxPool2d(2)
+        self.norm, self.pool = self.bn, self.p  # second names, which the forward calls
+        self.head = nn.Linear(8 * 4 * 4, num_classes)
+
+    def forward(self, x):
+        return self.head(torch.flatten(self.pool(self.act(self.norm(self.conv(x)))), 1))
+
+
+@compress.register_model
+def _test_alias_net(num_classes=10, in_chans=3):
+    return _AliasNet(num_classes)
+
+
+def test_a_compact_model_with_aliased_modules_saves_and_loads(tmp_path):
+    """save's recipe names a replaced module by its first name; rebuilding replaces it under its other names too
+    (the recipe did not rebuild the model, and save refused it)."""
+    model = create_model("_test_alias_net").double()
+    _randomize_bn(model, torch.Generator().manual_seed(1))
+    attach_skeletons(model)
+    with torch.no_grad():
+        model.conv.skeleton[:2] = 0
+        model.conv.skeleton[2:, 0] = 0
+    model.eval()
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    for fold in (False, True):
+        again = load(save(compact(model, fold_bn=fold, fuse_relu=fold), tmp_path / f"m{fold}.safetensors"))
+        assert again.norm is again.bn and again.pool is again.p and again.head.in_features == 6 * 16
+        torch.testing.assert_close(again(x), model(x), rtol=1e-12, atol=1e-12)
