@@ -162,9 +162,9 @@ def export_onnx(
     import onnx
 
     param = next(model.parameters())
-    if param.dtype == torch.float64:
-        raise ValueError("export_onnx: the model is float64, which onnxruntime's CPU convolutions do not run; export a "
-                         "float32 copy (copy.deepcopy(model).float())")
+    if param.dtype in (torch.float64, torch.bfloat16):  # (ONNX's Conv has no bfloat16; onnxruntime's CPU no float64)
+        raise ValueError(f"export_onnx: the model is {str(param.dtype).removeprefix('torch.')}, which ONNX "
+                         "convolutions in onnxruntime do not run; export a float32 copy (copy.deepcopy(model).float())")
     no_stats = [name for name, m in model.named_modules()
                 if isinstance(m, nn.modules.batchnorm._BatchNorm) and not m.track_running_stats]
     if no_stats:  # (torch.onnx would fail an assert in its symbolic, after printing the whole graph)

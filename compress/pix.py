@@ -43,7 +43,7 @@ def _check_zeta(where: str, zeta: int) -> None:
 def check_tau(where: str, tau: float, key: str = "tau") -> None:
     """ValueError naming `where` and `key` (the argument, or pix.tau in a config) unless tau is a number in [0, 1]."""
     # p = sigmoid(...) lies in [0, 1] once rounded: tau 0 always mixes; tau 1 picks unless p rounds to 1
-    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0.0 <= tau <= 1.0:
+    if isinstance(tau, bool) or not isinstance(tau, numbers.Real) or not 0.0 <= tau <= 1.0:
         raise ValueError(f"{where}: {key}={tau!r} must be a number in [0, 1] (pix.tau; the paper uses 0.5)")
 
 
@@ -333,7 +333,8 @@ def downscale_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
 
 
 _SUPPORTED = (
-    "PiX supports bottleneck ResNets (torchvision resnet50/101/152, timm resnet50/101/152, CIFAR "
+    "PiX supports bottleneck ResNets (torchvision resnet50/101/152, wide and ResNeXt ones; timm resnet50/101/152 "
+    "and their d/t stems, SE, ECA and ResNeXt variants; CIFAR "
     "resnet29_bottleneck/resnet164_bottleneck: channel squeezing), and VGGs (CIFAR vgg*, torchvision vgg*) "
     "and basic-block ResNets (CIFAR resnet20..110, torchvision/timm resnet18/34: network downscaling)"
 )
@@ -345,10 +346,12 @@ def apply_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
     modules = list(model.modules())
     if any(isinstance(m, _bottleneck_types()) for m in modules):
         changed = insert_pix(model, zeta, tau)
-    elif isinstance(model, (CifarVGG, tvm.VGG)) or any(isinstance(m, _basic_block_types()) for m in modules):
+    elif any(isinstance(m, (CifarVGG, tvm.VGG, *_basic_block_types())) for m in modules):
         changed = downscale_pix(model, zeta, tau)
     else:
-        raise ValueError(f"apply_pix: unsupported model {type(model).__name__}; {_SUPPORTED}")
+        blocks = sorted({type(m).__name__ for m in modules if type(m).__name__.lower().endswith(("neck", "block"))})
+        has = f" (its blocks are {', '.join(blocks)}, which PiX does not rebuild)" if blocks else ""
+        raise ValueError(f"apply_pix: unsupported model {type(model).__name__}{has}; {_SUPPORTED}")
     return changed
 
 

@@ -105,8 +105,9 @@ def test_onnx_export_of_an_op_torch_onnx_lacks_says_how_to_export_without_it(tmp
     no_stats = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, track_running_stats=False)).eval()
     with pytest.raises(ValueError, match=r"export_onnx: 1: a BatchNorm without running statistics .*onnx.enabled=false"):
         export_onnx(no_stats, tmp_path / "m.onnx", (3, 16, 16))
-    with pytest.raises(ValueError, match=r"export_onnx: the model is float64.*\.float\(\)"):
-        export_onnx(nn.Sequential(nn.Conv2d(3, 4, 3)).double(), tmp_path / "m.onnx", (3, 16, 16))
+    for dtype in (torch.float64, torch.bfloat16):
+        with pytest.raises(ValueError, match=rf"export_onnx: the model is {str(dtype)[6:]}.*\.float\(\)"):
+            export_onnx(nn.Sequential(nn.Conv2d(3, 4, 3)).to(dtype), tmp_path / "m.onnx", (3, 16, 16))
     assert not (tmp_path / "m.onnx").exists()
 
 

@@ -270,6 +270,16 @@ def test_errors_name_the_layer():
         insert_pix(torchvision.models.resnet50(), 2)
     with pytest.raises(ValueError, match=r"unsupported model MobileNetV2; PiX supports bottleneck ResNets"):
         apply_pix(create_model("mobilenet_v2"), 4)
+    # a timm ResNet whose blocks PiX does not rebuild: the message names them
+    with pytest.raises(ValueError, match=r"unsupported model ResNet \(its blocks are SelectiveKernelBottleneck, which "
+                                         r"PiX does not rebuild\)"):
+        apply_pix(create_model("timm:skresnet50", num_classes=10, input_size=32), 4)
+    # a numpy tau is a number; a VGG inside a wrapper is a VGG
+    import numpy as np
+
+    assert apply_pix(torchvision.models.resnet50(), 4, np.float32(0.25))
+    wrapped = nn.Sequential(nn.Identity(), create_model("vgg11"))
+    assert apply_pix(wrapped, 2) and wrapped(torch.randn(1, 3, 32, 32)).shape == (1, 10)
     with pytest.raises(ValueError, match=r"zeta must be a positive int, got 0"):
         apply_pix(create_model("resnet20"), 0)
 
