@@ -56,9 +56,8 @@ from compress.surgery import (
     find_chains,
     fold_constant_inputs,
     get_module,
-    hooked,
     is_elementwise,
-    read_directly,
+    left_alone,
     remove_channels,
     replace_module,
     trace,
@@ -205,7 +204,7 @@ def _compact_at(model: nn.Module, threshold: float, fold: bool, multiple: int = 
             replace_module(out, name, m.to_dense())
             pruned.append(name)
     graph = trace(out)
-    direct = set() if graph is None else read_directly(graph) | hooked(out)
+    direct = set() if graph is None else left_alone(graph, out)
     if graph is not None:
         chains = find_chains(out, graph)
         while any([_shrink(out, chain, multiple) for chain in chains]):
@@ -282,8 +281,9 @@ def _shrink(model: nn.Module, chain: Chain, multiple: int = 1) -> bool:
 
 def _to_stripe_convs(model: nn.Module, pruned: list[str], direct: set[str]) -> None:
     """Pruned convs -> StripeConv2d (or stay nn.Conv2d when every stripe is kept); any other groups-1
-    conv whose weight is all zero -> StripeConv2d with no stripe. Convs whose weight the forward also reads
-    directly (`direct`, `read_directly`) stay nn.Conv2d: a StripeConv2d holds its weight in another shape."""
+    conv whose weight is all zero -> StripeConv2d with no stripe. Convs surgery leaves alone (`direct`,
+    `left_alone`: the forward also reads their weight, or a hook of theirs may) stay nn.Conv2d: a StripeConv2d holds
+    its weight in another shape."""
     for name, m in list(model.named_modules()):
         if type(m) is not nn.Conv2d or m.groups != 1 or (name not in pruned and not stripe_padding_ok(m)):
             continue

@@ -47,11 +47,13 @@ from compress._modes import evaluating
 from compress._trainstate import atomic_save, load_checkpoint, rng_state, set_rng_state
 from compress.checkpoint import build_recipe, rebuild_for, unregistered_module
 from compress.checkpoint import load as load_compact
-from compress.compaction import check_target_macs
+from compress.compaction import check_target_macs, compact
 from compress.data import MAX_SEED, build_data
+from compress.export import load_training_checkpoint
 from compress.models import TIMM_PREFIX, create_model, import_modules, load_weights, module_names
 from compress.models._weights import read_weights, weights_problems
 from compress.pix import apply_pix, check_tau
+from compress.profile import profile
 from compress.skeleton import attach_skeletons, check_nonnegative, skeleton_stats, swp_update
 from compress.stripe import stripe_counts
 from compress.surgery import conv_bn_pairs
@@ -1131,10 +1133,6 @@ def _compact_macs(ckpt: Path, threshold: float, input_shape: tuple[int, int, int
     """MACs, for one input, of the compact model of the checkpoint `ckpt` at the run's SWP threshold: what export
     makes of it unless prune.target_flops raises the threshold. Counted on the CPU, the model loaded as export loads
     it. None, with a note, when compaction fails (export then says why); its warnings repeat the run's."""
-    from compress.compaction import compact
-    from compress.export import load_training_checkpoint
-    from compress.profile import profile
-
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

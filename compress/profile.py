@@ -315,7 +315,8 @@ class ProfileReport:
 def _count(model: nn.Module, x: torch.Tensor, convention: str = "layers") -> tuple[list[LayerProfile], int, int]:
     """Per-layer rows for one forward of `x` (a module called more than once sums its calls), the bytes of the
     largest single new output tensor, and the MACs of functional ops (`_FunctionalMacs`) among the rows'. Runs
-    outside inference mode (no grad), where composite ops reach `_FunctionalMacs` as the primitives it counts."""
+    outside inference mode (no grad), where composite ops reach `_FunctionalMacs` already decomposed into the
+    primitives it counts (it decomposes those a forward's own inference_mode block dispatches whole)."""
     rows: dict[str, LayerProfile] = {}
     largest = 0
     seen_storage: set[int] = set()

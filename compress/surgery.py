@@ -28,6 +28,7 @@ __all__ = [
     "read_directly",
     "read_outside_their_call",
     "hooked",
+    "left_alone",
     "called_once",
     "bn_remainder",
     "chain_constants",
@@ -230,12 +231,17 @@ def hooked(model: nn.Module) -> set[str]:
     return {name for name, m in model.named_modules() if m._forward_pre_hooks or m._forward_hooks}
 
 
+def left_alone(graph: fx.Graph, model: nn.Module) -> set[str]:
+    """Names of the modules of `model` that surgery leaves as they are however often they are called: those whose
+    tensors the forward also reads directly (`read_directly`) and those with hooks of their own (`hooked`)."""
+    return read_directly(graph) | hooked(model)
+
+
 def called_once(graph: fx.Graph, model: nn.Module) -> set[str]:
-    """Names of the modules of `model` its graph calls exactly once and whose tensors only that call reads: the
-    modules surgery may change (one shared by several call sites, read directly, `read_directly`, or with hooks of its
-    own, `hooked`, is left alone)."""
+    """Names of the modules of `model` its graph calls exactly once, minus those `left_alone`: the modules surgery
+    may change (one shared by several call sites is left alone too)."""
     calls = Counter(n.target for n in graph.nodes if n.op == "call_module")
-    return {name for name, count in calls.items() if count == 1} - read_directly(graph) - hooked(model)
+    return {name for name, count in calls.items() if count == 1} - left_alone(graph, model)
 
 
 def _channelwise_step(model: nn.Module, node: fx.Node, src: fx.Node, channels: int, once: set[str]):
