@@ -42,23 +42,26 @@ def inner_convs(model: nn.Module) -> set[str]:
     return chains | {n for n in names if n.endswith("conv1") or n.startswith("features")}
 
 
-def swp_like(name: str, seed: int, masks: Mapping[str, tuple[float, float]], **model_kwargs) -> nn.Module:
+def swp_like(name: str, seed: int, masks: Mapping[str, tuple[float, float]], stripe_group: int = 1,
+             **model_kwargs) -> nn.Module:
     """`create_model(name, **model_kwargs)` (default num_classes=10, input_size=32) with skeletons masked at
     random (seeded): in the convs of `inner_convs` a share masks["inner"][0] of the filters is dead and the
     others keep each stripe with probability masks["inner"][1]; masks["outer"] likewise for the other
-    skeleton convs. Dead filters' BN is zeroed (swp_update). Returned in eval mode."""
+    skeleton convs. With `stripe_group` G > 1 the skeletons are grouped (one entry per G filters and offset), and
+    the shares apply to groups. Dead filters' BN is zeroed (swp_update). Returned in eval mode."""
     model_kwargs = {"num_classes": 10, "input_size": 32, **model_kwargs}
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     model = create_model(name, **model_kwargs)
     inner = inner_convs(model)
-    attach_skeletons(model)
+    attach_skeletons(model, stripe_group=stripe_group)
     with torch.no_grad():
         for conv_name, m in model.named_modules():
             if isinstance(m, SkeletonConv2d):
                 dead, keep = masks["inner" if conv_name in inner else "outer"]
                 fs = (torch.rand(m.skeleton.shape, generator=gen) < keep).float()
-                fs[torch.randperm(m.out_channels, generator=gen)[: int(dead * m.out_channels)]] = 0
+                rows = fs.shape[0]  # filters, or groups of filters
+                fs[torch.randperm(rows, generator=gen)[: int(dead * rows)]] = 0
                 m.skeleton.copy_(fs)
     swp_update(model, alpha=0.0, threshold=0.0)
     return model.eval()

@@ -39,7 +39,7 @@ def skeleton_heatmap(conv: SkeletonConv2d, threshold: float, scale: int = 4) -> 
     Values are |FS| / max|FS| for kept stripes and 0 for pruned ones; each cell is `scale` pixels
     wide and high (H = out_channels * scale, W = kh * kw * scale).
     """
-    fs = conv.skeleton.detach().float().abs().flatten(1).cpu()
+    fs = conv.stripe_scale().float().abs().flatten(1).cpu()  # a grouped skeleton's rows repeated per filter
     fs = fs * (fs > threshold)
     img = fs / fs.max().clamp_min(1e-12)
     return img.repeat_interleave(scale, 0).repeat_interleave(scale, 1)

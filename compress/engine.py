@@ -54,7 +54,13 @@ from compress.models import TIMM_PREFIX, create_model, import_modules, load_weig
 from compress.models._weights import read_weights, weights_problems
 from compress.pix import apply_pix, check_tau
 from compress.profile import profile
-from compress.skeleton import attach_skeletons, check_nonnegative, skeleton_stats, swp_update
+from compress.skeleton import (
+    attach_skeletons,
+    check_nonnegative,
+    check_stripe_group,
+    skeleton_stats,
+    swp_update,
+)
 from compress.stripe import stripe_counts
 from compress.surgery import conv_bn_pairs
 
@@ -458,6 +464,7 @@ def _check_config(cfg: DictConfig, ckpt: dict | None = None) -> None:
         check_nonnegative(alpha=cfg.prune.alpha, threshold=cfg.prune.threshold)
         _require_int("prune.min_kernel_size", cfg.prune.min_kernel_size, 1,
                      note="convs with a smaller kernel get no skeleton")
+        check_stripe_group(cfg.prune.get("stripe_group", 1))
     _require_int("pix.zeta", cfg.pix.zeta, 1, null="no PiX", note="the bottleneck width is out_channels / zeta")
     check_tau("config", cfg.pix.tau, "pix.tau")
     if cfg.prune.name == "swp" and cfg.prune.get("target_flops") is not None:
@@ -926,7 +933,8 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
         # a random image of the data's size finds direct weight reads in a forward fx cannot trace
         example = torch.randn(1, data.in_chans, data.input_size, data.input_size,
                               generator=torch.Generator().manual_seed(0))
-        if not attach_skeletons(raw, cfg.prune.min_kernel_size, include, exclude, example):
+        if not attach_skeletons(raw, cfg.prune.min_kernel_size, include, exclude, example,
+                                cfg.prune.get("stripe_group", 1)):
             raise ValueError(
                 f"SWP: no conv of {cfg.model.name} gets a skeleton with prune.include={include}, "
                 f"prune.exclude={exclude}, prune.min_kernel_size={cfg.prune.min_kernel_size}; check the patterns "

@@ -29,7 +29,7 @@ from compress.onnx_export import STRIPE_MODES, check_onnx, export_onnx
 from compress.pix import apply_pix
 from compress.profile import measure_latencies, profile
 from compress.report import compact_stripes_per_layer, plot_stripes, render_markdown, report_dict
-from compress.skeleton import SkeletonConv2d, check_nonnegative
+from compress.skeleton import SkeletonConv2d, check_nonnegative, check_stripe_group
 from compress.surgery import replace_module
 
 __all__ = ["load_training_checkpoint", "load_any", "export_checkpoint", "FILES"]
@@ -80,10 +80,11 @@ def load_training_checkpoint(path: str | os.PathLike) -> tuple[nn.Module, dict]:
     if "pix" not in arch and pix.get("zeta") is not None:  # checkpoints whose arch predates its "pix" entry
         arch["pix"] = {"zeta": int(pix["zeta"]), "tau": float(pix.get("tau", 0.5))}
     model = architecture(arch)  # as the engine built it: PiX first, then the skeletons
+    group = check_stripe_group((cfg.get("prune") or {}).get("stripe_group", 1))
     for key in state["model"]:
         if key.endswith(".skeleton"):
             name = key[: -len(".skeleton")]
-            replace_module(model, name, SkeletonConv2d.from_conv(model.get_submodule(name)))
+            replace_module(model, name, SkeletonConv2d.from_conv(model.get_submodule(name), group))
     try:
         model.load_state_dict(state["model"], strict=True)
     except RuntimeError as err:

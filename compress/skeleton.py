@@ -5,6 +5,17 @@ every stripe (one filter's weights at one kernel offset, across all input channe
 the forward pass uses `weight * FS[:, None]`. Training adds an L1 subgradient `alpha * sign(FS)` to
 FS's gradient and zeroes every entry with |FS| <= threshold (value and gradient) at every step;
 a filter with no stripe left is dead and its BatchNorm channel is zeroed.
+
+Grouped skeletons (``stripe_group=G``, config ``prune.stripe_group``; our extension, not in the paper): one FS
+entry per group of G consecutive filters and kernel offset, shape (ceil(out_channels / G), kh, kw), so the G
+filters of a group keep or drop their stripes at an offset together, by the same L1 rule. Why: on a GPU a
+tensor-core tile computes a block of output channels at once, and with per-filter masks nearly every (offset,
+tile) block keeps some stripe, so no tile skips work (README "Not done yet"); with groups as wide as the tile,
+the kernel's LISTED route computes only the offsets each tile keeps (``kernels.stripe_triton``). On an H200 (bf16,
+channels_last, the issue's layer shapes) that made a layer 1.21-4.41x faster than cuDNN's dense conv at keep
+0.11-0.2 and 0.89-3.13x at 0.2-0.34, where per-filter masks ran 0.69-0.89x from 64 channels
+(benchmarks/results/stripe_blocks_gpu_h200_{narrow,wide}.json). Whole models gained little at the cuts measured
+(README "Grouped stripes"). The masks are coarser than the paper's: expect fewer stripes pruned at the same accuracy.
 """
 
 from __future__ import annotations
@@ -33,23 +44,26 @@ __all__ = ["SkeletonConv2d", "attach_skeletons", "swp_update", "skeleton_stats"]
 
 
 class SkeletonConv2d(nn.Conv2d):
-    """Conv2d whose weight (N, C/groups, kh, kw) is scaled per stripe by `skeleton` (N, kh, kw).
+    """Conv2d whose weight (N, C/groups, kh, kw) is scaled per stripe by `skeleton` (N, kh, kw), or with
+    `stripe_group` G > 1 by `skeleton` (ceil(N / G), kh, kw), each entry shared by G consecutive filters.
 
     Every Conv2d argument (stride, padding incl. 'same', dilation, groups, bias, padding_mode)
     behaves exactly as in nn.Conv2d; only the weight used by the forward pass changes.
     """
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, stripe_group: int = 1, **kwargs):
         super().__init__(*args, **kwargs)
+        self.stripe_group = check_stripe_group(stripe_group)
         kh, kw = self.kernel_size
         self.skeleton = nn.Parameter(
-            torch.ones(self.out_channels, kh, kw, device=self.weight.device, dtype=self.weight.dtype)
+            torch.ones(-(-self.out_channels // self.stripe_group), kh, kw, device=self.weight.device,
+                       dtype=self.weight.dtype)
         )
 
     @classmethod
-    def from_conv(cls, conv: nn.Conv2d) -> SkeletonConv2d:
+    def from_conv(cls, conv: nn.Conv2d, stripe_group: int = 1) -> SkeletonConv2d:
         """A SkeletonConv2d with `conv`'s arguments, weight, bias, device and dtype; skeleton = 1."""
-        new = cls(**conv_config(conv), device=conv.weight.device, dtype=conv.weight.dtype)
+        new = cls(**conv_config(conv), stripe_group=stripe_group, device=conv.weight.device, dtype=conv.weight.dtype)
         with torch.no_grad():
             new.weight.copy_(conv.weight)
             if conv.bias is not None:
@@ -69,11 +83,33 @@ class SkeletonConv2d(nn.Conv2d):
         if torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)
             weight, skeleton = weight.to(dtype), skeleton.to(dtype)
-        return self._conv_forward(x, weight * skeleton[:, None], self.bias)
+        return self._conv_forward(x, weight * self.per_filter(skeleton)[:, None], self.bias)
+
+    def per_filter(self, t: torch.Tensor) -> torch.Tensor:
+        """(groups, ...) -> (N, ...): each group's entry repeated for its filters (the identity when
+        stripe_group == 1)."""
+        if self.stripe_group == 1:
+            return t
+        return t.repeat_interleave(self.stripe_group, 0)[: self.out_channels]
+
+    def stripe_scale(self) -> torch.Tensor:
+        """(N, kh, kw): the factor of each filter's stripe (the skeleton, repeated over groups), detached."""
+        return self.per_filter(self.skeleton.detach())
 
     def stripe_mask(self, threshold: float) -> torch.Tensor:
         """Bool (N, kh, kw): True where the stripe is kept, i.e. |skeleton| > threshold."""
-        return self.skeleton.detach().abs() > threshold
+        return self.stripe_scale().abs() > threshold
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (f", stripe_group={self.stripe_group}" if self.stripe_group > 1 else "")
+
+
+def check_stripe_group(value) -> int:
+    """The filters per skeleton entry: an int >= 1 (ValueError naming prune.stripe_group otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"SWP stripe_group must be an int >= 1 (filters sharing one skeleton entry per kernel "
+                         f"offset; 1 = the paper's per-filter skeleton), got {value!r}; set prune.stripe_group")
+    return int(value)
 
 
 def check_nonnegative(**values: float) -> None:
@@ -97,8 +133,10 @@ def attach_skeletons(
     include: Sequence[str] | None = None,
     exclude: Sequence[str] | None = None,
     example_input: torch.Tensor | None = None,
+    stripe_group: int = 1,
 ) -> list[str]:
-    """Replace eligible Conv2d modules of `model` by SkeletonConv2d, in place; return their names.
+    """Replace eligible Conv2d modules of `model` by SkeletonConv2d, in place; return their names. `stripe_group`:
+    filters per skeleton entry (module docstring; 1 = the paper's skeleton).
 
     Eligible: plain nn.Conv2d, groups == 1, max(kh, kw) >= min_kernel_size, the name matches one of `include`
     (fnmatch patterns; None = all) and none of `exclude`. Convs that already have a skeleton are kept. Subclasses
@@ -108,9 +146,10 @@ def attach_skeletons(
     torch.fx graph, or, for a forward fx cannot trace, in one forward of `example_input` (a (B, C, H, W) batch
     the model takes; without it such reads go unseen).
     """
+    stripe_group = check_stripe_group(stripe_group)
     names = eligible_convs(model, min_kernel_size, include, exclude, example_input)
     for name in names:
-        replace_module(model, name, SkeletonConv2d.from_conv(model.get_submodule(name)))
+        replace_module(model, name, SkeletonConv2d.from_conv(model.get_submodule(name), stripe_group))
     from compress.stripe import Conv2dReLU
 
     subclassed = collections.Counter(
@@ -230,11 +269,11 @@ def swp_update(model: nn.Module, alpha: float, threshold: float, bn_pairs: dict[
     torch._foreach_mul_(grads, keep)
     pairs = conv_bn_pairs(model) if bn_pairs is None else bn_pairs
     bn_tensors, alive = [], []
-    for (name, _), k in zip(convs, keep):
+    for (name, conv), k in zip(convs, keep):
         if name not in pairs:
             continue
         bn = model.get_submodule(pairs[name])
-        filter_alive = k.flatten(1).amax(dim=1)  # 1 where the filter keeps a stripe, else 0
+        filter_alive = conv.per_filter(k.flatten(1).amax(dim=1))  # 1 where the filter keeps a stripe, else 0
         for p in (bn.weight, bn.bias):
             for t in (p, None if p is None else p.grad):
                 if t is not None:

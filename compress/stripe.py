@@ -120,7 +120,7 @@ def masked_conv(conv: nn.Conv2d, threshold: float) -> nn.Conv2d:
     """The plain nn.Conv2d equal to SkeletonConv2d `conv` with the stripes |skeleton| <= threshold dropped:
     weight W * skeleton * mask (zeros where dropped); same arguments, bias, device, dtype, mode."""
     dense = nn.Conv2d(**conv_config(conv), device=conv.weight.device, dtype=conv.weight.dtype)
-    dense.weight.copy_(conv.weight * (conv.skeleton * conv.stripe_mask(threshold))[:, None])
+    dense.weight.copy_(conv.weight * (conv.stripe_scale() * conv.stripe_mask(threshold))[:, None])
     dense.weight.requires_grad_(conv.weight.requires_grad)
     if conv.bias is not None:
         dense.bias.copy_(conv.bias)
@@ -190,6 +190,7 @@ class StripeConv2d(nn.Module):
         self._dense_cache: tuple[tuple, torch.Tensor] | None = None
         self._gemm_cache: tuple[tuple, tuple] | None = None  # (key, (unrolled weight, bias rows, (Ho, Wo)))
         self._trim = (0, 0)  # kernels.dense_trim of the indices: rings of offsets dense mode leaves out
+        self._tile_keep: dict[int, float] | None = None  # kernels.stripe_tile_keep of the plan (_build_plan)
         self._trim_cache: tuple | None = None  # (the dense weight it was cut from, (cut weight, padding))
         self._launch_cache: tuple | None = None  # (key, launcher or None, relayout): _inference_launch
         self._op_trained: set[tuple] = set()  # inputs an eager training step ran the op for
@@ -426,13 +427,19 @@ class StripeConv2d(nn.Module):
             x.is_cuda
             and not tracing_or_compiling()
             and kernels.stripe_reads_dense(x, self.weight, self.out_channels, self.kernel_size, self.stride,
-                                           self.padding, self.dilation)
+                                           self.padding, self.dilation, self._inference_tile_keep())
         ):
             return None
         if recording(self.weight):
             with torch.no_grad():
                 return self.dense_weight(torch.channels_last)
         return self._cached_dense_weight(torch.channels_last) if self.weight.dtype == x.dtype else None
+
+    def _inference_tile_keep(self) -> dict[int, float] | None:
+        """`kernels.stripe_tile_keep` of this layer's plan (found in `_build_plan`) for the eager inference launcher,
+        whose route may then skip the kernel offsets a tile of output channels keeps no stripe of; None while
+        autograd records (the op then chooses its route without it, as in training)."""
+        return None if recording(self.weight) else self._tile_keep
 
     def _inference_launch(self, x: torch.Tensor) -> tuple | None:
         """(key, launcher, relayout) for `x` in eager CUDA inference in stripe mode: the kernel launcher
@@ -469,7 +476,8 @@ class StripeConv2d(nn.Module):
             launch = None  # kept for a layer with no stripe too: forward's constant output, without a rebuild per call
             if self.num_stripes:
                 args, kwargs = self._op_arguments(x)
-                launch = kernels.prepare_stripe_conv2d(*args, **kwargs, pool=self.pool, pool_ceil=self.pool_ceil)
+                launch = kernels.prepare_stripe_conv2d(*args, **kwargs, pool=self.pool, pool_ceil=self.pool_ceil,
+                                                       tile_keep=self._inference_tile_keep())
             relayout = _layout(x) is torch.channels_last and not is_channels_last(x)
             self._launch_cache = cache = (key, launch, relayout, _sources(w, b))  # held: see _cached_dense_weight
         return None if cache[1] is None else cache
@@ -566,6 +574,7 @@ class StripeConv2d(nn.Module):
             ) from None
         self.plan = plan
         self.rows = kernels.stripe_rows(self.out_index, self.offset, self.kernel_size)
+        self._tile_keep = kernels.stripe_tile_keep(plan, self.out_channels)
         self._trim = kernels.dense_trim(self.offset, self.kernel_size, self.padding, self.dilation)
         self._drop_caches()
 

@@ -22,10 +22,11 @@ from kernels.stripe import (
     stripe_reads_dense,
     stripe_route,
     stripe_rows,
+    stripe_tile_keep,
     stripe_to_dense,
     trimmed_dense,
 )
 
 __all__ = ["pix", "pix_squeeze", "pix_reference", "residual_relu", "depthwise_conv2d", "DepthwiseConv2d", "conv2d", "Im2colConv2d",
-           "stripe_conv2d", "prepare_stripe_conv2d", "stripe_plan", "stripe_to_dense", "stripe_rows", "stripe_reads_dense", "stripe_route",
+           "stripe_conv2d", "prepare_stripe_conv2d", "stripe_plan", "stripe_to_dense", "stripe_rows", "stripe_tile_keep", "stripe_reads_dense", "stripe_route",
            "stripe_cost", "dense_trim", "trimmed_dense"]

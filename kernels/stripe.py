@@ -567,13 +567,15 @@ def stripe_conv2d(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, 
 def prepare_stripe_conv2d(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, bias: Tensor | None,
                           out_channels: int, kernel_size, stride=1, padding=0, dilation=1, relu: bool = False,
                           plan: Tensor | None = None, dense: Tensor | None = None, pool: bool = False,
-                          pool_ceil: bool = False):
+                          pool_ceil: bool = False, tile_keep: dict[int, float] | None = None):
     """An inference launcher of ``stripe_conv2d`` for inputs like ``x``: ``launch = prepare_stripe_conv2d(x, ...)``,
     then ``launch(x2)`` == ``stripe_conv2d(x2, ...)`` for any x2 with ``launch.signature ==
     kernels.stripe_triton.input_signature(x2)``. Arguments as ``stripe_conv2d``, checked here once; the tensors are
     held, so in-place changes to them show in later calls (a new ``dense`` needs a new launcher). ``pool``: the
     launcher returns ``F.max_pool2d(y, 2, ceil_mode=pool_ceil)`` instead, pooled in the kernel's epilogue for even
-    output sizes (``kernels.stripe_triton.pool_fusable``), else after it.
+    output sizes (``kernels.stripe_triton.pool_fusable``), else after it. ``tile_keep``: ``stripe_tile_keep(plan,
+    out_channels)``, kept with the layer; with ``dense`` it lets tiles of output channels that share few kernel
+    offsets (masks shared by groups of filters) skip the others (``kernels.stripe_triton.default_config``).
 
     The launcher skips the op's dispatch, checks, route choice and Triton's per-call JIT binding (see
     ``kernels.stripe_triton.Launch``), and it records no autograd graph and applies no autocast: a caller uses it
@@ -590,17 +592,27 @@ def prepare_stripe_conv2d(x: Tensor, weight: Tensor, out_index: Tensor, offset: 
     if plan is None:
         plan = stripe_plan(out_index, offset, int(out_channels), ks)  # validated once: the launcher is kept
     return stripe_triton.prepare(x, weight, out_index, offset, bias, plan, int(out_channels), ks, st, pd, dl,
-                                 bool(relu), dense=dense, pool=bool(pool), pool_ceil=bool(pool_ceil))
+                                 bool(relu), dense=dense, pool=bool(pool), pool_ceil=bool(pool_ceil),
+                                 tile_keep=tile_keep)
+
+
+def stripe_tile_keep(plan: Tensor, out_channels: int) -> dict[int, float]:
+    """{tile width: share of the (kernel offset, tile of that many output channels) blocks keeping a stripe} for
+    tiles of 16-128 channels (``kernels.stripe_triton.tile_keep``): 1 for nearly any random mask, the kept share of
+    stripes where groups of filters share their offsets. One host read: call it once per plan."""
+    from kernels import stripe_triton
+
+    return stripe_triton.tile_keep(plan, int(out_channels))
 
 
 def stripe_reads_dense(x: Tensor, weight: Tensor, out_channels: int, kernel_size, stride=1, padding=0,
-                       dilation=1) -> bool:
+                       dilation=1, tile_keep: dict[int, float] | None = None) -> bool:
     """Whether ``stripe_conv2d`` on ``x``, given the zero-filled dense weight as ``dense``, runs a CUDA kernel route
     that reads it (the dense route, or the im2col route: at most 4 input channels, 5-8 in 16-bit types, or
     17-64): CUDA float32/16/bf16 with Triton, up to 64 input channels, 16-bit layers from 65 channels but sparse
     ones of 512+ output channels, or with many stripes kept (``kernels.stripe_triton.default_config(...,
     dense_given=True)``). Without ``dense`` the kernel takes those routes only for C <= 16 or many stripes, and
-    builds the weight on every call."""
+    builds the weight on every call. ``tile_keep``: as ``prepare_stripe_conv2d``'s."""
     from kernels import stripe_triton
 
     if not stripe_triton.available(x):
@@ -608,7 +620,8 @@ def stripe_reads_dense(x: Tensor, weight: Tensor, out_channels: int, kernel_size
     ks, st, pd, dl = (pair(v, nm) for v, nm in ((kernel_size, "kernel_size"), (stride, "stride"),
                                                  (padding, "padding"), (dilation, "dilation")))
     cfg = stripe_triton.default_config(x.shape[1], int(out_channels), weight.shape[0], ks[0] * ks[1], x.dtype,
-                                       dense_given=True, pixels=stripe_triton.out_pixels(x, ks, st, pd, dl))
+                                       dense_given=True, pixels=stripe_triton.out_pixels(x, ks, st, pd, dl),
+                                       tile_keep=tile_keep)
     return stripe_triton.reads_dense(cfg)
 
 
@@ -708,7 +721,9 @@ def stripe_route(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, b
     fmt = memory_format(x)
     dense_w = stripe_to_dense(weight, out_index, offset, out_channels, ks, memory_format=fmt)
     kept = None
-    if weight.dtype == x.dtype and stripe_reads_dense(x, weight, out_channels, ks, stride, padding, dilation):
+    tile_keep = stripe_tile_keep(plan, out_channels) if x.is_cuda else None
+    if weight.dtype == x.dtype and stripe_reads_dense(x, weight, out_channels, ks, stride, padding, dilation,
+                                                      tile_keep):
         # the channels_last weight the kernel reads: dense_w itself for a channels_last x
         kept = dense_w if fmt == torch.channels_last else stripe_to_dense(
             weight, out_index, offset, out_channels, ks, memory_format=torch.channels_last)
@@ -718,7 +733,8 @@ def stripe_route(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, b
     launch = None
     if weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype):
         launch = prepare_stripe_conv2d(x, weight, out_index, offset, bias, out_channels, ks, stride, padding,
-                                       dilation, relu=relu, plan=plan, dense=kept, pool=pool, pool_ceil=pool_ceil)
+                                       dilation, relu=relu, plan=plan, dense=kept, pool=pool, pool_ceil=pool_ceil,
+                                       tile_keep=tile_keep)
 
     def pooled(y):
         return max_pool2x2(y, pool_ceil) if pool else y

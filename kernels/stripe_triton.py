@@ -174,7 +174,7 @@ if triton is not None:
 
     @triton.jit
     def _stripe_fwd_kernel(
-        x_ptr, w_ptr, oi_ptr, plan_ptr, b_ptr, y_ptr,
+        x_ptr, w_ptr, oi_ptr, plan_ptr, ko_ptr, b_ptr, y_ptr,
         M, C: tl.constexpr, H, W, Ho, Wo, N: tl.constexpr, S,
         sy_b, sy_c, sy_h, sy_w,
         SH: tl.constexpr, SW: tl.constexpr, PH: tl.constexpr, PW: tl.constexpr,
@@ -182,7 +182,7 @@ if triton is not None:
         HAS_BIAS: tl.constexpr, RELU: tl.constexpr, IS_FP32: tl.constexpr, OUT_CL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
         ONE_K: tl.constexpr, DENSE: tl.constexpr, GATHER: tl.constexpr, NOSKIP: tl.constexpr, IM2COL: tl.constexpr,
-        POOL: tl.constexpr, SWAP: tl.constexpr = False,
+        POOL: tl.constexpr, SWAP: tl.constexpr = False, LISTED: tl.constexpr = False,
     ):
         # w_ptr: route (b) stripe weight (S, C); DENSE route (a): zero-filled dense weight, channels_last
         # (N, KH, KW, C) in memory, so both routes load weight tiles contiguous along C
@@ -237,7 +237,21 @@ if triton is not None:
             for k in range(KH * KW):
                 acc = _dense_offset(acc, x_ptr, w_ptr, k, ih0, iw0, bb, m_ok, n0, ck, cols, C, H, W, N, DH, DW, KH,
                                     KW, IS_FP32, BLOCK_K)
-        for k in range(0 if (NOSKIP or IM2COL) else KH * KW):
+        if LISTED:  # DENSE route over the tile's kept offsets only (ko_ptr: ``tile_offsets``), in one flat loop
+            # of (offset, channel chunk) steps with no data-dependent branch, which Triton software-pipelines
+            ko_row = ko_ptr + pid_n * (KH * KW + 1)
+            KC: tl.constexpr = (C + BLOCK_K - 1) // BLOCK_K
+            for j in range(0, tl.load(ko_row) * KC):
+                k = tl.load(ko_row + 1 + j // KC)
+                c0 = (j % KC) * BLOCK_K
+                a_row, a_ok = _offset_rows(k, ih0, iw0, bb, m_ok, C, H, W, DH, DW, KW)
+                a = _load_a(x_ptr, a_row, a_ok, c0 + ck, C, IS_FP32)
+                wt = tl.load(w_ptr + (n0 + cols)[None, :].to(tl.int64) * (KH * KW * C) + (k * C + c0 + ck)[:, None],
+                             mask=((c0 + ck) < C)[:, None] & ((n0 + cols) < N)[None, :], other=0.0)
+                if IS_FP32:
+                    wt = _round_tf32(wt)
+                acc = tl.dot(a, wt, acc)
+        for k in range(0 if (NOSKIP or IM2COL or LISTED) else KH * KW):
             s_lo = tl.load(plan_ptr + k * (N + 1) + n0)
             s_hi = tl.load(plan_ptr + k * (N + 1) + n1)
             if s_hi > s_lo:
@@ -324,6 +338,10 @@ def _pow2(v: int, lo: int, hi: int) -> int:
     return p
 
 
+LISTED_TILES = (128, 64, 32, 16)  # the LISTED route's output-channel tile widths
+LISTED_MAX_KEEP = 0.5  # ... taken where a tile keeps at most this share of the kernel offsets (default_config)
+
+
 SMALL_PIXELS = 16384  # output pixels up to which a wide layer takes the DENSE route with the weight kept
 
 
@@ -333,15 +351,40 @@ def _im2col_one_stage(N: int) -> dict:
     return dict(BLOCK_M=128, BLOCK_N=_pow2(N, 16, 64), BLOCK_K=32, CHUNK=16, num_warps=4, num_stages=1, IM2COL=True)
 
 
+def _listed_config(C: int, N: int, dtype: torch.dtype, keep: dict[int, float]) -> dict | None:
+    """The LISTED route's config for a layer whose tiles skip offsets (``keep``: ``tile_keep``), or None. The widest
+    tile (up to N) whose kept share of offsets is within 1.2x of the 16-channel tiles' and at most LISTED_MAX_KEEP:
+    tiles as wide as the mask's groups skip the most work per pixel tile loaded. On an H200 (channels_last, CUDA
+    graphs, masks shared by 16-128 filters, benchmarks/results/stripe_blocks_gpu_h200_{narrow,wide}.json) the LISTED route with
+    64-pixel tiles (128 for 16-bit tiles of up to 32 channels), 4 warps and 3 stages was within 13% of the best of
+    5 tilings and 1.03-3.25x faster than the layer's default route on the 62 (layer, dtype) cases keeping at most
+    0.4 of the offsets; at 0.42-0.56 0.91-1.55x, at 0.78 0.98-1.04x."""
+    cap = _pow2(N, 16, 128)
+    least = min(keep.values())
+    for bn in LISTED_TILES:
+        if bn <= cap and keep[bn] <= min(LISTED_MAX_KEEP, 1.2 * least):
+            small = bn <= 32 and dtype != torch.float32
+            return dict(BLOCK_M=128 if small else 64, BLOCK_N=bn, BLOCK_K=_pow2(C, 16, 64 if dtype == torch.float32
+                                                                                  else 128),
+                        CHUNK=16, num_warps=4, num_stages=3, DENSE=True, LISTED=True)
+    return None
+
+
 def default_config(C: int, N: int, S: int, K: int, dtype: torch.dtype, dense_given: bool = False,
-                   pixels: int | None = None) -> dict:
+                   pixels: int | None = None, tile_keep: dict[int, float] | None = None) -> dict:
     """Heuristic tile choice (tuned in benchmarks/stripe_gpu.py). ``dense_given``: the caller passes the dense
     weight (kept from before), so the DENSE route costs no per-call weight build. ``pixels``: the output pixels
     B*Ho*Wo (None: unknown, taken as many). With it, the DENSE route wins up to 64 input channels (and, over every
     offset, on most wider 16-bit layers: see ``_wide_tiles``): on an H200 (bf16, channels_last, CUDA graphs,
     ResNet-56-like layers at batch 256) it ran 1.4-2.0x faster than the one-hot route at 24-64 channels and within
     5% of the best of 20 tilings (benchmarks/results/stripe_tiles_narrow_h200.json); building the weight per call
-    costs about as much as such a layer, so without it the DENSE route stays for C <= 16 and mostly-kept layers."""
+    costs about as much as such a layer, so without it the DENSE route stays for C <= 16 and mostly-kept layers.
+    ``tile_keep`` (``tile_keep(plan, N)``, from 16 input channels with the weight kept): where tiles of output
+    channels keep few kernel offsets (masks shared by groups of filters), the LISTED route (``_listed_config``)."""
+    if dense_given and tile_keep is not None and C >= 16:
+        listed = _listed_config(C, N, dtype, tile_keep)
+        if listed is not None:
+            return listed
     if C <= IM2COL_MAX_C:  # route (c), a first layer (RGB input): the best of a sweep on an H200, bf16 channels_last
         # (benchmarks/stripe_stem_gpu.py -> stripe_stem_gpu_h200.json): 3x3 stems (27 columns) 128-pixel tiles;
         # unpadded 7x7 stems (147 columns) 64-pixel tiles, 32 columns per step (1.6x faster than 64 columns).
@@ -512,6 +555,35 @@ def _gather_tiles(C: int, N: int, sparse: bool, dtype: torch.dtype) -> dict:
     return dict(BLOCK_M=bm, BLOCK_N=_pow2(N, 16, bn), CHUNK=chunk, num_warps=warps, num_stages=stages)
 
 
+def _kept_blocks(plan: torch.Tensor, N: int, block_n: int) -> torch.Tensor:
+    """Bool (K, tiles): whether the tile of ``block_n`` output channels keeps a stripe of each kernel offset."""
+    n0 = torch.arange(0, N, block_n, device=plan.device)
+    return plan[:, (n0 + block_n).clamp(max=N)] > plan[:, n0]
+
+
+def tile_offsets(plan: torch.Tensor, N: int, K: int, block_n: int) -> torch.Tensor:
+    """int32 (tiles, K + 1): per tile of ``block_n`` output channels, the number of kernel offsets it keeps a stripe
+    of, then those offsets in increasing order, then the others (the LISTED route loops over the first ones). From
+    the plan (K, N + 1), on its device, without a host read."""
+    kept = _kept_blocks(plan, N, block_n)
+    order = torch.argsort((~kept).to(torch.int8), dim=0, stable=True)
+    return torch.cat([kept.sum(0, keepdim=True), order]).t().contiguous().to(torch.int32)
+
+
+def tile_keep(plan: torch.Tensor, N: int) -> dict[int, float]:
+    """{block_n: share of the (kernel offset, output channel) pairs in (offset, tile of block_n channels) blocks that
+    keep a stripe} for each width in LISTED_TILES: the work of a route that computes each tile's kept offsets only,
+    against all offsets.
+    With random masks nearly 1; with masks shared by groups of G filters (``prune.stripe_group``), the kept share
+    of stripes for tiles up to G wide. One host read (call it when the plan is built, not per call)."""
+    work = []
+    for bn in LISTED_TILES:
+        width = (torch.arange(0, N, bn, device=plan.device) + bn).clamp(max=N) - torch.arange(0, N, bn,
+                                                                                            device=plan.device)
+        work.append((_kept_blocks(plan, N, bn).float() * width).sum() / (plan.shape[0] * max(N, 1)))
+    return dict(zip(LISTED_TILES, torch.stack(work).tolist()))
+
+
 def out_pixels(x: torch.Tensor, kernel_size, stride, padding, dilation) -> int:
     """The conv's output pixels B*Ho*Wo for input x (pairs of ints for the conv's parameters)."""
     return x.shape[0] * math.prod(conv_out_size(*a) for a in zip(x.shape[2:], kernel_size, stride, padding, dilation))
@@ -532,12 +604,14 @@ def forward(x, weight, out_index, offset, bias, plan, out_channels, kernel_size,
 
 
 def prepare(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding, dilation,
-            relu, config: dict | None = None, dense=None, pool: bool = False, pool_ceil: bool = False) -> Launch:
-    """The forward's ``Launch`` for inputs like ``x`` (arguments as ``forward``): route, tiles and weight operand
-    chosen here, once."""
+            relu, config: dict | None = None, dense=None, pool: bool = False, pool_ceil: bool = False,
+            tile_keep: dict[int, float] | None = None) -> Launch:
+    """The forward's ``Launch`` for inputs like ``x`` (arguments as ``forward``; ``tile_keep`` as ``default_config``):
+    route, tiles and weight operand chosen here, once."""
     C, N, KH, KW = x.shape[1], out_channels, *kernel_size
     cfg = dict(config or default_config(C, N, weight.shape[0], KH * KW, x.dtype, dense_given=dense is not None,
-                                        pixels=out_pixels(x, kernel_size, stride, padding, dilation)))
+                                        pixels=out_pixels(x, kernel_size, stride, padding, dilation),
+                                        tile_keep=tile_keep))
     if not reads_dense(cfg):
         wop = weight.contiguous()
     elif dense is not None:  # the zero-filled dense weight, channels_last: (N, KH, KW, C) in memory, exact
@@ -609,6 +683,10 @@ class Launch:
         cfg.setdefault("NOSKIP", False)
         cfg.setdefault("IM2COL", False)
         cfg.setdefault("SWAP", False)
+        cfg.setdefault("LISTED", False)
+        if cfg["LISTED"] and not cfg["DENSE"]:
+            raise ValueError(f"stripe_triton.Launch: LISTED runs the DENSE route; got config {cfg}")
+        self.config = dict(cfg)  # the route and tiles this launch runs (PAD_C aside)
         self._grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), 1)  # 3-D for the compiled kernel
         # y in x's layout; new_empty_strided (dtype and device from x) costs the host the least per call
         self._y_strides = y_strides = torch.empty(self._y_shape, device="meta", memory_format=fmt).stride()
@@ -616,12 +694,14 @@ class Launch:
             SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1], DH=dilation[0], DW=dilation[1], KH=KH, KW=KW,
             HAS_BIAS=bias is not None, RELU=relu, IS_FP32=x.dtype == torch.float32,
             OUT_CL=fmt == torch.channels_last, POOL=self.pool_fused, **cfg)
-        # every kernel argument in signature order; x (slot 0) and y (slot 5, and slot 4 standing in for a missing
+        # the LISTED route's per-tile offset lists (the plan stands in for them elsewhere: the pointer is unused)
+        listed = tile_offsets(plan, N, KH * KW, cfg["BLOCK_N"]) if cfg["LISTED"] else plan
+        # every kernel argument in signature order; x (slot 0) and y (slot 6, and slot 5 standing in for a missing
         # bias: the pointer is then unused) are filled per call
-        args = [None, wop, out_index, plan, bias, None, M, self._pad_c or C, H, W, Ho, Wo, N, S, *y_strides]
+        args = [None, wop, out_index, plan, listed, bias, None, M, self._pad_c or C, H, W, Ho, Wo, N, S, *y_strides]
         names = _stripe_fwd_kernel.arg_names
         self._args = args + [named.pop(n) for n in names[len(args):]]
-        self._y_slots = (4, 5) if bias is None else (5,)
+        self._y_slots = (5, 6) if bias is None else (6,)
         self._launch_options = named  # num_warps, num_stages
         self._compiled = None  # Triton's compiled kernel bound to the grid, after the first call
 

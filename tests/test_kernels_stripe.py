@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from kernels import stripe_triton
 from kernels.stripe import stripe_to_dense
 
 CASES = [  # B, C, N, H, W, kernel, stride, padding, dilation
@@ -28,6 +29,16 @@ def random_layer(N, C, kernel_size, keep, gen, dtype=torch.float64, device="cpu"
     nz = m.permute(1, 2, 0).nonzero()  # rows (kh, kw, o): sorted by offset then output channel
     w = torch.randn(len(nz), C, generator=gen, dtype=dtype)
     return w.to(device), nz[:, 2].contiguous().to(device), nz[:, :2].contiguous().to(device)
+
+
+def block_layer(N, C, kernel_size, group, keep, gen, dtype=torch.float64):
+    """Random stripe layer whose mask is shared by groups of `group` consecutive filters (the last group may be
+    shorter), in canonical order; never empty."""
+    KH, KW = kernel_size
+    g = torch.rand(-(-N // group), KH, KW, generator=gen) < keep
+    g[0, 0, 0] = True
+    nz = g.repeat_interleave(group, 0)[:N].permute(1, 2, 0).nonzero()
+    return torch.randn(len(nz), C, generator=gen, dtype=dtype), nz[:, 2].contiguous(), nz[:, :2].contiguous()
 
 
 def _ref(x, w, oi, off, b, N, ks, st, pd, dl, relu=False):
@@ -326,12 +337,48 @@ def test_route_helpers():
     assert lo < 1 < hi
 
 
+def test_tile_keep_and_tile_offsets_follow_the_mask():
+    """stripe_tile_keep: per tile width, the share of (offset, channel) pairs in (offset, tile) blocks keeping a
+    stripe, counted by hand (equal to the stripes kept for tiles up to the group width);
+    tile_offsets: each tile's kept offsets first, ascending, then the rest; default_config takes the LISTED route
+    (tiles as wide as the mask's groups) for a grouped mask with the dense weight kept, never for a random one."""
+    gen = torch.Generator().manual_seed(12)
+    N, G = 72, 32
+    w, oi, off = block_layer(N, 48, (3, 3), G, 0.3, gen)
+    plan = kernels.stripe_plan(oi, off, N, 3)
+    mask = torch.zeros(N, 9, dtype=torch.bool)
+    mask[oi, off[:, 0] * 3 + off[:, 1]] = True
+    keep = kernels.stripe_tile_keep(plan, N)
+    assert set(keep) == set(stripe_triton.LISTED_TILES)
+    for bn, share in keep.items():
+        blocks = [mask[n0:n0 + bn].any(0) for n0 in range(0, N, bn)]
+        work = sum(int(kept.sum()) * min(bn, N - t * bn) for t, kept in enumerate(blocks))
+        assert share == pytest.approx(work / (9 * N), abs=1e-6), bn
+        if bn <= G:
+            assert share == pytest.approx(len(oi) / (9 * N), abs=1e-6)
+        lists = stripe_triton.tile_offsets(plan, N, 9, bn)
+        for t, kept in enumerate(blocks):
+            want = kept.nonzero().flatten().tolist()
+            assert lists[t, 0] == len(want) and lists[t, 1:1 + len(want)].tolist() == want
+            assert sorted(lists[t, 1:].tolist()) == list(range(9))
+    cfg = stripe_triton.default_config(48, N, len(oi), 9, torch.bfloat16, dense_given=True, pixels=1 << 16,
+                                       tile_keep=keep)
+    assert cfg.get("LISTED") and cfg["BLOCK_N"] == G, cfg
+    assert not stripe_triton.default_config(48, N, len(oi), 9, torch.bfloat16, pixels=1 << 16,
+                                            tile_keep=keep).get("LISTED")  # the dense weight not kept
+    w, oi, off = random_layer(N, 48, (3, 3), 0.3, gen)
+    rand_keep = kernels.stripe_tile_keep(kernels.stripe_plan(oi, off, N, 3), N)
+    assert min(rand_keep.values()) > 0.9
+    assert not stripe_triton.default_config(48, N, len(oi), 9, torch.bfloat16, dense_given=True, pixels=1 << 16,
+                                            tile_keep=rand_keep).get("LISTED")
+
+
 _INTERPRET_SCRIPT = r"""
 import sys, torch
 sys.path.insert(0, "tests")
 import kernels
 from kernels import stripe_triton
-from test_kernels_stripe import random_layer, _ref
+from test_kernels_stripe import block_layer, random_layer, _ref
 gen = torch.Generator().manual_seed(8)
 cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, CHUNK=16, num_warps=4, num_stages=2)
 gcfg = dict(cfg, CHUNK=8, GATHER=True)
@@ -393,6 +440,23 @@ for dt, ks, st, pd, dl, C, N, c, fmt in [
         assert (a is None) != asked
         if asked:
             assert a.shape == e.shape and ((a.double() - e).norm() / e.norm()).item() < 1e-3, (dt, ks, st)
+# the LISTED route (a tile's kept offsets only) on masks shared by groups of 16 filters: tiles of 16 (the last
+# one partial), C not a multiple of BLOCK_K, stride 2, both layouts, chosen by default_config from tile_keep
+for dt, st, C, N, fmt in ((torch.float32, (1, 1), 24, 40, torch.channels_last),
+                          (torch.float16, (2, 2), 16, 36, torch.contiguous_format)):
+    w, oi, off = block_layer(N, C, (3, 3), 16, 0.3, gen, dtype=torch.float32)
+    plan = kernels.stripe_plan(oi, off, N, (3, 3))
+    x = torch.randn(2, C, 6, 5, generator=gen).contiguous(memory_format=fmt)
+    b = torch.randn(N, generator=gen)
+    dense = kernels.stripe_to_dense(w.to(dt), oi, off, N, (3, 3), memory_format=torch.channels_last)
+    keep = kernels.stripe_tile_keep(plan, N)
+    launch = stripe_triton.prepare(x.to(dt), w.to(dt), oi, off, b.to(dt), plan, N, [3, 3], list(st), [1, 1],
+                                   [1, 1], True, None, dense=dense, tile_keep=keep)
+    assert launch._args[-len(launch._args) + 4].shape == (-(-N // 16), 10)  # the tile offset lists
+    yr = _ref(x.double(), w.double(), oi, off, b.double(), N, (3, 3), st, (1, 1), (1, 1), relu=True)
+    y = launch(x.to(dt))
+    assert y.is_contiguous(memory_format=fmt)
+    assert ((y.double() - yr).norm() / yr.norm()).item() < 1e-3, (dt, st)
 # a Launch kept and called again refills its input and output slots: a second input of the same signature
 w, oi, off = random_layer(20, 16, (3, 3), 0.4, gen, dtype=torch.float32)
 plan = kernels.stripe_plan(oi, off, 20, (3, 3))
@@ -411,6 +475,7 @@ for (H, W), fused in (((8, 8), True), ((6, 10), True), ((2, 2), True), ((5, 8), 
     for c, fmt, dt in ((cfg, torch.contiguous_format, torch.float32), (gcfg, torch.channels_last, torch.float16),
                        (dict(cfg, DENSE=True), torch.channels_last, torch.float32),
                        (dict(cfg, DENSE=True, NOSKIP=True), torch.contiguous_format, torch.float16),
+                       (dict(cfg, DENSE=True, LISTED=True), torch.channels_last, torch.float16),
                        (dict(cfg, IM2COL=True), torch.channels_last, torch.float32),
                        (dict(cfg, IM2COL=True, SWAP=True), torch.channels_last, torch.float16)):
         w, oi, off = random_layer(20, 24, (3, 3), 0.4, gen, dtype=torch.float32)

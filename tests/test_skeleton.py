@@ -204,3 +204,57 @@ def test_bn_pairs_follow_data_flow_and_swp_zeroes_the_bn_that_reads_the_dead_fil
             assert bn.weight[0] == 0 and bn.bias[0] == 0 and torch.equal(bn.weight[1:], w[1:])
         else:
             assert torch.equal(bn.weight, w) and torch.equal(bn.bias, b), n
+
+
+# ----------------------------------------------------------------------------------------------- grouped skeletons
+def test_grouped_skeleton_conv_matches_f_conv2d_with_each_entry_repeated_over_its_filters():
+    """stripe_group=3 on 7 filters: skeleton (3, 3, 3), filters 0-2, 3-5 and 6 share an entry per offset; the forward
+    and every gradient equal F.conv2d with the skeleton repeated by hand (float64); masks repeat likewise."""
+    g = torch.Generator().manual_seed(3)
+    conv = nn.Conv2d(5, 7, 3, padding=1, bias=True).double()
+    sk = SkeletonConv2d.from_conv(conv, stripe_group=3)
+    assert sk.skeleton.shape == (3, 3, 3) and "stripe_group=3" in repr(sk)
+    with torch.no_grad():
+        sk.skeleton.copy_(torch.randn(3, 3, 3, generator=g, dtype=torch.double))
+        sk.skeleton[2, 0, 1] = 0.005
+    x = torch.randn(2, 5, 6, 7, generator=g, dtype=torch.double, requires_grad=True)
+    s = sk.skeleton.detach().clone().requires_grad_(True)
+    per_filter = torch.stack([s[0], s[0], s[0], s[1], s[1], s[1], s[2]])
+    w = conv.weight.detach().clone().requires_grad_(True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    y, y_ref = sk(x), F.conv2d(x_ref, w * per_filter[:, None], conv.bias, 1, 1)
+    torch.testing.assert_close(y, y_ref)
+    dy = torch.randn(y.shape, generator=g, dtype=torch.double)
+    y.backward(dy)
+    y_ref.backward(dy)
+    for got, want in ((sk.skeleton.grad, s.grad), (sk.weight.grad, w.grad), (x.grad, x_ref.grad)):
+        torch.testing.assert_close(got, want)
+    assert torch.equal(sk.stripe_mask(0.01), per_filter.detach().abs() > 0.01)
+    assert not sk.stripe_mask(0.01)[6, 0, 1] and sk.stripe_mask(0.01)[5, 0, 1] == (abs(s[1, 0, 1]) > 0.01)
+
+
+def test_swp_update_of_a_grouped_skeleton_zeroes_whole_groups_and_the_bn_of_their_filters():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(2, 5, 2, bias=False), nn.BatchNorm2d(5), nn.ReLU(), nn.Conv2d(5, 3, 1))
+    assert attach_skeletons(net, stripe_group=2) == ["0"]
+    conv, bn = net[0], net[1]
+    assert conv.skeleton.shape == (3, 2, 2)
+    with torch.no_grad():
+        conv.skeleton.copy_(torch.tensor([[[0.5, 0.004], [0.2, -0.3]],   # filters 0, 1
+                                          [[0.003, -0.002], [0.001, 0.0]],  # filters 2, 3: dead
+                                          [[0.0, 0.0], [0.0, -0.7]]]))  # filter 4
+    conv.skeleton.grad = torch.ones(3, 2, 2)
+    bn.weight.grad, bn.bias.grad = torch.ones(5), torch.ones(5)
+    swp_update(net, alpha=0.1, threshold=0.005)
+    assert torch.equal(conv.skeleton.data[1], torch.zeros(2, 2)) and conv.skeleton.data[0, 0, 1] == 0
+    torch.testing.assert_close(conv.skeleton.grad[0], torch.tensor([[1.1, 0.0], [1.1, 0.9]]))
+    alive = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0])  # BN weight 1, bias 0, their gradients 1 before the update
+    assert torch.equal(bn.weight.data, alive) and torch.equal(bn.weight.grad, alive) and torch.equal(bn.bias.grad, alive)
+    stats = skeleton_stats(net, threshold=0.005)
+    assert stats["layers"]["0"] == {"stripes_total": 20, "stripes_kept": 7, "filters_total": 5, "filters_dead": 2}
+
+
+def test_stripe_group_must_be_a_positive_int():
+    for bad in (0, -2, 1.5, True, "4"):
+        with pytest.raises(ValueError, match="prune.stripe_group"):
+            attach_skeletons(nn.Sequential(nn.Conv2d(2, 4, 3)), stripe_group=bad)

@@ -512,6 +512,35 @@ def test_pool_epilogue_matches_conv_relu_then_max_pool(dtype, layout, in_channel
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
+@pytest.mark.parametrize("in_channels, out_channels, group", [(16, 48, 16), (64, 96, 32), (128, 136, 64)])
+def test_grouped_masks_take_the_listed_route_on_cuda(dtype, layout, in_channels, out_channels, group):
+    """A mask shared by groups of filters (prune.stripe_group): eager CUDA inference runs the LISTED route with
+    tiles as wide as the groups (the last one partial for 136 channels), equal to the masked dense conv in float64;
+    with a random mask of the same keep it does not take that route."""
+    gen = torch.Generator().manual_seed(41)
+    conv = nn.Conv2d(in_channels, out_channels, 3, padding=1, bias=True).double()
+    groups = torch.rand(-(-out_channels // group), 3, 3, generator=gen) < 0.3
+    groups[:, 1, 1] = True
+    mask = groups.repeat_interleave(group, 0)[:out_channels]
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-3
+    x = torch.randn(4, in_channels, 12, 10, generator=gen, dtype=torch.float64)
+    xd = x.cuda().to(dtype).contiguous(memory_format=layout)
+    s = StripeConv2d.from_dense(conv, mask, mode="stripe").cuda().to(dtype).eval()
+    with torch.no_grad():
+        y = s(xd)
+    cfg = s._launch_cache[1].config
+    assert cfg["LISTED"] and cfg["BLOCK_N"] == group, cfg
+    assert y.is_contiguous(memory_format=layout)
+    assert _rel(y, _masked_reference(conv, mask, x)) < tol
+    rand = StripeConv2d.from_dense(conv, _random_mask(out_channels, 3, 3, 0.3, gen), mode="stripe").cuda().to(dtype)
+    with torch.no_grad():
+        rand.eval()(xd)
+    assert not rand._launch_cache[1].config["LISTED"]
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("in_channels", [8, 128])
 def test_pool_layer_training_steps_match_the_reference_gradient(in_channels):
     """Eager CUDA training steps of a pooling StripeConv2d (the first runs the op, the next cuDNN; both pool

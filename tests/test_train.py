@@ -820,3 +820,37 @@ def test_the_summary_counts_the_compact_models_macs_as_export_does(tmp_path, cap
     assert summary["macs_compact"] == report["compact"]["macs"] < summary["macs_pruned_estimate"]
     assert f"{summary['macs_compact'] / 1e6:.2f} M in the compact model" in capsys.readouterr().out
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["macs_compact"] == summary["macs_compact"]
+
+
+def test_grouped_skeletons_train_export_and_keep_their_groups(tmp_path):
+    """prune.stripe_group=4: each skeleton has one entry per 4 filters and offset; pruning drops whole groups'
+    stripes, export rebuilds the grouped skeletons from the checkpoint, and every compact stripe layer's filters
+    keep their offsets in aligned groups of 4 (the same function as the skeleton model)."""
+    from compress import load
+    from compress.export import export_checkpoint, load_training_checkpoint
+    from compress.skeleton import SkeletonConv2d
+    from compress.stripe import StripeConv2d
+
+    summary = run(_compose(*TINY, "prune.stripe_group=4"), run_dir=tmp_path / "run")
+    state = _weights(tmp_path / "run")
+    assert state["layer1.0.conv1.skeleton"].shape == (4, 3, 3)  # 16 filters / 4
+    assert 0 < summary["stripes_kept"] < summary["stripes_total"]
+    skeleton, _ = load_training_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")
+    convs = [m for m in skeleton.modules() if isinstance(m, SkeletonConv2d)]
+    assert convs and all(m.stripe_group == 4 for m in convs)
+    export_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt", tmp_path / "out", onnx=False, latency=False,
+                      choose_stripe_modes=False)
+    small = load(next((tmp_path / "out").glob("*.safetensors")))
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        for m in convs:  # export drops the stripes at the run's threshold (the last step may leave some just below)
+            m.skeleton.mul_(m.skeleton.abs() > 0.95)
+        torch.testing.assert_close(small(x), skeleton(x), rtol=1e-4, atol=1e-5)
+    layers = [m for m in small.modules() if isinstance(m, StripeConv2d)]
+    assert layers
+    for m in layers:
+        mask = m.stripe_mask()
+        for g in range(0, mask.shape[0], 4):
+            assert (mask[g:g + 4] == mask[g]).all(), (m, g)
+    with pytest.raises(ValueError, match="prune.stripe_group"):
+        run(_compose(*TINY, "prune.stripe_group=0"), run_dir=tmp_path / "bad")
