@@ -8,8 +8,10 @@ LISTED route loops over each tile's kept offsets, and route (a) with its per-off
 For each layer of ``stripe_gpu.SHAPES``, group G and keep ratio: masks drawn per (group, offset), repeated over
 the group's filters; every timed config checked against F.conv2d in float64 (first 8 images, bias + ReLU);
 median GPU times (CUDA graphs, rotated inputs) of cuDNN's dense conv (its best of fused and unfused ReLU), the
-kernel's default config for the layer, route (a) with the skip and BLOCK_N = G, and the LISTED route with
-BLOCK_N = G (a few tilings). Speedup = dense / best stripe time; attainable = min(1/keep, dense / floor) as in
+kernel's default config for the layer as StripeConv2d runs it ("default": with ``kernels.stripe_tile_keep``,
+so the LISTED route where the groups allow) and without the tile structure ("per-filter default": the route
+per-filter masks get), route (a) with the skip and BLOCK_N = G, and the LISTED route with BLOCK_N = G (a few
+tilings). Speedup = dense / best stripe time; attainable = min(1/keep, dense / floor) as in
 stripe_gpu.py.
 
     python benchmarks/stripe_blocks_gpu.py [--channels 16 32 64] [--groups 32 64] [--out results/x.json]
@@ -81,8 +83,11 @@ def run_layer(net, B, C, H, G, keep, gen, rates, bw, rows, fails):
                              xs, graph=True)
         dense_ms = min(unfused, fused)
         timed = {}
-        for cfg in [None] + configs(C, N, G, dt):
-            label = "default" if cfg is None else name(cfg)
+        tile_keep = kernels.stripe_tile_keep(plan, N)
+        module_cfg = stripe_triton.prepare(xs[0], w, oi, off, b, plan, N, [3, 3], [1, 1], [1, 1], [1, 1], True,
+                                           dense=kept, tile_keep=tile_keep).config  # as StripeConv2d runs it
+        for label, cfg in [("default", module_cfg), ("per-filter default", None)] + [(name(c), c)
+                                                                                    for c in configs(C, N, G, dt)]:
             try:
                 launch = prepare_stripe(xs[0], w, oi, off, b, plan, N, cfg, kept)
                 y = prepare_stripe(xs[0][:8], w, oi, off, b, plan, N, cfg, kept)(xs[0][:8])
@@ -101,7 +106,8 @@ def run_layer(net, B, C, H, G, keep, gen, rates, bw, rows, fails):
         sp = dense_ms / timed[best][0]
         row = dict(net=net, B=B, C=C, N=N, H=H, group=G, keep=round(real_keep, 3), stripes=S, dtype=dname,
                    layout="cl", dense_ms=round(dense_ms, 4), stripe_ms=round(timed[best][0], 4), best=best,
-                   default_ms=round(timed["default"][0], 4),
+                   default_ms=round(timed["default"][0], 4), default_config=module_cfg,
+                   per_filter_default_ms=round(timed["per-filter default"][0], 4),
                    times_ms={k: round(v[0], 4) for k, v in timed.items()},
                    max_rel_err=max(v[1] for v in timed.values()), speedup=round(sp, 2),
                    default_speedup=round(dense_ms / timed["default"][0], 2), floor_ms=round(floor_ms, 4),

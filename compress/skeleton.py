@@ -12,8 +12,8 @@ filters of a group keep or drop their stripes at an offset together, by the same
 tensor-core tile computes a block of output channels at once, and with per-filter masks nearly every (offset,
 tile) block keeps some stripe, so no tile skips work (README "Not done yet"); with groups as wide as the tile,
 the kernel's LISTED route computes only the offsets each tile keeps (``kernels.stripe_triton``). On an H200 (bf16,
-channels_last, the issue's layer shapes) that made a layer 1.21-4.41x faster than cuDNN's dense conv at keep
-0.11-0.2 and 0.89-3.13x at 0.2-0.34, where per-filter masks ran 0.69-0.89x from 64 channels
+channels_last, the issue's layer shapes) that made a layer 1.20-4.41x faster than cuDNN's dense conv at keep
+0.11-0.2 and 0.97-3.15x at 0.2-0.34, where per-filter masks ran 0.69-0.89x from 64 channels
 (benchmarks/results/stripe_blocks_gpu_h200_{narrow,wide}.json). Whole models gained little at the cuts measured
 (README "Grouped stripes"). The masks are coarser than the paper's: expect fewer stripes pruned at the same accuracy.
 """

@@ -355,18 +355,22 @@ def _listed_config(C: int, N: int, dtype: torch.dtype, keep: dict[int, float]) -
     """The LISTED route's config for a layer whose tiles skip offsets (``keep``: ``tile_keep``), or None. The widest
     tile (up to N) whose kept share of offsets is within 1.2x of the 16-channel tiles' and at most LISTED_MAX_KEEP:
     tiles as wide as the mask's groups skip the most work per pixel tile loaded. On an H200 (channels_last, CUDA
-    graphs, masks shared by 16-128 filters, benchmarks/results/stripe_blocks_gpu_h200_{narrow,wide}.json) the LISTED route with
+    graphs, masks shared by 16-128 filters, benchmarks/results/stripe_blocks_gpu_h200_{narrow,wide}_first.json) the LISTED route with
     64-pixel tiles (128 for 16-bit tiles of up to 32 channels), 4 warps and 3 stages was within 13% of the best of
     5 tilings and 1.03-3.25x faster than the layer's default route on the 62 (layer, dtype) cases keeping at most
-    0.4 of the offsets; at 0.42-0.56 0.91-1.55x, at 0.78 0.98-1.04x."""
+    0.4 of the offsets; at 0.42-0.56 0.91-1.55x, at 0.78 0.98-1.04x. A sweep of 60-72 tilings on 8 bf16 layers
+    (stripe_listed_sweep_h200.json) then moved 16-bit layers to 64 input channels per step (128 before) and 5
+    stages from 256 input channels: within 1.0-1.22x of each layer's best, against 1.02-1.74x for the first
+    choice. float32 keeps 3 stages (5 would not fit its tiles in shared memory). With these tiles, the default
+    was within 1.0-1.34x of the best of 7 configs on all 80 (layer, group, keep, dtype) cases, 1.0x on 54
+    (stripe_blocks_gpu_h200_{narrow,wide}.json)."""
     cap = _pow2(N, 16, 128)
     least = min(keep.values())
     for bn in LISTED_TILES:
         if bn <= cap and keep[bn] <= min(LISTED_MAX_KEEP, 1.2 * least):
-            small = bn <= 32 and dtype != torch.float32
-            return dict(BLOCK_M=128 if small else 64, BLOCK_N=bn, BLOCK_K=_pow2(C, 16, 64 if dtype == torch.float32
-                                                                                  else 128),
-                        CHUNK=16, num_warps=4, num_stages=3, DENSE=True, LISTED=True)
+            half = dtype != torch.float32
+            return dict(BLOCK_M=128 if half and bn <= 32 else 64, BLOCK_N=bn, BLOCK_K=_pow2(C, 16, 64), CHUNK=16,
+                        num_warps=4, num_stages=5 if half and C >= 256 else 3, DENSE=True, LISTED=True)
     return None
 
 
