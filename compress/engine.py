@@ -616,7 +616,7 @@ def _resume_config(cfg: DictConfig, run_dir: Path, given: set[str] | None = None
         return cfg, None
     path = run_dir / "checkpoints" / "last.pt" if cfg.resume is True else Path(str(cfg.resume))
     ckpt = load_checkpoint(path, keys=RESUME_KEYS)
-    saved = OmegaConf.create(ckpt["config"])
+    saved = _with_added_keys(OmegaConf.create(ckpt["config"]))
     if given is None:
         merged = OmegaConf.merge(saved, {"trainer": cfg.trainer, "resume": cfg.resume})
         ignored = [k for k in saved if k not in ("trainer", "resume") and saved.get(k) != cfg.get(k)]
@@ -648,6 +648,16 @@ def _resume_config(cfg: DictConfig, run_dir: Path, given: set[str] | None = None
             f"its record keeps {_plain_value(saved, key)}")
     _require_model(merged, saved, run_dir, ckpt)
     return merged, ckpt
+
+
+def _with_added_keys(saved: DictConfig) -> DictConfig:
+    """A checkpoint's config with the keys added to its groups since it was written, at the values its version
+    behaved as (so that the command line that started the run, repeated with resume=true, still matches it):
+    prune.stripe_group = 1 for SWP runs (per-filter skeletons, before session 30). In place; returned."""
+    prune = saved.get("prune")
+    if prune is not None and prune.get("name") == "swp" and "stripe_group" not in prune:
+        prune.stripe_group = 1
+    return saved
 
 
 def _require_model(merged: DictConfig, saved: DictConfig, run_dir: Path, ckpt: dict) -> None:

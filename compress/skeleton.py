@@ -15,7 +15,9 @@ the kernel's LISTED route computes only the offsets each tile keeps (``kernels.s
 channels_last, the issue's layer shapes) that made a layer 1.20-4.41x faster than cuDNN's dense conv at keep
 0.11-0.2 and 0.97-3.15x at 0.2-0.34, where per-filter masks ran 0.69-0.89x from 64 channels
 (benchmarks/results/stripe_blocks_gpu_h200_{narrow,wide}.json). Whole models gained little at the cuts measured
-(README "Grouped stripes"). The masks are coarser than the paper's: expect fewer stripes pruned at the same accuracy.
+(README "Grouped stripes"). The masks are coarser than the paper's. The L1 term is not scaled with G while a shared
+entry's loss gradient sums over its G filters, so the sparsity a given alpha reaches changes with G: tune
+prune.alpha per G.
 """
 
 from __future__ import annotations
@@ -108,7 +110,7 @@ def check_stripe_group(value) -> int:
     """The filters per skeleton entry: an int >= 1 (ValueError naming prune.stripe_group otherwise)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"SWP stripe_group must be an int >= 1 (filters sharing one skeleton entry per kernel "
-                         f"offset; 1 = the paper's per-filter skeleton), got {value!r}; set prune.stripe_group")
+                         f"offset; 1 = the paper's per-filter skeleton), got {value!r} (train.py: prune.stripe_group)")
     return int(value)
 
 
@@ -147,6 +149,11 @@ def attach_skeletons(
     the model takes; without it such reads go unseen).
     """
     stripe_group = check_stripe_group(stripe_group)
+    regrouped = [n for n, m in _skeleton_convs(model) if m.stripe_group != stripe_group]
+    if regrouped:
+        warnings.warn(f"attach_skeletons: {', '.join(regrouped[:5])}{', ...' if len(regrouped) > 5 else ''} already "
+                      f"have skeletons of another stripe_group and keep them; stripe_group={stripe_group} applies to "
+                      "the new skeletons only", stacklevel=2)
     names = eligible_convs(model, min_kernel_size, include, exclude, example_input)
     for name in names:
         replace_module(model, name, SkeletonConv2d.from_conv(model.get_submodule(name), stripe_group))

@@ -258,3 +258,11 @@ def test_stripe_group_must_be_a_positive_int():
     for bad in (0, -2, 1.5, True, "4"):
         with pytest.raises(ValueError, match="prune.stripe_group"):
             attach_skeletons(nn.Sequential(nn.Conv2d(2, 4, 3)), stripe_group=bad)
+
+
+def test_attach_skeletons_keeps_existing_skeletons_of_another_group_with_a_warning():
+    net = nn.Sequential(nn.Conv2d(2, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3))
+    attach_skeletons(net, include=["0"])
+    with pytest.warns(UserWarning, match="0 already have skeletons of another stripe_group"):
+        assert attach_skeletons(net, stripe_group=4) == ["2"]
+    assert net[0].stripe_group == 1 and net[2].stripe_group == 4 and net[2].skeleton.shape == (2, 3, 3)

@@ -854,3 +854,24 @@ def test_grouped_skeletons_train_export_and_keep_their_groups(tmp_path):
             assert (mask[g:g + 4] == mask[g]).all(), (m, g)
     with pytest.raises(ValueError, match="prune.stripe_group"):
         run(_compose(*TINY, "prune.stripe_group=0"), run_dir=tmp_path / "bad")
+
+
+def test_a_checkpoint_written_before_stripe_group_resumes_with_its_own_command_line(tmp_path):
+    """A run's checkpoint from before prune.stripe_group existed (its config lacks the key) resumes with the command
+    line that started it: the missing key is the per-filter skeleton it trained with (1), not a conflict; asking
+    for another group on resume is one."""
+    from compress._trainstate import DIGEST_KEY, atomic_save
+    from compress.engine import _resume_config
+
+    run(_compose(*TINY, "trainer.max_steps=2"), run_dir=tmp_path)
+    path = tmp_path / "checkpoints" / "last.pt"
+    state = torch.load(path, weights_only=True)
+    state.pop(DIGEST_KEY, None)
+    del state["config"]["prune"]["stripe_group"]
+    atomic_save(state, path)
+    given = {o.partition("=")[0] for o in TINY} | {"resume"}
+    merged, ckpt = _resume_config(_compose(*TINY, "resume=true"), tmp_path, given)
+    assert ckpt is not None and merged.prune.stripe_group == 1
+    with pytest.raises(ValueError, match=r"prune.stripe_group=4 \(checkpoint: 1\)"):
+        _resume_config(_compose(*TINY, "resume=true", "prune.stripe_group=4"), tmp_path,
+                       given | {"prune.stripe_group"})
