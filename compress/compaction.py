@@ -350,7 +350,7 @@ def _is_pool2x2(mod: nn.Module) -> bool:
 
 def _cost_model_mode(m: StripeConv2d) -> str:
     ratio = kernels.stripe_cost(
-        m.in_channels, m.out_channels, m.num_stripes, m.kernel_size, m.weight.device.type
+        m.in_channels, m.out_channels, m.num_stripes, m.kernel_size, m.weight.device.type, m.tile_keep
     )
     return "stripe" if ratio < 1 else "dense"
 

@@ -435,6 +435,12 @@ class StripeConv2d(nn.Module):
                 return self.dense_weight(torch.channels_last)
         return self._cached_dense_weight(torch.channels_last) if self.weight.dtype == x.dtype else None
 
+    @property
+    def tile_keep(self) -> dict[int, float] | None:
+        """`kernels.stripe_tile_keep` of the plan: per tile width, the share of the kernel offsets tiles of output
+        channels keep (near 1 for per-filter masks; low where groups of filters share their stripes)."""
+        return self._tile_keep
+
     def _inference_tile_keep(self) -> dict[int, float] | None:
         """`kernels.stripe_tile_keep` of this layer's plan (found in `_build_plan`) for the eager inference launcher,
         whose route may then skip the kernel offsets a tile of output channels keeps no stripe of; None while

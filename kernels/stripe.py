@@ -626,13 +626,16 @@ def stripe_reads_dense(x: Tensor, weight: Tensor, out_channels: int, kernel_size
 
 
 # ----------------------------------------------------------------------------------------------- route choice
-def stripe_cost(in_channels: int, out_channels: int, num_stripes: int, kernel_size, device: str = "cpu") -> float:
+def stripe_cost(in_channels: int, out_channels: int, num_stripes: int, kernel_size, device: str = "cpu",
+                tile_keep: dict[int, float] | None = None) -> float:
     """Cost-model estimate of (stripe time / dense time) for a layer; < 1 means the stripe path should win.
 
     CPU: the stripe path does the 1x1 GEMM (S*C per input pixel) plus a scatter of S values per pixel, against the
     dense conv's N*KH*KW*C MACs per output pixel; a rough fit (+-40%) to benchmarks/stripe_cpu.py on the shared
     2-core CPU, so prefer ``stripe_route`` (a measurement) where the layer can be timed once.
-    CUDA: a per-width fit to the H200 measurements (benchmarks/stripe_gpu.py).
+    CUDA: a per-width fit to the H200 measurements (benchmarks/stripe_gpu.py); with ``tile_keep``
+    (``stripe_tile_keep``; from 16 input channels) at most 3x its smallest share, the LISTED route's cost per kept
+    offset (1.6-5x cuDNN's per offset, 2.4-3.2x on most layers; stripe_blocks_gpu_h200_{narrow,wide}.json).
     """
     KH, KW = pair(kernel_size, "kernel_size")
     dense = out_channels * KH * KW * in_channels
@@ -641,7 +644,10 @@ def stripe_cost(in_channels: int, out_channels: int, num_stripes: int, kernel_si
         # StripeConv2d keeps it): the Triton kernel beats cuDNN 2.0-2.6x at C <= 16, 1.0-1.35x at C = 32, ties at
         # C = 64 (0.91-1.15x) and is 1.3-2.3x slower from C = 128 on (1.15-1.5x in bf16 since session 17,
         # stripe_gpu_h200_wide_session17.json: still slower, so the estimate keeps dense mode there)
-        return 0.4 if in_channels <= 16 else (0.85 if in_channels <= 32 else (1.0 if in_channels <= 64 else 1.5))
+        ratio = 0.4 if in_channels <= 16 else (0.85 if in_channels <= 32 else (1.0 if in_channels <= 64 else 1.5))
+        if tile_keep and in_channels >= 16:
+            ratio = min(ratio, 3.0 * min(tile_keep.values()))
+        return ratio
     return (num_stripes * in_channels + 150.0 * num_stripes) / (0.75 * max(dense, 1))
 
 

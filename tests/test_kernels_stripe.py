@@ -371,6 +371,9 @@ def test_tile_keep_and_tile_offsets_follow_the_mask():
     assert min(rand_keep.values()) > 0.9
     assert not stripe_triton.default_config(48, N, len(oi), 9, torch.bfloat16, dense_given=True, pixels=1 << 16,
                                             tile_keep=rand_keep).get("LISTED")
+    # the CUDA cost model: a wide layer stays dense unless its tiles skip most offsets
+    assert kernels.stripe_cost(256, 256, 500, 3, "cuda") == kernels.stripe_cost(256, 256, 500, 3, "cuda", rand_keep) > 1
+    assert kernels.stripe_cost(256, 256, 500, 3, "cuda", {16: 0.2, 32: 0.2, 64: 0.2, 128: 0.35}) < 1
 
 
 _INTERPRET_SCRIPT = r"""
