@@ -95,8 +95,8 @@ SMOKE = {"batch": {"cifar": 4, "imagenet": 2}, "input_size": {"cifar": 32, "imag
 
 
 # ---------------------------------------------------------------------------------------------------- models
-def build_skeleton(name: str, variant: str, seed: int, kwargs: dict, stripe_group: int = 32
-                   ) -> tuple[nn.Module, dict] | None:
+def build_skeleton(name: str, variant: str, seed: int, kwargs: dict, stripe_group: int = 32,
+                   mask_file: str | None = None) -> tuple[nn.Module, dict] | None:
     """(skeleton model, mask info) for `variant` "random", "grouped" (random masks drawn per group of
     `stripe_group` filters, as prune.stripe_group trains them) or "real"; None (with a message) when the real mask
     file is missing."""
@@ -107,11 +107,11 @@ def build_skeleton(name: str, variant: str, seed: int, kwargs: dict, stripe_grou
             "seed": seed,
             "stripe_group": group,
         }
-    file = MODELS[name]["real"]
+    file = mask_file or MODELS[name]["real"]
     if file is None:
         print(f"skip {name}/real: no real masks for {name} (no SWP run of it)", flush=True)
         return None
-    path = MASK_DIR / file
+    path = MASK_DIR / file if mask_file is None else Path(mask_file).resolve()
     if not path.is_file():
         print(
             f"skip {name}/real: no mask file {path}; make it with: python train.py model={name} "
@@ -275,7 +275,7 @@ def bench(name: str, variant: str, args, device: torch.device) -> dict | None:
     if smoke:
         batch, kwargs["input_size"] = SMOKE["batch"][kind], SMOKE["input_size"][kind]
     size = (3, kwargs["input_size"], kwargs["input_size"])
-    built = build_skeleton(name, variant, args.seed, kwargs, args.stripe_group)
+    built = build_skeleton(name, variant, args.seed, kwargs, args.stripe_group, args.mask_file)
     if built is None:
         return None
     t_start = time.perf_counter()
@@ -554,6 +554,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     p.add_argument("--variants", nargs="+", choices=("random", "grouped", "real"), default=["random", "real"])
+    p.add_argument("--mask-file", default=None,
+                   help="the 'real' variant's mask file instead of benchmarks/masks/<model>_digits.json (one model)")
     p.add_argument("--stripe-group", type=int, default=32,
                    help="filters per skeleton entry in the 'grouped' variant (default 32)")
     p.add_argument("--imagenet-batch", type=int, default=128, help="batch of ResNet-18/50 (default 128)")
@@ -606,7 +608,10 @@ def parse_args(argv=None):
     p.add_argument(
         "--masks-out", default=None, help="file for --save-masks (default masks/<model>_<data>.json)"
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.mask_file and len(args.models) != 1:
+        p.error("--mask-file holds one model's masks: give it with a single --models")
+    return args
 
 
 def main(argv=None) -> dict | None:

@@ -559,17 +559,19 @@ def _gather_tiles(C: int, N: int, sparse: bool, dtype: torch.dtype) -> dict:
     return dict(BLOCK_M=bm, BLOCK_N=_pow2(N, 16, bn), CHUNK=chunk, num_warps=warps, num_stages=stages)
 
 
-def _kept_blocks(plan: torch.Tensor, N: int, block_n: int) -> torch.Tensor:
-    """Bool (K, tiles): whether the tile of ``block_n`` output channels keeps a stripe of each kernel offset."""
+def _kept_blocks(plan: torch.Tensor, N: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bool (K, tiles): whether each tile of ``block_n`` output channels keeps a stripe of each kernel offset, the
+    tiles' widths (tiles,): block_n, the last one N mod block_n where that is not 0)."""
     n0 = torch.arange(0, N, block_n, device=plan.device)
-    return plan[:, (n0 + block_n).clamp(max=N)] > plan[:, n0]
+    n1 = (n0 + block_n).clamp(max=N)
+    return plan[:, n1] > plan[:, n0], n1 - n0
 
 
-def tile_offsets(plan: torch.Tensor, N: int, K: int, block_n: int) -> torch.Tensor:
+def tile_offsets(plan: torch.Tensor, N: int, block_n: int) -> torch.Tensor:
     """int32 (tiles, K + 1): per tile of ``block_n`` output channels, the number of kernel offsets it keeps a stripe
     of, then those offsets in increasing order, then the others (the LISTED route loops over the first ones). From
     the plan (K, N + 1), on its device, without a host read."""
-    kept = _kept_blocks(plan, N, block_n)
+    kept, _ = _kept_blocks(plan, N, block_n)
     order = torch.argsort((~kept).to(torch.int8), dim=0, stable=True)
     return torch.cat([kept.sum(0, keepdim=True), order]).t().contiguous().to(torch.int32)
 
@@ -582,9 +584,8 @@ def tile_keep(plan: torch.Tensor, N: int) -> dict[int, float]:
     of stripes for tiles up to G wide. One host read (call it when the plan is built, not per call)."""
     work = []
     for bn in LISTED_TILES:
-        width = (torch.arange(0, N, bn, device=plan.device) + bn).clamp(max=N) - torch.arange(0, N, bn,
-                                                                                            device=plan.device)
-        work.append((_kept_blocks(plan, N, bn).float() * width).sum() / (plan.shape[0] * max(N, 1)))
+        kept, width = _kept_blocks(plan, N, bn)
+        work.append((kept.float() * width).sum() / (plan.shape[0] * max(N, 1)))
     return dict(zip(LISTED_TILES, torch.stack(work).tolist()))
 
 
@@ -699,7 +700,7 @@ class Launch:
             HAS_BIAS=bias is not None, RELU=relu, IS_FP32=x.dtype == torch.float32,
             OUT_CL=fmt == torch.channels_last, POOL=self.pool_fused, **cfg)
         # the LISTED route's per-tile offset lists (the plan stands in for them elsewhere: the pointer is unused)
-        listed = tile_offsets(plan, N, KH * KW, cfg["BLOCK_N"]) if cfg["LISTED"] else plan
+        listed = tile_offsets(plan, N, cfg["BLOCK_N"]) if cfg["LISTED"] else plan
         # every kernel argument in signature order; x (slot 0) and y (slot 6, and slot 5 standing in for a missing
         # bias: the pointer is then unused) are filled per call
         args = [None, wop, out_index, plan, listed, bias, None, M, self._pad_c or C, H, W, Ho, Wo, N, S, *y_strides]

@@ -356,7 +356,7 @@ def test_tile_keep_and_tile_offsets_follow_the_mask():
         assert share == pytest.approx(work / (9 * N), abs=1e-6), bn
         if bn <= G:
             assert share == pytest.approx(len(oi) / (9 * N), abs=1e-6)
-        lists = stripe_triton.tile_offsets(plan, N, 9, bn)
+        lists = stripe_triton.tile_offsets(plan, N, bn)
         for t, kept in enumerate(blocks):
             want = kept.nonzero().flatten().tolist()
             assert lists[t, 0] == len(want) and lists[t, 1:1 + len(want)].tolist() == want
