@@ -29,7 +29,16 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from stripe_gpu import DT, SHAPES, ceilings, config_name, mask_layer, prepare_stripe, time_rotated  # noqa: E402
+from stripe_gpu import (  # noqa: E402
+    DT,
+    SHAPES,
+    ceilings,
+    config_name,
+    cudnn_ms,
+    mask_layer,
+    prepare_stripe,
+    time_rotated,
+)
 
 import kernels  # noqa: E402
 from kernels import stripe_triton  # noqa: E402
@@ -78,10 +87,7 @@ def run_layer(net, B, C, H, G, keep, gen, rates, bw, rows, fails):
         kept = kernels.stripe_to_dense(w, oi, off, N, 3, memory_format=torch.channels_last)
         xs = [x64.to(dt).contiguous(memory_format=torch.channels_last) for _ in range(3)]
         wd = wd64.to(dt).contiguous(memory_format=torch.channels_last)
-        unfused = time_rotated(lambda a, wd=wd, b=b: F.conv2d(a, wd, b, 1, 1).relu_(), xs, graph=True)
-        fused = time_rotated(lambda a, wd=wd, b=b: torch.cudnn_convolution_relu(a, wd, b, (1, 1), (1, 1), (1, 1), 1),
-                             xs, graph=True)
-        dense_ms = min(unfused, fused)
+        dense_ms = min(cudnn_ms(xs, wd, b))
         timed = {}
         tile_keep = kernels.stripe_tile_keep(plan, N)
         module_cfg = stripe_triton.prepare(xs[0], w, oi, off, b, plan, N, [3, 3], [1, 1], [1, 1], [1, 1], True,

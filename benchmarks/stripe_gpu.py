@@ -98,6 +98,14 @@ def time_rotated(fn, inputs, reps=25, graph=False):
     return statistics.median(ts)
 
 
+def cudnn_ms(xs, wd, b) -> tuple[float, float]:
+    """GPU ms of cuDNN's dense 3x3 conv (stride 1, padding 1) with bias and ReLU on the inputs `xs`: (conv then
+    an in-place ReLU, ``torch.cudnn_convolution_relu`` as one call)."""
+    unfused = time_rotated(lambda a: F.conv2d(a, wd, b, 1, 1).relu_(), xs, graph=True)
+    fused = time_rotated(lambda a: torch.cudnn_convolution_relu(a, wd, b, (1, 1), (1, 1), (1, 1), 1), xs, graph=True)
+    return unfused, fused
+
+
 def ceilings():
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
@@ -221,9 +229,7 @@ def run_case(net, B, C, H, keep, w64, oi, off, x64, gen, rates, bw, rows, fails,
             continue
         xs = [x64.to(dt).contiguous(memory_format=fmt) for _ in range(3)]
         wd = wd64.to(dt).contiguous(memory_format=fmt)
-        unfused_ms = time_rotated(lambda a, wd=wd, b=b: F.conv2d(a, wd, b, 1, 1).relu_(), xs, graph=True)
-        fused_ms = time_rotated(lambda a, wd=wd, b=b: torch.cudnn_convolution_relu(a, wd, b, (1, 1), (1, 1), (1, 1), 1),
-                                xs, graph=True)
+        unfused_ms, fused_ms = cudnn_ms(xs, wd, b)
         dense_ms = min(unfused_ms, fused_ms)  # cuDNN's best: conv + bias + ReLU in one call, or three
         best, tuned = None, {}
         tune = cands if layout == "cl" else [next(r["config"] for r in rows[::-1]

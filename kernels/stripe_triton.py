@@ -158,18 +158,25 @@ if triton is not None:
         return tl.load(x_ptr + row0[:, None] + shift[None, :], mask=ok, other=0.0)
 
     @triton.jit
+    def _dense_step(acc, x_ptr, w_ptr, a_row, a_ok, k, c0, n0, ck, cols, C: tl.constexpr, N: tl.constexpr,
+                    KH: tl.constexpr, KW: tl.constexpr, IS_FP32: tl.constexpr):
+        # route (a), one step: acc += A_k[:, c0:c0+BLOCK_K] @ W_k[c0:c0+BLOCK_K, tile] (W: zero-filled dense weight;
+        # a_row, a_ok: _offset_rows of offset k)
+        a = _load_a(x_ptr, a_row, a_ok, c0 + ck, C, IS_FP32)
+        wt = tl.load(w_ptr + (n0 + cols)[None, :].to(tl.int64) * (KH * KW * C) + (k * C + c0 + ck)[:, None],
+                     mask=((c0 + ck) < C)[:, None] & ((n0 + cols) < N)[None, :], other=0.0)
+        if IS_FP32:
+            wt = _round_tf32(wt)
+        return tl.dot(a, wt, acc)
+
+    @triton.jit
     def _dense_offset(acc, x_ptr, w_ptr, k, ih0, iw0, bb, m_ok, n0, ck, cols, C: tl.constexpr, H, W, N: tl.constexpr,
                       DH: tl.constexpr, DW: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, IS_FP32: tl.constexpr,
                       BLOCK_K: tl.constexpr):
-        # route (a): acc += A_k @ W_k, the exact dense tile of kernel offset k (W: zero-filled dense weight)
+        # route (a): acc += A_k @ W_k, the exact dense tile of kernel offset k
         a_row, a_ok = _offset_rows(k, ih0, iw0, bb, m_ok, C, H, W, DH, DW, KW)
         for c0 in range(0, C, BLOCK_K):
-            a = _load_a(x_ptr, a_row, a_ok, c0 + ck, C, IS_FP32)
-            wt = tl.load(w_ptr + (n0 + cols)[None, :].to(tl.int64) * (KH * KW * C) + (k * C + c0 + ck)[:, None],
-                         mask=((c0 + ck) < C)[:, None] & ((n0 + cols) < N)[None, :], other=0.0)
-            if IS_FP32:
-                wt = _round_tf32(wt)
-            acc = tl.dot(a, wt, acc)
+            acc = _dense_step(acc, x_ptr, w_ptr, a_row, a_ok, k, c0, n0, ck, cols, C, N, KH, KW, IS_FP32)
         return acc
 
     @triton.jit
@@ -243,14 +250,9 @@ if triton is not None:
             KC: tl.constexpr = (C + BLOCK_K - 1) // BLOCK_K
             for j in range(0, tl.load(ko_row) * KC):
                 k = tl.load(ko_row + 1 + j // KC)
-                c0 = (j % KC) * BLOCK_K
                 a_row, a_ok = _offset_rows(k, ih0, iw0, bb, m_ok, C, H, W, DH, DW, KW)
-                a = _load_a(x_ptr, a_row, a_ok, c0 + ck, C, IS_FP32)
-                wt = tl.load(w_ptr + (n0 + cols)[None, :].to(tl.int64) * (KH * KW * C) + (k * C + c0 + ck)[:, None],
-                             mask=((c0 + ck) < C)[:, None] & ((n0 + cols) < N)[None, :], other=0.0)
-                if IS_FP32:
-                    wt = _round_tf32(wt)
-                acc = tl.dot(a, wt, acc)
+                acc = _dense_step(acc, x_ptr, w_ptr, a_row, a_ok, k, (j % KC) * BLOCK_K, n0, ck, cols, C, N, KH, KW,
+                                  IS_FP32)
         for k in range(0 if (NOSKIP or IM2COL or LISTED) else KH * KW):
             s_lo = tl.load(plan_ptr + k * (N + 1) + n0)
             s_hi = tl.load(plan_ptr + k * (N + 1) + n1)
