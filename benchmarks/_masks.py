@@ -89,7 +89,7 @@ def masks_from_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tens
     data = cfg.get("data") or {}
     run = {
         "data": data.get("name"),
-        "prune": {k: prune.get(k) for k in ("name", "alpha", "threshold")},
+        "prune": {k: prune.get(k) for k in ("name", "alpha", "threshold", "stripe_group") if k in prune},
         "epochs": (cfg.get("optim") or {}).get("epochs"),
         "seed": (cfg.get("trainer") or {}).get("seed"),
     }
