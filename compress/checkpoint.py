@@ -98,6 +98,10 @@ def _own_config(m: nn.Module) -> dict:
 _TYPES: dict[str, tuple[str | type, Callable[[nn.Module], dict]]] = {
     "Conv2d": (nn.Conv2d, conv_config),
     "BatchNorm2d": (nn.BatchNorm2d, _bn_config),
+    "SyncBatchNorm": (nn.SyncBatchNorm, _bn_config),  # a DDP model's BN, where compaction keeps it (fold_bn=false)
+    # torchvision's BN with fixed statistics (detection backbones), where compaction keeps it (fold_bn=false)
+    "FrozenBatchNorm2d": ("torchvision.ops:FrozenBatchNorm2d",
+                          lambda m: {"num_features": m.running_mean.numel(), "eps": m.eps}),
     "Linear": (nn.Linear, _linear_config),
     "Identity": (nn.Identity, _no_config),
     "ReLU": (nn.ReLU, lambda m: {"inplace": m.inplace}),

@@ -39,6 +39,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 from torch.nn.modules.utils import _pair
+from torchvision.ops import FrozenBatchNorm2d
 
 import kernels
 from compress._modes import evaluating
@@ -173,7 +174,7 @@ def compact(
 
 
 def _batch_norms(model: nn.Module) -> int:
-    return sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    return sum(isinstance(m, (nn.modules.batchnorm._BatchNorm, FrozenBatchNorm2d)) for m in model.modules())
 
 
 def _carried_record(before: dict, after: dict) -> dict:

@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
+from torchvision.ops import FrozenBatchNorm2d
 
 from compress._modes import evaluating
 
@@ -85,6 +86,11 @@ def conv_bn_pairs(model: nn.Module) -> dict[str, str]:
 
 
 # ---- graph analysis ------------------------------------------------------------------------------
+# per-channel affine maps in eval mode that surgery folds into the conv before them and slices with its filters:
+# BatchNorm2d (and subclasses), SyncBatchNorm (a DDP model's, a BatchNorm in eval mode) and torchvision's
+# FrozenBatchNorm2d (detection backbones; fixed statistics, buffers only), which torch.fx would otherwise trace
+# into its arithmetic
+BATCH_NORMS = (nn.BatchNorm2d, nn.SyncBatchNorm, FrozenBatchNorm2d)
 _ELEMENTWISE_MODULES = (
     nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SiLU, nn.GELU, nn.Hardswish, nn.Hardsigmoid,
     nn.Sigmoid, nn.Tanh, nn.Mish, nn.Identity, nn.Dropout, nn.Dropout2d,
@@ -129,7 +135,7 @@ class _Tracer(fx.Tracer):
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return (
-            isinstance(m, (nn.Conv2d, nn.BatchNorm2d))  # BN subclasses too (timm's BatchNormAct2d)
+            isinstance(m, (nn.Conv2d, *BATCH_NORMS))  # BN subclasses too (timm's BatchNormAct2d)
             or callable(getattr(m, "config", None))
             or super().is_leaf_module(m, qualname)
         )
@@ -250,8 +256,8 @@ def _channelwise_step(model: nn.Module, node: fx.Node, src: fx.Node, channels: i
     args, kwargs = tuple(node.args[1:]), dict(node.kwargs)
     if node.op == "call_module":
         m = model.get_submodule(node.target)
-        if isinstance(m, nn.BatchNorm2d):  # in eval mode a fixed per-channel map, unless it keeps no statistics
-            ok = m.num_features == channels and node.target in once and m.running_mean is not None
+        if isinstance(m, BATCH_NORMS):  # in eval mode a fixed per-channel map, unless it keeps no statistics
+            ok = m.running_mean is not None and m.running_mean.numel() == channels and node.target in once
             return Step("module", node.target) if ok else None
         if isinstance(m, _ELEMENTWISE_MODULES):
             return Step("module", node.target)
@@ -271,7 +277,7 @@ def is_elementwise(model: nn.Module, node: fx.Node) -> bool:
     if not node.args or not isinstance(node.args[0], fx.Node) or not _only_input(node, node.args[0]):
         return False
     if node.op == "call_module":
-        return isinstance(model.get_submodule(node.target), (*_ELEMENTWISE_MODULES, nn.BatchNorm2d))
+        return isinstance(model.get_submodule(node.target), (*_ELEMENTWISE_MODULES, *BATCH_NORMS))
     if node.op == "call_function":
         return node.target in _ELEMENTWISE_FUNCTIONS
     return node.op == "call_method" and node.target in _ELEMENTWISE_METHODS
@@ -376,11 +382,12 @@ def _timm_bn_act() -> tuple[type, ...]:
 
 def bn_remainder(bn: nn.Module) -> nn.Module | None:
     """What stands in the place of BatchNorm module `bn` once it is folded into the conv before it: nn.Identity for
-    a BatchNorm2d, the activation of timm's BatchNormAct2d (BN -> drop -> act; only with drop an Identity); None for
-    other BN subclasses, which are not folded (their forward may do more than normalise)."""
+    a BatchNorm2d, SyncBatchNorm or torchvision's FrozenBatchNorm2d, the activation of timm's BatchNormAct2d (BN -> drop -> act; only
+    with drop an Identity); None for other BN subclasses, which are not folded (their forward may do more than
+    normalise)."""
     if getattr(bn, "running_mean", None) is None:  # normalises by each batch's statistics, even in eval mode
         return None
-    if type(bn) is nn.BatchNorm2d:
+    if type(bn) in BATCH_NORMS:
         return nn.Identity()
     if type(bn) in _timm_bn_act() and isinstance(bn.drop, nn.Identity):
         return bn.act
@@ -417,7 +424,7 @@ def conv_bn_pairs_traced(model: nn.Module, graph: fx.Graph, foldable: bool = Tru
         (user,) = node.users
         if user.op == "call_module" and user.args == (node,) and user.target in once:
             bn = model.get_submodule(user.target)
-            if isinstance(bn, nn.BatchNorm2d) and (not foldable or bn_remainder(bn) is not None):
+            if isinstance(bn, BATCH_NORMS) and (not foldable or bn_remainder(bn) is not None):
                 pairs[node.target] = user.target
     return pairs
 
@@ -498,14 +505,15 @@ def remove_channels(model: nn.Module, chain: Chain, keep: torch.Tensor) -> None:
     producer.out_channels = int(keep.sum())
     for step in chain.steps:
         m = get_module(model, step.target) if step.kind == "module" else None
-        if isinstance(m, nn.BatchNorm2d):
-            for attr in ("weight", "bias"):
-                if getattr(m, attr) is not None:
-                    _set_param(m, attr, getattr(m, attr)[keep])
-            for attr in ("running_mean", "running_var"):
-                if getattr(m, attr) is not None:
-                    setattr(m, attr, getattr(m, attr)[keep].clone())
-            m.num_features = int(keep.sum())
+        if isinstance(m, BATCH_NORMS):
+            for attr in ("weight", "bias", "running_mean", "running_var"):
+                t = getattr(m, attr)
+                if isinstance(t, nn.Parameter):
+                    _set_param(m, attr, t[keep])
+                elif t is not None:  # a buffer (running statistics; FrozenBatchNorm2d's weight and bias)
+                    setattr(m, attr, t[keep].clone())
+            if hasattr(m, "num_features"):
+                m.num_features = int(keep.sum())
     for name in chain.consumers:
         m = get_module(model, name)
         w = m.weight.reshape(m.weight.shape[0], keep.numel(), -1)[:, keep]
@@ -518,8 +526,9 @@ def remove_channels(model: nn.Module, chain: Chain, keep: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def fold_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> None:
-    """Fold eval-mode `bn` into the preceding `conv` (in place): conv(x) then bn == the new conv(x)."""
+def fold_bn(conv: nn.Conv2d, bn: nn.Module) -> None:
+    """Fold eval-mode `bn` (one of BATCH_NORMS) into the preceding `conv` (in place): conv(x) then bn == the new
+    conv(x)."""
     if bn.running_mean is None:
         raise ValueError("fold_bn: BatchNorm without running statistics cannot be folded")
     scale = torch.rsqrt(bn.running_var + bn.eps)

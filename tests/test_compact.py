@@ -740,3 +740,52 @@ def test_a_compact_model_with_aliased_modules_saves_and_loads(tmp_path):
         again = load(save(compact(model, fold_bn=fold, fuse_relu=fold), tmp_path / f"m{fold}.safetensors"))
         assert again.norm is again.bn and again.pool is again.p and again.head.in_features == 6 * 16
         torch.testing.assert_close(again(x), model(x), rtol=1e-12, atol=1e-12)
+
+
+@compress.register_model
+def _test_frozen_bn_resnet18(num_classes=10, in_chans=3):
+    import torchvision
+    from torchvision.ops import FrozenBatchNorm2d
+
+    return torchvision.models.resnet18(num_classes=num_classes, norm_layer=FrozenBatchNorm2d)
+
+
+@pytest.mark.parametrize("fold", [False, True])
+@pytest.mark.parametrize("bn_type", ["frozen", "sync"])
+def test_frozen_and_sync_batchnorm_fold_and_slice_with_dead_filters(bn_type, fold, tmp_path):
+    """torchvision's FrozenBatchNorm2d (detection backbones: fixed statistics held as buffers) and SyncBatchNorm (a
+    DDP model's) are BatchNorms to compaction: dead filters are removed through them (sliced with them), fold_bn
+    folds them into their conv, swp_update zeroes the dead filters' channels, and the compact model equals the
+    skeleton model and saves and loads."""
+    from torchvision.ops import FrozenBatchNorm2d
+
+    gen = torch.Generator().manual_seed(5)
+    torch.manual_seed(5)
+    model = create_model("_test_frozen_bn_resnet18" if bn_type == "frozen" else "resnet18", num_classes=10)
+    if bn_type == "sync":
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    kind = FrozenBatchNorm2d if bn_type == "frozen" else nn.SyncBatchNorm
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, kind):
+                n = m.running_mean.numel()
+                m.running_mean.copy_(torch.rand(n, generator=gen) - 0.5)
+                m.running_var.copy_(torch.rand(n, generator=gen) + 0.5)
+                m.weight.copy_(torch.rand(n, generator=gen) + 0.5)
+                m.bias.copy_(torch.rand(n, generator=gen) * 0.4 - 0.2)
+    attach_skeletons(model)
+    conv = model.layer1[0].conv1
+    with torch.no_grad():
+        conv.skeleton[:20] = 0  # 20 dead filters
+    swp_update(model, alpha=0.0, threshold=0.0)
+    assert torch.equal(model.layer1[0].bn1.weight[:20], torch.zeros(20))
+    model.eval()
+    x = torch.randn(2, 3, 64, 64, generator=gen)
+    out = compact(model, fold_bn=fold)
+    assert_same_output(model, out, x)
+    assert out.layer1[0].conv1.out_channels == 44 and out.layer1[0].conv2.in_channels == 44
+    bns = [m for m in out.modules() if isinstance(m, kind)]
+    assert (not bns) if fold else (len(bns) == 20 and out.layer1[0].bn1.running_mean.numel() == 44)
+    assert out.compress_compaction["fold_bn"] == fold
+    save(out, tmp_path / "frozen.safetensors")
+    assert_same_output(model, load(tmp_path / "frozen.safetensors"), x)
