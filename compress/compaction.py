@@ -39,7 +39,6 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 from torch.nn.modules.utils import _pair
-from torchvision.ops import FrozenBatchNorm2d
 
 import kernels
 from compress._modes import evaluating
@@ -57,6 +56,7 @@ from compress.surgery import (
     find_chains,
     fold_constant_inputs,
     get_module,
+    is_batch_norm,
     is_elementwise,
     left_alone,
     remove_channels,
@@ -174,7 +174,7 @@ def compact(
 
 
 def _batch_norms(model: nn.Module) -> int:
-    return sum(isinstance(m, (nn.modules.batchnorm._BatchNorm, FrozenBatchNorm2d)) for m in model.modules())
+    return sum(is_batch_norm(m) for m in model.modules())
 
 
 def _carried_record(before: dict, after: dict) -> dict:

@@ -30,7 +30,7 @@ from compress.pix import apply_pix
 from compress.profile import measure_latencies, profile
 from compress.report import compact_stripes_per_layer, plot_stripes, render_markdown, report_dict
 from compress.skeleton import SkeletonConv2d, check_nonnegative, check_stripe_group
-from compress.surgery import replace_module
+from compress.surgery import is_batch_norm, replace_module
 
 __all__ = ["load_training_checkpoint", "load_any", "export_checkpoint", "FILES"]
 
@@ -132,7 +132,7 @@ def dense_baseline(dense: nn.Module, fold_bn: bool, fuse_relu: bool) -> nn.Modul
     baseline smaller than the model."""
     dense.eval()
     for m in dense.modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.weight is not None:
+        if is_batch_norm(m) and m.weight is not None:
             nn.init.ones_(m.weight)
     return compact(dense, fold_bn=True, fuse_relu=fuse_relu) if fold_bn else dense
 
@@ -150,7 +150,7 @@ def _bn_folded(model: nn.Module, arch_model: nn.Module) -> bool:
     """Whether compact `model` had its BatchNorms folded: it has none left while its architecture `arch_model` has
     some."""
     def has_bn(m: nn.Module) -> bool:
-        return any(isinstance(x, nn.modules.batchnorm._BatchNorm) for x in m.modules())
+        return any(is_batch_norm(x) for x in m.modules())
 
     return not has_bn(model) and has_bn(arch_model)
 

@@ -91,6 +91,12 @@ def conv_bn_pairs(model: nn.Module) -> dict[str, str]:
 # FrozenBatchNorm2d (detection backbones; fixed statistics, buffers only), which torch.fx would otherwise trace
 # into its arithmetic
 BATCH_NORMS = (nn.BatchNorm2d, nn.SyncBatchNorm, FrozenBatchNorm2d)
+
+
+def is_batch_norm(m: nn.Module) -> bool:
+    """Any BatchNorm (PyTorch's of any dimension and subclasses) or torchvision's FrozenBatchNorm2d: what "the model
+    has BatchNorms" counts (compaction's record, export's fold check)."""
+    return isinstance(m, (nn.modules.batchnorm._BatchNorm, FrozenBatchNorm2d))
 _ELEMENTWISE_MODULES = (
     nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SiLU, nn.GELU, nn.Hardswish, nn.Hardsigmoid,
     nn.Sigmoid, nn.Tanh, nn.Mish, nn.Identity, nn.Dropout, nn.Dropout2d,

@@ -789,3 +789,13 @@ def test_frozen_and_sync_batchnorm_fold_and_slice_with_dead_filters(bn_type, fol
     assert out.compress_compaction["fold_bn"] == fold
     save(out, tmp_path / "frozen.safetensors")
     assert_same_output(model, load(tmp_path / "frozen.safetensors"), x)
+    # export of the compact file sees BNs it folded before (asked not to fold, it says so) and compares it with a
+    # folded dense baseline
+    from compress.export import export_checkpoint
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = export_checkpoint(tmp_path / "frozen.safetensors", tmp_path / "out", onnx=False, latency=False,
+                                   choose_stripe_modes=False, fold_bn=False)
+    assert report["fold_bn"] == fold
+    assert any("fold_bn=false is ignored" in str(w.message) for w in caught) == fold
