@@ -78,20 +78,19 @@ def run_layer(net, B, C, H, G, keep, gen, rates, bw, rows, fails):
     b64 = torch.randn(N, dtype=torch.float64, generator=gen).cuda() * 0.1
     x64 = torch.randn(B, C, H, H, dtype=torch.float64, generator=gen).cuda()
     plan = kernels.stripe_plan(oi, off, N, 3)
+    tile_keep = kernels.stripe_tile_keep(plan, N)
     ref = F.conv2d(x64[:8], kernels.stripe_to_dense(w64, oi, off, N, 3), b64, 1, 1).relu()
-    wd64 = kernels.stripe_to_dense(w64, oi, off, N, 3)
     for dname in ("bf16", "fp32"):
         dt = DT[dname]
         tol = 1e-3 if dt == torch.float32 else 1e-2
         w, b = w64.to(dt), b64.to(dt)
+        # the zero-filled dense weight, channels_last: cuDNN's weight and the one the layer keeps for the kernel
         kept = kernels.stripe_to_dense(w, oi, off, N, 3, memory_format=torch.channels_last)
         xs = [x64.to(dt).contiguous(memory_format=torch.channels_last) for _ in range(3)]
-        wd = wd64.to(dt).contiguous(memory_format=torch.channels_last)
-        dense_ms = min(cudnn_ms(xs, wd, b))
+        dense_ms = min(cudnn_ms(xs, kept, b))
         timed = {}
-        tile_keep = kernels.stripe_tile_keep(plan, N)
-        module_cfg = stripe_triton.prepare(xs[0], w, oi, off, b, plan, N, [3, 3], [1, 1], [1, 1], [1, 1], True,
-                                           dense=kept, tile_keep=tile_keep).config  # as StripeConv2d runs it
+        module_cfg = stripe_triton.default_config(C, N, S, 9, dt, dense_given=True, pixels=B * H * H,
+                                                  tile_keep=tile_keep)  # as StripeConv2d runs it
         for label, cfg in [("default", module_cfg), ("per-filter default", None)] + [(name(c), c)
                                                                                     for c in configs(C, N, G, dt)]:
             try:
