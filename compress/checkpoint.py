@@ -128,6 +128,7 @@ _TYPES: dict[str, tuple[str | type, Callable[[nn.Module], dict]]] = {
     "BatchNormAct2d": ("timm.layers:BatchNormAct2d", _bn_act_config),
     "ResidualReLU": ("compress.pix:ResidualReLU", _no_config),
     "ZeroChannels": ("compress.compaction:ZeroChannels", _own_config),
+    "MaxPool2d": ("compress.pooling:MaxPool2d", _own_config),  # compaction's (fuse_relu) fast CPU max-pool
 }
 
 

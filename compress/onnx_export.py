@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from compress._modes import evaluating
 from compress.stripe import StripeConv2d
 from compress.surgery import replace_module
-from kernels._utils import max_pool2x2
+from kernels.pool import max_pool2x2
 
 __all__ = ["ShiftAddConv2d", "FixedAdaptiveAvgPool2d", "onnx_ready", "export_onnx", "check_onnx", "STRIPE_MODES"]
 

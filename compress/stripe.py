@@ -24,10 +24,10 @@ from kernels._utils import (
     conv_out_size,
     functorch_active,
     is_channels_last,
-    max_pool2x2,
     recording,
     tracing_or_compiling,
 )
+from kernels.pool import max_pool2x2
 
 __all__ = ["StripeConv2d", "Conv2dReLU", "conv2d_relu", "conv_padding", "masked_conv", "stripe_counts"]
 

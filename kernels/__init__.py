@@ -6,6 +6,8 @@ Public functions (thin wrappers over ``torch.ops.compress.*``) and modules:
     depthwise_conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1), DepthwiseConv2d
     conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1), Im2colConv2d
     stripe_conv2d(...) and its helpers; prepare_stripe_conv2d(...) (an eager inference launcher without dispatch)
+    max_pool2d(x, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False): F.max_pool2d with a C++ path
+    for CPU NCHW eager inference (not a registered op: ``kernels/pool.py`` says why)
 Each op has a CPU path (vectorised PyTorch), a CUDA path (``csrc/``, compiled on first use, see ``_ext``),
 a fake kernel and autograd (the backward is its own op). ``python -m kernels build`` prebuilds the extension.
 """
@@ -13,6 +15,7 @@ a fake kernel and autograd (the backward is its own op). ``python -m kernels bui
 from kernels.conv2d import Im2colConv2d, conv2d
 from kernels.depthwise import DepthwiseConv2d, depthwise_conv2d
 from kernels.pix import pix, pix_reference, pix_squeeze, residual_relu
+from kernels.pool import max_pool2d
 from kernels.stripe import (
     dense_trim,
     prepare_stripe_conv2d,
@@ -29,4 +32,4 @@ from kernels.stripe import (
 
 __all__ = ["pix", "pix_squeeze", "pix_reference", "residual_relu", "depthwise_conv2d", "DepthwiseConv2d", "conv2d", "Im2colConv2d",
            "stripe_conv2d", "prepare_stripe_conv2d", "stripe_plan", "stripe_to_dense", "stripe_rows", "stripe_tile_keep", "stripe_reads_dense", "stripe_route",
-           "stripe_cost", "dense_trim", "trimmed_dense"]
+           "stripe_cost", "dense_trim", "trimmed_dense", "max_pool2d"]

@@ -31,9 +31,12 @@ runs over k in order. x and y are contiguous in the same layout (NCHW or channel
   y in place (reading y and s, each 1/Z of x). ``pooled`` may be NULL (inference: the pool then lives in the
   scratch).
 - ``pix_predict_{f32,f64}(pooled, w, p, B, C, G)``: that predictor alone (the CPU backward recomputes p with it).
+- ``max_pool2d_nchw_{f32,f64}(x, y, planes, H, W, OH, OW, kh, kw, sh, sw, ph, pw, dh, dw)``: ``F.max_pool2d`` of
+  contiguous NCHW x (planes = B*C) for output sizes the caller computed (``kernels.max_pool2d``); per output row a
+  vertical max of the window's rows, then the columns; NaN propagates as in PyTorch. One thread per share of planes.
 - ``compress_omp_max_threads()``: the team size a pass would get now (0: built without OpenMP).
 
-Every ``pix_*`` function returns 0, or 1 if a scratch allocation failed.
+Every ``pix_*`` and ``max_pool2d_*`` function returns 0, or 1 if a scratch allocation failed.
 """
 
 from __future__ import annotations
@@ -377,6 +380,82 @@ INL void predict_groups(const T* pooled, const T* w, T* p, int64_t B, int64_t C,
 // ---- Workers: one thread's share of a pass. The compiler moves the body of a parallel region into a function of
 // its own that does not inherit target_clones, so the vector code lives in these (cloned for float) functions,
 // called from the regions below.
+// ---- Max-pool, contiguous NCHW (kernels.max_pool2d). Per output row, the window's in-range input rows are reduced
+// into one row `col` (an elementwise max over W contiguous values, vectorised), then each output takes the max of
+// its in-range columns of `col`. A NaN anywhere in the window wins, as in PyTorch (`v > m || v != v`; -inf where a
+// window holds nothing, which valid parameters never give).
+struct PoolShape {
+  int64_t H, W, OH, OW, kh, kw, sh, sw, ph, pw, dh, dw;
+};
+
+template <typename T>
+INL T nan_max(T m, T v) {  // branch-free (a select; a vector blend in the row loop)
+  const bool take = (v > m) | (v != v);
+  return take ? v : m;
+}
+
+// Outputs [0, n) of one row from `col`: those in [lo, hi), whose windows lie inside the row take no bounds checks, with the
+// window (KW, SW; dilation 1) known at compile time for the common pools (0: read from q).
+template <typename T, int KW, int SW>
+INL void pool_row(const T* col, T* __restrict__ y, const PoolShape& q, int64_t lo, int64_t hi, int64_t n) {
+  const int64_t kw = KW ? KW : q.kw, sw = SW ? SW : q.sw, dw = KW ? 1 : q.dw;
+  auto edge = [&](int64_t ow) {
+    T m = -(T)INFINITY;
+    for (int64_t j = 0; j < kw; ++j) {
+      const int64_t w = ow * sw - q.pw + j * dw;
+      if (w >= 0 && w < q.W) m = nan_max(m, col[w]);
+    }
+    y[ow] = m;
+  };
+  for (int64_t ow = 0; ow < lo; ++ow) edge(ow);
+  const T* __restrict__ c = col - q.pw;
+  for (int64_t ow = lo; ow < hi; ++ow) {
+    T m = c[ow * sw];
+    for (int64_t j = 1; j < kw; ++j) m = nan_max(m, c[ow * sw + j * dw]);
+    y[ow] = m;
+  }
+  for (int64_t ow = hi; ow < n; ++ow) edge(ow);
+}
+
+// Planes [a, b) of B*C; v: OH * W values of this thread. Pass 1 reduces each output row's in-range window rows
+// into row oh of v (vector loops over W); pass 2 takes the outputs from v: one flat loop over the plane where every
+// window lies inside its row and the rows tile v exactly (W == OW * SW: 2x2 pools of even maps), else per row.
+template <typename T, int KW, int SW>
+INL void pool_planes(const T* x, T* y, const PoolShape& q, T* __restrict__ v, int64_t a, int64_t b) {
+  const int64_t sw = SW ? SW : q.sw, ext = (q.kw - 1) * q.dw;
+  const int64_t lo = (q.pw + sw - 1) / sw;  // first output whose window starts at or after column 0
+  int64_t hi = q.W - ext + q.pw - 1 >= 0 ? (q.W - ext + q.pw - 1) / sw + 1 : 0;  // past the last one ending inside
+  hi = hi < q.OW ? hi : q.OW;
+  hi = hi > lo ? hi : lo;
+  const bool flat = lo == 0 && hi == q.OW && q.pw == 0 && q.W == q.OW * sw;
+  for (int64_t pl = a; pl < b; ++pl) {
+    const T* xp = x + pl * q.H * q.W;
+    T* yp = y + pl * q.OH * q.OW;
+    for (int64_t oh = 0; oh < q.OH; ++oh) {
+      T* __restrict__ vr = v + oh * q.W;
+      bool any = false;
+      for (int64_t i = 0; i < q.kh; ++i) {
+        const int64_t h = oh * q.sh - q.ph + i * q.dh;
+        if (h < 0 || h >= q.H) continue;
+        const T* __restrict__ row = xp + h * q.W;
+        if (!any) {
+          for (int64_t w = 0; w < q.W; ++w) vr[w] = row[w];
+        } else {
+          for (int64_t w = 0; w < q.W; ++w) vr[w] = nan_max(vr[w], row[w]);
+        }
+        any = true;
+      }
+      if (!any)
+        for (int64_t w = 0; w < q.W; ++w) vr[w] = -(T)INFINITY;
+    }
+    if (flat) {
+      pool_row<T, KW, SW>(v, yp, q, 0, q.OH * q.OW, q.OH * q.OW);
+    } else {
+      for (int64_t oh = 0; oh < q.OH; ++oh) pool_row<T, KW, SW>(v + oh * q.W, yp + oh * q.OW, q, lo, hi, q.OW);
+    }
+  }
+}
+
 #define WORKERS(T, ATTR)                                                                                          \
   static ATTR void w_nchw(const T* x, const T* p, T* y, int Z, int64_t HW, T tau, int64_t a, int64_t b) {       \
     ZDISPATCH(nchw_rows, x, p, y, Z, HW, tau, a, b)                                                             \
@@ -403,6 +482,14 @@ INL void predict_groups(const T* pooled, const T* w, T* p, int64_t B, int64_t C,
   static ATTR void w_predict(const T* pooled, const T* w, T* p, int64_t B, int64_t C, int64_t G, int64_t a,     \
                              int64_t b) {                                                                       \
     predict_groups<T>(pooled, w, p, B, C, G, a, b);                                                             \
+  }                                                                                                             \
+  static ATTR void w_pool(const T* x, T* y, const PoolShape& q, T* v, int64_t a, int64_t b) {                   \
+    if (q.kw == 2 && q.sw == 2 && q.dw == 1)                                                                    \
+      pool_planes<T, 2, 2>(x, y, q, v, a, b);                                                                   \
+    else if (q.kw == 3 && q.sw == 2 && q.dw == 1)                                                               \
+      pool_planes<T, 3, 2>(x, y, q, v, a, b);                                                                   \
+    else                                                                                                        \
+      pool_planes<T, 0, 0>(x, y, q, v, a, b);                                                                   \
   }
 
 // ZDISPATCH names T: the workers' element type.
@@ -543,6 +630,17 @@ static int squeeze(bool cl, const T* x, const T* w, T* pooled, T* y, int64_t B, 
   return err;
 }
 
+// The pool over `planes` planes; 1 if out of memory (OH * W values of scratch per thread).
+template <typename T>
+static int max_pool(const T* x, T* y, int64_t planes, const PoolShape& q) {
+  const bool par = planes > 1 && planes * q.H * q.W >= PAR_MIN;
+  T* v = (T*)malloc(sizeof(T) * q.OH * q.W * (par ? max_threads() : 1));
+  if (!v) return 1;
+  for_shares(planes, par, [&](int64_t a, int64_t b) { w_pool(x, y, q, v + team_rank() * q.OH * q.W, a, b); });
+  free(v);
+  return 0;
+}
+
 // Entry points (their workers are the target_clones: AVX-512, AVX2 and baseline x86-64 for float32; float64,
 // for tests and references, only in the baseline build).
 #define ENTRIES(SUF, T)                                                                                           \
@@ -563,6 +661,11 @@ static int squeeze(bool cl, const T* x, const T* w, T* pooled, T* y, int64_t B, 
   int pix_predict_##SUF(const T* pooled, const T* w, T* p, int64_t B, int64_t C, int64_t G) {                   \
     predict<T>(pooled, w, p, B, C, G);                                                                          \
     return 0;                                                                                                   \
+  }                                                                                                             \
+  int max_pool2d_nchw_##SUF(const T* x, T* y, int64_t planes, int64_t H, int64_t W, int64_t OH, int64_t OW,      \
+                            int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t ph, int64_t pw, int64_t dh, \
+                            int64_t dw) {                                                                       \
+    return max_pool<T>(x, y, planes, PoolShape{H, W, OH, OW, kh, kw, sh, sw, ph, pw, dh, dw});                  \
   }
 
 extern "C" {
@@ -591,6 +694,8 @@ for _t in ("f32", "f64"):
         SIGNATURES[f"pix_{_l}_{_t}"] = [_PTR] * 3 + [_I64] * 4 + [_F64]  # x, p, y, B, G, Z, HW, tau
         SIGNATURES[f"pix_squeeze_{_l}_{_t}"] = [_PTR] * 4 + [_I64] * 4 + [_F64]  # x, w, pooled, y, B, C, Z, HW, tau
     SIGNATURES[f"pix_predict_{_t}"] = [_PTR] * 3 + [_I64] * 3  # pooled, w, p, B, C, G
+    # x, y, planes, H, W, OH, OW, kh, kw, sh, sw, ph, pw, dh, dw
+    SIGNATURES[f"max_pool2d_nchw_{_t}"] = [_PTR] * 2 + [_I64] * 13
 SIGNATURES["compress_omp_max_threads"] = []  # the threads a pass may use (0: built without OpenMP)
 
 _lock = threading.Lock()

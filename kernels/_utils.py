@@ -136,11 +136,6 @@ def conv2d_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return F.relu(F.conv2d(x, weight, bias, stride, padding, dilation, groups))
 
 
-def max_pool2x2(y: torch.Tensor, ceil_mode: bool) -> torch.Tensor:
-    """The 2x2, stride-2 max-pool a pooling stripe conv applies after its ReLU (`StripeConv2d.pool`)."""
-    return F.max_pool2d(y, 2, ceil_mode=ceil_mode)
-
-
 _len_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
 _len_function_modes = getattr(torch._C, "_len_torch_function_stack", None)
 
@@ -152,13 +147,13 @@ def functorch_active() -> bool:
     return torch._C._are_functorch_transforms_active()
 
 
-def plain_eager(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def plain_eager(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
     """True where calling an op's kernels directly is the same as calling the op: plain tensors (no fake,
     functional or other subclass; a Parameter weight is fine), no TorchScript tracing, no torch.compile, no Python
     dispatch or function mode (FLOP counters, make_fx and export see the op), no torch.func transform. Every
     export path (TorchScript tracing, dynamo, fake-tensor export) makes it False. (torch.profiler records ops at
     the dispatcher, so a direct call shows as no op event; CUDA kernels still show.)"""
     return (not torch.compiler.is_compiling() and not torch.jit.is_tracing() and not functorch_active()
-            and type(x) is torch.Tensor and type(weight) in (torch.Tensor, torch.nn.Parameter)
+            and type(x) is torch.Tensor and (weight is None or type(weight) in (torch.Tensor, torch.nn.Parameter))
             and _len_dispatch_modes is not None and _len_function_modes is not None
             and _len_dispatch_modes() == 0 and _len_function_modes() == 0)

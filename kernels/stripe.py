@@ -49,12 +49,12 @@ from kernels._utils import (
     contiguous_input,
     conv2d_relu,
     conv_out_size,
-    max_pool2x2,
     memory_format,
     pair,
     tracing_or_compiling,
     use_kernel,
 )
+from kernels.pool import max_pool2x2
 
 __all__ = ["stripe_conv2d", "prepare_stripe_conv2d", "stripe_plan", "stripe_to_dense", "stripe_rows",
            "stripe_reads_dense", "stripe_route", "stripe_cost", "dense_trim", "trimmed_dense"]

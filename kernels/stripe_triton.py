@@ -102,7 +102,8 @@ try:
 except ImportError:  # pragma: no cover - triton ships with CUDA torch builds
     triton = None
 
-from kernels._utils import conv_out_size, max_pool2x2, memory_format
+from kernels._utils import conv_out_size, memory_format
+from kernels.pool import max_pool2x2
 from kernels.stripe import stripe_rows, stripe_to_dense
 
 

@@ -1,0 +1,82 @@
+"""Max-pool with a fast CPU path for contiguous NCHW inference: ``max_pool2d``.
+
+PyTorch's CPU max-pool is slow on contiguous NCHW input. On the project's 2-core Intel Xeon host (2 threads)
+ResNet-50's stem pool, (1, 64, 112, 112) 3x3 stride 2, took 6.7 ms NCHW against 0.64 ms for the same tensor
+channels_last: about 6% of a batch-1 ResNet-50 forward, in the dense model and in every compact or PiX model
+built from it, and each of a CIFAR VGG's five pools likewise. Here a C++ kernel (``kernels/_cpu.py``,
+``max_pool2d_nchw_*``) reduces each output row's window rows into one row with a vectorised elementwise max,
+then takes each output's columns of it (numbers in ``benchmarks/results/max_pool_cpu*.json``).
+
+Why not a registered op: this is an eager-inference shortcut to ``aten::max_pool2d``, value for value (the max is
+exact; a NaN in a window gives NaN, as PyTorch's). Every other call runs ``F.max_pool2d`` itself: autograd
+recording, TorchScript tracing, torch.compile, ONNX and torch.func see the aten op, and so do other devices,
+dtypes (half precision) and layouts (channels_last, whose aten kernel is already fast).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels import _cpu
+from kernels._utils import pair, plain_eager, recording
+
+__all__ = ["max_pool2d", "max_pool2x2"]
+
+_DTYPES = {torch.float32: "f32", torch.float64: "f64"}
+
+
+def _out_size(size: int, k: int, pad: int, stride: int, dilation: int, ceil_mode: bool) -> int:
+    """PyTorch's pooled output length (``pooling_output_shape``): the last window starts inside the input or its
+    left padding."""
+    out = (size + 2 * pad - dilation * (k - 1) - 1 + (stride - 1 if ceil_mode else 0)) // stride + 1
+    if ceil_mode and (out - 1) * stride >= size + pad:
+        out -= 1
+    return out
+
+
+def _c_shape(x: torch.Tensor, kernel_size, stride, padding, dilation, ceil_mode) -> list[int] | None:
+    """[OH, OW, kh, kw, sh, sw, ph, pw, dh, dw] where the C++ kernel computes this call exactly as F.max_pool2d
+    would; None where F.max_pool2d must run (other input, or parameters it rejects with its own error)."""
+    if not (x.device.type == "cpu" and x.dtype in _DTYPES and x.dim() in (3, 4) and x.numel() > 0
+            and x.is_contiguous() and not (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last))):
+        return None
+    try:
+        k = pair(kernel_size)
+        s = pair(stride) if stride is not None and (isinstance(stride, int) or len(stride) > 0) else k
+        p, d = pair(padding), pair(dilation)
+    except (TypeError, ValueError):
+        return None
+    out = []
+    for size, kn, pn, sn, dn in zip(x.shape[-2:], k, p, s, d):
+        if min(kn, sn, dn) < 1 or not 0 <= pn <= ((kn - 1) * dn + 1) // 2:  # F.max_pool2d's own checks
+            return None
+        out.append(_out_size(size, kn, pn, sn, dn, bool(ceil_mode)))
+    if min(out) < 1:
+        return None
+    return [*out, *k, *s, *p, *d]
+
+
+def max_pool2d(x: torch.Tensor, kernel_size, stride=None, padding=0, dilation=1,
+               ceil_mode: bool = False) -> torch.Tensor:
+    """``F.max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode)`` (no indices), x (B, C, H, W) or
+    (C, H, W) -> (B, C, OH, OW). In plain eager inference on a CPU float32/float64 contiguous NCHW x (autograd not
+    recording x) the C++ kernel computes it, multi-threaded over the B*C planes on torch's threads; everything else
+    is F.max_pool2d."""
+    shape = None
+    if isinstance(x, torch.Tensor) and not recording(x) and plain_eager(x):
+        shape = _c_shape(x, kernel_size, stride, padding, dilation, ceil_mode)
+    lib = _cpu.lib() if shape is not None else None
+    if lib is None:
+        return F.max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode)
+    H, W = x.shape[-2:]
+    y = x.new_empty((*x.shape[:-2], shape[0], shape[1]))
+    fn = getattr(lib, f"max_pool2d_nchw_{_DTYPES[x.dtype]}")
+    if fn(x.data_ptr(), y.data_ptr(), x.numel() // (H * W), H, W, *shape):
+        raise MemoryError("kernels.max_pool2d: out of memory in the CPU kernel")
+    return y
+
+
+def max_pool2x2(y: torch.Tensor, ceil_mode: bool) -> torch.Tensor:
+    """The 2x2, stride-2 max-pool a pooling stripe conv applies after its ReLU (`StripeConv2d.pool`)."""
+    return max_pool2d(y, 2, ceil_mode=ceil_mode)
