@@ -8,7 +8,7 @@ recorded too (``*_cpu_ms``, ``speedup_cpu``): other jobs sharing the cores stret
 
     python benchmarks/pix_cpu.py [--repeats 15] [--batches 1 8] [--size 224] [--threads N] [--no-fold]
                                  [--layouts nchw channels_last] [--trials 1] [--malloc default|keep] [--compile]
-                                 [--out PATH]
+                                 [--max-pools compress torch] [--out PATH]
 
 --trials N repeats each measurement N times in a row and records every trial's medians (the row's figures
 are then the medians over all N * repeats pairs), to show how far the ratio moves on a shared machine.
@@ -24,6 +24,11 @@ count of each model is recorded (``*_faults``).
 recipe for CPU deployment, one static-shape compile per batch size. The PiX op enters the graph as an opaque
 custom op (its C++ CPU kernel), tagged ``flexible_layout`` so that Inductor hands it its channels_last
 activations instead of converting them to NCHW and back.
+
+--max-pools compress (the default) swaps both models' stem nn.MaxPool2d for compress.pooling.MaxPool2d, as
+compaction with fuse_relu (export's inference layout) does: the same values from a C++ kernel, about 10x faster
+than PyTorch's NCHW CPU max-pool (6-7 ms of a batch-1 forward here); --max-pools torch keeps PyTorch's pool;
+--max-pools compress torch measures both (rows carry ``max_pool``).
 
 --threads 1 (default) gives steady ratios on a shared machine (2 OpenMP threads spin on a busy core);
 --threads 0 keeps torch's choice. PiX's CPU kernels (kernels/_cpu.py) run on torch's OpenMP threads too.
@@ -51,6 +56,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).par
 from _host import cpu_model  # noqa: E402
 
 from compress.pix import insert_pix  # noqa: E402
+from compress.pooling import fast_max_pools  # noqa: E402
 from compress.surgery import conv_bn_pairs, replace_module  # noqa: E402
 
 
@@ -63,7 +69,7 @@ def fold_bn(model: nn.Module) -> nn.Module:
     return model
 
 
-def build(pix: bool, fold: bool, channels_last: bool) -> nn.Module:
+def build(pix: bool, fold: bool, channels_last: bool, max_pool: str) -> nn.Module:
     torch.manual_seed(0)
     model = torchvision.models.resnet50()
     if pix:
@@ -76,6 +82,8 @@ def build(pix: bool, fold: bool, channels_last: bool) -> nn.Module:
                 m.running_var.uniform_(0.5, 1.5)
     if fold:
         fold_bn(model)
+    if max_pool == "compress":
+        fast_max_pools(model)
     return model.to(memory_format=torch.channels_last) if channels_last else model
 
 
@@ -111,6 +119,42 @@ def time_pair(
     return times, cpu, faults
 
 
+def _row(channels_last: bool, max_pool: str, batch: int, ms: dict, best: dict, cpu_ms: dict, faults: dict,
+         trials: list[float]) -> dict:
+    """One result row from the medians (`ms`), minima, thread CPU medians and page faults of both models; printed."""
+    row = {
+        "layout": "channels_last" if channels_last else "nchw",
+        "max_pool": max_pool,
+        "batch": batch,
+        "resnet50_ms": round(ms["resnet50"], 2),
+        "pix_resnet50_ms": round(ms["pix_resnet50"], 2),
+        "speedup": round(ms["resnet50"] / ms["pix_resnet50"], 3),
+        "resnet50_min_ms": round(best["resnet50"], 2),
+        "pix_resnet50_min_ms": round(best["pix_resnet50"], 2),
+        "speedup_min": round(best["resnet50"] / best["pix_resnet50"], 3),
+        "resnet50_faults": faults["resnet50"],
+        "pix_resnet50_faults": faults["pix_resnet50"],
+    }
+    if len(trials) > 1:
+        row["speedup_per_trial"] = trials
+    if torch.get_num_threads() == 1:
+        row |= {
+            "resnet50_cpu_ms": round(cpu_ms["resnet50"], 2),
+            "pix_resnet50_cpu_ms": round(cpu_ms["pix_resnet50"], 2),
+            "speedup_cpu": round(cpu_ms["resnet50"] / cpu_ms["pix_resnet50"], 3),
+        }
+    print(
+        f"{row['layout']:>13} {max_pool:>8} pool B={batch:<2} median: resnet50 {row['resnet50_ms']:8.2f} ms  pix "
+        f"{row['pix_resnet50_ms']:8.2f} ms  speedup {row['speedup']:.3f}x | min: {row['resnet50_min_ms']:8.2f} / "
+        f"{row['pix_resnet50_min_ms']:8.2f} ms  speedup {row['speedup_min']:.3f}x"
+        + (f" | thread CPU: speedup {row['speedup_cpu']:.3f}x" if "speedup_cpu" in row else "")
+        + (f" | per trial {trials}" if len(trials) > 1 else "")
+        + f" | page faults {row['resnet50_faults']} / {row['pix_resnet50_faults']}",
+        flush=True,
+    )
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=15)
@@ -125,6 +169,8 @@ def main() -> None:
     ap.add_argument("--malloc", choices=("default", "keep"), default="default",
                     help="keep: glibc malloc keeps freed memory, for both models (see above)")
     ap.add_argument("--compile", action="store_true", help="torch.compile both models, weights frozen (see above)")
+    ap.add_argument("--max-pools", nargs="+", choices=("compress", "torch"), default=["compress"],
+                    help="the stem max-pool of both models: compress.pooling.MaxPool2d or nn.MaxPool2d (see above)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "pix_cpu.json"))
     args = ap.parse_args()
 
@@ -140,59 +186,34 @@ def main() -> None:
     load_before = os.getloadavg()
     rows = []
     for channels_last in [layout == "channels_last" for layout in args.layouts]:
-        models = {
-            "resnet50": build(False, fold, channels_last),
-            "pix_resnet50": build(True, fold, channels_last),
+        models = {  # every pool setting's pair, all interleaved
+            (pool, name): build(name == "pix_resnet50", fold, channels_last, pool)
+            for pool in args.max_pools for name in ("resnet50", "pix_resnet50")
         }
         if args.compile:
             models = {k: torch.compile(m, dynamic=False) for k, m in models.items()}
         fmt = torch.channels_last if channels_last else torch.contiguous_format
         for b in args.batches:
             x = torch.randn(b, 3, args.size, args.size).contiguous(memory_format=fmt)
-            times: dict[str, list[float]] = {k: [] for k in models}
-            cpu: dict[str, list[float]] = {k: [] for k in models}
-            faults: dict[str, list[int]] = {k: [] for k in models}
-            trials = []
+            times: dict[tuple, list[float]] = {k: [] for k in models}
+            cpu: dict[tuple, list[float]] = {k: [] for k in models}
+            faults: dict[tuple, list[int]] = {k: [] for k in models}
+            trials: dict[str, list[float]] = {pool: [] for pool in args.max_pools}
             for _ in range(args.trials):
                 t, c, f = time_pair(models, x, args.repeats)
-                trials.append(round(statistics.median(t["resnet50"]) / statistics.median(t["pix_resnet50"]), 3))
+                for pool in args.max_pools:
+                    trials[pool].append(round(statistics.median(t[pool, "resnet50"])
+                                              / statistics.median(t[pool, "pix_resnet50"]), 3))
                 for k in models:
                     times[k] += t[k]
                     cpu[k] += c[k]
                     faults[k] += f[k]
-            ms = {k: statistics.median(v) for k, v in times.items()}
-            best = {k: min(v) for k, v in times.items()}
-            cpu_ms = {k: statistics.median(v) for k, v in cpu.items()}
-            row = {
-                "layout": "channels_last" if channels_last else "nchw",
-                "batch": b,
-                "resnet50_ms": round(ms["resnet50"], 2),
-                "pix_resnet50_ms": round(ms["pix_resnet50"], 2),
-                "speedup": round(ms["resnet50"] / ms["pix_resnet50"], 3),
-                "resnet50_min_ms": round(best["resnet50"], 2),
-                "pix_resnet50_min_ms": round(best["pix_resnet50"], 2),
-                "speedup_min": round(best["resnet50"] / best["pix_resnet50"], 3),
-                "resnet50_faults": int(statistics.median(faults["resnet50"])),
-                "pix_resnet50_faults": int(statistics.median(faults["pix_resnet50"])),
-            }
-            if args.trials > 1:
-                row["speedup_per_trial"] = trials
-            if torch.get_num_threads() == 1:
-                row |= {
-                    "resnet50_cpu_ms": round(cpu_ms["resnet50"], 2),
-                    "pix_resnet50_cpu_ms": round(cpu_ms["pix_resnet50"], 2),
-                    "speedup_cpu": round(cpu_ms["resnet50"] / cpu_ms["pix_resnet50"], 3),
-                }
-            rows.append(row)
-            print(
-                f"{row['layout']:>13} B={b:<2} median: resnet50 {row['resnet50_ms']:8.2f} ms  pix {row['pix_resnet50_ms']:8.2f} ms"
-                f"  speedup {row['speedup']:.3f}x | min: {row['resnet50_min_ms']:8.2f} / {row['pix_resnet50_min_ms']:8.2f} ms"
-                f"  speedup {row['speedup_min']:.3f}x"
-                + (f" | thread CPU: speedup {row['speedup_cpu']:.3f}x" if "speedup_cpu" in row else "")
-                + (f" | per trial {trials}" if args.trials > 1 else "")
-                + f" | page faults {row['resnet50_faults']} / {row['pix_resnet50_faults']}",
-                flush=True,
-            )
+            for max_pool in args.max_pools:
+                ms = {name: statistics.median(times[max_pool, name]) for name in ("resnet50", "pix_resnet50")}
+                best = {name: min(times[max_pool, name]) for name in ms}
+                cpu_ms = {name: statistics.median(cpu[max_pool, name]) for name in ms}
+                fault = {name: int(statistics.median(faults[max_pool, name])) for name in ms}
+                rows.append(_row(channels_last, max_pool, b, ms, best, cpu_ms, fault, trials[max_pool]))
     result = {
         "benchmark": "PiX ResNet-50 (zeta 4) vs ResNet-50, CPU inference",
         "dtype": "float32",
