@@ -3,9 +3,11 @@
 Builds CIFAR ResNet-56 and VGG16 with Filter Skeletons, draws random SWP-like masks (a share of dead
 filters per layer, the alive filters keeping a share of their stripes), zeroes the dead filters' BN as
 swp_update does, compacts them (`compress.compact(..., fold_bn=True)`, per-layer mode measured by
-`compress.choose_modes`) and times dense and compact side by side (interleaved runs, median).
+`compress.choose_modes`) and times dense and compact side by side (interleaved runs, median). With --fuse-relu
+both are compacted as export does (`fuse_relu=True`: ReLUs into their convs, VGG's pools into its stripe convs,
+the other max-pools made `compress.pooling.MaxPool2d`, the C++ CPU pool).
 
-    python benchmarks/compact_cpu.py [--repeats 15] [--batch 64] [--out benchmarks/results/compact_cpu.json]
+    python benchmarks/compact_cpu.py [--repeats 15] [--batch 64] [--fuse-relu] [--out benchmarks/results/compact_cpu.json]
 """
 
 from __future__ import annotations
@@ -67,10 +69,11 @@ def side_by_side(a: nn.Module, b: nn.Module, x: torch.Tensor, repeats: int) -> t
 
 
 @torch.no_grad()
-def bench(name: str, batch: int, repeats: int, seed: int) -> dict:
+def bench(name: str, batch: int, repeats: int, seed: int, fuse_relu: bool) -> dict:
     skeleton = swp_like(name, seed, MASKS[name])
-    dense = compress.compact(create_model(name, num_classes=10, input_size=32).eval(), fold_bn=True)
-    compact_model = compress.compact(skeleton, fold_bn=True)
+    dense = compress.compact(create_model(name, num_classes=10, input_size=32).eval(), fold_bn=True,
+                             fuse_relu=fuse_relu)
+    compact_model = compress.compact(skeleton, fold_bn=True, fuse_relu=fuse_relu)
     x = torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
     modes = compress.choose_modes(compact_model, x, repeats=7)
     ref, out = skeleton(x[:8]), compact_model(x[:8])
@@ -106,10 +109,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fuse-relu", action="store_true", help="compact both with fuse_relu=True, as export does")
     parser.add_argument("--out", default="benchmarks/results/compact_cpu.json")
     args = parser.parse_args()
     info = machine()
-    results = [bench(name, args.batch, args.repeats, args.seed) for name in MASKS]
+    results = [bench(name, args.batch, args.repeats, args.seed, args.fuse_relu) for name in MASKS]
     info["load_average_1m_after"] = Path("/proc/loadavg").read_text().split()[0]
     report = {
         "machine": info,
@@ -117,6 +121,7 @@ def main() -> None:
         "dtype": "float32",
         "repeats": args.repeats,
         "protocol": "eval, BN folded in both, inference_mode, 3 warm-up runs, dense/compact interleaved, median",
+        "fuse_relu": args.fuse_relu,
         "results": results,
     }
     print(f"{'model':<10} {'MACs dense':>12} {'MACs compact':>13} {'cut':>6} {'dense ms':>9} {'compact ms':>11} "

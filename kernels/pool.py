@@ -71,10 +71,26 @@ def max_pool2d(x: torch.Tensor, kernel_size, stride=None, padding=0, dilation=1,
         return F.max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode)
     H, W = x.shape[-2:]
     y = x.new_empty((*x.shape[:-2], shape[0], shape[1]))
+    planes, stack = x.numel() // (H * W), _stacked_planes(x, shape)
+    args = (planes // stack, H * stack, W, shape[0] * stack, *shape[1:])
     fn = getattr(lib, f"max_pool2d_nchw_{_DTYPES[x.dtype]}")
-    if fn(x.data_ptr(), y.data_ptr(), x.numel() // (H * W), H, W, *shape):
+    if fn(x.data_ptr(), y.data_ptr(), *args):
         raise MemoryError("kernels.max_pool2d: out of memory in the CPU kernel")
     return y
+
+
+def _stacked_planes(x: torch.Tensor, shape: list[int]) -> int:
+    """How many consecutive planes the kernel may take as one tall plane: where the windows tile each plane exactly
+    (kernel = stride vertically, no padding or dilation, H = OH * stride), a window never spans two planes, so
+    small maps (VGG's 8x8 and 4x4 pools: one short row loop per plane otherwise) are pooled in stacks of about 4096
+    values, a divisor of the plane count; else 1."""
+    H, W = x.shape[-2:]
+    OH, kh, sh, ph, dh = shape[0], shape[2], shape[4], shape[6], shape[8]
+    if not (kh == sh and ph == 0 and dh == 1 and H == OH * sh) or H * W >= 4096:
+        return 1
+    planes = x.numel() // (H * W)
+    want = min(planes, 4096 // (H * W))
+    return max(d for d in range(1, want + 1) if planes % d == 0)
 
 
 def max_pool2x2(y: torch.Tensor, ceil_mode: bool) -> torch.Tensor:
