@@ -26,8 +26,8 @@ custom op (its C++ CPU kernel), tagged ``flexible_layout`` so that Inductor hand
 activations instead of converting them to NCHW and back.
 
 --max-pools compress (the default) swaps both models' stem nn.MaxPool2d for compress.pooling.MaxPool2d, as
-compaction with fuse_relu (export's inference layout) does: the same values from a C++ kernel, about 10x faster
-than PyTorch's NCHW CPU max-pool (6-7 ms of a batch-1 forward here); --max-pools torch keeps PyTorch's pool;
+compaction with fuse_relu (export's inference layout) does: the same values from a C++ kernel, 7.7x faster than
+PyTorch's NCHW CPU max-pool at batch 1 (4.4 ms of a batch-1 forward here); --max-pools torch keeps PyTorch's pool;
 --max-pools compress torch measures both (rows carry ``max_pool``).
 
 --threads 1 (default) gives steady ratios on a shared machine (2 OpenMP threads spin on a busy core);

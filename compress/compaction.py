@@ -125,7 +125,7 @@ def compact(
             on CUDA one cuDNN call or the stripe kernel) and the ReLU becomes nn.Identity; a StripeConv2d also
             takes a 2x2 stride-2 max-pool that only reads that ReLU (`StripeConv2d(pool=True)`), and the other
             nn.MaxPool2d modules become `compress.pooling.MaxPool2d` (same values; a C++ kernel for CPU NCHW
-            inference, about 10x PyTorch's NCHW pool). Inference only.
+            inference, 1.4-10x PyTorch's NCHW pool). Inference only.
 
     Returns:
         The compact model (same training mode, device and dtype, `compress_arch` kept) with

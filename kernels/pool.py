@@ -1,11 +1,12 @@
 """Max-pool with a fast CPU path for contiguous NCHW inference: ``max_pool2d``.
 
 PyTorch's CPU max-pool is slow on contiguous NCHW input. On the project's 2-core Intel Xeon host (2 threads)
-ResNet-50's stem pool, (1, 64, 112, 112) 3x3 stride 2, took 6.7 ms NCHW against 0.64 ms for the same tensor
-channels_last: about 6% of a batch-1 ResNet-50 forward, in the dense model and in every compact or PiX model
-built from it, and each of a CIFAR VGG's five pools likewise. Here a C++ kernel (``kernels/_cpu.py``,
+ResNet-50's stem pool, (1, 64, 112, 112) 3x3 stride 2, took 4.4 ms NCHW against 0.48 ms for the same tensor
+channels_last: about 5% of a batch-1 ResNet-50 forward, in the dense model and in every compact or PiX model
+built from it, and a CIFAR VGG's five pools likewise. Here a C++ kernel (``kernels/_cpu.py``,
 ``max_pool2d_nchw_*``) reduces each output row's window rows into one row with a vectorised elementwise max,
-then takes each output's columns of it (numbers in ``benchmarks/results/max_pool_cpu*.json``).
+then takes each output's columns of it: 0.57 ms there, 1.4-10x PyTorch's NCHW pool on ResNet's and VGG's pools
+(``benchmarks/max_pool_cpu.py`` -> ``benchmarks/results/max_pool_cpu_session31.json``).
 
 Why not a registered op: this is an eager-inference shortcut to ``aten::max_pool2d``, value for value (the max is
 exact; a NaN in a window gives NaN, as PyTorch's). Every other call runs ``F.max_pool2d`` itself: autograd
