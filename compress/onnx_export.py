@@ -11,9 +11,9 @@ Each StripeConv2d is exported as either
   strided Slice of its stripes, a Gather that places them in their output channels (a zero channel
   where a filter has no stripe at that offset) and an Add: Conv/Pad/Slice/Concat/Gather/Add only.
 The batch dimension is dynamic; the spatial size is fixed to `input_size`. An adaptive average pool whose
-output size does not divide its input size (torchvision's VGGs below 224x224: 7x7 from 1x1 .. 6x6) has no
-ONNX counterpart in PyTorch's exporter; at the traced size it is a fixed linear map, exported as one MatMul
-(`FixedAdaptiveAvgPool2d`).
+output size does not divide its input size (torchvision's and timm's VGGs below 224x224: 7x7 from 1x1 .. 6x6)
+has no ONNX counterpart in PyTorch's exporter; at the traced size it is a fixed linear map, exported as one
+MatMul (`FixedAdaptiveAvgPool2d`; put before timm's VGG head, which pools inside its forward).
 """
 
 from __future__ import annotations
@@ -126,14 +126,27 @@ def onnx_ready(model: nn.Module, stripe_mode: str = "dense", example: torch.Tens
         replace_module(ready, name, new.eval())
     if example is not None:
         for name, in_size, out_size in _uneven_adaptive_pools(ready, example):
-            replace_module(ready, name, FixedAdaptiveAvgPool2d(in_size, out_size).to(example.device))
+            pool = FixedAdaptiveAvgPool2d(in_size, out_size).to(example.device)
+            module = ready.get_submodule(name)
+            # a timm ConvMlp pools inside its forward: the fixed pool goes before it (it then sees its kernel size)
+            replace_module(ready, name, pool if isinstance(module, nn.AdaptiveAvgPool2d) else nn.Sequential(pool, module))
     return ready
 
 
+def _timm_conv_mlp() -> type | None:
+    try:
+        from timm.models.vgg import ConvMlp
+    except ImportError:
+        return None
+    return ConvMlp
+
+
 def _uneven_adaptive_pools(model: nn.Module, example: torch.Tensor) -> list[tuple[str, tuple, tuple]]:
-    """(name, input (H, W), output (Ho, Wo)) of each nn.AdaptiveAvgPool2d whose output size does not divide its
-    input size when `model` runs on `example`."""
+    """(name, input (H, W), output (Ho, Wo)) of each adaptive average pool whose output size does not divide its
+    input size when `model` runs on `example`: nn.AdaptiveAvgPool2d modules, and timm's VGG head (`ConvMlp`),
+    which calls F.adaptive_avg_pool2d up to its kernel size on inputs smaller than that (VGGs below 224x224)."""
     found, hooks = [], []
+    conv_mlp = _timm_conv_mlp()
     for name, m in model.named_modules():
         if isinstance(m, nn.AdaptiveAvgPool2d):
             def record(mod, args, out, name=name):
@@ -141,6 +154,12 @@ def _uneven_adaptive_pools(model: nn.Module, example: torch.Tensor) -> list[tupl
                 if h % ho or w % wo:
                     found.append((name, (h, w), (ho, wo)))
             hooks.append(m.register_forward_hook(record))
+        elif conv_mlp is not None and isinstance(m, conv_mlp):
+            def record_mlp(mod, args, name=name):
+                (h, w), k = args[0].shape[2:], mod.input_kernel_size
+                if h < k or w < k:
+                    found.append((name, (h, w), (max(k, h), max(k, w))))
+            hooks.append(m.register_forward_pre_hook(record_mlp))
     try:
         with torch.no_grad():
             model(example)

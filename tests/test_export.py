@@ -516,6 +516,19 @@ def test_onnx_of_torchvision_vgg_below_224(tmp_path):
     assert isinstance(model.avgpool, nn.AdaptiveAvgPool2d)  # the model itself is left as it was
 
 
+def test_onnx_of_timm_vgg_below_224(tmp_path):
+    """timm's VGG head (ConvMlp) calls F.adaptive_avg_pool2d up to its 7x7 kernel on smaller maps (2x2 at 64x64),
+    which PyTorch's exporter refuses; the export puts the fixed MatMul pool before the head, exact at that size."""
+    import onnx
+
+    model = _skeleton_model("timm:vgg11", keep=0.5, num_classes=10, mlp_ratio=1 / 16)  # a 256-wide head: a small file
+    model = compact(model.eval(), fold_bn=True, fuse_relu=True)
+    path = export_onnx(model, tmp_path / "vgg.onnx", (3, 64, 64))
+    assert "MatMul" in {node.op_type for node in onnx.load(str(path)).graph.node}
+    assert check_onnx(path, model, torch.randn(3, 3, 64, 64)) <= 1e-4
+    assert type(model.pre_logits).__name__ == "ConvMlp"  # the model itself is left as it was
+
+
 def test_missing_checkpoint_is_clear(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         export_checkpoint(tmp_path / "nope.pt", tmp_path)
