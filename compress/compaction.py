@@ -392,7 +392,7 @@ def choose_modes(model: nn.Module, x: torch.Tensor, repeats: int = 5, timing: st
         route = kernels.stripe_route(
             inp, m.weight, m.out_index, m.offset, m.bias, m.out_channels, m.kernel_size,
             m.stride, m.padding, m.dilation, plan=m.plan, repeats=repeats, timing=timing, relu=m.relu, pool=m.pool,
-            pool_ceil=m.pool_ceil,
+            pool_ceil=m.pool_ceil, tile_keep=m.tile_keep,
         )  # fmt: skip
         m.mode = route["mode"]
         if report is not None:

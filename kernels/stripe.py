@@ -695,7 +695,7 @@ def _graph_ms(fn, device: torch.device, repeats: int, calls: int = 10) -> float:
 def stripe_route(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, bias: Tensor | None,
                  out_channels: int, kernel_size, stride=1, padding=0, dilation=1, plan: Tensor | None = None,
                  repeats: int = 5, timing: str = "auto", relu: bool = False, pool: bool = False,
-                 pool_ceil: bool = False) -> dict:
+                 pool_ceil: bool = False, tile_keep: dict | None = None) -> dict:
     """Measure once which way of running the layer is fastest on ``x``'s device, shape, dtype and layout (like
     ``cudnn.benchmark``): the stripe op, ``F.conv2d`` with the zero-filled dense weight, and, where
     ``kernels.unrolled.fits`` offers it (tiny feature maps), one GEMM with the unrolled weight. Returns
@@ -703,7 +703,8 @@ def stripe_route(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, b
     (``gemm_ms`` None where not offered), the modes named as ``StripeConv2d.mode``.
     ``relu``, ``pool``, ``pool_ceil``: the layer's epilogue (``StripeConv2d.relu``, ``.pool``, ``.pool_ceil``),
     timed on every path as the module runs them: the kernel's epilogue against cuDNN's conv + bias + ReLU call (or
-    the GEMM with cuBLASLt's), then ``F.max_pool2d``.
+    the GEMM with cuBLASLt's), then ``F.max_pool2d``. ``tile_keep``: ``stripe_tile_keep(plan, out_channels)`` where
+    the caller has it (``StripeConv2d.tile_keep``); computed here on CUDA otherwise.
 
     timing: "graph" (CUDA only) compares GPU time, replaying each path in a CUDA graph: the cost in a graphed or
     compiled model, where launch overhead is gone; "eager" compares the wall time of one synchronised call,
@@ -727,7 +728,8 @@ def stripe_route(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, b
     fmt = memory_format(x)
     dense_w = stripe_to_dense(weight, out_index, offset, out_channels, ks, memory_format=fmt)
     kept = None
-    tile_keep = stripe_tile_keep(plan, out_channels) if x.is_cuda else None
+    if tile_keep is None and x.is_cuda:
+        tile_keep = stripe_tile_keep(plan, out_channels)
     if weight.dtype == x.dtype and stripe_reads_dense(x, weight, out_channels, ks, stride, padding, dilation,
                                                       tile_keep):
         # the channels_last weight the kernel reads: dense_w itself for a channels_last x
