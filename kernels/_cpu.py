@@ -377,12 +377,9 @@ INL void predict_groups(const T* pooled, const T* w, T* p, int64_t B, int64_t C,
   }
 }
 
-// ---- Workers: one thread's share of a pass. The compiler moves the body of a parallel region into a function of
-// its own that does not inherit target_clones, so the vector code lives in these (cloned for float) functions,
-// called from the regions below.
 // ---- Max-pool, contiguous NCHW (kernels.max_pool2d). Per output row, the window's in-range input rows are reduced
-// into one row `col` (an elementwise max over W contiguous values, vectorised), then each output takes the max of
-// its in-range columns of `col`. A NaN anywhere in the window wins, as in PyTorch (`v > m || v != v`; -inf where a
+// into one row (an elementwise max over W contiguous values, vectorised), then each output takes the max of its
+// in-range columns of that row. A NaN anywhere in the window wins, as in PyTorch (`v > m || v != v`; -inf where a
 // window holds nothing, which valid parameters never give).
 struct PoolShape {
   int64_t H, W, OH, OW, kh, kw, sh, sw, ph, pw, dh, dw;
@@ -394,8 +391,8 @@ INL T nan_max(T m, T v) {  // branch-free (a select; a vector blend in the row l
   return take ? v : m;
 }
 
-// Outputs [0, n) of one row from `col`: those in [lo, hi), whose windows lie inside the row take no bounds checks, with the
-// window (KW, SW; dilation 1) known at compile time for the common pools (0: read from q).
+// Outputs [0, n) of one row from `col`: those in [lo, hi), whose windows lie inside the row, take no bounds checks;
+// the window (KW, SW; dilation 1) is known at compile time for the common pools (0: read from q).
 template <typename T, int KW, int SW>
 INL void pool_row(const T* col, T* __restrict__ y, const PoolShape& q, int64_t lo, int64_t hi, int64_t n) {
   const int64_t kw = KW ? KW : q.kw, sw = SW ? SW : q.sw, dw = KW ? 1 : q.dw;
@@ -456,6 +453,9 @@ INL void pool_planes(const T* x, T* y, const PoolShape& q, T* __restrict__ v, in
   }
 }
 
+// ---- Workers: one thread's share of a pass. The compiler moves the body of a parallel region into a function of
+// its own that does not inherit target_clones, so the vector code lives in these (cloned for float) functions,
+// called from the regions below.
 #define WORKERS(T, ATTR)                                                                                          \
   static ATTR void w_nchw(const T* x, const T* p, T* y, int Z, int64_t HW, T tau, int64_t a, int64_t b) {       \
     ZDISPATCH(nchw_rows, x, p, y, Z, HW, tau, a, b)                                                             \
