@@ -30,7 +30,7 @@ from compress.models.cifar_resnet import Bottleneck as CifarBottleneck
 from compress.models.cifar_vgg import CifarVGG
 from compress.surgery import replace_module
 from kernels import residual_relu
-from kernels._utils import functorch_active, plain_eager
+from kernels._utils import forward_ad_active, functorch_active, plain_eager
 
 __all__ = ["PiXBlock", "PiXBottleneck", "ResidualReLU", "insert_pix", "use_pix_bottlenecks", "downscale_pix", "apply_pix"]
 
@@ -84,8 +84,10 @@ class PiXBlock(nn.Module):
             )
         # ONNX export always traces (not plain eager); is_in_onnx_export() itself costs two imports per call,
         # about 20 us per block in a CPU batch-1 forward, so plain eager calls skip it. torch.func transforms (the
-        # op has no functorch rules) take the same standard ops; there the max's gradient splits among ties.
-        if not plain_eager(x, self.weight) and (functorch_active() or torch.onnx.is_in_onnx_export()):
+        # op has no functorch rules) and forward-mode AD (dual tensors) take the same standard ops; there the max's
+        # gradient splits among ties.
+        if not plain_eager(x, self.weight) and (functorch_active() or forward_ad_active()
+                                                or torch.onnx.is_in_onnx_export()):
             # standard ops; the bias-free 1x1 predictor as a GEMM on the pool, both in float32 (float64 for float64
             # x) as the op computes them, the output in x's dtype
             acc = torch.float64 if x.dtype == torch.float64 else torch.float32

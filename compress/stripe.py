@@ -22,6 +22,7 @@ from kernels._utils import (
     contiguous_input,
     conv2d_relu,
     conv_out_size,
+    forward_ad_active,
     functorch_active,
     is_channels_last,
     recording,
@@ -334,7 +335,8 @@ class StripeConv2d(nn.Module):
             raise RuntimeError(f"StripeConv2d: its {self.num_stripes} stripes were never set (a layer built with "
                                "num_stripes=S holds placeholders); fill it with load_state_dict, or build it with "
                                "StripeConv2d.from_dense / from_skeleton")
-        if functorch_active():  # torch.func.grad / vmap / jacrev: the ops below have no functorch rules
+        if functorch_active() or forward_ad_active():  # torch.func.grad / vmap / jacrev, dual tensors: the ops below
+            # have no functorch or forward-mode rules
             conv = conv2d_relu if self.relu else F.conv2d
             return self._pooled(conv(x, self.dense_weight(), self.bias, self.stride, self.padding, self.dilation))
         x = contiguous_input(x)

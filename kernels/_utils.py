@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 import torch.nn.functional as F
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -147,13 +148,21 @@ def functorch_active() -> bool:
     return torch._C._are_functorch_transforms_active()
 
 
+def forward_ad_active() -> bool:
+    """Whether a forward-mode AD level is open (`torch.autograd.forward_ad.dual_level`): inputs may be dual tensors,
+    whose tangents a direct kernel call would drop (our ops have no forward-mode formulas)."""
+    return _forward_ad.__dict__.get("_current_level", -1) >= 0
+
+
 def plain_eager(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
     """True where calling an op's kernels directly is the same as calling the op: plain tensors (no fake,
     functional or other subclass; a Parameter weight is fine), no TorchScript tracing, no torch.compile, no Python
-    dispatch or function mode (FLOP counters, make_fx and export see the op), no torch.func transform. Every
+    dispatch or function mode (FLOP counters, make_fx and export see the op), no torch.func transform, no
+    forward-mode AD level. Every
     export path (TorchScript tracing, dynamo, fake-tensor export) makes it False. (torch.profiler records ops at
     the dispatcher, so a direct call shows as no op event; CUDA kernels still show.)"""
     return (not torch.compiler.is_compiling() and not torch.jit.is_tracing() and not functorch_active()
+            and not forward_ad_active()
             and type(x) is torch.Tensor and (weight is None or type(weight) in (torch.Tensor, torch.nn.Parameter))
             and _len_dispatch_modes is not None and _len_function_modes is not None
             and _len_dispatch_modes() == 0 and _len_function_modes() == 0)

@@ -9,9 +9,11 @@ then takes each output's columns of it: 0.57 ms there, 1.4-10x PyTorch's NCHW po
 (``benchmarks/max_pool_cpu.py`` -> ``benchmarks/results/max_pool_cpu_session31.json``).
 
 Why not a registered op: this is an eager-inference shortcut to ``aten::max_pool2d``, value for value (the max is
-exact; a NaN in a window gives NaN, as PyTorch's). Every other call runs ``F.max_pool2d`` itself: autograd
-recording, TorchScript tracing, torch.compile, ONNX and torch.func see the aten op, and so do other devices,
-dtypes (half precision) and layouts (channels_last, whose aten kernel is already fast).
+exact; a NaN in a window gives NaN, as PyTorch's; only the sign bit of a tie between 0.0 and -0.0, or between NaNs,
+may differ, since the window is reduced by rows then columns). Every other call runs ``F.max_pool2d`` itself:
+autograd recording (forward-mode AD too), TorchScript tracing, torch.compile, ONNX and torch.func see the aten
+op, and so do other devices, dtypes (half precision), layouts (channels_last, whose aten kernel is already fast;
+mkldnn) and arguments F.max_pool2d itself refuses (it raises its own error).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import _cpu
-from kernels._utils import pair, plain_eager, recording
+from kernels._utils import plain_eager, recording
 
 __all__ = ["max_pool2d", "max_pool2x2"]
 
@@ -36,23 +38,36 @@ def _out_size(size: int, k: int, pad: int, stride: int, dilation: int, ceil_mode
     return out
 
 
+def _ints(v) -> list[int] | None:
+    """[a, b] for an int or a sequence of one or two ints (what F.max_pool2d accepts), each below 2**31; else None
+    (bools, tensors, floats and huge values go to F.max_pool2d, which raises or converts them itself)."""
+    if type(v) is int:
+        v = [v]
+    if not isinstance(v, (list, tuple)) or len(v) not in (1, 2) or any(type(a) is not int for a in v):
+        return None
+    if any(abs(a) >= 2**31 for a in v):
+        return None
+    return [v[0], v[-1]]
+
+
 def _c_shape(x: torch.Tensor, kernel_size, stride, padding, dilation, ceil_mode) -> list[int] | None:
     """[OH, OW, kh, kw, sh, sw, ph, pw, dh, dw] where the C++ kernel computes this call exactly as F.max_pool2d
-    would; None where F.max_pool2d must run (other input, or parameters it rejects with its own error)."""
-    if not (x.device.type == "cpu" and x.dtype in _DTYPES and x.dim() in (3, 4) and x.numel() > 0
-            and x.is_contiguous() and not (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last))):
+    would; None where F.max_pool2d must run (other input, or arguments it rejects with its own error)."""
+    if not (x.device.type == "cpu" and x.dtype in _DTYPES and x.layout == torch.strided and x.dim() in (3, 4)
+            and x.numel() > 0 and x.is_contiguous()
+            and not (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last))
+            and not x.is_neg() and not x._is_zerotensor()):  # lazily negated or zero tensors: no plain data
         return None
-    try:
-        k = pair(kernel_size)
-        s = pair(stride) if stride is not None and (isinstance(stride, int) or len(stride) > 0) else k
-        p, d = pair(padding), pair(dilation)
-    except (TypeError, ValueError):
+    k = _ints(kernel_size)
+    s = k if stride is None or (isinstance(stride, (list, tuple)) and len(stride) == 0) else _ints(stride)
+    p, d = _ints(padding), _ints(dilation)
+    if k is None or s is None or p is None or d is None or type(ceil_mode) is not bool:
         return None
     out = []
     for size, kn, pn, sn, dn in zip(x.shape[-2:], k, p, s, d):
-        if min(kn, sn, dn) < 1 or not 0 <= pn <= ((kn - 1) * dn + 1) // 2:  # F.max_pool2d's own checks
-            return None
-        out.append(_out_size(size, kn, pn, sn, dn, bool(ceil_mode)))
+        if min(kn, sn, dn) < 1 or not 0 <= pn <= kn // 2:  # F.max_pool2d's own checks (padding: of the undilated
+            return None                                   # kernel)
+        out.append(_out_size(size, kn, pn, sn, dn, ceil_mode))
     if min(out) < 1:
         return None
     return [*out, *k, *s, *p, *d]

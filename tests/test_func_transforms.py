@@ -139,3 +139,25 @@ def test_pix_block_under_vmap_takes_the_ops_branch_for_a_p_that_rounds_onto_tau(
     assert torch.equal(mapped, eager)
     groups = x.float().unflatten(1, (2, 2))
     torch.testing.assert_close(eager.float(), 0.5 * groups.mean(2), rtol=1e-2, atol=1e-2)  # the mean branch
+
+
+@pytest.mark.parametrize("name,zeta", [("vgg11", None), ("resnet29_bottleneck", 4)])
+def test_forward_mode_ad_through_compact_and_pix_models(name, zeta):
+    """Dual tensors (torch.autograd.forward_ad) through a compact model in stripe mode (with fused pools on the
+    C++ CPU max-pool's path) and a PiX model: the tangent equals a central finite difference in float64 (before,
+    the kernels' eager shortcuts dropped it or the ops raised for want of a forward-mode rule)."""
+    import torch.autograd.forward_ad as fwad
+
+    model = _compact_model(name, zeta, "cpu").double()
+    if zeta is None:
+        model = compress.compact(model, fold_bn=True, fuse_relu=True)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 3, 8, 8, dtype=torch.float64, generator=gen)
+    t = torch.randn(3, 3, 8, 8, dtype=torch.float64, generator=gen)
+    with fwad.dual_level():
+        tangent = fwad.unpack_dual(model(fwad.make_dual(x, t))).tangent
+    with torch.no_grad():
+        fd = (model(x + 1e-6 * t) - model(x - 1e-6 * t)) / 2e-6
+        scale = model(x).abs().max().item()  # the difference quotient's rounding: about 1e-10 of the outputs
+    assert tangent is not None and tangent.abs().max() > 1e3 * 1e-9 * scale
+    torch.testing.assert_close(tangent, fd, rtol=1e-5, atol=1e-9 * scale)

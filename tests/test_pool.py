@@ -86,6 +86,30 @@ def test_other_calls_run_aten():
         max_pool2d(x, 2, padding=2)
 
 
+def test_inputs_and_arguments_only_aten_takes_right():
+    """What the C++ path must not take, found by a QA pass: padding over half the undilated kernel (PyTorch
+    refuses it even where the dilated window is wide), argument types F.max_pool2d rejects, tensors without plain
+    data (efficient zeros, a lazily negated view, mkldnn), and dual tensors of forward-mode AD (tangent kept)."""
+    import torch.autograd.forward_ad as fwad
+
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        for kwargs in (dict(kernel_size=2, stride=1, padding=3, dilation=5), dict(kernel_size=True),
+                       dict(kernel_size=2, ceil_mode=1), dict(kernel_size=2, stride=2**31)):
+            with pytest.raises((RuntimeError, TypeError)) as ours:
+                max_pool2d(x, **kwargs)
+            with pytest.raises(ours.type):
+                F.max_pool2d(x, **kwargs)
+        assert torch.equal(max_pool2d(torch._efficientzerotensor((2, 3, 8, 8)), 2), torch.zeros(2, 3, 4, 4))
+        negated = torch._neg_view(x)
+        assert torch.equal(max_pool2d(negated, 2), torch.max_pool2d(-x, 2))
+        assert torch.equal(max_pool2d(x.to_mkldnn(), 2).to_dense(), torch.max_pool2d(x, 2))
+    with fwad.dual_level():
+        dual = fwad.make_dual(x, torch.randn_like(x))
+        tangent = fwad.unpack_dual(max_pool2d(dual, 2)).tangent
+        assert tangent is not None and torch.equal(tangent, fwad.unpack_dual(F.max_pool2d(dual, 2)).tangent)
+
+
 def test_module_and_swap(no_aten_pool):
     """fast_max_pools swaps exactly the nn.MaxPool2d modules without indices; MaxPool2d runs the kernel in eager
     inference and is a leaf of compaction's fx tracer."""
