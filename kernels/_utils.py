@@ -131,7 +131,7 @@ def conv2d_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         and x.dtype in KERNEL_DTYPES
         and weight.dtype == x.dtype
         and not recording(x, weight, bias)
-        and not (tracing_or_compiling() or functorch_active() or torch.onnx.is_in_onnx_export())
+        and not (tracing_or_compiling() or functorch_active() or forward_ad_active() or torch.onnx.is_in_onnx_export())
     ):
         return torch.cudnn_convolution_relu(x, weight, bias, pair(stride), pair(padding), pair(dilation), groups)
     return F.relu(F.conv2d(x, weight, bias, stride, padding, dilation, groups))

@@ -4,6 +4,8 @@ reference is plain autograd on the same model, per sample for per-sample gradien
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -161,3 +163,25 @@ def test_forward_mode_ad_through_compact_and_pix_models(name, zeta):
         scale = model(x).abs().max().item()  # the difference quotient's rounding: about 1e-10 of the outputs
     assert tangent is not None and tangent.abs().max() > 1e3 * 1e-9 * scale
     torch.testing.assert_close(tangent, fd, rtol=1e-5, atol=1e-9 * scale)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name,zeta", [("vgg11", None), ("resnet29_bottleneck", 4)])
+def test_forward_mode_ad_through_compact_and_pix_models_cuda(name, zeta):
+    """The same on CUDA in float32 (fused conv + ReLU layers, the stripe and PiX kernels' eager paths): the tangent
+    equals the float64 CPU model's."""
+    import torch.autograd.forward_ad as fwad
+
+    model = _compact_model(name, zeta, "cpu").double()
+    if zeta is None:
+        model = compress.compact(model, fold_bn=True, fuse_relu=True)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 3, 8, 8, dtype=torch.float64, generator=gen)
+    t = torch.randn(3, 3, 8, 8, dtype=torch.float64, generator=gen)
+    tangents = []
+    for m, dev, dt in ((model, "cpu", torch.float64), (copy.deepcopy(model).float().cuda(), "cuda", torch.float32)):
+        with fwad.dual_level():
+            tangents.append(fwad.unpack_dual(m(fwad.make_dual(x.to(dev, dt), t.to(dev, dt)))).tangent)
+    assert tangents[1] is not None
+    torch.testing.assert_close(tangents[1].double().cpu(), tangents[0], rtol=1e-3,
+                               atol=1e-3 * tangents[0].abs().max().item())
