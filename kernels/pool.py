@@ -106,7 +106,7 @@ def _stacked_planes(x: torch.Tensor, shape: list[int]) -> int:
         return 1
     planes = x.numel() // (H * W)
     want = min(planes, 4096 // (H * W))
-    return max(d for d in range(1, want + 1) if planes % d == 0)
+    return next(d for d in range(want, 0, -1) if planes % d == 0)  # the largest divisor up to `want`
 
 
 def max_pool2x2(y: torch.Tensor, ceil_mode: bool) -> torch.Tensor:
