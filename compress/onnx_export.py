@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from compress._modes import evaluating
 from compress.stripe import StripeConv2d
-from compress.surgery import replace_module
+from compress.surgery import replace_module, timm_classes
 from kernels.pool import max_pool2x2
 
 __all__ = ["ShiftAddConv2d", "FixedAdaptiveAvgPool2d", "onnx_ready", "export_onnx", "check_onnx", "STRIPE_MODES"]
@@ -133,20 +133,12 @@ def onnx_ready(model: nn.Module, stripe_mode: str = "dense", example: torch.Tens
     return ready
 
 
-def _timm_conv_mlp() -> type | None:
-    try:
-        from timm.models.vgg import ConvMlp
-    except ImportError:
-        return None
-    return ConvMlp
-
-
 def _uneven_adaptive_pools(model: nn.Module, example: torch.Tensor) -> list[tuple[str, tuple, tuple]]:
     """(name, input (H, W), output (Ho, Wo)) of each adaptive average pool whose output size does not divide its
     input size when `model` runs on `example`: nn.AdaptiveAvgPool2d modules, and timm's VGG head (`ConvMlp`),
     which calls F.adaptive_avg_pool2d up to its kernel size on inputs smaller than that (VGGs below 224x224)."""
     found, hooks = [], []
-    conv_mlp = _timm_conv_mlp()
+    conv_mlp = timm_classes("timm.models.vgg", "ConvMlp")
     for name, m in model.named_modules():
         if isinstance(m, nn.AdaptiveAvgPool2d):
             def record(mod, args, out, name=name):
@@ -154,7 +146,7 @@ def _uneven_adaptive_pools(model: nn.Module, example: torch.Tensor) -> list[tupl
                 if h % ho or w % wo:
                     found.append((name, (h, w), (ho, wo)))
             hooks.append(m.register_forward_hook(record))
-        elif conv_mlp is not None and isinstance(m, conv_mlp):
+        elif isinstance(m, conv_mlp):
             def record_mlp(mod, args, name=name):
                 (h, w), k = args[0].shape[2:], mod.input_kernel_size
                 if h < k or w < k:

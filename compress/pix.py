@@ -28,7 +28,7 @@ from compress.models._weight_init import init_weights
 from compress.models.cifar_resnet import BasicBlock as CifarBasicBlock
 from compress.models.cifar_resnet import Bottleneck as CifarBottleneck
 from compress.models.cifar_vgg import CifarVGG
-from compress.surgery import replace_module
+from compress.surgery import replace_module, timm_classes
 from kernels import residual_relu
 from kernels._utils import forward_ad_active, functorch_active, plain_eager
 
@@ -111,20 +111,12 @@ class PiXBlock(nn.Module):
         return f"{self.in_channels} -> {self.out_channels}, zeta={self.zeta}, tau={self.tau}"
 
 
-def _timm_types(name: str) -> tuple[type, ...]:
-    try:
-        import timm.models.resnet as timm_resnet
-    except ImportError:
-        return ()
-    return (getattr(timm_resnet, name),)
-
-
 def _bottleneck_types() -> tuple[type, ...]:
-    return (tvm.resnet.Bottleneck, CifarBottleneck, *_timm_types("Bottleneck"))
+    return (tvm.resnet.Bottleneck, CifarBottleneck, *timm_classes("timm.models.resnet", "Bottleneck"))
 
 
 def _basic_block_types() -> tuple[type, ...]:
-    return (tvm.resnet.BasicBlock, CifarBasicBlock, *_timm_types("BasicBlock"))
+    return (tvm.resnet.BasicBlock, CifarBasicBlock, *timm_classes("timm.models.resnet", "BasicBlock"))
 
 
 def _check_resizable(module: nn.Module, where: str) -> None:

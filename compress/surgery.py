@@ -3,6 +3,7 @@ torch.fx, remove output channels along them, fold constant inputs and BatchNorm 
 
 from __future__ import annotations
 
+import importlib
 import warnings
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -378,12 +379,14 @@ def find_chains(model: nn.Module, graph: fx.Graph) -> list[Chain]:
     return chains
 
 
-def _timm_bn_act() -> tuple[type, ...]:
+def timm_classes(module: str, *names: str) -> tuple[type, ...]:
+    """The classes `names` of timm module `module` (e.g. "timm.layers", "BatchNormAct2d"), or () where timm does not
+    import: isinstance/type checks against timm's layers without making timm a hard import of this module."""
     try:
-        from timm.layers import BatchNormAct2d
+        mod = importlib.import_module(module)
     except ImportError:
         return ()
-    return (BatchNormAct2d,)
+    return tuple(getattr(mod, name) for name in names)
 
 
 def bn_remainder(bn: nn.Module) -> nn.Module | None:
@@ -395,24 +398,16 @@ def bn_remainder(bn: nn.Module) -> nn.Module | None:
         return None
     if type(bn) in BATCH_NORMS:
         return nn.Identity()
-    if type(bn) in _timm_bn_act() and isinstance(bn.drop, nn.Identity):
+    if type(bn) in timm_classes("timm.layers", "BatchNormAct2d") and isinstance(bn.drop, nn.Identity):
         return bn.act
     return None
-
-
-def _timm_conv_same() -> tuple[type, ...]:
-    try:
-        from timm.layers import Conv2dSame
-    except ImportError:
-        return ()
-    return (Conv2dSame,)
 
 
 def foldable_conv(conv: nn.Module) -> bool:
     """Whether a BN after `conv` folds into its weight and bias: nn.Conv2d itself and timm's Conv2dSame (it only pads
     dynamically) use them as stored. Not weight-standardising subclasses (timm's StdConv2d, ScaledStdConv2d: their
     forward would undo a folded scale) or parametrised weights (weight_norm)."""
-    return (type(conv) is nn.Conv2d or type(conv) in _timm_conv_same()) and not torch.nn.utils.parametrize.is_parametrized(conv)
+    return (type(conv) is nn.Conv2d or type(conv) in timm_classes("timm.layers", "Conv2dSame")) and not torch.nn.utils.parametrize.is_parametrized(conv)
 
 
 def conv_bn_pairs_traced(model: nn.Module, graph: fx.Graph, foldable: bool = True) -> dict[str, str]:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import _cpu
-from kernels._utils import plain_eager, recording
+from kernels._utils import conv_out_size, plain_eager, recording
 
 __all__ = ["max_pool2d", "max_pool2x2"]
 
@@ -30,12 +30,12 @@ _DTYPES = {torch.float32: "f32", torch.float64: "f64"}
 
 
 def _out_size(size: int, k: int, pad: int, stride: int, dilation: int, ceil_mode: bool) -> int:
-    """PyTorch's pooled output length (``pooling_output_shape``): the last window starts inside the input or its
-    left padding."""
-    out = (size + 2 * pad - dilation * (k - 1) - 1 + (stride - 1 if ceil_mode else 0)) // stride + 1
-    if ceil_mode and (out - 1) * stride >= size + pad:
-        out -= 1
-    return out
+    """PyTorch's pooled output length (``pooling_output_shape``): the conv's, rounded up in ceil mode, where the last
+    window starts inside the input or its left padding."""
+    if not ceil_mode:
+        return conv_out_size(size, k, stride, pad, dilation)
+    out = conv_out_size(size + stride - 1, k, stride, pad, dilation)
+    return out - 1 if (out - 1) * stride >= size + pad else out
 
 
 def _ints(v) -> list[int] | None:

@@ -143,6 +143,18 @@ def test_pix_block_under_vmap_takes_the_ops_branch_for_a_p_that_rounds_onto_tau(
     torch.testing.assert_close(eager.float(), 0.5 * groups.mean(2), rtol=1e-2, atol=1e-2)  # the mean branch
 
 
+def _forward_ad_case(name: str, zeta: int | None) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """(float64 CPU model, input, tangent) for the forward-mode tests: a compact model in stripe mode (for a VGG also
+    compacted with fuse_relu, so its pools are fused or compaction's C++ CPU max-pool) or a PiX model."""
+    model = _compact_model(name, zeta, "cpu").double()
+    if zeta is None:
+        model = compress.compact(model, fold_bn=True, fuse_relu=True)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 3, 8, 8, dtype=torch.float64, generator=gen)
+    t = torch.randn(3, 3, 8, 8, dtype=torch.float64, generator=gen)
+    return model, x, t
+
+
 @pytest.mark.parametrize("name,zeta", [("vgg11", None), ("resnet29_bottleneck", 4)])
 def test_forward_mode_ad_through_compact_and_pix_models(name, zeta):
     """Dual tensors (torch.autograd.forward_ad) through a compact model in stripe mode (with fused pools on the
@@ -150,12 +162,7 @@ def test_forward_mode_ad_through_compact_and_pix_models(name, zeta):
     the kernels' eager shortcuts dropped it or the ops raised for want of a forward-mode rule)."""
     import torch.autograd.forward_ad as fwad
 
-    model = _compact_model(name, zeta, "cpu").double()
-    if zeta is None:
-        model = compress.compact(model, fold_bn=True, fuse_relu=True)
-    gen = torch.Generator().manual_seed(4)
-    x = torch.randn(3, 3, 8, 8, dtype=torch.float64, generator=gen)
-    t = torch.randn(3, 3, 8, 8, dtype=torch.float64, generator=gen)
+    model, x, t = _forward_ad_case(name, zeta)
     with fwad.dual_level():
         tangent = fwad.unpack_dual(model(fwad.make_dual(x, t))).tangent
     with torch.no_grad():
@@ -172,12 +179,7 @@ def test_forward_mode_ad_through_compact_and_pix_models_cuda(name, zeta):
     tangent equals the float64 CPU model's (float32 on the CPU: within 1e-6 of it)."""
     import torch.autograd.forward_ad as fwad
 
-    model = _compact_model(name, zeta, "cpu").double()
-    if zeta is None:
-        model = compress.compact(model, fold_bn=True, fuse_relu=True)
-    gen = torch.Generator().manual_seed(4)
-    x = torch.randn(3, 3, 8, 8, dtype=torch.float64, generator=gen)
-    t = torch.randn(3, 3, 8, 8, dtype=torch.float64, generator=gen)
+    model, x, t = _forward_ad_case(name, zeta)
     tangents = []
     matmul_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
