@@ -71,7 +71,8 @@ __all__ = ["compact", "choose_modes", "ZeroChannels"]
 
 
 class ZeroChannels(nn.Module):
-    """(B, C, H, W) -> zeros (B, channels, H, W) in x's dtype, device and layout (NCHW or channels_last).
+    """(B, C, H, W) -> zeros (B, channels, H, W) in x's dtype, device and layout (NCHW or channels_last); an
+    unbatched (C, H, W) -> (channels, H, W), as the PiX block it replaces.
 
     `compress.compact` puts it in place of a PiX block whose output reaches only convs with no stripe left, which
     read nothing of their input but its shape."""
@@ -82,7 +83,7 @@ class ZeroChannels(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fmt = memory_format(x) if x.dim() == 4 else torch.contiguous_format
-        shape = (x.shape[0], self.channels, *x.shape[2:])
+        shape = (*x.shape[:-3], self.channels, *x.shape[-2:])
         return torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=fmt).zero_()
 
     def config(self) -> dict:

@@ -35,9 +35,15 @@ from kernels._utils import forward_ad_active, functorch_active, plain_eager
 __all__ = ["PiXBlock", "PiXBottleneck", "ResidualReLU", "insert_pix", "use_pix_bottlenecks", "downscale_pix", "apply_pix"]
 
 
-def _check_zeta(where: str, zeta: int) -> None:
-    if not isinstance(zeta, numbers.Integral) or isinstance(zeta, bool) or zeta < 1:  # numpy ints too
-        raise ValueError(f"{where}: zeta must be a positive int, got {zeta!r}")
+def _positive_int(where: str, key: str, value: int) -> int:
+    """value as a Python int (numpy ints too: they would reach the saved config), else a ValueError naming where."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{where}: {key} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def _check_zeta(where: str, zeta: int) -> int:
+    return _positive_int(where, "zeta", zeta)
 
 
 def check_tau(where: str, tau: float, key: str = "tau") -> None:
@@ -47,14 +53,15 @@ def check_tau(where: str, tau: float, key: str = "tau") -> None:
         raise ValueError(f"{where}: {key}={tau!r} must be a number in [0, 1] (pix.tau; the paper uses 0.5)")
 
 
-def _check_factor(where: str, channels: int, zeta: int) -> None:
-    """Raise a ValueError naming `where` if `channels` cannot be split into groups of `zeta`."""
-    _check_zeta(where, zeta)
+def _check_factor(where: str, channels: int, zeta: int) -> int:
+    """zeta as an int; a ValueError naming `where` if `channels` cannot be split into groups of `zeta`."""
+    zeta = _check_zeta(where, zeta)
     if channels % zeta:
         raise ValueError(
             f"{where}: {channels} input channels are not divisible by zeta={zeta}; "
             f"choose a zeta that divides {channels}"
         )
+    return zeta
 
 
 class PiXBlock(nn.Module):
@@ -66,7 +73,8 @@ class PiXBlock(nn.Module):
 
     def __init__(self, in_channels: int, zeta: int, tau: float = 0.5):
         super().__init__()
-        _check_factor(f"PiXBlock(in_channels={in_channels})", in_channels, zeta)
+        in_channels = _positive_int("PiXBlock", "in_channels", in_channels)
+        zeta = _check_factor(f"PiXBlock(in_channels={in_channels})", in_channels, zeta)
         check_tau("PiXBlock", tau)
         self.in_channels, self.zeta, self.tau = in_channels, zeta, float(tau)
         self.out_channels = in_channels // zeta
@@ -75,13 +83,13 @@ class PiXBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, C, H, W) -> (B, C // zeta, H, W); an unbatched x (C, H, W) -> (C // zeta, H, W)."""
+        if x.dim() not in (3, 4) or (not torch.jit.is_tracing() and x.shape[-3] != self.in_channels):  # (no TracerWarning)
+            raise ValueError(
+                f"PiXBlock: expected input (B, {self.in_channels}, H, W) or ({self.in_channels}, H, W), got "
+                f"{tuple(x.shape)}; build the block with the channel count of the tensor it receives"
+            )
         if x.dim() == 3:
             return self.forward(x.unsqueeze(0)).squeeze(0)
-        if x.dim() != 4 or (not torch.jit.is_tracing() and x.shape[1] != self.in_channels):  # (no TracerWarning)
-            raise ValueError(
-                f"PiXBlock: expected input (B, {self.in_channels}, H, W), got {tuple(x.shape)}; "
-                "build the block with the channel count of the tensor it receives"
-            )
         # ONNX export always traces (not plain eager); is_in_onnx_export() itself costs two imports per call,
         # about 20 us per block in a CPU batch-1 forward, so plain eager calls skip it. torch.func transforms (the
         # op has no functorch rules) and forward-mode AD (dual tensors) take the same standard ops; there the max's
@@ -287,7 +295,7 @@ def insert_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
     blocks, 8 elsewhere. Every block is checked before any changes: an error leaves the model as it was.
     Records PiX in `model.compress_arch` (see `_record`). Returns the names of the changed blocks.
     """
-    _check_zeta("insert_pix", zeta)
+    zeta = _check_zeta("insert_pix", zeta)
     check_tau("insert_pix", tau)
     names = [n for n, m in model.named_modules() if isinstance(m, _bottleneck_types())]
     if not names:
@@ -304,7 +312,7 @@ def downscale_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
     """Network downscaling mode, in place: every 3x3 Conv2d after the network's first conv becomes
     Sequential(PiXBlock(in, zeta), the conv with in / zeta inputs, freshly initialised). Every conv is checked
     before any changes; records PiX in `model.compress_arch`. Returns the names of the replaced convs."""
-    _check_zeta("downscale_pix", zeta)
+    zeta = _check_zeta("downscale_pix", zeta)
     check_tau("downscale_pix", tau)
     if any(isinstance(m, PiXBlock) for m in model.modules()):
         raise ValueError(f"downscale_pix: {type(model).__name__} has PiX blocks already; apply PiX once, to the "
@@ -343,7 +351,8 @@ def apply_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
     elif any(isinstance(m, (CifarVGG, tvm.VGG, *_basic_block_types())) for m in modules):
         changed = downscale_pix(model, zeta, tau)
     else:
-        blocks = sorted({type(m).__name__ for m in modules if type(m).__name__.lower().endswith(("neck", "block"))})
+        blocks = sorted({type(m).__name__ for m in modules
+                         if type(m).__name__.lower().endswith(("neck", "block", "basic"))})  # timm: SelectiveKernelBasic
         has = f" (its blocks are {', '.join(blocks)}, which PiX does not rebuild)" if blocks else ""
         raise ValueError(f"apply_pix: unsupported model {type(model).__name__}{has}; {_SUPPORTED}")
     return changed

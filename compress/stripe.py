@@ -518,12 +518,14 @@ class StripeConv2d(nn.Module):
 
     def _constant_applies(self, x: torch.Tensor) -> bool:
         """Whether a layer with no stripe may output its bias from x's shape alone, as F.conv2d on its zero weight
-        would give: autograd does not record x, no autocast to another dtype, x of the weight's dtype, at least one
-        output pixel. Elsewhere the mode's path runs on the empty stripe set, with F.conv2d's gradient for x
-        (zeros), dtypes and errors."""
-        ho, wo = self.conv_out_size(x.shape[2:])
-        return (not (x.requires_grad and torch.is_grad_enabled()) and x.dtype == self.weight.dtype
-                and autocast_dtype(x.device.type) in (None, x.dtype) and ho > 0 and wo > 0)
+        would give: autograd does not record x (under torch.jit.trace whatever it records, so that the traced graph
+        does not depend on the grad mode: its check re-runs it; x then gets no gradient here instead of zeros), no
+        autocast to another dtype, x of the weight's dtype, at least one output pixel. Elsewhere the mode's path runs
+        on the empty stripe set, with F.conv2d's gradient for x (zeros), dtypes and errors."""
+        tracing = torch.jit.is_tracing()  # (its sizes are tensors: comparing them would warn)
+        recorded = x.requires_grad and torch.is_grad_enabled() and not tracing
+        return (not recorded and x.dtype == self.weight.dtype and autocast_dtype(x.device.type) in (None, x.dtype)
+                and (tracing or min(self.conv_out_size(x.shape[2:])) > 0))
 
     def _constant_output(self, x: torch.Tensor, fmt: torch.memory_format) -> torch.Tensor:
         """No stripe kept: the output is the bias (or zeros) at every pixel, computed from x's shape only."""

@@ -134,6 +134,11 @@ def test_block_errors_name_the_problem():
         PiXBlock(10, 4)
     with pytest.raises(ValueError, match=r"expected input \(B, 8, H, W\)"):
         PiXBlock(8, 2)(torch.randn(1, 6, 3, 3))
+    with pytest.raises(ValueError, match=r"expected input \(B, 32, H, W\) or \(32, H, W\), got \(2, 32, 4\);"):
+        PiXBlock(32, 4)(torch.randn(2, 32, 4))  # the shape given, not one with a batch added
+    for bad in (16.0, 0, True):
+        with pytest.raises(ValueError, match=rf"PiXBlock: in_channels must be a positive int, got {bad!r}"):
+            PiXBlock(bad, 4)
 
 
 def test_config_rebuilds_same_shapes():
@@ -274,6 +279,8 @@ def test_errors_name_the_layer():
     with pytest.raises(ValueError, match=r"unsupported model ResNet \(its blocks are SelectiveKernelBottleneck, which "
                                          r"PiX does not rebuild\)"):
         apply_pix(create_model("timm:skresnet50", num_classes=10, input_size=32), 4)
+    with pytest.raises(ValueError, match=r"unsupported model ResNet \(its blocks are SelectiveKernelBasic, which "):
+        apply_pix(create_model("timm:skresnet18", num_classes=10, input_size=32), 4)
     # a numpy tau is a number; a VGG inside a wrapper is a VGG
     import numpy as np
 
@@ -282,6 +289,23 @@ def test_errors_name_the_layer():
     assert apply_pix(wrapped, 2) and wrapped(torch.randn(1, 3, 32, 32)).shape == (1, 10)
     with pytest.raises(ValueError, match=r"zeta must be a positive int, got 0"):
         apply_pix(create_model("resnet20"), 0)
+
+
+@pytest.mark.parametrize("arch, zeta", [("resnet29_bottleneck", 4), ("resnet20", 2)])
+def test_a_numpy_zeta_gives_a_model_that_saves(arch, zeta, tmp_path):
+    """A numpy int zeta is taken (channel squeezing and downscaling alike) as a Python int: the blocks' configs,
+    which compress.save writes as JSON, hold ints, and the model saves and loads into the same function."""
+    import numpy as np
+
+    model = create_model(arch, num_classes=5, input_size=16)
+    apply_pix(model, np.int64(zeta))
+    blocks = [m for m in model.modules() if isinstance(m, PiXBlock)]
+    assert blocks and all(type(v) is int for b in blocks for v in (b.zeta, b.in_channels, b.out_channels))
+    model.eval()
+    x = torch.randn(2, 3, 16, 16)
+    loaded = compress.load(compress.save(model, tmp_path / "pix.safetensors")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
 
 
 # Paper Table 1 (PiX, CVPR 2024) and the supplement: GMACs at 224x224 and M params.
@@ -419,6 +443,7 @@ def test_compaction_drops_the_pix_work_of_a_branch_with_no_stripe_left(tmp_path,
         z = stand_in(torch.randn(3, 8, 5, 7, dtype=torch.float64).contiguous(memory_format=torch.channels_last))
         assert z.shape == (3, stand_in.channels, 5, 7) and z.dtype == torch.float64 and not z.any()
         assert z.is_contiguous(memory_format=torch.channels_last)
+        assert stand_in(torch.randn(8, 5, 7, dtype=torch.float64)).shape == (stand_in.channels, 5, 7)  # unbatched
         assert not [r.name for r in profile(small, (3, 16, 16), latency=False).layers
                     if r.name.startswith(block) and r.macs]
         loaded = compress.load(compress.save(small, tmp_path / "dead.safetensors")).double()

@@ -767,6 +767,21 @@ def test_compile_export_trace_and_save_in_inference(mode):
         torch.testing.assert_close(torch.load(buf, weights_only=False)(x), want, rtol=1e-5, atol=1e-5)
 
 
+def test_jit_trace_of_a_layer_with_no_stripe_left_does_not_depend_on_the_grad_mode():
+    """A compact layer that kept no stripe outputs its bias from x's shape; torch.jit.trace, whose check re-runs
+    the module, gets the same graph with the grad mode on (x recorded) as off, and the traced outputs equal eager."""
+    torch.manual_seed(0)
+    empty = StripeConv2d.from_dense(nn.Conv2d(8, 16, 3), torch.zeros(16, 3, 3, dtype=torch.bool))
+    model = nn.Sequential(nn.Conv2d(3, 8, 1), empty).eval()
+    x = torch.randn(2, 3, 7, 6)
+    want = F.conv2d(model[0](x), torch.zeros(16, 8, 3, 3), empty.bias).detach()
+    traced = torch.jit.trace(model, (x,))  # raised TracingCheckError: "Graphs differed across invocations"
+    with torch.no_grad():
+        traced_no_grad = torch.jit.trace(model, (x,))
+    for t in (traced, traced_no_grad):
+        torch.testing.assert_close(t(x).detach(), want, rtol=1e-6, atol=1e-6)
+
+
 def test_string_padding_is_a_clear_error():
     x, w = torch.randn(1, 4, 5, 5), torch.randn(2, 4)
     with pytest.raises(ValueError, match="padding must be an int or a pair of ints, got 'same'.*in pixels"):
