@@ -493,13 +493,13 @@ def rebuild_for(recipe: dict | str, tensors: dict[str, torch.Tensor], where: str
 def _check_fit(recipe: dict, tensors: dict[str, torch.Tensor], where: str) -> None:
     """ValueError unless the state_dict of the recipe's model, built on the meta device (no memory, whatever sizes the
     recipe names), has the file's tensor names, shapes and kinds (floating point or not). A model that cannot be
-    built on the meta device is left to the real build's checks."""
+    built on the meta device, for whatever reason, is left to the real build, which runs the same `rebuild` and
+    raises its errors (an unregistered model, bad arguments): e.g. torchvision's RegNet, whose __init__ reads tensor
+    values (``tolist()``), which meta tensors do not have."""
     try:
         with torch.device("meta"):
             meta = rebuild(recipe, where)
-    except ValueError:
-        raise
-    except Exception:  # noqa: BLE001 - e.g. an __init__ that reads tensor values; load_state_dict checks it then
+    except Exception:  # noqa: BLE001 - load_state_dict checks the weights then
         return
     want, have = _shapes(meta), {k: (tuple(t.shape), t.is_floating_point()) for k, t in tensors.items()}
     if want != have:

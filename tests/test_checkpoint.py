@@ -11,6 +11,7 @@ import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+import compress
 from compress.checkpoint import build_recipe, load, register_module_type, save
 from compress.compaction import compact
 from compress.models import create_model
@@ -484,3 +485,42 @@ def test_save_refuses_wrappers_and_warns_of_hooks(tmp_path):
     odd.fc.to(torch.float8_e4m3fn)
     with pytest.raises(ValueError, match=r"compress.save: tensors of unsupported dtypes: fc.weight .*model.float\(\)"):
         save(odd, tmp_path / "odd.safetensors")
+
+
+class _TensorValuedWidth(nn.Module):
+    """A conv net whose __init__ computes its width with tensors, as torchvision's RegNet does (BlockParams:
+    ``.tolist()``); meta tensors hold no values, so it cannot be built on the meta device."""
+
+    def __init__(self, num_classes: int, in_chans: int):
+        super().__init__()
+        width = int(torch.tensor([15.6]).round().int().tolist()[0])
+        self.conv = nn.Conv2d(in_chans, width, 3, padding=1)
+        self.bn = nn.BatchNorm2d(width)
+        self.fc = nn.Linear(width, num_classes)
+
+    def forward(self, x):
+        return self.fc(self.bn(self.conv(x)).relu().mean((2, 3)))
+
+
+@compress.register_model
+def _test_tensor_valued_width_net(num_classes=10, in_chans=3):
+    return _TensorValuedWidth(num_classes, in_chans)
+
+
+def test_a_model_that_cannot_be_built_on_meta_loads(tmp_path):
+    """load checks a file's tensors against the recipe's model built on the meta device; a model whose __init__
+    reads tensor values fails there ('Cannot copy out of meta tensor'), and load refused every such file as 'cannot
+    rebuild the architecture' (torchvision's regnet_x_400mf). The real build then checks it: skeleton and compact
+    files load, and a file whose tensors do not fit is still refused."""
+    model = create_model("_test_tensor_valued_width_net", num_classes=4)
+    attach_skeletons(model)
+    _randomise(model)
+    with pytest.raises(NotImplementedError):
+        with torch.device("meta"):
+            create_model("_test_tensor_valued_width_net", num_classes=4)
+    _round_trip(model, tmp_path, size=8)
+    _round_trip(compact(model, fold_bn=True), tmp_path, size=8)
+    path = save(model, tmp_path / "m.safetensors")
+    _rewrite(path, edit_tensors=lambda t: t.update({"fc.weight": t["fc.weight"][:3].clone()}))
+    with pytest.raises(ValueError, match=r"m.safetensors.*fc\.weight"):
+        load(path)
