@@ -420,7 +420,8 @@ INL void pool_row(const T* col, T* __restrict__ y, const PoolShape& q, int64_t l
 template <typename T, int KW, int SW>
 INL void pool_planes(const T* x, T* y, const PoolShape& q, T* __restrict__ v, int64_t a, int64_t b) {
   const int64_t sw = SW ? SW : q.sw, ext = (q.kw - 1) * q.dw;
-  const int64_t lo = (q.pw + sw - 1) / sw;  // first output whose window starts at or after column 0
+  int64_t lo = (q.pw + sw - 1) / sw;  // first output whose window starts at or after column 0 (at most OW: a pad
+  lo = lo < q.OW ? lo : q.OW;          // wider than the map, e.g. 5x5 / pad 2 on a 1-wide map, starts none inside)
   int64_t hi = q.W - ext + q.pw - 1 >= 0 ? (q.W - ext + q.pw - 1) / sw + 1 : 0;  // past the last one ending inside
   hi = hi < q.OW ? hi : q.OW;
   hi = hi > lo ? hi : lo;

@@ -64,6 +64,13 @@ def test_matches_aten_on_every_valid_window(dtype, threads, no_aten_pool):
             assert _same(max_pool2d(big, 3, 2, 1), aten(big, 3, 2, 1))
             unbatched = _input((4, 11, 6), dtype, seed=6)
             assert _same(max_pool2d(unbatched, 2, ceil_mode=True), aten(unbatched, 2, 2, 0, 1, True))
+            # padding past the map's edge on both sides (no window starts inside: SPPF's 5x5 / pad 2 on a 1-wide
+            # map): each row's left-edge outputs once ran past the row, over the next thread's first plane
+            for shape, k, p in (((64, 512, 2, 1), 5, 2), ((2, 8, 3, 1), (1, 5), (0, 2)), ((2, 3, 2, 1), (1, 7), (0, 3)),
+                                ((1, 2, 5000, 1), (1, 5), (0, 2))):
+                for seed in range(3):
+                    x = _input(shape, dtype, seed=seed)
+                    assert _same(max_pool2d(x, k, 1, p), aten(x, k, 1, p)), (shape, k, p)
     finally:
         torch.set_num_threads(old)
     assert checked > 250  # of 384 combinations; the rest are refused by PyTorch (padding over half the window)
