@@ -17,6 +17,10 @@ layers, CUDA graphs) the product took 0.0038-0.0071 ms where cuDNN's conv + bias
 cuDNN. A pooling layer pools after the product (F.max_pool2d, about 4 us there; one reduction over a view of the
 rows was no faster).
 ``fits`` bounds it to H*W <= 2*KH*KW and a weight of at most ``MAX_BYTES``.
+
+Non-finite inputs: U's zeros meet every input value, so an inf or NaN anywhere in an image makes the rest of its
+output image NaN (0 * inf), where a conv keeps it to the value's receptive field. Finding it first would cost a pass over
+x and, on CUDA, a host sync per layer, so the GEMM form keeps this behaviour (README, "Compaction").
 """
 
 from __future__ import annotations

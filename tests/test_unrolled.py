@@ -53,6 +53,27 @@ def _layer(C=6, N=5, keep=0.5, relu=True, pool=False, seed=0):
     return m.eval()
 
 
+def test_a_non_finite_input_value_in_each_mode():
+    """As README ("Compaction") and kernels.unrolled say: with every stripe kept, stripe and dense mode give inf/NaN
+    exactly where F.conv2d does (the value's receptive field); gemm mode's unrolled zeros make the rest of that
+    image's output NaN; the batch's other image stays exact in every mode."""
+    m = _layer(keep=1.1, relu=False)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 6, 4, 4, generator=gen, dtype=torch.float64)
+    x[0, 2, 1, 1] = float("inf")
+    want = F.conv2d(x, m.dense_weight(), m.bias, 1, 1)
+    assert 0 < (~want[0].isfinite()).sum() < want[0].numel()
+    for mode in ("stripe", "dense", "gemm"):
+        m.mode = mode
+        with torch.no_grad():
+            y = m(x)
+        torch.testing.assert_close(y[1], want[1], rtol=1e-12, atol=1e-12)
+        if mode == "gemm":  # non-finite everywhere: NaN wherever F.conv2d is finite
+            assert not y[0].isfinite().any() and y[0][want[0].isfinite()].isnan().all()
+        else:
+            assert torch.equal(y[0].isfinite(), want[0].isfinite()), mode
+
+
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])
 @pytest.mark.parametrize("pool", [False, True])
 def test_gemm_mode_matches_dense_mode(layout, pool):
