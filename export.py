@@ -31,8 +31,22 @@ def main(cfg: DictConfig) -> None:
         remove_if_only_hydra(run_dir, "export.log")
 
 
+def _refuse_added_keys(cfg: DictConfig) -> None:
+    """ValueError for a key added with '+' on the command line: export reads only conf/export.yaml's keys, so an
+    added one (a misspelling such as +profile.batchsize) would be ignored."""
+    overrides = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
+    for o in overrides:
+        key = o.split("=", 1)[0]
+        if key.startswith("+") and not key.lstrip("+").startswith("hydra."):
+            known = ", ".join(sorted(str(k) for k in cfg))
+            raise ValueError(f"export: {key} is not an export setting, so it would be ignored (settings: {known}; "
+                             "profile.* and onnx.* have their own keys, see conf/export.yaml); set existing keys "
+                             "without '+', and check the spelling")
+
+
 def export(cfg: DictConfig, out: Path) -> None:
     """Run the export of `cfg` into `out` and print the dense-vs-compact table."""
+    _refuse_added_keys(cfg)
     if OmegaConf.is_missing(cfg, "ckpt"):
         raise ValueError("export: give ckpt=<a train.py checkpoint (<run dir>/checkpoints/last.pt or best.pt) or a "
                          "compact model file>")

@@ -60,9 +60,11 @@ def _fsync_dir(folder: Path) -> None:
 
 def remove_if_only_hydra(run_dir: Path, log_name: str) -> bool:
     """Delete `run_dir` when all it holds is what Hydra writes at a job's start (.hydra/*.yaml and an empty
-    `log_name`, the job's log file), and the folders above it inside the launch directory that this leaves empty
-    (outputs/<date>); return whether `run_dir` was deleted. A process inside `run_dir` (hydra.job.chdir=true) first
-    goes back to the launch directory, as Hydra does after the job."""
+    `log_name`, the job's log file), and, where Hydra named it (no hydra.run.dir / hydra.sweep.dir on the command
+    line), the folders above it inside the launch directory that this leaves empty (outputs/<date>; a folder of
+    the user's own, such as myruns/ of hydra.run.dir=myruns/r1, stays); return whether `run_dir` was deleted. A
+    process inside `run_dir` (hydra.job.chdir=true) first goes back to the launch directory, as Hydra does after
+    the job."""
     entries = {p.name for p in run_dir.iterdir()} if run_dir.is_dir() else {"?"}
     hydra = run_dir / ".hydra"
     only_yaml = not hydra.exists() or all(p.suffix == ".yaml" and p.is_file() for p in hydra.iterdir())
@@ -74,7 +76,7 @@ def remove_if_only_hydra(run_dir: Path, log_name: str) -> bool:
     if cwd == run_dir or run_dir in cwd.parents:
         os.chdir(launch)
     shutil.rmtree(run_dir, ignore_errors=True)
-    for folder in run_dir.parents:
+    for folder in run_dir.parents if _named_by_hydra() else ():
         if launch not in folder.parents:
             break
         try:
@@ -82,6 +84,17 @@ def remove_if_only_hydra(run_dir: Path, log_name: str) -> bool:
         except OSError:
             break
     return not run_dir.exists()
+
+
+def _named_by_hydra() -> bool:
+    """Whether the job's directory is Hydra's default (outputs/<date>/<time>, multirun/...), not one given with
+    hydra.run.dir or hydra.sweep.dir."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return True
+    given = {o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.hydra}
+    return not given & {"hydra.run.dir", "hydra.sweep.dir"}
 
 
 def _launch_dir() -> Path:

@@ -288,6 +288,10 @@ def test_export_script(training_checkpoint, tmp_path):
                             timeout=300)  # no ckpt=, into the default run dir: a clear error, no dir left behind
     assert failed.returncode != 0 and "export: give ckpt=<a train.py checkpoint" in failed.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    added = subprocess.run([sys.executable, str(ROOT / "export.py"), f"ckpt={path}", "+profile.batchsize=64"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=300)  # a misspelt key, added
+    assert added.returncode != 0 and "export: +profile.batchsize is not an export setting" in added.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 def _export_deployed(training_checkpoint, tmp_path, device: str, cuda_graphs: bool) -> dict:

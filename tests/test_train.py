@@ -705,6 +705,9 @@ def test_train_py_and_export_py_under_hydra_job_chdir_read_paths_from_the_launch
     refused = call("train.py", *chdir, "optim.lr=nan")  # Hydra's default run dir, outputs/<date>/<time>
     assert refused.returncode != 0 and "optim.lr=nan must be a finite number > 0" in refused.stderr
     assert not (tmp_path / "outputs").exists()
+    (tmp_path / "mine").mkdir()  # a folder of the user's own above a given hydra.run.dir stays, empty or not
+    refused = call("train.py", "optim.lr=nan", "hydra.run.dir=mine/r1")
+    assert refused.returncode != 0 and (tmp_path / "mine").is_dir() and not (tmp_path / "mine" / "r1").exists()
 
 
 def test_resuming_a_checkpoint_with_non_finite_weights_is_refused(tmp_path):
