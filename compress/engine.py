@@ -19,6 +19,7 @@ where the rank exists and reseeds new ranks from (trainer.seed, rank, step).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -26,6 +27,7 @@ import operator
 import os
 import random
 import shutil
+import socket
 import time
 import warnings
 from collections.abc import Sequence
@@ -893,6 +895,89 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     start = time.perf_counter()
     dist = setup_distributed(cfg.trainer.device)
     run_dir = _shared_run_dir(Path(run_dir) if run_dir is not None else _hydra_run_dir(), dist)
+    with _run_lock(run_dir, dist):
+        return _run(cfg, run_dir, dist, start)
+
+
+RUN_LOCK = ".train.lock"  # in a run dir while a train.py process works in it: {"pid", "host", "hydra": its record}
+
+
+@contextlib.contextmanager
+def _run_lock(run_dir: Path, dist: DistInfo):
+    """Hold `run_dir` for this run (rank 0 creates RUN_LOCK, every rank learns whether it could): a second train.py
+    started in the same dir while this one works would otherwise train beside it (its checkpoints/last.pt is not
+    written yet at first), both would write the same checkpoints, logs and .hydra record, and one run's results
+    would be lost. A lock whose process is gone (a killed run, or one on another host: a requeued job) is taken
+    over. The refused command puts the holder's .hydra record back over its own."""
+    refused = _take_run_lock(run_dir) if dist.is_main else None
+    if dist.world_size > 1:
+        shared = [refused]
+        torch_dist.broadcast_object_list(shared, src=0)
+        refused = shared[0]
+    if refused:
+        raise ValueError(refused)
+    try:
+        yield
+    finally:
+        if dist.is_main:
+            _release_run_lock(run_dir)
+
+
+def _take_run_lock(run_dir: Path) -> str | None:
+    """Create RUN_LOCK in run_dir; None when this process holds it, else the refusal message."""
+    path, host = run_dir / RUN_LOCK, socket.gethostname()
+    folder = _hydra_folder(run_dir)
+    record = {n: (folder / n).read_text() for n in ("config.yaml", *HYDRA_RECORD) if folder and (folder / n).is_file()}
+    text = json.dumps({"pid": os.getpid(), "host": host, "hydra": record})
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                holder = json.loads(path.read_text())
+                pid, holder_host = int(holder["pid"]), holder["host"]
+            except (OSError, ValueError, KeyError, TypeError):
+                holder, pid, holder_host = {}, -1, None  # unreadable (a crash while writing it): stale
+            if holder_host == host and pid != os.getpid() and _process_alive(pid):
+                if folder is not None and folder.is_dir():
+                    for name, saved in (holder.get("hydra") or {}).items():
+                        (folder / name).write_text(saved)  # the running run's record, not this command's
+                return (f"{run_dir} is in use by another train.py process (pid {pid} on this host): two runs in one "
+                        "directory would overwrite each other's checkpoints, logs and .hydra record. Give this run "
+                        f"another hydra.run.dir, or wait for that one to end (resume=true continues it); if no such "
+                        f"run is working there, delete {path}")
+            path.unlink(missing_ok=True)  # its process is gone: take it over
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        return None
+    return f"{run_dir}: could not create {path} (another process keeps creating it); give another hydra.run.dir"
+
+
+def _process_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def _release_run_lock(run_dir: Path) -> None:
+    path = run_dir / RUN_LOCK
+    try:
+        if json.loads(path.read_text()).get("pid") == os.getpid():
+            path.unlink()
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float) -> dict:
+    """`run`'s work, with the run dir held (`_run_lock`)."""
     _refuse_added_keys(cfg)
     import_modules(cfg.get("imports"), launch_path("."))  # your own models' modules, before any model is built
     _absolute_paths(cfg)  # as the checkpoint holds them, so that the same command line resumes

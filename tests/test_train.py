@@ -4,6 +4,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -878,3 +879,29 @@ def test_a_checkpoint_written_before_stripe_group_resumes_with_its_own_command_l
     with pytest.raises(ValueError, match=r"prune.stripe_group=4 \(checkpoint: 1\)"):
         _resume_config(_compose(*TINY, "resume=true", "prune.stripe_group=4"), tmp_path,
                        given | {"prune.stripe_group"})
+
+
+def test_a_run_dir_in_use_by_another_process_is_refused(tmp_path):
+    """While a train.py process works in a run dir it holds .train.lock there: a second run started in the same dir
+    (before the first wrote checkpoints/last.pt, which the overwrite check looks for) is refused instead of training
+    beside it over the same files; a lock whose process is gone (a killed run) is taken over; a run leaves none."""
+    import os
+    import signal
+
+    from compress.engine import RUN_LOCK
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (run_dir / RUN_LOCK).write_text(json.dumps({"pid": holder.pid, "host": socket.gethostname(), "hydra": {}}))
+        with pytest.raises(ValueError, match=rf"{run_dir} is in use by another train.py process \(pid {holder.pid} on "
+                                             r"this host\).*another hydra.run.dir"):
+            run(_compose(*TINY, "trainer.max_steps=1"), run_dir=run_dir)
+        assert json.loads((run_dir / RUN_LOCK).read_text())["pid"] == holder.pid  # still the holder's
+        assert not (run_dir / "checkpoints").exists()
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait()
+    summary = run(_compose(*TINY, "trainer.max_steps=1"), run_dir=run_dir)  # the holder is gone: taken over
+    assert summary["steps"] == 1 and not (run_dir / RUN_LOCK).exists()
