@@ -50,7 +50,8 @@ def load_checkpoint(path: str | os.PathLike, hint: str = RESUME_HINT, keys: tupl
             "checkpoint; fine-tune a compact model with train.py init=<file>, and load it with compress.load"
         )
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        with open(path, "rb") as f:  # a file object: torch.load picks its safetensors reader by a path's suffix
+            ckpt = torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
         raise ValueError(
             f"{path} is not a train.py checkpoint: torch.load(weights_only=True) refused it. Either it is another "

@@ -141,9 +141,16 @@ def load_any(path: str | os.PathLike) -> tuple[nn.Module, dict]:
     """A training checkpoint (.pt) or a compact model file (safetensors, whatever its name) -> (model, training
     config or {} for a compact file)."""
     path = Path(path)
+    if path.is_file() and _is_zip(path):  # torch.save's format: a training checkpoint, even named .safetensors
+        return load_training_checkpoint(path)
     if path.suffix == ".safetensors" or (path.is_file() and _is_safetensors(path)):
         return load(path), {}
     return load_training_checkpoint(path)
+
+
+def _is_zip(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"PK\x03\x04"
 
 
 def _bn_folded(model: nn.Module, arch_model: nn.Module) -> bool:

@@ -16,7 +16,7 @@ import torch.nn as nn
 import compress
 from compress.checkpoint import load
 from compress.compaction import compact
-from compress.export import FILES, export_checkpoint
+from compress.export import FILES, export_checkpoint, load_any
 from compress.models import create_model
 from compress.onnx_export import FixedAdaptiveAvgPool2d, ShiftAddConv2d, check_onnx, export_onnx
 from compress.pix import PiXBlock, apply_pix
@@ -205,6 +205,17 @@ def test_export_of_a_fine_tuning_run_rebuilds_the_compact_structure(training_che
     init.unlink()
     with pytest.raises(FileNotFoundError, match="init.safetensors"):
         export_checkpoint(path, tmp_path / "out2", onnx=False, latency=False)
+
+
+def test_a_training_checkpoint_named_safetensors_is_read_as_one(training_checkpoint, tmp_path):
+    """Files are recognised by their content: a torch.save training checkpoint renamed *.safetensors exports (its
+    error once suggested the very command that failed)."""
+    path, skeleton = training_checkpoint
+    renamed = tmp_path / "ck.safetensors"
+    renamed.write_bytes(path.read_bytes())
+    model, cfg = load_any(renamed)
+    assert cfg["model"]["name"] == "resnet20"
+    assert model.state_dict().keys() == skeleton.state_dict().keys()
 
 
 def test_export_flow(training_checkpoint, tmp_path):
