@@ -167,6 +167,11 @@ def _options(cfg) -> dict[str, Any]:
     for key in ("download", "pin_memory"):
         if opts[key] is not None and not isinstance(opts[key], bool):
             raise ValueError(f"build_data: data.{key}={opts[key]!r}; it must be true or false")
+    unread = [k for k in ("root", "download") if given.get(k) not in (None, False)]
+    if unread and name in ("digits", "fake"):  # e.g. data.root=/data/cifar10 without data=cifar10
+        raise ValueError(f"build_data: data.{unread[0]}={given[unread[0]]!r} is read by the datasets on disk only "
+                         f"({', '.join(d for d in DATASETS if d not in ('digits', 'fake'))}); data={name} never "
+                         f"reads it. Choose the dataset too (e.g. data=cifar10 data.root=...), or leave it unset")
     if opts["pin_memory"] is None:
         opts["pin_memory"] = torch.cuda.is_available()
     return opts
