@@ -44,6 +44,9 @@ _KNOWN_CLASSES = {"digits": 10, "cifar10": 10, "cifar100": 100, "imagenet": 1000
 
 def _arch_from_config(cfg: dict, path: Path) -> dict:
     """create_model arguments from a training config: model name/kwargs and the data geometry."""
+    if not isinstance(cfg.get("data"), dict) or not isinstance(cfg.get("model"), dict) or "name" not in cfg["data"]:
+        raise ValueError(f"export: {path} holds no model and data config of a train.py run (config keys: "
+                         f"{sorted(cfg)}); give a checkpoints/last.pt or best.pt of a train.py run")
     data = cfg["data"]
     num_classes = data.get("num_classes") or _KNOWN_CLASSES.get(data["name"])
     if num_classes is None:
@@ -283,9 +286,16 @@ def export_checkpoint(
     if before is not None and threshold is not None:
         warnings.warn(f"export: threshold={threshold} is ignored: {ckpt} holds a compact model, whose stripes were "
                       f"chosen when it was compacted (threshold {before.get('threshold')})", stacklevel=2)
+    has_skeletons = any(isinstance(m, SkeletonConv2d) for m in model.modules())
+    if before is None and not has_skeletons:  # a training checkpoint of a run without SWP (prune=none)
+        trained = f"{ckpt} was trained without skeletons (prune={prune.get('name', 'none')})"
+        if target_macs is not None:
+            raise ValueError(f"export: target_macs={target_macs} needs stripes to choose from, and {trained}; train "
+                             "with prune=swp to prune to a MAC budget")
+        if threshold is not None:
+            warnings.warn(f"export: threshold={threshold} has no effect: {trained}; its convs stay dense", stacklevel=2)
     if threshold is None:
         threshold = prune.get("threshold", 0.0) if prune.get("name") == "swp" else 0.0
-    has_skeletons = any(isinstance(m, SkeletonConv2d) for m in model.modules())
     if target_macs is None and has_skeletons:
         target_macs = prune.get("target_flops")
     elif target_macs is None and prune.get("target_flops") is not None:

@@ -207,6 +207,26 @@ def test_export_of_a_fine_tuning_run_rebuilds_the_compact_structure(training_che
         export_checkpoint(path, tmp_path / "out2", onnx=False, latency=False)
 
 
+def test_a_checkpoint_without_skeletons_says_what_its_options_do(tmp_path):
+    """A prune=none run's checkpoint: threshold= warns that it changes nothing, target_macs= is refused pointing at
+    prune=swp (not at the training checkpoint the user gave); a hand-made file without a run's config is refused
+    naming what it lacks (a KeyError before)."""
+    model = create_model("resnet20", num_classes=10, input_size=32)
+    config = {"model": {"name": "resnet20", "kwargs": {}}, "data": {"name": "digits", "input_size": 32},
+              "prune": {"name": "none"}}
+    path = tmp_path / "last.pt"
+    torch.save({"model": model.state_dict(), "config": config, "epoch": 1, "step": 1}, path)
+    with pytest.warns(UserWarning, match=r"threshold=0.5 has no effect: .*last.pt was trained without skeletons "
+                                         r"\(prune=none\); its convs stay dense"):
+        export_checkpoint(path, tmp_path / "a", threshold=0.5, onnx=False, latency=False, choose_stripe_modes=False)
+    with pytest.raises(ValueError, match=r"target_macs=0.5 needs stripes to choose from, and .* \(prune=none\); "
+                                         r"train with prune=swp"):
+        export_checkpoint(path, tmp_path / "b", target_macs=0.5, onnx=False, latency=False)
+    torch.save({"model": model.state_dict(), "config": {}}, path)
+    with pytest.raises(ValueError, match=r"holds no model and data config of a train.py run \(config keys: \[\]\)"):
+        export_checkpoint(path, tmp_path / "c", onnx=False, latency=False)
+
+
 def test_a_training_checkpoint_named_safetensors_is_read_as_one(training_checkpoint, tmp_path):
     """Files are recognised by their content: a torch.save training checkpoint renamed *.safetensors exports (its
     error once suggested the very command that failed)."""
