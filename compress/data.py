@@ -13,6 +13,7 @@ num_workers=0 it follows `torch.manual_seed`.
 from __future__ import annotations
 
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,6 +117,11 @@ def build_data(cfg, rank: int = 0, world_size: int = 1) -> Data:
     if not 0 <= rank < world_size:
         raise ValueError(f"build_data: need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
     name = opts["name"]
+    unread = [k for k in ("root", "download") if opts[k] not in (None, False)]
+    if unread and name in ("digits", "fake") and rank == 0:  # e.g. data.root=/data/cifar10 without data=cifar10
+        warnings.warn(f"build_data: data.{unread[0]}={opts[unread[0]]!r} has no effect: it is read by the datasets "
+                      f"on disk only ({', '.join(d for d in DATASETS if d not in ('digits', 'fake'))}), and data={name} "
+                      "never reads it; to train on one, choose it too (e.g. data=cifar10 data.root=...)", stacklevel=2)
     train, test, num_classes = _BUILDERS[name](opts)
     if opts["num_classes"] is not None and opts["num_classes"] != num_classes:
         raise ValueError(
@@ -167,11 +173,6 @@ def _options(cfg) -> dict[str, Any]:
     for key in ("download", "pin_memory"):
         if opts[key] is not None and not isinstance(opts[key], bool):
             raise ValueError(f"build_data: data.{key}={opts[key]!r}; it must be true or false")
-    unread = [k for k in ("root", "download") if given.get(k) not in (None, False)]
-    if unread and name in ("digits", "fake"):  # e.g. data.root=/data/cifar10 without data=cifar10
-        raise ValueError(f"build_data: data.{unread[0]}={given[unread[0]]!r} is read by the datasets on disk only "
-                         f"({', '.join(d for d in DATASETS if d not in ('digits', 'fake'))}); data={name} never "
-                         f"reads it. Choose the dataset too (e.g. data=cifar10 data.root=...), or leave it unset")
     if opts["pin_memory"] is None:
         opts["pin_memory"] = torch.cuda.is_available()
     return opts

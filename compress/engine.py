@@ -908,7 +908,9 @@ def _run_lock(run_dir: Path, dist: DistInfo):
     started in the same dir while this one works would otherwise train beside it (its checkpoints/last.pt is not
     written yet at first), both would write the same checkpoints, logs and .hydra record, and one run's results
     would be lost. A lock whose process is gone (a killed run, or one on another host: a requeued job) is taken
-    over. The refused command puts the holder's .hydra record back over its own."""
+    over. The refused command puts the holder's .hydra record back over its own. A run dir the lock had to create
+    is removed again if the run leaves it empty (a command refused by its config)."""
+    created = dist.is_main and not run_dir.exists()
     refused = _take_run_lock(run_dir) if dist.is_main else None
     if dist.world_size > 1:
         shared = [refused]
@@ -921,6 +923,9 @@ def _run_lock(run_dir: Path, dist: DistInfo):
     finally:
         if dist.is_main:
             _release_run_lock(run_dir)
+        if created:
+            with contextlib.suppress(OSError):
+                run_dir.rmdir()  # only if empty
 
 
 def _take_run_lock(run_dir: Path) -> str | None:

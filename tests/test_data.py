@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import warnings
 
 import numpy as np
 import pytest
@@ -538,3 +539,16 @@ def test_train_and_test_sizes_are_refused_outside_fake_data(tmp_path):
                                          r"bundled images \(trainer.max_steps=N"):
         build_data({"name": "digits", "test_size": 2})
     assert build_data({"name": "imagefolder", "root": str(tmp_path), "input_size": 8}).classes == ["a", "b"]
+
+
+def test_a_root_given_to_data_that_never_reads_it_is_noted():
+    """data.root (or data.download=true) with data=digits or fake, e.g. a forgotten data=cifar10, warns that it has
+    no effect instead of training on the bundled data silently; other ranks stay quiet."""
+    for name, key, value in (("digits", "root", "/data/cifar10"), ("fake", "download", True)):
+        cfg = {"name": name, key: value, **({"train_size": 8, "test_size": 4} if name == "fake" else {})}
+        with pytest.warns(UserWarning, match=rf"data.{key}={value!r} has no effect: it is read by the datasets on "
+                                             rf"disk only \(cifar10, cifar100, imagenet, imagefolder\), and data={name}"):
+            build_data(cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build_data({"name": "digits", "root": "/data/cifar10"}, rank=1, world_size=2)

@@ -905,3 +905,6 @@ def test_a_run_dir_in_use_by_another_process_is_refused(tmp_path):
         holder.wait()
     summary = run(_compose(*TINY, "trainer.max_steps=1"), run_dir=run_dir)  # the holder is gone: taken over
     assert summary["steps"] == 1 and not (run_dir / RUN_LOCK).exists()
+    with pytest.raises(ValueError, match="optim.lr=nan"):  # a refused config leaves no run dir the lock created
+        run(_compose(*TINY, "optim.lr=nan"), run_dir=tmp_path / "new")
+    assert not (tmp_path / "new").exists()
