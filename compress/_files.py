@@ -7,7 +7,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["atomic_write", "launch_path", "remove_if_only_hydra"]
+__all__ = ["atomic_write", "launch_path", "process_alive", "remove_if_only_hydra"]
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
@@ -84,6 +84,19 @@ def remove_if_only_hydra(run_dir: Path, log_name: str) -> bool:
         except OSError:
             break
     return not run_dir.exists()
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process with this id runs on this host (another user's included)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _named_by_hydra() -> bool:

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch.utils.data import DistributedSampler
 
-from compress._files import atomic_write, launch_path, remove_if_only_hydra
+from compress._files import atomic_write, launch_path, process_alive, remove_if_only_hydra
 from compress._logging import RunLogger, format_summary, progress, say
 from compress._macs import estimate_macs
 from compress._modes import evaluating
@@ -944,7 +944,7 @@ def _take_run_lock(run_dir: Path) -> str | None:
                 pid, holder_host = int(holder["pid"]), holder["host"]
             except (OSError, ValueError, KeyError, TypeError):
                 holder, pid, holder_host = {}, -1, None  # unreadable (a crash while writing it): stale
-            if holder_host == host and pid != os.getpid() and _process_alive(pid):
+            if holder_host == host and pid != os.getpid() and process_alive(pid):
                 if folder is not None and folder.is_dir():
                     for name, saved in (holder.get("hydra") or {}).items():
                         (folder / name).write_text(saved)  # the running run's record, not this command's
@@ -958,18 +958,6 @@ def _take_run_lock(run_dir: Path) -> str | None:
             f.write(text)
         return None
     return f"{run_dir}: could not create {path} (another process keeps creating it); give another hydra.run.dir"
-
-
-def _process_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
 
 
 def _release_run_lock(run_dir: Path) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from compress._files import process_alive
 from compress._trainstate import _is_safetensors, load_checkpoint
 from compress.checkpoint import load, rebuild_for, unregistered_module
 from compress.checkpoint import save as save_compact
@@ -370,7 +371,8 @@ class _staging:
     """`with _staging(out) as stage:` the export's files are written into `stage`, a fresh directory inside `out`
     (created if missing), and moved into `out` only when the block succeeds; any failure leaves `out` as it was
     (an `out` the export created is removed again). A model.onnx in `out` that this export does not write (onnx
-    off) is removed with a warning: it would describe another model."""
+    off) is removed with a warning: it would describe another model. The stage is named by the process id
+    (.export-<pid>-*): the stages of exports killed on this host, whose process is gone, are removed."""
 
     def __init__(self, out: Path):
         self.out, self.created = out, not out.exists()
@@ -378,7 +380,11 @@ class _staging:
     def __enter__(self) -> Path:
         try:
             self.out.mkdir(parents=True, exist_ok=True)
-            self.stage = Path(tempfile.mkdtemp(prefix=".export-", dir=self.out))
+            for old in self.out.glob(".export-*-*"):
+                pid = old.name.split("-")[1]
+                if old.is_dir() and pid.isdigit() and not process_alive(int(pid)):
+                    shutil.rmtree(old, ignore_errors=True)  # a killed export's
+            self.stage = Path(tempfile.mkdtemp(prefix=f".export-{os.getpid()}-", dir=self.out))
         except OSError as err:
             raise ValueError(f"export: cannot write into out={self.out} ({err.strerror or err}); give a writable "
                              "directory") from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -225,6 +226,21 @@ def test_a_checkpoint_without_skeletons_says_what_its_options_do(tmp_path):
     torch.save({"model": model.state_dict(), "config": {}}, path)
     with pytest.raises(ValueError, match=r"holds no model and data config of a train.py run \(config keys: \[\]\)"):
         export_checkpoint(path, tmp_path / "c", onnx=False, latency=False)
+
+
+def test_a_killed_exports_staging_folder_is_removed_by_the_next_export(training_checkpoint, tmp_path):
+    """An export stages its files in <out>/.export-<pid>-*; one killed mid-way left that folder (the size of the
+    files) for good. The next export into the same out removes the stages of processes that are gone, not those of
+    a live one."""
+    path, _ = training_checkpoint
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead, live = tmp_path / f".export-{int(gone.stdout)}-abc", tmp_path / f".export-{os.getpid()}-xyz"
+    for stage in (dead, live):
+        stage.mkdir()
+        (stage / "model.compact.safetensors").write_bytes(b"partial")
+    export_checkpoint(path, tmp_path, onnx=False, latency=False, choose_stripe_modes=False)
+    assert not dead.exists() and live.is_dir()
+    assert (tmp_path / "model.compact.safetensors").is_file()
 
 
 def test_a_training_checkpoint_named_safetensors_is_read_as_one(training_checkpoint, tmp_path):
