@@ -700,13 +700,14 @@ def _hydra_folder(run_dir: Path) -> Path | None:
     return run_dir / HydraConfig.get().output_subdir
 
 
-def _hydra_record(run_dir: Path) -> dict[str, str] | None:
-    """The text of this command's Hydra record files (`HYDRA_RECORD`) in `run_dir`; None outside a Hydra app. Saved
-    in each checkpoint, so that a later command refused in this run dir can put them back."""
+def _hydra_record(run_dir: Path, names: tuple[str, ...] = HYDRA_RECORD) -> dict[str, str] | None:
+    """The text of this command's Hydra record files `names` in `run_dir`; None outside a Hydra app. Saved in each
+    checkpoint (and the run lock, with config.yaml), so that a later command refused in this run dir can put them
+    back."""
     folder = _hydra_folder(run_dir)
     if folder is None:
         return None
-    return {name: (folder / name).read_text() for name in HYDRA_RECORD if (folder / name).is_file()}
+    return {name: (folder / name).read_text() for name in names if (folder / name).is_file()}
 
 
 def _hydra_run_dir() -> Path:
@@ -932,7 +933,7 @@ def _take_run_lock(run_dir: Path) -> str | None:
     """Create RUN_LOCK in run_dir; None when this process holds it, else the refusal message."""
     path, host = run_dir / RUN_LOCK, socket.gethostname()
     folder = _hydra_folder(run_dir)
-    record = {n: (folder / n).read_text() for n in ("config.yaml", *HYDRA_RECORD) if folder and (folder / n).is_file()}
+    record = _hydra_record(run_dir, ("config.yaml", *HYDRA_RECORD)) or {}
     text = json.dumps({"pid": os.getpid(), "host": host, "hydra": record})
     run_dir.mkdir(parents=True, exist_ok=True)
     for _ in range(2):
