@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from compress._modes import evaluating
 from compress.stripe import StripeConv2d
-from compress.surgery import replace_module, timm_classes
+from compress.surgery import imported_classes, replace_module
 from kernels.pool import max_pool2x2
 
 __all__ = ["ShiftAddConv2d", "FixedAdaptiveAvgPool2d", "onnx_ready", "export_onnx", "check_onnx", "STRIPE_MODES"]
@@ -138,7 +138,7 @@ def _uneven_adaptive_pools(model: nn.Module, example: torch.Tensor) -> list[tupl
     input size when `model` runs on `example`: nn.AdaptiveAvgPool2d modules, and timm's VGG head (`ConvMlp`),
     which calls F.adaptive_avg_pool2d up to its kernel size on inputs smaller than that (VGGs below 224x224)."""
     found, hooks = [], []
-    conv_mlp = timm_classes("timm.models.vgg", "ConvMlp")
+    conv_mlp = imported_classes("timm.models.vgg", "ConvMlp")
     for name, m in model.named_modules():
         if isinstance(m, nn.AdaptiveAvgPool2d):
             def record(mod, args, out, name=name):

@@ -21,18 +21,17 @@ import numbers
 
 import torch
 import torch.nn as nn
-import torchvision.models as tvm
 
 import kernels
 from compress.models._weight_init import init_weights
 from compress.models.cifar_resnet import BasicBlock as CifarBasicBlock
 from compress.models.cifar_resnet import Bottleneck as CifarBottleneck
 from compress.models.cifar_vgg import CifarVGG
-from compress.surgery import replace_module, timm_classes
+from compress.surgery import imported_classes, replace_module
 from kernels import residual_relu
 from kernels._utils import forward_ad_active, functorch_active, plain_eager
 
-__all__ = ["PiXBlock", "PiXBottleneck", "ResidualReLU", "insert_pix", "use_pix_bottlenecks", "downscale_pix", "apply_pix"]
+__all__ = ["PiXBlock", "ResidualReLU", "insert_pix", "use_pix_bottlenecks", "downscale_pix", "apply_pix"]
 
 
 def _positive_int(where: str, key: str, value: int) -> int:
@@ -120,11 +119,13 @@ class PiXBlock(nn.Module):
 
 
 def _bottleneck_types() -> tuple[type, ...]:
-    return (tvm.resnet.Bottleneck, CifarBottleneck, *timm_classes("timm.models.resnet", "Bottleneck"))
+    return (CifarBottleneck, *imported_classes("torchvision.models.resnet", "Bottleneck"),
+            *imported_classes("timm.models.resnet", "Bottleneck"))
 
 
 def _basic_block_types() -> tuple[type, ...]:
-    return (tvm.resnet.BasicBlock, CifarBasicBlock, *timm_classes("timm.models.resnet", "BasicBlock"))
+    return (CifarBasicBlock, *imported_classes("torchvision.models.resnet", "BasicBlock"),
+            *imported_classes("timm.models.resnet", "BasicBlock"))
 
 
 def _check_resizable(module: nn.Module, where: str) -> None:
@@ -184,29 +185,19 @@ class ResidualReLU(nn.Module):
         return residual_relu(out, identity)
 
 
-class PiXBottleneck(tvm.resnet.Bottleneck):
-    """torchvision's Bottleneck after `insert_pix` (same state dict; conv1 is the PiXBlock, bn1 an Identity, and
-    the tail a `ResidualReLU` module). Its forward is torchvision's without the ReLU after PiX (a no-op there: see
-    `_squeeze_with_pix`) and with the residual sum + ReLU as `kernels.residual_relu`, which on CUDA also pools the
-    block output for the next block's PiX in the same pass (H200: benchmarks/results/pix_gpu_h200.json,
-    pix_profile_h200_b64.txt)."""
-
-    recipe_base = tvm.resnet.Bottleneck  # compress.save records the base type; compress.load restores this one
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.relu(self.bn2(self.conv2(self.conv1(x))))
-        out = self.bn3(self.conv3(out))
-        return self.residual(out, x if self.downsample is None else self.downsample(x))
-
-
 def use_pix_bottlenecks(model: nn.Module) -> int:
     """Give every torchvision Bottleneck of `model` that is a PiX block the PiXBottleneck forward and a `residual`
     module, in place; returns how many. `insert_pix` calls it once conv1 is a PiXBlock; `compress.load` on blocks
     that have their `residual` (saved as a Bottleneck with it), whatever conv1 became: compaction replaces a PiX block
     no conv reads by a `ZeroChannels`, and such a block's `relu` may be an Identity (`fuse_relu`), which only
     PiXBottleneck's forward, where `residual` applies the last ReLU, computes right."""
-    blocks = [m for m in model.modules() if type(m) is tvm.resnet.Bottleneck
+    bottleneck = imported_classes("torchvision.models.resnet", "Bottleneck")
+    blocks = [m for m in model.modules() if type(m) in bottleneck
               and (isinstance(m.conv1, PiXBlock) or isinstance(getattr(m, "residual", None), ResidualReLU))]
+    if not blocks:
+        return 0
+    from compress._pix_torchvision import PiXBottleneck  # torchvision is imported: the blocks are its
+
     for block in blocks:
         block.__class__ = PiXBottleneck
         if not isinstance(getattr(block, "residual", None), ResidualReLU):
@@ -348,7 +339,7 @@ def apply_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
     modules = list(model.modules())
     if any(isinstance(m, _bottleneck_types()) for m in modules):
         changed = insert_pix(model, zeta, tau)
-    elif any(isinstance(m, (CifarVGG, tvm.VGG, *_basic_block_types())) for m in modules):
+    elif any(isinstance(m, (CifarVGG, *imported_classes("torchvision.models", "VGG"), *_basic_block_types())) for m in modules):
         changed = downscale_pix(model, zeta, tau)
     else:
         blocks = sorted({type(m).__name__ for m in modules
@@ -358,3 +349,13 @@ def apply_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
     return changed
 
 
+
+
+def __getattr__(name: str):
+    """`compress.pix.PiXBottleneck`, defined in compress._pix_torchvision on torchvision's Bottleneck and imported on
+    first use: importing torchvision takes seconds (its ops import torch._dynamo), which CIFAR runs never need."""
+    if name == "PiXBottleneck":
+        from compress._pix_torchvision import PiXBottleneck
+
+        return PiXBottleneck
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

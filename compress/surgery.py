@@ -3,7 +3,7 @@ torch.fx, remove output channels along them, fold constant inputs and BatchNorm 
 
 from __future__ import annotations
 
-import importlib
+import sys
 import warnings
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -13,7 +13,6 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
-from torchvision.ops import FrozenBatchNorm2d
 
 from compress._modes import evaluating
 
@@ -91,13 +90,23 @@ def conv_bn_pairs(model: nn.Module) -> dict[str, str]:
 # BatchNorm2d (and subclasses), SyncBatchNorm (a DDP model's, a BatchNorm in eval mode) and torchvision's
 # FrozenBatchNorm2d (detection backbones; fixed statistics, buffers only), which torch.fx would otherwise trace
 # into its arithmetic
-BATCH_NORMS = (nn.BatchNorm2d, nn.SyncBatchNorm, FrozenBatchNorm2d)
+def batch_norm_types() -> tuple[type, ...]:
+    return (nn.BatchNorm2d, nn.SyncBatchNorm, *imported_classes("torchvision.ops", "FrozenBatchNorm2d"))
 
 
 def is_batch_norm(m: nn.Module) -> bool:
     """Any BatchNorm (PyTorch's of any dimension and subclasses) or torchvision's FrozenBatchNorm2d: what "the model
     has BatchNorms" counts (compaction's record, export's fold check)."""
-    return isinstance(m, (nn.modules.batchnorm._BatchNorm, FrozenBatchNorm2d))
+    return isinstance(m, (nn.modules.batchnorm._BatchNorm, *imported_classes("torchvision.ops", "FrozenBatchNorm2d")))
+
+
+def imported_classes(module: str, *names: str) -> tuple[type, ...]:
+    """The classes `names` of module `module` (e.g. "timm.layers", "BatchNormAct2d") where that module is imported,
+    else (): isinstance/type checks against torchvision's and timm's classes without importing either (seconds
+    each on a CPU: torchvision's ops import torch._dynamo). No instance of a class exists before its module is
+    imported, so the checks lose nothing."""
+    mod = sys.modules.get(module)
+    return () if mod is None else tuple(getattr(mod, name) for name in names)
 _ELEMENTWISE_MODULES = (
     nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SiLU, nn.GELU, nn.Hardswish, nn.Hardsigmoid,
     nn.Sigmoid, nn.Tanh, nn.Mish, nn.Identity, nn.Dropout, nn.Dropout2d,
@@ -142,7 +151,7 @@ class _Tracer(fx.Tracer):
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return (
-            isinstance(m, (nn.Conv2d, *BATCH_NORMS))  # BN subclasses too (timm's BatchNormAct2d)
+            isinstance(m, (nn.Conv2d, *batch_norm_types()))  # BN subclasses too (timm's BatchNormAct2d)
             or callable(getattr(m, "config", None))
             or super().is_leaf_module(m, qualname)
         )
@@ -263,7 +272,7 @@ def _channelwise_step(model: nn.Module, node: fx.Node, src: fx.Node, channels: i
     args, kwargs = tuple(node.args[1:]), dict(node.kwargs)
     if node.op == "call_module":
         m = model.get_submodule(node.target)
-        if isinstance(m, BATCH_NORMS):  # in eval mode a fixed per-channel map, unless it keeps no statistics
+        if isinstance(m, batch_norm_types()):  # in eval mode a fixed per-channel map, unless it keeps no statistics
             ok = m.running_mean is not None and m.running_mean.numel() == channels and node.target in once
             return Step("module", node.target) if ok else None
         if isinstance(m, _ELEMENTWISE_MODULES):
@@ -284,7 +293,7 @@ def is_elementwise(model: nn.Module, node: fx.Node) -> bool:
     if not node.args or not isinstance(node.args[0], fx.Node) or not _only_input(node, node.args[0]):
         return False
     if node.op == "call_module":
-        return isinstance(model.get_submodule(node.target), (*_ELEMENTWISE_MODULES, *BATCH_NORMS))
+        return isinstance(model.get_submodule(node.target), (*_ELEMENTWISE_MODULES, *batch_norm_types()))
     if node.op == "call_function":
         return node.target in _ELEMENTWISE_FUNCTIONS
     return node.op == "call_method" and node.target in _ELEMENTWISE_METHODS
@@ -379,16 +388,6 @@ def find_chains(model: nn.Module, graph: fx.Graph) -> list[Chain]:
     return chains
 
 
-def timm_classes(module: str, *names: str) -> tuple[type, ...]:
-    """The classes `names` of timm module `module` (e.g. "timm.layers", "BatchNormAct2d"), or () where timm does not
-    import: isinstance/type checks against timm's layers without making timm a hard import of this module."""
-    try:
-        mod = importlib.import_module(module)
-    except ImportError:
-        return ()
-    return tuple(getattr(mod, name) for name in names)
-
-
 def bn_remainder(bn: nn.Module) -> nn.Module | None:
     """What stands in the place of BatchNorm module `bn` once it is folded into the conv before it: nn.Identity for
     a BatchNorm2d, SyncBatchNorm or torchvision's FrozenBatchNorm2d, the activation of timm's BatchNormAct2d (BN -> drop -> act; only
@@ -396,9 +395,9 @@ def bn_remainder(bn: nn.Module) -> nn.Module | None:
     normalise)."""
     if getattr(bn, "running_mean", None) is None:  # normalises by each batch's statistics, even in eval mode
         return None
-    if type(bn) in BATCH_NORMS:
+    if type(bn) in batch_norm_types():
         return nn.Identity()
-    if type(bn) in timm_classes("timm.layers", "BatchNormAct2d") and isinstance(bn.drop, nn.Identity):
+    if type(bn) in imported_classes("timm.layers", "BatchNormAct2d") and isinstance(bn.drop, nn.Identity):
         return bn.act
     return None
 
@@ -407,7 +406,7 @@ def foldable_conv(conv: nn.Module) -> bool:
     """Whether a BN after `conv` folds into its weight and bias: nn.Conv2d itself and timm's Conv2dSame (it only pads
     dynamically) use them as stored. Not weight-standardising subclasses (timm's StdConv2d, ScaledStdConv2d: their
     forward would undo a folded scale) or parametrised weights (weight_norm)."""
-    return (type(conv) is nn.Conv2d or type(conv) in timm_classes("timm.layers", "Conv2dSame")) and not torch.nn.utils.parametrize.is_parametrized(conv)
+    return (type(conv) is nn.Conv2d or type(conv) in imported_classes("timm.layers", "Conv2dSame")) and not torch.nn.utils.parametrize.is_parametrized(conv)
 
 
 def conv_bn_pairs_traced(model: nn.Module, graph: fx.Graph, foldable: bool = True) -> dict[str, str]:
@@ -425,7 +424,7 @@ def conv_bn_pairs_traced(model: nn.Module, graph: fx.Graph, foldable: bool = Tru
         (user,) = node.users
         if user.op == "call_module" and user.args == (node,) and user.target in once:
             bn = model.get_submodule(user.target)
-            if isinstance(bn, BATCH_NORMS) and (not foldable or bn_remainder(bn) is not None):
+            if isinstance(bn, batch_norm_types()) and (not foldable or bn_remainder(bn) is not None):
                 pairs[node.target] = user.target
     return pairs
 
@@ -506,7 +505,7 @@ def remove_channels(model: nn.Module, chain: Chain, keep: torch.Tensor) -> None:
     producer.out_channels = int(keep.sum())
     for step in chain.steps:
         m = get_module(model, step.target) if step.kind == "module" else None
-        if isinstance(m, BATCH_NORMS):
+        if isinstance(m, batch_norm_types()):
             for attr in ("weight", "bias", "running_mean", "running_var"):
                 t = getattr(m, attr)
                 if isinstance(t, nn.Parameter):
@@ -528,7 +527,7 @@ def remove_channels(model: nn.Module, chain: Chain, keep: torch.Tensor) -> None:
 
 @torch.no_grad()
 def fold_bn(conv: nn.Conv2d, bn: nn.Module) -> None:
-    """Fold eval-mode `bn` (one of BATCH_NORMS) into the preceding `conv` (in place): conv(x) then bn == the new
+    """Fold eval-mode `bn` (one of `batch_norm_types()`) into the preceding `conv` (in place): conv(x) then bn == the new
     conv(x)."""
     if bn.running_mean is None:
         raise ValueError("fold_bn: BatchNorm without running statistics cannot be folded")
