@@ -585,17 +585,20 @@ def _resolve_auto_resume(cfg: DictConfig, run_dir: Path, dist: DistInfo) -> None
 def _refuse_to_overwrite_a_run(cfg: DictConfig, run_dir: Path) -> None:
     """ValueError when `run_dir` holds a run (checkpoints/last.pt) that this command does not continue: a fresh run,
     or `resume=<file>` of another checkpoint (its best.pt included), would overwrite its checkpoints and summary.
-    The refused command's config is taken out of the run's .hydra/ again."""
+    The refused command's config is taken out of the run's .hydra/ again (the run's own comes from last.pt, or from
+    best.pt where last.pt is unreadable)."""
     existing = run_dir / "checkpoints" / "last.pt"
     if not existing.exists():
         return
     if cfg.resume is True or (cfg.resume not in (None, False) and Path(str(cfg.resume)).resolve() == existing.resolve()):
         return
-    try:
-        saved = load_checkpoint(existing)
+    for name in ("last.pt", "best.pt"):  # the run's own config and Hydra record, from the first readable one
+        try:
+            saved = load_checkpoint(run_dir / "checkpoints" / name)
+        except (ValueError, FileNotFoundError):
+            continue
         _record_run_config(saved["config"], run_dir, saved.get("hydra_record"))
-    except (ValueError, FileNotFoundError):
-        pass  # an unreadable checkpoint: nothing to restore from
+        break
     what = "a fresh run" if cfg.resume in (None, False) else f"resume={cfg.resume} (another checkpoint)"
     raise ValueError(
         f"{run_dir} already holds a run (checkpoints/last.pt); {what} would overwrite its checkpoints. Pass "

@@ -9,6 +9,7 @@ the dense conv with every other stripe zeroed (semantics: shared/DESIGN.md "Stri
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 import torch.nn as nn
@@ -346,7 +347,7 @@ class StripeConv2d(nn.Module):
             y = launch(x)  # pooled by the launcher
             return y.contiguous(memory_format=torch.channels_last) if relayout else y
         fmt = _layout(x)
-        if self.num_stripes == 0 and self._constant_applies(x):
+        if self._no_stripe() and self._constant_applies(x):
             out = self._constant_output(x, fmt)
             return self._pooled(out.relu_() if self.relu else out)
         if self._mode == "gemm" and self._gemm_fits(x):
@@ -515,6 +516,16 @@ class StripeConv2d(nn.Module):
         state = dict(super().__getstate__())
         state.update(_dense_cache=None, _trim_cache=None, _gemm_cache=None, _launch_cache=None, _op_trained=set())
         return state
+
+    def _no_stripe(self) -> bool:
+        """Whether the layer kept no stripe. Under torch.jit.trace the weight's size is a traced tensor, whose
+        comparison warns that the trace fixes its value: the stripe count is the module's structure, which a trace
+        fixes anyway, so it is read without that TracerWarning."""
+        if not torch.jit.is_tracing():
+            return self.num_stripes == 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            return bool(self.num_stripes == 0)
 
     def _constant_applies(self, x: torch.Tensor) -> bool:
         """Whether a layer with no stripe may output its bias from x's shape alone, as F.conv2d on its zero weight

@@ -210,6 +210,16 @@ def test_train_py_resume_keeps_the_checkpoints_trainer_settings(tmp_path):
         assert kept["model"]["name"] == "resnet20" and kept["trainer"]["max_steps"] == 3
         # Hydra's record of the command that wrote the checkpoint, not the refused one's
         assert {name: (tmp_path / ".hydra" / name).read_text() for name in record} == record
+    # an unreadable last.pt: the run's record comes back from best.pt
+    last = tmp_path / "checkpoints" / "last.pt"
+    intact = last.read_bytes()
+    last.write_bytes(intact[:1000])
+    proc = subprocess.run([sys.executable, "train.py", *TINY, f"hydra.run.dir={tmp_path}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "already holds a run" in proc.stderr, proc.stderr[-2000:]
+    assert {name: (tmp_path / ".hydra" / name).read_text() for name in record} == record
+    assert yaml.safe_load((tmp_path / ".hydra" / "config.yaml").read_text())["trainer"]["max_steps"] == 3
+    last.write_bytes(intact)
     _, resumed = train("resume=true", "trainer.max_steps=null")
     assert (first["steps"], resumed["steps"], resumed["epochs"]) == (3, 8, 2)
 
