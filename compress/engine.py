@@ -1085,9 +1085,10 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float) -> dict:
     max_steps = cfg.trainer.max_steps
     log_step = _StepLog(logger, optimizer, int(cfg.trainer.log_every), dist.world_size)
 
-    def save(epoch: int, done: int, at: int, epoch_rng: dict, rng: dict, is_best: bool) -> None:
+    def save(epoch: int, done: int, at: int, epoch_rng: dict, rng: dict, is_best: bool, logged: bool = True) -> None:
         """Write last.pt (and best.pt) at step `at`, after `done` batches of `epoch` (all: the epoch is over), with
-        this rank's RNG streams `rng` (see the loop) and those of the epoch's start `epoch_rng`."""
+        this rank's RNG streams `rng` (see the loop) and those of the epoch's start `epoch_rng`; `logged`: the
+        epoch's line and metrics were logged at `at` (not so for trainer.checkpoint_every's saves)."""
         partial = done < len(data.train)
         batch = data.train.batch_size  # per process (the loader's: data.batch_size=null means its default)
         epoch_start = data.train.sampler.start  # the sample of the epoch's order this run started it at
@@ -1105,6 +1106,7 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float) -> dict:
             "train_size": len(data.train.dataset),
             "data_classes": data.classes,  # label order: a resume on other class folders is refused
             "step": at,
+            "logged_step": at if logged else None,
             "best_accuracy": best,
             "test": test,
             "rng": _gather_rng(rng, dist),
@@ -1139,7 +1141,7 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float) -> dict:
         """trainer.checkpoint_every: last.pt inside an epoch every `every` steps (the epoch's end and a max_steps
         stop save anyway)."""
         if every and at % every == 0 and done < len(data.train) and (max_steps is None or at < max_steps):
-            save(epoch, done, at, epoch_rng, rng_state(generator), is_best=False)
+            save(epoch, done, at, epoch_rng, rng_state(generator), is_best=False, logged=False)
 
     epochs_trained = first_epoch + (1 if skip or first_sample else 0)  # the last epoch trained in (finished or not), 1-based
     _say_if_nothing_to_train(first_epoch, epochs, step, max_steps, dist)
@@ -1158,7 +1160,10 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float) -> dict:
         # there); evaluating would move them (a DataLoader draws its iterator's seed from the global RNG)
         rng = rng_state(generator) if partial else None
         stopping = max_steps is not None and step >= max_steps
-        evaluated = (epoch + 1) % cfg.trainer.eval_every == 0 or epoch + 1 == epochs or stopping
+        trained = not np.isnan(train["loss"])  # not so: a resumed epoch with no batch left (EpochSampler)
+        # ... at the step whose epoch line the checkpoint's run logged: those weights were evaluated and logged there
+        logged_before = not trained and ckpt is not None and step == ckpt.get("logged_step")
+        evaluated = ((epoch + 1) % cfg.trainer.eval_every == 0 or epoch + 1 == epochs or stopping) and not logged_before
         if evaluated:
             test = evaluate(s, data.test, dist.is_main)
         lr = optimizer.param_groups[0]["lr"]
@@ -1166,17 +1171,19 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float) -> dict:
             scheduler.step()
         stats = skeleton_stats(raw, threshold)
         macs_dense, macs_pruned = estimate_macs(raw, input_shape, threshold)
-        logger.scalars(
-            {"train/loss": train["loss"], "train/accuracy": train["accuracy"], "epoch/lr": lr, "macs/pruned_estimate": macs_pruned}
-            | {"epoch/images_per_s": train["images_per_s"]}
-            | _peak_gpu_memory(dist.device)
-            | ({"test/loss": test["loss"], "test/accuracy": test["accuracy"]} if evaluated else {}),
-            step,
-        )
-        logger.skeletons(raw, stats, threshold, step)
+        if not logged_before:  # each step once in TensorBoard; no NaN train metrics of an epoch with no batch
+            logger.scalars(
+                ({"train/loss": train["loss"], "train/accuracy": train["accuracy"]} if trained else {})
+                | {"epoch/lr": lr, "macs/pruned_estimate": macs_pruned}
+                | ({"epoch/images_per_s": train["images_per_s"]} if trained else {})
+                | _peak_gpu_memory(dist.device)
+                | ({"test/loss": test["loss"], "test/accuracy": test["accuracy"]} if evaluated else {}),
+                step,
+            )
+            logger.skeletons(raw, stats, threshold, step)
         is_best = evaluated and test["accuracy"] > best
         best = max(best, test["accuracy"]) if evaluated else best
-        if dist.is_main:
+        if dist.is_main and not logged_before:
             kept = stats["stripes_kept"] / max(stats["stripes_total"], 1)
             say(
                 f"epoch {epoch + 1}/{epochs} step {step} lr {lr:.4g} train loss {train['loss']:.4f} "

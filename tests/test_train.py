@@ -1,6 +1,7 @@
 """The training engine end to end on CPU: resume equals an uninterrupted run, outputs, smoke runs."""
 
 import json
+import math
 import os
 import re
 import shutil
@@ -143,6 +144,15 @@ def test_a_run_resumed_inside_an_epoch_at_another_batch_size_trains_the_epochs_r
     nothing_left = run(_compose(*TINY, "resume=true", "trainer.max_steps=null"), run_dir=tmp_path / "b")
     assert nothing_left["steps"] == 5 and nothing_left["epochs"] == 2 and nothing_left["images_per_s"] is None
     assert torch.load(tmp_path / "b" / "checkpoints" / "last.pt", weights_only=True)["epoch"] == 2  # epoch done
+    # TensorBoard: the stopped run logged step 5's epoch line (its weights evaluated); the epoch with no batch left
+    # does not log it again, nor NaN train metrics
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "b" / "tensorboard"))
+    events.Reload()
+    for tag in ("train/loss", "train/accuracy", "epoch/images_per_s", "test/accuracy", "epoch/lr"):
+        points = [(e.step, e.value) for e in events.Scalars(tag)]
+        assert [step for step, _ in points] == [4, 5] and all(math.isfinite(v) for _, v in points), (tag, points)
 
     _edit_checkpoint(tmp_path / "c" / "checkpoints" / "last.pt", train_size=99)
     with pytest.raises(ValueError, match="inside epoch 2 of a training set of 99 images, and this one has 32"):
