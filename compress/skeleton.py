@@ -248,8 +248,8 @@ def _skeleton_convs(model: nn.Module) -> list[tuple[str, SkeletonConv2d]]:
 def swp_update(model: nn.Module, alpha: float, threshold: float, bn_pairs: dict[str, str] | None = None) -> None:
     """The SWP step between backward (and the DDP gradient all-reduce) and optimizer.step().
 
-    For each skeleton FS: FS.grad += alpha * sign(FS); entries with |FS| <= threshold get value and
-    gradient zeroed. Filters without a kept stripe have weight, bias and their gradients of the
+    For each skeleton FS: FS.grad += alpha * sign(FS) (not for a frozen one, requires_grad=False: it gets no
+    gradient); entries with |FS| <= threshold get value and gradient zeroed. Filters without a kept stripe have weight, bias and their gradients of the
     paired BatchNorm channel zeroed. `bn_pairs` ({conv name: BN name}): `compress.surgery.conv_bn_pairs(model)`,
     which traces the model, so a training loop finds it once and passes it to every step; None finds it here.
 
@@ -262,18 +262,20 @@ def swp_update(model: nn.Module, alpha: float, threshold: float, bn_pairs: dict[
     if not convs:
         return
     fss = [conv.skeleton for _, conv in convs]
-    for fs in fss:
-        if fs.grad is None:
+    trained = [fs.requires_grad for fs in fss]  # a frozen skeleton gets no gradient: an optimizer would step it
+    for fs, t in zip(fss, trained):
+        if t and fs.grad is None:
             fs.grad = torch.zeros_like(fs)
-    grads = [fs.grad for fs in fss]
-    if alpha:
-        torch._foreach_add_(grads, torch._foreach_sign(fss), alpha=alpha)
+    grads = [fs.grad for fs, t in zip(fss, trained) if t]
+    if alpha and grads:
+        torch._foreach_add_(grads, torch._foreach_sign([fs for fs, t in zip(fss, trained) if t]), alpha=alpha)
     keep = torch._foreach_abs(fss)
     torch._foreach_sub_(keep, threshold)
     keep = torch._foreach_sign(keep)
     torch._foreach_clamp_min_(keep, 0.0)
     torch._foreach_mul_(fss, keep)
-    torch._foreach_mul_(grads, keep)
+    if grads:
+        torch._foreach_mul_(grads, [k for k, t in zip(keep, trained) if t])
     pairs = conv_bn_pairs(model) if bn_pairs is None else bn_pairs
     bn_tensors, alive = [], []
     for (name, conv), k in zip(convs, keep):

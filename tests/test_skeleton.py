@@ -100,6 +100,27 @@ def test_swp_update_after_real_backward_and_stats():
     assert (stats["stripes_total"], stats["stripes_kept"], stats["filters_dead"]) == (8, 4, 1)
 
 
+def test_swp_update_gives_a_frozen_skeleton_no_gradient():
+    """A skeleton with requires_grad=False stays as it is under the optimizer (its pruned entries still zeroed); the
+    trained one beside it gets the L1 term."""
+    net = nn.Sequential(SkeletonConv2d(3, 4, 3), SkeletonConv2d(4, 4, 3))
+    with torch.no_grad():
+        for conv in net:
+            conv.skeleton.uniform_(0.5, 1.5)
+        net[0].skeleton[0, 0, 0] = 0.001  # below the threshold
+    net[0].skeleton.requires_grad_(False)
+    frozen = net[0].skeleton.detach().clone()
+    optimizer = torch.optim.SGD(net.parameters(), lr=1.0)
+    net(torch.randn(2, 3, 7, 7)).sum().backward()
+    trained_grad = net[1].skeleton.grad.clone()
+    swp_update(net, alpha=0.01, threshold=0.005)
+    assert net[0].skeleton.grad is None
+    torch.testing.assert_close(net[1].skeleton.grad, trained_grad + 0.01)  # sign(FS) = 1: all positive
+    optimizer.step()
+    frozen[0, 0, 0] = 0.0
+    assert torch.equal(net[0].skeleton.detach(), frozen)
+
+
 @pytest.mark.parametrize("alpha,threshold,key", [(-1e-5, 0.01, "alpha"), (1e-5, -0.1, "threshold"),
                                                  (1e-5, float("nan"), "threshold"), ("x", 0.01, "alpha")])
 def test_swp_update_rejects_negative_nan_and_non_numbers(alpha, threshold, key):
