@@ -231,7 +231,8 @@ class _ImageTensors(Dataset):
 def _digits(opts: dict):
     """scikit-learn's 1,797 8x8 digits in [0, 1], bilinearly resized to input_size and normalised
     with the train split's mean/std; a fixed stratified 1,437/360 split. Train: random shifts of up
-    to input_size/16 pixels (no flips: digits are not mirror-invariant)."""
+    to max(1, input_size // 16) pixels, none below 8 pixels (where one pixel would move most of the digit off the
+    image); no flips: digits are not mirror-invariant."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -249,7 +250,7 @@ def _digits(opts: dict):
     idx_train, idx_test = torch.from_numpy(idx_train), torch.from_numpy(idx_test)
     mean, std = images[idx_train].mean(), images[idx_train].std()
     images = (images - mean) / std
-    pad = max(1, size // 16)
+    pad = max(1, size // 16) if size >= 8 else 0
     train = _ImageTensors(
         images[idx_train], labels[idx_train], opts["in_chans"], pad, fill=(-mean / std).item()
     )

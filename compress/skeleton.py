@@ -149,6 +149,9 @@ def attach_skeletons(
     the model takes; without it such reads go unseen).
     """
     stripe_group = check_stripe_group(stripe_group)
+    if type(model) is nn.Conv2d:
+        raise ValueError("attach_skeletons: the model is a bare nn.Conv2d, which cannot be replaced in place; wrap it "
+                         "(nn.Sequential(conv)) or build SkeletonConv2d.from_conv(conv)")
     regrouped = [n for n, m in _skeleton_convs(model) if m.stripe_group != stripe_group]
     if regrouped:
         warnings.warn(f"attach_skeletons: {', '.join(regrouped[:5])}{', ...' if len(regrouped) > 5 else ''} already "

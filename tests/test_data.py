@@ -100,6 +100,9 @@ def test_digits_options():
     x, _ = next(iter(data.test))
     assert x.shape == (8, 1, 16, 16) and data.in_chans == 1 and data.input_size == 16
     assert len(data.test) == 45  # 360 / 8, eval_batch_size defaults to batch_size
+    # training shifts: max(1, input_size // 16) pixels, none below 8 (a pixel there moves most of the digit off)
+    assert [build_data({"name": "digits", "input_size": n}).train.dataset.pad for n in (4, 7, 8, 31, 32, 64)] == \
+        [0, 0, 1, 1, 2, 4]
 
 
 def test_fake_sizes_and_determinism():

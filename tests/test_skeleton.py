@@ -100,6 +100,11 @@ def test_swp_update_after_real_backward_and_stats():
     assert (stats["stripes_total"], stats["stripes_kept"], stats["filters_dead"]) == (8, 4, 1)
 
 
+def test_attach_skeletons_to_a_bare_conv_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"bare nn.Conv2d.*nn.Sequential\(conv\).*SkeletonConv2d.from_conv"):
+        attach_skeletons(nn.Conv2d(3, 4, 3))
+
+
 def test_swp_update_gives_a_frozen_skeleton_no_gradient():
     """A skeleton with requires_grad=False stays as it is under the optimizer (its pruned entries still zeroed); the
     trained one beside it gets the L1 term."""
