@@ -26,7 +26,7 @@ from compress.checkpoint import save as save_compact
 from compress.compaction import choose_modes, compact
 from compress.graphs import CUDAGraphModel
 from compress.models import create_model, module_names
-from compress.onnx_export import STRIPE_MODES, check_onnx, export_onnx
+from compress.onnx_export import STRIPE_MODES, check_onnx, check_opset, export_onnx
 from compress.pix import apply_pix
 from compress.profile import measure_latencies, profile
 from compress.report import compact_stripes_per_layer, plot_stripes, render_markdown, report_dict
@@ -176,9 +176,6 @@ def _input_size(model: nn.Module, cfg: dict) -> tuple[int, int, int]:
     return int(kwargs.get("in_chans", 3)), int(size), int(size)
 
 
-MIN_OPSET = 13  # PiX's group split (unflatten) needs it; opsets 13-22 export and match onnxruntime (tested: 13, 17)
-
-
 def _check_arguments(threshold: float | None, dtype: str, stripe_mode: str, opset: int, modes_timing: str,
                      batch_size: int, repeats: int, device: str, choose_stripe_modes: bool, cuda_graphs: bool,
                      flags: dict[str, object]) -> None:
@@ -210,8 +207,7 @@ def _check_arguments(threshold: float | None, dtype: str, stripe_mode: str, opse
         raise ValueError(f"export: profile.dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if stripe_mode not in STRIPE_MODES:
         raise ValueError(f"export: onnx.stripe_mode must be one of {STRIPE_MODES}, got {stripe_mode!r}")
-    if not isinstance(opset, int) or opset < MIN_OPSET:
-        raise ValueError(f"export: onnx.opset={opset!r}; use {MIN_OPSET} or later (the default is 17)")
+    check_opset(opset, "export: onnx.opset")
     if modes_timing not in ("auto", "eager", "graph"):
         raise ValueError(f"export: choose_modes_timing must be auto, eager or graph, got {modes_timing!r}")
     for key, value in (("profile.batch_size", batch_size), ("profile.repeats", repeats)):

@@ -93,7 +93,7 @@ class CUDAGraphModel(nn.Module):
 
     def __init__(self, model: nn.Module, max_graphs: int = 8, copy_output: bool = True):
         super().__init__()
-        if not isinstance(max_graphs, int) or max_graphs < 1:
+        if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
             raise ValueError(f"CUDAGraphModel: max_graphs must be a positive int, got {max_graphs!r}")
         self.model = model
         self.max_graphs = max_graphs

@@ -161,6 +161,17 @@ def _uneven_adaptive_pools(model: nn.Module, example: torch.Tensor) -> list[tupl
     return found
 
 
+MIN_OPSET = 13  # PiX's group split (unflatten) needs it
+
+
+def check_opset(opset, where: str = "export_onnx: opset") -> None:
+    """ValueError unless `opset` is an int from MIN_OPSET to the newest opset this torch.onnx writes (23 in torch
+    2.14; 13-23 export and match onnxruntime, from 21 with a warning from torch.onnx's TorchScript exporter)."""
+    newest = torch.onnx._constants.ONNX_MAX_OPSET  # (private: torch.onnx has no public name for it)
+    if isinstance(opset, bool) or not isinstance(opset, int) or not MIN_OPSET <= opset <= newest:
+        raise ValueError(f"{where}={opset!r}; use an opset from {MIN_OPSET} to {newest} (the default is 17)")
+
+
 def export_onnx(
     model: nn.Module,
     path: str | os.PathLike,
@@ -169,10 +180,18 @@ def export_onnx(
     opset: int = 17,
 ) -> Path:
     """Write `model` as ONNX (input "input" (B, C, H, W), output "output"; B dynamic) and check it
-    with onnx.checker. Returns the path."""
+    with onnx.checker. `input_size`: (C, H, W) of one image. Returns the path."""
     import onnx
 
-    param = next(model.parameters())
+    check_opset(opset)
+    if (isinstance(input_size, (str, bytes)) or not isinstance(input_size, Sequence) or len(input_size) != 3
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in input_size)):
+        raise ValueError(f"export_onnx: input_size must be (C, H, W) of one image, three positive ints; got "
+                         f"{input_size!r}")
+    param = next(model.parameters(), None)
+    if param is None:
+        raise ValueError(f"export_onnx: the model ({type(model).__name__}) has no parameters; ONNX export here is "
+                         "for compact models (their dtype and device come from the parameters)")
     if param.dtype in (torch.float64, torch.bfloat16):  # (ONNX's Conv has no bfloat16; onnxruntime's CPU no float64)
         raise ValueError(f"export_onnx: the model is {str(param.dtype).removeprefix('torch.')}, which ONNX "
                          "convolutions in onnxruntime do not run; export a float32 copy (copy.deepcopy(model).float())")
@@ -229,8 +248,9 @@ def check_onnx(path: str | os.PathLike, model: nn.Module, x: torch.Tensor) -> fl
     if x.shape[0] < 2:
         raise ValueError(f"check_onnx: needs a batch of >= 2 inputs to compare centred outputs, got {x.shape[0]}")
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    (got,) = session.run(None, {"input": x.detach().cpu().float().numpy()})
-    got = torch.from_numpy(got)
+    dtype = {"tensor(float16)": torch.float16}.get(session.get_inputs()[0].type, torch.float32)  # the graph's
+    (got,) = session.run(None, {"input": x.detach().cpu().to(dtype).numpy()})
+    got = torch.from_numpy(got).float()
     with evaluating(model), torch.no_grad():
         want = model(x).float().cpu()
     centred = (got - got.mean(0) - (want - want.mean(0))).abs().max()

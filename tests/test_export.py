@@ -75,6 +75,14 @@ def test_onnx_of_compact_model_matches_pytorch(name, keep, tmp_path):
     assert check_onnx(path, skeleton, x) <= 1e-4
 
 
+def test_check_onnx_feeds_a_float16_graph_its_dtype(tmp_path):
+    """export_onnx writes a float16 model as a float16 graph; check_onnx feeds it float16 inputs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3)).half().eval()
+    x = torch.randn(2, 3, 12, 12).half()
+    assert check_onnx(export_onnx(model, tmp_path / "h.onnx", (3, 12, 12)), model, x) < 1e-2
+
+
 @pytest.mark.parametrize("stride, padding, dilation", [(1, 1, 1), (2, 1, 1), (2, 2, 2), (1, 0, 1)])
 def test_shift_add_conv_equals_stripe_conv(stride, padding, dilation):
     conv = nn.Conv2d(5, 7, 3, stride=stride, padding=padding, dilation=dilation, bias=True)
@@ -106,6 +114,14 @@ def test_onnx_export_of_an_op_torch_onnx_lacks_says_how_to_export_without_it(tmp
     no_stats = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, track_running_stats=False)).eval()
     with pytest.raises(ValueError, match=r"export_onnx: 1: a BatchNorm without running statistics .*onnx.enabled=false"):
         export_onnx(no_stats, tmp_path / "m.onnx", (3, 16, 16))
+    conv = nn.Sequential(nn.Conv2d(3, 4, 3)).eval()  # arguments named before torch.onnx runs
+    for kwargs, message in [({"opset": 99}, r"opset=99; use an opset from 13 to"),
+                            ({"input_size": (16, 16)}, r"input_size must be \(C, H, W\) of one image.*\(16, 16\)"),
+                            ({"input_size": (1, 3, 16, 16)}, "input_size must be"), ({"input_size": 16}, "input_size")]:
+        with pytest.raises(ValueError, match=message):
+            export_onnx(conv, tmp_path / "m.onnx", **{"input_size": (3, 16, 16), **kwargs})
+    with pytest.raises(ValueError, match=r"the model \(ReLU\) has no parameters"):
+        export_onnx(nn.ReLU(), tmp_path / "m.onnx", (3, 16, 16))
     for dtype in (torch.float64, torch.bfloat16):
         with pytest.raises(ValueError, match=rf"export_onnx: the model is {str(dtype)[6:]}.*\.float\(\)"):
             export_onnx(nn.Sequential(nn.Conv2d(3, 4, 3)).to(dtype), tmp_path / "m.onnx", (3, 16, 16))
@@ -377,7 +393,8 @@ def test_export_deployment_options_are_checked(training_checkpoint, tmp_path):
     with pytest.raises(ValueError, match="profile.dtype must be one of"):
         export_checkpoint(path, tmp_path, dtype="int8")
     bad = [({"device": "cpu", "cuda_graphs": True}, "cuda_graphs needs a CUDA device"),
-           ({"stripe_mode": "bogus"}, "onnx.stripe_mode must be one of"), ({"opset": 12}, "onnx.opset=12; use 13"),
+           ({"stripe_mode": "bogus"}, "onnx.stripe_mode must be one of"), ({"opset": 12}, "onnx.opset=12; use an opset from 13"),
+           ({"opset": 99}, r"onnx.opset=99; use an opset from 13 to \d+"),
            ({"modes_timing": "gpu"}, "choose_modes_timing must be"), ({"batch_size": 0}, "profile.batch_size=0"),
            ({"repeats": -1}, "profile.repeats=-1"), ({"batch_size": True}, "profile.batch_size=True; it must be an int"),
            ({"threshold": -1.0}, r"export: threshold=-1.0; it must be a finite number >= 0")]

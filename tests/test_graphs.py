@@ -37,8 +37,9 @@ def test_cpu_input_runs_the_model_without_grad():
 def test_bad_use_is_a_clear_error():
     model = compact_resnet20()
     x = torch.randn(2, 3, 32, 32)
-    with pytest.raises(ValueError, match="max_graphs"):
-        CUDAGraphModel(model, max_graphs=0)
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match=f"max_graphs must be a positive int, got {bad!r}"):
+            CUDAGraphModel(model, max_graphs=bad)
     graphed = CUDAGraphModel(model)
     with pytest.raises(TypeError, match="one tensor"):
         graphed(x, x)
