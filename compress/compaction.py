@@ -475,8 +475,8 @@ def _compact_to_budget(model, base, fold, target, input_size, multiple=1):
     if macs < UNDERSHOOT * budget and i > 0:  # ties: the threshold below keeps too much, this one far too little
         over = macs_at[i - 1]  # tried: the bisection ends with the index below the smallest that meets the budget
         warnings.warn(
-            f"compact: target_macs={target}: threshold {values[i]:.4g} meets the budget of {100 * budget / dense:.3g}% of "
-            f"the dense MACs with only {100 * macs / dense:.3g}%, and the next lower one ({values[i - 1]:.4g}) keeps "
+            f"compact: target_macs={target}: threshold {values[i]:.8g} meets the budget of {100 * budget / dense:.3g}% of "
+            f"the dense MACs with only {100 * macs / dense:.3g}%, and the next lower one ({values[i - 1]:.8g}) keeps "
             f"{100 * over / dense:.3g}%: many stripes share one skeleton value, so no threshold lands nearer. Skeletons "
             "trained longer (or with a larger prune.alpha) spread apart",
             stacklevel=3,

@@ -244,7 +244,7 @@ def _weight_tensors(module: nn.Module, recurse: bool = True) -> list[torch.Tenso
             if buf is None or bname in m._non_persistent_buffers_set or bname == "num_batches_tracked":
                 continue
             tensors.append(buf)
-    return tensors
+    return list({id(t): t for t in tensors}.values())  # a tensor shared by modules once
 
 
 def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
@@ -320,6 +320,7 @@ def _count(model: nn.Module, x: torch.Tensor, convention: str = "layers") -> tup
     rows: dict[str, LayerProfile] = {}
     largest = 0
     seen_storage: set[int] = set()
+    counted_tensors: set[int] = set()  # ids of the weights a row holds: a tied one counts in its first row only
     keep_alive: list[torch.Tensor] = []  # holds outputs so a freed pointer is not reused and miscounted
     running: list[str] = []  # the modules whose forward is running, innermost last
     in_counted = 0  # how many of them count their own work (a handler or macs()): ops inside are theirs
@@ -342,7 +343,7 @@ def _count(model: nn.Module, x: torch.Tensor, convention: str = "layers") -> tup
         return fn
 
     def post(name: str, counted: bool, handler: MacsHandler | None, profiled: bool):
-        def fn(mod: nn.Module, inputs: tuple, out) -> None:
+        def fn(mod: nn.Module, inputs: tuple, kwargs: dict, out) -> None:
             nonlocal largest, in_counted
             if not running or running[-1] != name:  # its pre-hook never ran: an earlier pre-hook raised
                 return
@@ -352,26 +353,31 @@ def _count(model: nn.Module, x: torch.Tensor, convention: str = "layers") -> tup
             extra = functional.pop(name, 0)
             if not (profiled or extra):
                 return
-            inp = inputs[0] if inputs else None
+            # the input: the first positional argument, or the first tensor passed by keyword (module(input=x))
+            inp = inputs[0] if inputs else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
             macs = int(handler(mod, inp, out_t)) if handler is not None and out_t is not None else 0
             act = 0
             if profiled and out_t is not None:
                 ptr = out_t.untyped_storage().data_ptr()
                 if ptr not in seen_storage:
                     seen_storage.add(ptr)
-                    act = out_t.numel() * out_t.element_size()
+                    # (at most its storage: an expanded view of a small new tensor allocates only that)
+                    act = min(out_t.numel() * out_t.element_size(), out_t.untyped_storage().nbytes())
                     largest = max(largest, act)
                 keep_alive.append(out_t)
             row = rows.get(name)
             if row is None:  # first call; a module called twice accumulates
                 whole = len(mod._modules) == 0 or _covers_children(mod)  # else its children have rows
                 # a module with a row only for the ops its forward calls itself counts no tensors (its children do)
+                weights = [t for t in _weight_tensors(mod, recurse=whole) if id(t) not in counted_tensors] \
+                    if profiled else []
+                counted_tensors.update(id(t) for t in weights)
                 rows[name] = LayerProfile(
                     name=name,
                     type=type(mod).__name__,
-                    params=sum(p.numel() for p in mod.parameters(recurse=whole)) if profiled else 0,
+                    params=sum(t.numel() for t in weights if isinstance(t, nn.Parameter)),
                     macs=macs + extra,
-                    weight_bytes=_nbytes(_weight_tensors(mod, recurse=whole)) if profiled else 0,
+                    weight_bytes=_nbytes(weights),
                     activation_bytes=act,
                     output_shape=list(out_t.shape) if out_t is not None else [],
                 )
@@ -389,7 +395,7 @@ def _count(model: nn.Module, x: torch.Tensor, convention: str = "layers") -> tup
         # and the end of a call that raised is seen too (an exception caught further up)
         handles += [m.register_forward_pre_hook(pre(name, counted)),
                     m.register_forward_hook(post(name, counted, _handler(m, convention), name in profiled),
-                                            prepend=True, always_call=True)]
+                                            prepend=True, always_call=True, with_kwargs=True)]
     fastpath = torch.backends.mha.get_fastpath_enabled()
     try:
         # nn.MultiheadAttention's inference fast path is one fused op; without it, its products come here one by one

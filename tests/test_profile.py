@@ -105,6 +105,52 @@ def test_a_root_module_with_macs_is_counted_once_and_transposed_convs_by_hand():
     assert profile(up_grouped, (4, 4, 4), latency=False).macs == 1152
 
 
+def test_layers_called_with_a_keyword_input_are_counted():
+    """module(input=x) is a legal call: the layers that read their input to count (transposed conv, pooling in the
+    paper convention) find it among the keyword arguments."""
+
+    class Keywords(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.pool = nn.ConvTranspose2d(3, 4, 2, stride=2), nn.MaxPool2d(2)
+
+        def forward(self, x):
+            return self.pool(input=self.up(input=x))
+
+    # each of the 3*8*8 inputs goes to 4 * 2*2 outputs; the paper convention adds the bias per output (4*16*16) and
+    # the pool's one per input element
+    assert profile(Keywords(), (3, 8, 8), latency=False).macs == 3 * 64 * 16
+    assert profile(Keywords(), (3, 8, 8), latency=False, convention="paper").macs == 3 * 64 * 16 + 2 * 4 * 16 * 16
+
+
+def test_tied_weights_count_in_one_row_and_an_expanded_output_by_its_storage():
+    """A weight shared by two layers is in the first row only, so the rows add up to the totals; a layer whose output
+    is an expanded view of a small new tensor is charged that tensor's bytes."""
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+            self.b.weight = self.a.weight
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    rep = profile(Tied(), (1, 3, 4), latency=False)
+    rows = {row.name: row for row in rep.layers}
+    assert (rows["a"].params, rows["b"].params) == (20, 4)  # b: its own bias
+    assert rep.params == sum(r.params for r in rep.layers) == 24
+    assert rep.weight_bytes == sum(r.weight_bytes for r in rep.layers) == 4 * 24
+
+    class Expanded(nn.Module):
+        def forward(self, x):
+            return x.mean((2, 3), keepdim=True).expand(-1, -1, 16, 16)
+
+    model = nn.Sequential(Expanded(), nn.Conv2d(3, 3, 1))
+    rows = {row.name: row for row in profile(model, (3, 16, 16), latency=False).layers}
+    assert (rows["0"].activation_bytes, rows["1"].activation_bytes) == (3 * 4, 3 * 16 * 16 * 4)
+
+
 def test_paper_convention_counts_a_stripe_convs_bias_as_a_convs():
     """A StripeConv2d that keeps every stripe of a biased conv counts, in the paper convention, what the conv does."""
     from compress.stripe import StripeConv2d
