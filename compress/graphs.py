@@ -144,6 +144,13 @@ class CUDAGraphModel(nn.Module):
         if key in self._graphs:
             self._graphs.move_to_end(key)
             return self._graphs[key]
+        # a graph replays the modes it was captured in: no module of the model may be training then
+        training = [name or type(self.model).__name__ for name, m in self.model.named_modules() if m.training]
+        if training:
+            raise RuntimeError(
+                f"CUDAGraphModel runs inference only: {', '.join(training[:3])} {'is' if len(training) == 1 else 'are'} "
+                "in train mode (a BatchNorm would update its running statistics on every replay); call .eval() on it"
+            )
         captured = self._graphs[key] = self._capture(x, autocast=key[-1])
         if len(self._graphs) > self.max_graphs:
             self._graphs.popitem(last=False)

@@ -92,6 +92,19 @@ def test_replays_equal_eager_calls_across_signatures_and_evictions():
 
 
 @pytest.mark.cuda
+def test_a_submodule_left_in_train_mode_is_refused_before_capture():
+    """A graph replays the modes it was captured in: a module switched back to train mode inside an eval model (a
+    BatchNorm would update its statistics on every replay) is named before any capture."""
+    model = cuda_model()
+    name = [n for n, _ in model.named_modules() if n][-1]  # the classifier
+    model.get_submodule(name).train()
+    graphed = CUDAGraphModel(model)
+    with pytest.raises(RuntimeError, match=rf"{name} is in train mode .*call \.eval\(\)"):
+        graphed(cuda_input(4, torch.bfloat16, seed=0, channels_last=True))
+    assert not graphed._graphs
+
+
+@pytest.mark.cuda
 def test_output_is_a_copy_unless_asked_otherwise():
     model = cuda_model()
     x1, x2 = cuda_input(4, torch.bfloat16, 1), cuda_input(4, torch.bfloat16, 2)
