@@ -44,6 +44,8 @@ from kernels._utils import autocast_dtype
 __all__ = ["CUDAGraphModel"]
 
 WARMUP_CALLS = 3
+# the layers whose train mode changes what a replay computes or updates
+_MODE_DEPENDENT = (nn.modules.batchnorm._BatchNorm, nn.modules.dropout._DropoutNd)
 # a replay runs the kernels an eager call does (cuDNN keeps its algorithm per shape), so it agrees with the last
 # warm-up call to rounding; the check only guards against a graph reading memory it does not own
 REPLAY_TOLERANCE = 1e-2
@@ -144,8 +146,9 @@ class CUDAGraphModel(nn.Module):
         if key in self._graphs:
             self._graphs.move_to_end(key)
             return self._graphs[key]
-        # a graph replays the modes it was captured in: no module of the model may be training then
-        training = [name or type(self.model).__name__ for name, m in self.model.named_modules() if m.training]
+        # a graph replays the modes it was captured in: no BatchNorm or dropout of the model may be training then
+        # (other modules' flags change nothing in PyTorch's layers: compaction's Identity modules may keep theirs)
+        training = [name for name, m in self.model.named_modules() if m.training and isinstance(m, _MODE_DEPENDENT)]
         if training:
             raise RuntimeError(
                 f"CUDAGraphModel runs inference only: {', '.join(training[:3])} {'is' if len(training) == 1 else 'are'} "
