@@ -28,6 +28,7 @@ import json
 import os
 import sys
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
@@ -465,10 +466,12 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> nn.Modu
     where = f"compress.load({path})"
     _check_dtypes(tensors, where, "export it again with compress.save or export.py")
     model = rebuild_for(recipe, tensors, where)
-    types = {k: v.dtype for k, v in model.state_dict().items()}
+    own = model.state_dict()
     for key, t in tensors.items():  # integers were saved narrow (`_narrowest`): back to the module's type
-        if key in types and not t.is_floating_point() and not types[key].is_floating_point and t.dtype != types[key]:
-            tensors[key] = t.to(types[key])
+        if key in own and not t.is_floating_point() and not own[key].is_floating_point() and t.dtype != own[key].dtype:
+            tensors[key] = t.to(own[key].dtype)
+    tensors = OrderedDict(tensors)
+    tensors._metadata = own._metadata  # each module's state version, which some loaders read (torchvision's MNASNet)
     try:
         model.load_state_dict(tensors, strict=True, assign=True)
     except (RuntimeError, ValueError, TypeError) as err:  # ValueError/TypeError: indices StripeConv2d rejects

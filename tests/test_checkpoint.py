@@ -129,6 +129,18 @@ def test_compact_model_round_trip(tmp_path, fold_bn):
     assert all(torch.equal(back[k], v) for k, v in loaded.state_dict().items())
 
 
+def test_a_model_whose_loader_reads_its_state_version_round_trips(tmp_path):
+    """torchvision's MNASNet refuses a state dict without each module's version (state_dict()._metadata); load
+    passes the rebuilt model's."""
+    import torchvision
+
+    def mnasnet_versioned(num_classes: int = 3, in_chans: int = 3) -> nn.Module:
+        return torchvision.models.mnasnet0_5(weights=None, num_classes=num_classes)
+
+    compress.register_model(mnasnet_versioned)
+    _round_trip(compress.create_model("mnasnet_versioned").eval(), tmp_path)
+
+
 def test_a_fresh_process_loads_and_runs_a_cifar_model_without_importing_torchvision(tmp_path):
     """Serving a compact CIFAR model needs neither torchvision nor timm: compress imports neither unless the model is
     theirs (seconds each on a CPU; export.py of a CIFAR run went from 8 to 5 s), and load + forward give the saved
