@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 import kernels
+from compress._checks import positive_int
 from compress.models._weight_init import init_weights
 from compress.models.cifar_resnet import BasicBlock as CifarBasicBlock
 from compress.models.cifar_resnet import Bottleneck as CifarBottleneck
@@ -34,15 +35,8 @@ from kernels._utils import forward_ad_active, functorch_active, plain_eager
 __all__ = ["PiXBlock", "ResidualReLU", "insert_pix", "use_pix_bottlenecks", "downscale_pix", "apply_pix"]
 
 
-def _positive_int(where: str, key: str, value: int) -> int:
-    """value as a Python int (numpy ints too: they would reach the saved config), else a ValueError naming where."""
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{where}: {key} must be a positive int, got {value!r}")
-    return int(value)
-
-
 def _check_zeta(where: str, zeta: int) -> int:
-    return _positive_int(where, "zeta", zeta)
+    return positive_int(where, "zeta", zeta)
 
 
 def check_tau(where: str, tau: float, key: str = "tau") -> None:
@@ -72,7 +66,7 @@ class PiXBlock(nn.Module):
 
     def __init__(self, in_channels: int, zeta: int, tau: float = 0.5):
         super().__init__()
-        in_channels = _positive_int("PiXBlock", "in_channels", in_channels)
+        in_channels = positive_int("PiXBlock", "in_channels", in_channels)
         zeta = _check_factor(f"PiXBlock(in_channels={in_channels})", in_channels, zeta)
         check_tau("PiXBlock", tau)
         self.in_channels, self.zeta, self.tau = in_channels, zeta, float(tau)

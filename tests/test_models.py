@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -194,6 +195,16 @@ def test_unknown_model_error():
         create_model("resnet57")
     with pytest.raises(ValueError, match="timm has no model 'not_a_model'"):
         create_model("timm:not_a_model")
+
+
+@pytest.mark.parametrize("name", ["resnet20", "timm:resnet18"])
+def test_create_model_sizes_must_be_positive_ints(name):
+    """num_classes, input_size and in_chans are refused by name before the builder runs (timm would take num_classes
+    <= 0 as "no classifier", and a bad input_size reached compress_arch and later MAC budgets)."""
+    for key, value in [("num_classes", 0), ("num_classes", -3), ("num_classes", True), ("in_chans", 1.5),
+                       ("input_size", 2.5), ("input_size", "32"), ("input_size", (32, 32))]:
+        with pytest.raises(ValueError, match=rf"create_model: {key} must be a positive int, got {re.escape(repr(value))}"):
+            create_model(name, **{key: value})
 
 
 def test_bad_depth_and_duplicate_registration():

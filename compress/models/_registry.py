@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch.nn as nn
 
+from compress._checks import positive_int
+
 __all__ = ["register_model", "list_models", "create_model", "import_modules", "module_names"]
 
 TIMM_PREFIX = "timm:"
@@ -134,6 +136,9 @@ def create_model(
     """
     if not isinstance(name, str):
         raise ValueError(f"create_model: the model name must be a string, got {name!r}")
+    # (timm reads num_classes=0 as "no classifier": build such a feature extractor with timm itself)
+    num_classes, input_size, in_chans = (positive_int("create_model", key, value) for key, value in
+                                         (("num_classes", num_classes), ("input_size", input_size), ("in_chans", in_chans)))
     sources = sorted(set(kwargs) & WEIGHT_SOURCES)
     if sources:
         raise ValueError(
