@@ -880,7 +880,12 @@ def _start_from_weights(raw: nn.Module, cfg: DictConfig, announce: bool) -> nn.M
 def _absolute_paths(cfg: DictConfig) -> None:
     """Make `init`, `model.weights`, `data.root` and a `resume=<file>` absolute, in place, against the directory train.py was
     launched from (not the run dir `hydra.job.chdir=true` moves into): saved with the run, they let resume and export
-    find the files from any working directory."""
+    find the files from any working directory. An empty one (an unset shell variable) would name the launch
+    directory: a ValueError."""
+    for key in ("init", "model.weights", "data.root", "resume"):
+        value = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
+        if isinstance(value, str) and not value.strip():
+            raise ValueError(f"{key}={value!r} is empty (an unset shell variable?): give a path, or leave {key} out")
     if cfg.init is not None:
         cfg.init = str(launch_path(cfg.init))
     if cfg.model.get("weights") is not None:

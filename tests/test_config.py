@@ -128,6 +128,8 @@ def test_cifar_configs_keep_the_paper_recipe():
         (["optim=sgd_multistep", "optim.milestones=[120,80]"], ValueError, "must be a list of increasing epoch numbers"),
         (["+model.kwargs.num_classes=5"], ValueError, r"model.kwargs.num_classes: the data sets it \(data.num_classes\)"),
         (["+model.kwargs.width=2"], ValueError, r"model.kwargs=\{'width': 2\}: resnet56 does not take them"),
+        (["data=cifar10", "data.root="], ValueError, r"data.root='' is empty \(an unset shell variable\?\): give a path"),
+        (["init="], ValueError, r"init='' is empty"),
     ],
 )
 def test_bad_settings_give_clear_errors(tmp_path, overrides, error, match):
