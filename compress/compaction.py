@@ -22,7 +22,8 @@
   on an H200 random dead filters made a 73%-pruned VGG16 slower than the dense one.
 
 The chosen threshold and MAC counts are recorded in `compact_model.compress_compaction` (a dict:
-threshold, fold_bn, target_macs, macs, dense_macs; MACs are None when no budget was given; threshold is None
+threshold, fold_bn, target_macs, macs, dense_macs, relu_fused and pool_fused (how many ReLUs and max-pools went
+into convs), channel_multiple; MACs are None when no budget was given; threshold is None
 for a model without skeletons; fold_bn says whether BatchNorms were folded: false where the model has none or
 could not be traced). A compact model compacted again keeps the record of what chose its stripes
 (threshold, target_macs, dense_macs) and takes the new layout's (`_carried_record`).
@@ -130,7 +131,8 @@ def compact(
 
     Returns:
         The compact model (same training mode, device and dtype, `compress_arch` kept) with
-        `compress_compaction = {threshold, fold_bn, target_macs, macs, dense_macs}`.
+        `compress_compaction = {threshold, fold_bn, target_macs, macs, dense_macs, relu_fused, pool_fused,
+        channel_multiple}` (module docstring).
     """
     if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, numbers.Real)
                                   or not threshold >= 0):
