@@ -1165,8 +1165,9 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float) -> dict:
         # there); evaluating would move them (a DataLoader draws its iterator's seed from the global RNG)
         rng = rng_state(generator) if partial else None
         stopping = max_steps is not None and step >= max_steps
-        trained = not np.isnan(train["loss"])  # not so: a resumed epoch with no batch left (EpochSampler)
-        # ... at the step whose epoch line the checkpoint's run logged: those weights were evaluated and logged there
+        # the rate is NaN only where no batch ran (a resumed epoch with none left, EpochSampler); a NaN loss is not
+        trained = not np.isnan(train["images_per_s"])
+        # such an epoch at the step whose epoch line the checkpoint's run logged: those weights were evaluated there
         logged_before = not trained and ckpt is not None and step == ckpt.get("logged_step")
         evaluated = ((epoch + 1) % cfg.trainer.eval_every == 0 or epoch + 1 == epochs or stopping) and not logged_before
         if evaluated:
