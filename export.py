@@ -25,10 +25,10 @@ def main(cfg: DictConfig) -> None:
     try:
         export(cfg, out)
     except BaseException:
-        remove_if_only_hydra(run_dir, "export.log")  # a failed export leaves no run dir of Hydra's files only
+        remove_if_only_hydra(run_dir)  # a failed export leaves no run dir of Hydra's files only
         raise
     if out.resolve() != run_dir.resolve():  # given `out`, the run dir holds only Hydra's start-up files
-        remove_if_only_hydra(run_dir, "export.log")
+        remove_if_only_hydra(run_dir)  # (export has no log file: conf/export.yaml)
 
 
 def _refuse_added_keys(cfg: DictConfig) -> None:
