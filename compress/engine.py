@@ -1179,9 +1179,9 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float) -> dict:
         macs_dense, macs_pruned = estimate_macs(raw, input_shape, threshold)
         if not logged_before:  # each step once in TensorBoard; no NaN train metrics of an epoch with no batch
             logger.scalars(
-                ({"train/loss": train["loss"], "train/accuracy": train["accuracy"]} if trained else {})
+                ({"train/loss": train["loss"], "train/accuracy": train["accuracy"],
+                  "epoch/images_per_s": train["images_per_s"]} if trained else {})
                 | {"epoch/lr": lr, "macs/pruned_estimate": macs_pruned}
-                | ({"epoch/images_per_s": train["images_per_s"]} if trained else {})
                 | _peak_gpu_memory(dist.device)
                 | ({"test/loss": test["loss"], "test/accuracy": test["accuracy"]} if evaluated else {}),
                 step,
