@@ -265,20 +265,20 @@ def swp_update(model: nn.Module, alpha: float, threshold: float, bn_pairs: dict[
     if not convs:
         return
     fss = [conv.skeleton for _, conv in convs]
-    trained = [fs.requires_grad for fs in fss]  # a frozen skeleton gets no gradient: an optimizer would step it
-    for fs, t in zip(fss, trained):
-        if t and fs.grad is None:
+    trained = [fs for fs in fss if fs.requires_grad]  # a frozen skeleton gets no gradient: an optimizer would step it
+    for fs in trained:
+        if fs.grad is None:
             fs.grad = torch.zeros_like(fs)
-    grads = [fs.grad for fs, t in zip(fss, trained) if t]
+    grads = [fs.grad for fs in trained]
     if alpha and grads:
-        torch._foreach_add_(grads, torch._foreach_sign([fs for fs, t in zip(fss, trained) if t]), alpha=alpha)
+        torch._foreach_add_(grads, torch._foreach_sign(trained), alpha=alpha)
     keep = torch._foreach_abs(fss)
     torch._foreach_sub_(keep, threshold)
     keep = torch._foreach_sign(keep)
     torch._foreach_clamp_min_(keep, 0.0)
     torch._foreach_mul_(fss, keep)
     if grads:
-        torch._foreach_mul_(grads, [k for k, t in zip(keep, trained) if t])
+        torch._foreach_mul_(grads, [k for fs, k in zip(fss, keep) if fs.requires_grad])
     pairs = conv_bn_pairs(model) if bn_pairs is None else bn_pairs
     bn_tensors, alive = [], []
     for (name, conv), k in zip(convs, keep):
