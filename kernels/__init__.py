@@ -8,8 +8,9 @@ Public functions (thin wrappers over ``torch.ops.compress.*``) and modules:
     stripe_conv2d(...) and its helpers; prepare_stripe_conv2d(...) (an eager inference launcher without dispatch)
     max_pool2d(x, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False): F.max_pool2d with a C++ path
     for CPU NCHW eager inference (not a registered op: ``kernels/pool.py`` says why)
-Each op has a CPU path (vectorised PyTorch), a CUDA path (``csrc/``, compiled on first use, see ``_ext``),
-a fake kernel and autograd (the backward is its own op). ``python -m kernels build`` prebuilds the extension.
+Each op has a CPU path (vectorised PyTorch; C++ for PiX, the PiX block and the NCHW max-pool), a CUDA path
+(``csrc/``, compiled on first use, see ``_ext``), a fake kernel and autograd (the backward is its own op).
+``python -m kernels build`` prebuilds the extension.
 """
 
 from kernels.conv2d import Im2colConv2d, conv2d

@@ -154,15 +154,23 @@ def forward_ad_active() -> bool:
     return _forward_ad.__dict__.get("_current_level", -1) >= 0
 
 
+def _plain_values(t: torch.Tensor) -> bool:
+    """Whether t's memory holds its values: not a lazily negated view (torch._neg_view, a conjugate's imaginary
+    part) nor a ZeroTensor (no memory)."""
+    return not t.is_neg() and not t._is_zerotensor()
+
+
 def plain_eager(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
     """True where calling an op's kernels directly is the same as calling the op: plain tensors (no fake,
     functional or other subclass; a Parameter weight is fine), no TorchScript tracing, no torch.compile, no Python
     dispatch or function mode (FLOP counters, make_fx and export see the op), no torch.func transform, no
-    forward-mode AD level. Every
+    forward-mode AD level, no lazily negated view or ZeroTensor (their memory does not hold their values; the
+    dispatcher materialises them for an op). Every
     export path (TorchScript tracing, dynamo, fake-tensor export) makes it False. (torch.profiler records ops at
     the dispatcher, so a direct call shows as no op event; CUDA kernels still show.)"""
     return (not torch.compiler.is_compiling() and not torch.jit.is_tracing() and not functorch_active()
             and not forward_ad_active()
             and type(x) is torch.Tensor and (weight is None or type(weight) in (torch.Tensor, torch.nn.Parameter))
+            and _plain_values(x) and (weight is None or _plain_values(weight))
             and _len_dispatch_modes is not None and _len_function_modes is not None
             and _len_dispatch_modes() == 0 and _len_function_modes() == 0)

@@ -234,7 +234,8 @@ def pix(x: Tensor, p: Tensor, zeta: int, tau: float = 0.5) -> Tensor:
     """PiX channel fusion.
 
     Args:
-        x: (B, C, H, W) float32/float16/bfloat16 (float64 takes the PyTorch path), NCHW or channels_last.
+        x: (B, C, H, W) float32/float16/bfloat16/float64, NCHW or channels_last (CPU: C++ for float32/float64;
+            CUDA: the compiled kernel for the 32- and 16-bit types; the rest takes PyTorch ops).
         p: (B, C // zeta, 1, 1) fusion probabilities (cast to ``x``'s dtype).
         zeta: group size; ``C % zeta`` must be 0.
         tau: threshold; ``p < tau`` picks the max of the group, otherwise the mean.

@@ -55,8 +55,7 @@ def _c_shape(x: torch.Tensor, kernel_size, stride, padding, dilation, ceil_mode)
     would; None where F.max_pool2d must run (other input, or arguments it rejects with its own error)."""
     if not (x.device.type == "cpu" and x.dtype in _DTYPES and x.layout == torch.strided and x.dim() in (3, 4)
             and x.numel() > 0 and x.is_contiguous()
-            and not (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last))
-            and not x.is_neg() and not x._is_zerotensor()):  # lazily negated or zero tensors: no plain data
+            and not (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last))):
         return None
     k = _ints(kernel_size)
     s = k if stride is None or (isinstance(stride, (list, tuple)) and len(stride) == 0) else _ints(stride)

@@ -473,6 +473,21 @@ def test_cpu_kernels_use_torchs_threads():
         assert len(gomp) <= 1, f"two libgomp.so.1 loaded: {sorted(gomp)}"
 
 
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_squeeze_of_lazily_negated_and_zero_tensors_computes_their_values(layout):
+    """A lazily negated view (torch._neg_view, as a conjugate's imaginary part gives) keeps the un-negated numbers
+    in memory, and a ZeroTensor has none: the eager path must not hand their memory to the C++ kernel (it read the
+    un-negated x, and crashed on a ZeroTensor weight)."""
+    x, w = make_squeeze(2, 8, 5, 5, 4, torch.float32, "cpu", layout)
+    x, w = x.detach(), w.detach()
+    with torch.no_grad():
+        got = kernels.pix_squeeze(torch._neg_view(x), torch._neg_view(w), 4)
+        zero_w = kernels.pix_squeeze(x, torch._efficientzerotensor(w.shape), 4)
+    assert rel_err(got, ref_squeeze(-x.double(), -w.double(), 4, 0.5, torch.float32)) < 2e-6
+    assert rel_err(zero_w, ref_squeeze(x.double(), torch.zeros_like(w, dtype=torch.float64), 4, 0.5,
+                                       torch.float32)) < 2e-6
+
+
 def test_cpu_library_falls_back_to_a_serial_build(monkeypatch, tmp_path, capfd):
     """Where the OpenMP build fails (here: an unknown flag), the library is built without it (one warning), and
     the failed build is remembered, not retried by the next process."""
@@ -481,7 +496,8 @@ def test_cpu_library_falls_back_to_a_serial_build(monkeypatch, tmp_path, capfd):
     if _cpu._compiler() is None:
         pytest.skip("no C++ compiler")
     monkeypatch.setenv("COMPRESS_KERNELS_CACHE", str(tmp_path))
-    monkeypatch.setattr(_cpu, "FLAGS", [*_cpu.SERIAL_FLAGS, "-fno-such-openmp-flag"])
+    monkeypatch.setattr(_cpu, "SERIAL_FLAGS", ["-O0", "-shared", "-fPIC"])  # -O0: 2 s to build, not 15
+    monkeypatch.setattr(_cpu, "FLAGS", [*_cpu.SERIAL_FLAGS, "-fopenmp", "-fno-such-openmp-flag"])
     monkeypatch.setattr(_cpu, "_state", {})
     with pytest.warns(RuntimeWarning, match="built without OpenMP"):
         lib = _cpu.lib()
