@@ -3,9 +3,9 @@ skeletons and weights, equal (within float tolerance) to one process with the sa
 checkpoints resume across world sizes, inside an epoch too.
 
 Model: timm's tiny `test_resnet` with GroupNorm (1 group) instead of BatchNorm. GroupNorm normalises
-each sample on its own, so 2 ranks x batch 4 compute exactly what 1 process x batch 8 computes (BN
+each sample on its own, so 2 ranks x batch 2 compute exactly what 1 process x batch 4 computes (BN
 without SyncBN would use per-rank batch statistics, and PyTorch's SyncBatchNorm has no CPU path).
-The 8 fake training images are one global batch, so every epoch is one step on the same images.
+The 8 fake training images make 2 global batches per epoch.
 """
 
 import json
@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli import run_script
 from hydra import compose, initialize_config_dir
 
 from compress.engine import run
@@ -42,12 +43,12 @@ BASE = [
     f"prune.threshold={THRESHOLD}",
     "trainer.dump_rank_state=true",
 ]
-PER_RANK = "data.batch_size=4"  # x 2 ranks = the single-process batch of 8
-SINGLE = "data.batch_size=8"
+PER_RANK = "data.batch_size=2"  # x 2 ranks = the single-process batch of 4
+SINGLE = "data.batch_size=4"
 
 
-def _torchrun(run_dir: Path, *overrides: str, processes: int = 2) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
+def _torchrun(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "train.py", *overrides, f"hydra.run.dir={run_dir}"]  # fmt: skip
     # torchrun leaves a torchelastic_* folder in TMPDIR per call: keep it inside the test's own tmp_path
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(run_dir.parent)}
@@ -88,75 +89,70 @@ def one_thread():
 
 
 @pytest.mark.slow
-def test_torchrun_two_ranks_match_each_other_and_one_process(tmp_path, one_thread):
-    # 2 ranks stop after 2 of 3 epochs; one process with the same global batch does the same.
-    ddp, single = tmp_path / "ddp", tmp_path / "single"
-    _torchrun(ddp, *BASE, PER_RANK, "trainer.max_steps=2")
-    ref = _run_here(single, SINGLE, "trainer.max_steps=2")
+def test_torchrun_two_ranks_match_one_process_and_resume_across_world_sizes(tmp_path, one_thread):
+    # 2 ranks x batch 2 and 1 process x batch 4: the same global batch, 2 steps per epoch, 3 epochs.
+    # The 2 ranks stop inside epoch 2 (max_steps=3) and resume: they end with the weights of an uninterrupted 2-rank
+    # run, bit-identical (same ranks, same reduction order).
+    per_rank, single = [*BASE, PER_RANK], [*BASE, SINGLE]
+    parts, full = tmp_path / "parts", tmp_path / "full"
+    _torchrun(parts, *per_rank, "trainer.max_steps=3")
+    ckpt = torch.load(parts / "checkpoints" / "last.pt", weights_only=True)
+    assert (ckpt["epoch"], ckpt["epoch_batches"], ckpt["world_size"]) == (1, 1, 2)
+    assert len(ckpt["rng_epoch_start"]) == len(ckpt["rng"]) == 2
+    assert (ckpt["epoch_start_sample"], ckpt["epoch_samples"]) == (0, 4)  # 1 batch x 2 images x 2 ranks
+    partial = tmp_path / "partial.pt"
+    shutil.copy(parts / "checkpoints" / "last.pt", partial)
+    _torchrun(parts, *per_rank, "resume=true", "trainer.max_steps=null")
+    _torchrun(full, *per_rank)
+    for rank in (0, 1):
+        _assert_same(_state(parts, rank), _state(full, rank), exact=True)
+    assert json.loads((parts / "summary.json").read_text())["steps"] == 6
 
-    rank0, rank1 = _state(ddp, 0), _state(ddp, 1)
-    _assert_same(rank0, rank1, exact=True)  # weights, skeletons and buffers bit-identical on both ranks
-    _assert_same(_masks(rank0), _masks(rank1), exact=True)
-    _assert_same(rank0, _state(single), exact=False)
-    _assert_same(_masks(rank0), _masks(_state(single)), exact=True)
-
-    summary = json.loads((ddp / "summary.json").read_text())  # written by rank 0 only
-    assert summary["world_size"] == 2 and summary["steps"] == ref["steps"] == 2
+    # Every rank ends with the same weights, skeletons and buffers, bit for bit; one process with the same global
+    # batch ends with them within float tolerance (the same masks exactly).
+    rank0 = _state(full, 0)
+    _assert_same(rank0, _state(full, 1), exact=True)
+    _assert_same(_masks(rank0), _masks(_state(full, 1)), exact=True)
+    ref = _run_here(tmp_path / "single", SINGLE)
+    _assert_same(rank0, _state(tmp_path / "single"), exact=False)
+    _assert_same(_masks(rank0), _masks(_state(tmp_path / "single")), exact=True)
+    summary = json.loads((full / "summary.json").read_text())  # written by rank 0 only
+    assert summary["world_size"] == 2 and summary["steps"] == ref["steps"] == 6
     assert 0 < summary["stripes_kept"] == ref["stripes_kept"] < summary["stripes_total"]  # SWP really pruned
     # Exact evaluation: 7 test samples over 2 ranks (one padded shard) count as 7.
     assert round(summary["test_accuracy"] * 7, 6).is_integer()
     assert summary["test_accuracy"] == ref["test_accuracy"]
     assert summary["test_loss"] == pytest.approx(ref["test_loss"], rel=1e-4)
-    assert sorted(p.name for p in (ddp / "checkpoints").iterdir()) == ["best.pt", "last.pt"]
+    assert sorted(p.name for p in (full / "checkpoints").iterdir()) == ["best.pt", "last.pt"]
 
-    # Resume across world sizes. 1 -> 2: the single-process checkpoint continues on 2 ranks (its
-    # batch_size 8 per rank covers the 4 images of each shard: the same global batch) and gives the
-    # weights of an uninterrupted single-process run. The checkpoint's trainer.max_steps=2 holds unless the
-    # command line lifts it.
+    # 2 -> 1 inside an epoch: one process at batch 4 trains the epoch's 4 samples the 2 ranks had left, in the
+    # global batch they would have formed (data.EpochSampler), and ends with the 2-rank run's weights (rank 1's RNG
+    # streams are dropped). train.py's own command line, in this process: data.batch_size may change on resume.
+    one = run_script("train.py", *single, f"resume={partial}", "trainer.max_steps=null",
+                     f"hydra.run.dir={tmp_path / 'one'}")
+    assert one.returncode == 0, one.stderr[-3000:]
+    one = json.loads((tmp_path / "one" / "summary.json").read_text())
+    assert one["world_size"] == 1 and one["steps"] == 3 + 1 + 2  # the epoch's last global batch, then epoch 3
+    _assert_same(_state(tmp_path / "one"), rank0, exact=False)
+    _assert_same(_masks(_state(tmp_path / "one")), _masks(rank0), exact=True)
+
+    # 1 -> 2 inside an epoch: a single-process checkpoint at step 3 goes on on 2 ranks at batch 2 (the same global
+    # batch) and gives the weights of the uninterrupted single-process run.
+    _run_here(tmp_path / "single_parts", SINGLE, "trainer.max_steps=3")
     resumed = tmp_path / "resumed"
-    _torchrun(resumed, *BASE, SINGLE, f"resume={single / 'checkpoints' / 'last.pt'}", "trainer.max_steps=null")
-    full = _run_here(tmp_path / "full", SINGLE)
+    _torchrun(resumed, *per_rank, f"resume={tmp_path / 'single_parts' / 'checkpoints' / 'last.pt'}",
+              "trainer.max_steps=null")
     _assert_same(_state(resumed, 0), _state(resumed, 1), exact=True)
-    _assert_same(_state(resumed, 0), _state(tmp_path / "full"), exact=False)
-    assert json.loads((resumed / "summary.json").read_text())["steps"] == full["steps"] == 3
-
-    # 2 -> 1: the 2-rank checkpoint continues in one process (rank 1's RNG streams are dropped).
-    back = _run_here(tmp_path / "back", f"resume={ddp / 'checkpoints' / 'last.pt'}")
-    assert back["world_size"] == 1 and back["epochs"] == 3 and back["steps"] == 2 + 2  # batch 4: 2 steps/epoch
+    _assert_same(_state(resumed, 0), _state(tmp_path / "single"), exact=False)
+    assert json.loads((resumed / "summary.json").read_text())["steps"] == 6
 
 
 def test_compile_runs_skeleton_convs_and_matches_eager(tmp_path, one_thread):
     # aot_eager traces forward and backward (skeleton products included) in seconds on a CPU;
     # the default backend, inductor, is the one meant for GPUs.
-    steps = [SINGLE, "trainer.max_steps=2", "optim.epochs=2", "optim.milestones=[1]"]
+    steps = ["data.batch_size=8", "trainer.max_steps=2", "optim.epochs=2", "optim.milestones=[1]"]
     eager = _run_here(tmp_path / "eager", *steps)
     compiled = _run_here(tmp_path / "compiled", *steps, "trainer.compile=true", "trainer.compile_backend=aot_eager")
     _assert_same(_state(tmp_path / "eager"), _state(tmp_path / "compiled"), exact=False)
     assert compiled["stripes_kept"] == eager["stripes_kept"] < compiled["stripes_total"]
 
-
-@pytest.mark.slow
-def test_torchrun_resumes_inside_an_epoch(tmp_path):
-    # batch 2 per rank: 2 steps per epoch; max_steps=3 stops inside epoch 2. Resumed on 2 ranks it ends with the
-    # weights of an uninterrupted 2-rank run (bit-identical: same ranks, same reduction order).
-    per_rank_2 = [*BASE, "data.batch_size=2"]
-    _torchrun(tmp_path / "parts", *per_rank_2, "trainer.max_steps=3")
-    ckpt = torch.load(tmp_path / "parts" / "checkpoints" / "last.pt", weights_only=True)
-    assert (ckpt["epoch"], ckpt["epoch_batches"], ckpt["world_size"]) == (1, 1, 2)
-    assert len(ckpt["rng_epoch_start"]) == len(ckpt["rng"]) == 2
-    partial = tmp_path / "partial.pt"
-    shutil.copy(tmp_path / "parts" / "checkpoints" / "last.pt", partial)
-    _torchrun(tmp_path / "parts", *per_rank_2, "resume=true", "trainer.max_steps=null")
-    _torchrun(tmp_path / "full", *per_rank_2)
-    for rank in (0, 1):
-        _assert_same(_state(tmp_path / "parts", rank), _state(tmp_path / "full", rank), exact=True)
-    assert json.loads((tmp_path / "parts" / "summary.json").read_text())["steps"] == 6
-    # One process at batch 4 takes over inside the epoch: it trains the epoch's 4 samples the 2 ranks had left, in
-    # the global batch they would have formed (data.EpochSampler), so it ends with the 2-rank run's weights.
-    ckpt = torch.load(partial, weights_only=True)
-    assert (ckpt["epoch_start_sample"], ckpt["epoch_samples"]) == (0, 4)  # 1 batch x 2 images x 2 ranks
-    _torchrun(tmp_path / "one", *BASE, "data.batch_size=4", f"resume={partial}", "trainer.max_steps=null", processes=1)
-    one = json.loads((tmp_path / "one" / "summary.json").read_text())
-    assert one["world_size"] == 1 and one["steps"] == 3 + 1 + 2  # the epoch's last global batch, then epoch 3
-    _assert_same(_state(tmp_path / "one"), _state(tmp_path / "full"), exact=False)
-    _assert_same(_masks(_state(tmp_path / "one")), _masks(_state(tmp_path / "full")), exact=True)

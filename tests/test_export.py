@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from cli import run_script
 
 import compress
 from compress.checkpoint import load
@@ -347,12 +348,10 @@ def test_export_script(training_checkpoint, tmp_path):
     assert data["threshold"] == 0.9 and data["compact"]["macs"] < 0.5 * data["dense"]["macs"]
     assert data["compact"]["latency_ms"] > 0 and data["dense"]["latency_ms"] > 0
     assert sorted(p.name for p in out.iterdir()) == sorted(FILES)
-    failed = subprocess.run([sys.executable, str(ROOT / "export.py")], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=300)  # no ckpt=, into the default run dir: a clear error, no dir left behind
+    failed = run_script("export.py", cwd=tmp_path)  # no ckpt=, into the default run dir: a clear error, no dir left
     assert failed.returncode != 0 and "export: give ckpt=<a train.py checkpoint" in failed.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
-    added = subprocess.run([sys.executable, str(ROOT / "export.py"), f"ckpt={path}", "+profile.batchsize=64"],
-                           cwd=tmp_path, capture_output=True, text=True, timeout=300)  # a misspelt key, added
+    added = run_script("export.py", f"ckpt={path}", "+profile.batchsize=64", cwd=tmp_path)  # a misspelt key, added
     assert added.returncode != 0 and "export: +profile.batchsize is not an export setting" in added.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli import run_script
 from hydra import compose, initialize_config_dir
 
 import compress
@@ -167,23 +168,25 @@ def test_builders_that_return_no_module_or_ignore_num_classes_are_refused(tmp_pa
         run(cfg, run_dir=tmp_path / "run")
 
 
-def test_train_py_and_export_py_take_imports_and_load_names_the_module(tmp_path):
+def test_train_py_and_export_py_take_imports_and_load_names_the_module(tmp_path, monkeypatch):
     """The user's path: train.py and export.py started in the folder of their module; the compact file then loads in
     a process that imports the module, and in one that does not, fails naming it."""
     module, model_name = _user_module(tmp_path)
-    train = [sys.executable, str(ROOT / "train.py"), *TINY, f"imports=[{module}]", f"model.name={model_name}",
-             "trainer.max_steps=2", "prune.threshold=0.988", f"hydra.run.dir={tmp_path / 'run'}"]  # about half
-    proc = subprocess.run(train, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    train = [*TINY, f"imports=[{module}]", f"model.name={model_name}", "trainer.max_steps=2",
+             "prune.threshold=0.988", f"hydra.run.dir={tmp_path / 'run'}"]  # about half
+    proc = run_script("train.py", *train, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    export = [sys.executable, str(ROOT / "export.py"), "ckpt=run/checkpoints/last.pt", "out=exp",
-              "profile.latency=false", "onnx.enabled=false"]
-    proc = subprocess.run([*export, f"imports=[{module}]"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = run_script("export.py", "ckpt=run/checkpoints/last.pt", "out=exp", "profile.latency=false",
+                      "onnx.enabled=false", f"imports=[{module}]", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     compact_file = tmp_path / "exp" / "model.compact.safetensors"
-    # fine-tuning it without imports=: refused naming the module, before any note, so no run dir is left behind
-    refused = [*train[:2], "data=fake", "data.input_size=8", "data.num_classes=3", "prune.alpha=0.1",
-               f"init={compact_file}", f"hydra.run.dir={tmp_path / 'refused'}"]
-    proc = subprocess.run(refused, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    # fine-tuning it without imports= (in a process that has not imported the module): refused naming the module,
+    # before any note, so no run dir is left behind
+    monkeypatch.delitem(_entrypoints, model_name)
+    monkeypatch.delitem(sys.modules, module)
+    refused = ["data=fake", "data.input_size=8", "data.num_classes=3", "prune.alpha=0.1", f"init={compact_file}",
+               f"hydra.run.dir={tmp_path / 'refused'}"]
+    proc = run_script("train.py", *refused, cwd=tmp_path)
     assert proc.returncode != 0 and f"is built by module '{module}'" in proc.stderr
     assert "note:" not in proc.stdout and not (tmp_path / "refused").exists()
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from cli import run_script
 from hydra import compose, initialize_config_dir
 
 from compress._logging import format_summary
@@ -131,9 +132,8 @@ def test_a_run_resumed_inside_an_epoch_at_another_batch_size_trains_the_epochs_r
     assert (ckpt["epoch_samples"], ckpt["batch_size"], ckpt["train_size"]) == (8, 8, 32)
     shutil.copytree(tmp_path / "a", tmp_path / "b")
     shutil.copytree(tmp_path / "a", tmp_path / "c")
-    proc = subprocess.run([sys.executable, "train.py", *TINY, "resume=true", "trainer.max_steps=null",
-                           "data.batch_size=16", f"hydra.run.dir={tmp_path / 'a'}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = run_script("train.py", *TINY, "resume=true", "trainer.max_steps=null", "data.batch_size=16",
+                      f"hydra.run.dir={tmp_path / 'a'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "8 samples into it, with 1 process(es) at batch 8; this run has 1 at batch 16" in proc.stdout
     resumed = json.loads((tmp_path / "a" / "summary.json").read_text())
@@ -191,8 +191,7 @@ def test_train_py_resume_keeps_the_checkpoints_trainer_settings(tmp_path):
     optim=sgd_multistep would give now); a trainer key on the command line (max_steps) takes the new value, and
     a resume with nothing left to train says why."""
     def train(*args):
-        proc = subprocess.run([sys.executable, "train.py", *args, f"hydra.run.dir={tmp_path}"], cwd=ROOT,
-                              capture_output=True, text=True, timeout=300)
+        proc = run_script("train.py", *args, f"hydra.run.dir={tmp_path}")
         assert proc.returncode == 0, proc.stderr[-2000:]
         return proc.stdout, json.loads((tmp_path / "summary.json").read_text())
 
@@ -213,8 +212,7 @@ def test_train_py_resume_keeps_the_checkpoints_trainer_settings(tmp_path):
     for refused, message in [(["resume=true", "model=vgg11"], r"model=\{'name': 'vgg11'.*a resumed run keeps its"),
                              (TINY, r"already holds a run \(checkpoints/last.pt\); a fresh run.*Pass resume=true"),
                              ([f"resume={other}"], r"already holds a run.*resume=.*\(another checkpoint\) would")]:
-        proc = subprocess.run([sys.executable, "train.py", *refused,
-                               f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        proc = run_script("train.py", *refused, f"hydra.run.dir={tmp_path}")
         assert proc.returncode != 0 and re.search(message, proc.stderr), proc.stderr[-2000:]
         kept = yaml.safe_load((tmp_path / ".hydra" / "config.yaml").read_text())  # the run's, not the refused one's
         assert kept["model"]["name"] == "resnet20" and kept["trainer"]["max_steps"] == 3
@@ -224,8 +222,7 @@ def test_train_py_resume_keeps_the_checkpoints_trainer_settings(tmp_path):
     last = tmp_path / "checkpoints" / "last.pt"
     intact = last.read_bytes()
     last.write_bytes(intact[:1000])
-    proc = subprocess.run([sys.executable, "train.py", *TINY, f"hydra.run.dir={tmp_path}"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    proc = run_script("train.py", *TINY, f"hydra.run.dir={tmp_path}")
     assert proc.returncode != 0 and "already holds a run" in proc.stderr, proc.stderr[-2000:]
     assert {name: (tmp_path / ".hydra" / name).read_text() for name in record} == record
     assert yaml.safe_load((tmp_path / ".hydra" / "config.yaml").read_text())["trainer"]["max_steps"] == 3
@@ -619,8 +616,7 @@ def test_trainer_seed_seeds_the_data_unless_data_seed_is_given(tmp_path):
 def test_a_key_added_with_plus_to_a_fixed_group_is_refused(tmp_path):
     """A misspelled key added with + is refused before anything trains, and the refused run leaves no run dir that
     holds only Hydra's files."""
-    proc = subprocess.run([sys.executable, "train.py", *TINY, "trainer.max_steps=1", "+prune.alpah=1e-5",
-                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = run_script("train.py", *TINY, "trainer.max_steps=1", "+prune.alpah=1e-5", f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode != 0
     assert re.search(r"\+prune.alpah: prune has no key 'alpah', so it would be ignored \(its keys: alpha,", proc.stderr)
     assert not (tmp_path / "run").exists()
@@ -628,8 +624,7 @@ def test_a_key_added_with_plus_to_a_fixed_group_is_refused(tmp_path):
 
 def test_train_py_notes_a_pix_tau_without_pix_zeta(tmp_path):
     """pix.tau on the command line without pix.zeta adds no PiX block: the run says so instead of ignoring it."""
-    proc = subprocess.run([sys.executable, "train.py", *TINY, "trainer.max_steps=1", "pix.tau=0.3",
-                           f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = run_script("train.py", *TINY, "trainer.max_steps=1", "pix.tau=0.3", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "note: pix.tau=0.3 has no effect without pix.zeta (no PiX blocks)" in proc.stdout
 
@@ -664,8 +659,7 @@ def test_train_py_resumes_with_its_own_command_line_repeated(tmp_path):
     command = [*TINY, f"data.root={os.path.relpath(root, ROOT)}", f"hydra.run.dir={tmp_path / 'run'}"]
 
     def train(*extra):
-        proc = subprocess.run([sys.executable, "train.py", *command, *extra], cwd=ROOT, capture_output=True,
-                              text=True, timeout=300)
+        proc = run_script("train.py", *command, *extra)
         assert proc.returncode == 0, proc.stderr[-2000:]
         return json.loads((tmp_path / "run" / "summary.json").read_text())
 
@@ -705,12 +699,10 @@ def test_train_py_and_export_py_under_hydra_job_chdir_read_paths_from_the_launch
     name paths in the directory the command ran from, and a refused command leaves no outputs/<date> behind."""
     root = tmp_path / "data"
     root.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     chdir = [*TINY, "data.root=data", "hydra.job.chdir=true"]
 
     def call(script, *args):
-        return subprocess.run([sys.executable, str(ROOT / script), *args], cwd=tmp_path, env=env, capture_output=True,
-                              text=True, timeout=300)
+        return run_script(script, *args, cwd=tmp_path)
 
     first = call("train.py", *chdir, "trainer.max_steps=1", "hydra.run.dir=runs/a")
     assert first.returncode == 0, first.stderr[-2000:]
