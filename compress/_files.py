@@ -1,13 +1,15 @@
-"""Atomic file writes for checkpoints and compact model files; removing a Hydra run dir that holds nothing else."""
+"""Atomic file writes for checkpoints and compact model files; removing a Hydra run dir that holds nothing else;
+lock files."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["atomic_write", "launch_path", "process_alive", "remove_if_only_hydra"]
+__all__ = ["atomic_write", "launch_path", "lock_file", "process_alive", "remove_if_only_hydra", "unlock_file"]
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
@@ -84,6 +86,50 @@ def remove_if_only_hydra(run_dir: Path, log_name: str | None = None) -> bool:
         except OSError:
             break
     return not run_dir.exists()
+
+
+def lock_file(path: Path) -> int | None:
+    """An open descriptor of `path` (created if absent) that holds an exclusive lock on it, or None while another
+    process holds that lock. The OS drops a lock when its descriptor is closed or its process ends (kill -9 too), so
+    a lock is never stale and two processes can never both hold one (a lock written as a file's contents can be:
+    two processes that each find a stale one both take it over). Release it with `unlock_file`. Where the file
+    system cannot lock files (some network mounts), or without fcntl (not POSIX), the descriptor comes back
+    unlocked, with a warning."""
+    try:
+        import fcntl
+    except ImportError:
+        fcntl = None
+    for _ in range(8):
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            if fcntl is None:
+                raise OSError("no fcntl on this platform")
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except OSError as e:
+            warnings.warn(f"could not lock {path} ({e}): nothing keeps a second process out of what it guards",
+                          RuntimeWarning, stacklevel=2)
+            return fd
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # its holder removed the file between our open and our lock: lock the file there now
+    raise OSError(f"could not lock {path}: other processes keep removing and creating it")
+
+
+def unlock_file(path: Path, fd: int) -> None:
+    """Release `lock_file`'s lock: remove `path`, then close `fd` (in this order, so that a process that opened the
+    old file and then gets its lock sees that it is gone)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def process_alive(pid: int) -> bool:

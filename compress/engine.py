@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch.utils.data import DistributedSampler
 
-from compress._files import atomic_write, launch_path, process_alive, remove_if_only_hydra
+from compress._files import atomic_write, launch_path, lock_file, remove_if_only_hydra, unlock_file
 from compress._logging import RunLogger, format_summary, progress, say
 from compress._macs import estimate_macs
 from compress._modes import evaluating
@@ -909,6 +909,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
 
 
 RUN_LOCK = ".train.lock"  # in a run dir while a train.py process works in it: {"pid", "host", "hydra": its record}
+_run_locks: dict[Path, int] = {}  # run dir -> the open descriptor holding its RUN_LOCK (rank 0)
 
 
 @contextlib.contextmanager
@@ -916,8 +917,8 @@ def _run_lock(run_dir: Path, dist: DistInfo):
     """Hold `run_dir` for this run (rank 0 creates RUN_LOCK, every rank learns whether it could): a second train.py
     started in the same dir while this one works would otherwise train beside it (its checkpoints/last.pt is not
     written yet at first), both would write the same checkpoints, logs and .hydra record, and one run's results
-    would be lost. A lock whose process is gone (a killed run, or one on another host: a requeued job) is taken
-    over. The refused command puts the holder's .hydra record back over its own. A run dir the lock had to create
+    would be lost. The lock is the OS's (`_files.lock_file`): it ends with its process, kill -9 included, so a
+    killed run's dir resumes at once. The refused command puts the holder's .hydra record back over its own. A run dir the lock had to create
     is removed again if the run leaves it empty (a command refused by its config)."""
     created = dist.is_main and not run_dir.exists()
     refused = _take_run_lock(run_dir) if dist.is_main else None
@@ -938,44 +939,35 @@ def _run_lock(run_dir: Path, dist: DistInfo):
 
 
 def _take_run_lock(run_dir: Path) -> str | None:
-    """Create RUN_LOCK in run_dir; None when this process holds it, else the refusal message."""
+    """Lock RUN_LOCK in run_dir and write this process's {"pid", "host", "hydra"} into it; None when this process
+    holds it, else the refusal message (naming the holder where its file says who it is)."""
     path, host = run_dir / RUN_LOCK, socket.gethostname()
-    folder = _hydra_folder(run_dir)
     record = _hydra_record(run_dir, ("config.yaml", *HYDRA_RECORD)) or {}
-    text = json.dumps({"pid": os.getpid(), "host": host, "hydra": record})
     run_dir.mkdir(parents=True, exist_ok=True)
-    for _ in range(2):
+    fd = lock_file(path)
+    if fd is None:
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            try:
-                holder = json.loads(path.read_text())
-                pid, holder_host = int(holder["pid"]), holder["host"]
-            except (OSError, ValueError, KeyError, TypeError):
-                holder, pid, holder_host = {}, -1, None  # unreadable (a crash while writing it): stale
-            if holder_host == host and pid != os.getpid() and process_alive(pid):
-                if folder is not None and folder.is_dir():
-                    for name, saved in (holder.get("hydra") or {}).items():
-                        (folder / name).write_text(saved)  # the running run's record, not this command's
-                return (f"{run_dir} is in use by another train.py process (pid {pid} on this host): two runs in one "
-                        "directory would overwrite each other's checkpoints, logs and .hydra record. Give this run "
-                        f"another hydra.run.dir, or wait for that one to end (resume=true continues it); if no such "
-                        f"run is working there, delete {path}")
-            path.unlink(missing_ok=True)  # its process is gone: take it over
-            continue
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        return None
-    return f"{run_dir}: could not create {path} (another process keeps creating it); give another hydra.run.dir"
+            holder = json.loads(path.read_text())
+            who = f" (pid {int(holder['pid'])} on {'this host' if holder['host'] == host else holder['host']})"
+        except (OSError, ValueError, KeyError, TypeError):
+            holder, who = {}, ""  # its holder is writing it
+        folder = _hydra_folder(run_dir)
+        if folder is not None and folder.is_dir():
+            for name, saved in (holder.get("hydra") or {}).items():
+                (folder / name).write_text(saved)  # the running run's record, not this command's
+        return (f"{run_dir} is in use by another train.py process{who}: two runs in one directory would overwrite "
+                "each other's checkpoints, logs and .hydra record. Give this run another hydra.run.dir, or wait for "
+                "that one to end (resume=true continues it)")
+    os.ftruncate(fd, 0)  # a killed run's file: its lock went with its process
+    os.write(fd, json.dumps({"pid": os.getpid(), "host": host, "hydra": record}).encode())
+    _run_locks[run_dir] = fd
+    return None
 
 
 def _release_run_lock(run_dir: Path) -> None:
-    path = run_dir / RUN_LOCK
-    try:
-        if json.loads(path.read_text()).get("pid") == os.getpid():
-            path.unlink()
-    except (OSError, ValueError, AttributeError):
-        pass
+    fd = _run_locks.pop(run_dir, None)
+    if fd is not None:
+        unlock_file(run_dir / RUN_LOCK, fd)
 
 
 def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float) -> dict:

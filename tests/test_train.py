@@ -5,7 +5,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -894,28 +893,37 @@ def test_a_checkpoint_written_before_stripe_group_resumes_with_its_own_command_l
 
 
 def test_a_run_dir_in_use_by_another_process_is_refused(tmp_path):
-    """While a train.py process works in a run dir it holds .train.lock there: a second run started in the same dir
-    (before the first wrote checkpoints/last.pt, which the overwrite check looks for) is refused instead of training
-    beside it over the same files; a lock whose process is gone (a killed run) is taken over; a run leaves none."""
-    import os
+    """While a train.py process works in a run dir it holds a lock on .train.lock there: a second run started in the
+    same dir (before the first wrote checkpoints/last.pt, which the overwrite check looks for) is refused instead of
+    training beside it over the same files, also while the holder's file is still empty (being written). The lock
+    is the OS's: the file of a killed run does not block the next one, and a run leaves none."""
     import signal
 
-    from compress.engine import RUN_LOCK
+    from compress.engine import RUN_LOCK, _release_run_lock, _take_run_lock
 
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    assert _take_run_lock(run_dir) is None  # a run working there (another open file of this process holds it)
+    with pytest.raises(ValueError, match=rf"{run_dir} is in use by another train.py process \(pid {os.getpid()} on "
+                                         r"this host\).*another hydra.run.dir"):
+        run(_compose(*TINY, "trainer.max_steps=1"), run_dir=run_dir)
+    assert json.loads((run_dir / RUN_LOCK).read_text())["pid"] == os.getpid()  # still the holder's
+    _release_run_lock(run_dir)
+    assert not (run_dir / RUN_LOCK).exists()
+    # another process that has locked the file and not yet written it, then is killed
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
+                               f"fd = os.open({str(run_dir / RUN_LOCK)!r}, os.O_CREAT | os.O_RDWR)\n"
+                               "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('locked', flush=True)\ntime.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
     try:
-        (run_dir / RUN_LOCK).write_text(json.dumps({"pid": holder.pid, "host": socket.gethostname(), "hydra": {}}))
-        with pytest.raises(ValueError, match=rf"{run_dir} is in use by another train.py process \(pid {holder.pid} on "
-                                             r"this host\).*another hydra.run.dir"):
+        assert holder.stdout.readline() == "locked\n"
+        with pytest.raises(ValueError, match=rf"{run_dir} is in use by another train.py process: two runs"):
             run(_compose(*TINY, "trainer.max_steps=1"), run_dir=run_dir)
-        assert json.loads((run_dir / RUN_LOCK).read_text())["pid"] == holder.pid  # still the holder's
         assert not (run_dir / "checkpoints").exists()
     finally:
         os.kill(holder.pid, signal.SIGKILL)
         holder.wait()
-    summary = run(_compose(*TINY, "trainer.max_steps=1"), run_dir=run_dir)  # the holder is gone: taken over
+    assert (run_dir / RUN_LOCK).exists()  # what the killed process left
+    summary = run(_compose(*TINY, "trainer.max_steps=1"), run_dir=run_dir)
     assert summary["steps"] == 1 and not (run_dir / RUN_LOCK).exists()
     with pytest.raises(ValueError, match="optim.lr=nan"):  # a refused config leaves no run dir the lock created
         run(_compose(*TINY, "optim.lr=nan"), run_dir=tmp_path / "new")
