@@ -122,6 +122,9 @@ def build_data(cfg, rank: int = 0, world_size: int = 1) -> Data:
         warnings.warn(f"build_data: data.{unread[0]}={opts[unread[0]]!r} has no effect: it is read by the datasets "
                       f"on disk only ({', '.join(d for d in DATASETS if d not in ('digits', 'fake'))}), and data={name} "
                       "never reads it; to train on one, choose it too (e.g. data=cifar10 data.root=...)", stacklevel=2)
+    elif opts["download"] and name in ("imagenet", "imagefolder") and rank == 0:
+        warnings.warn(f"build_data: data.download=true has no effect with data={name}: only cifar10 and cifar100 "
+                      "are downloaded; put the images under data.root yourself (see README, Data)", stacklevel=2)
     train, test, num_classes = _BUILDERS[name](opts)
     if opts["num_classes"] is not None and opts["num_classes"] != num_classes:
         raise ValueError(

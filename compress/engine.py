@@ -582,6 +582,18 @@ def _resolve_auto_resume(cfg: DictConfig, run_dir: Path, dist: DistInfo) -> None
     cfg.resume = found
 
 
+def _restore_run_record(run_dir: Path) -> None:
+    """Put the run's own config and Hydra record back into run_dir's .hydra/ (over a refused command's), from the
+    first readable of its checkpoints/last.pt and best.pt; nothing where neither is readable."""
+    for name in ("last.pt", "best.pt"):
+        try:
+            saved = load_checkpoint(run_dir / "checkpoints" / name)
+        except (ValueError, FileNotFoundError):
+            continue
+        _record_run_config(saved["config"], run_dir, saved.get("hydra_record"))
+        return
+
+
 def _refuse_to_overwrite_a_run(cfg: DictConfig, run_dir: Path) -> None:
     """ValueError when `run_dir` holds a run (checkpoints/last.pt) that this command does not continue: a fresh run,
     or `resume=<file>` of another checkpoint (its best.pt included), would overwrite its checkpoints and summary.
@@ -592,13 +604,7 @@ def _refuse_to_overwrite_a_run(cfg: DictConfig, run_dir: Path) -> None:
         return
     if cfg.resume is True or (cfg.resume not in (None, False) and Path(str(cfg.resume)).resolve() == existing.resolve()):
         return
-    for name in ("last.pt", "best.pt"):  # the run's own config and Hydra record, from the first readable one
-        try:
-            saved = load_checkpoint(run_dir / "checkpoints" / name)
-        except (ValueError, FileNotFoundError):
-            continue
-        _record_run_config(saved["config"], run_dir, saved.get("hydra_record"))
-        break
+    _restore_run_record(run_dir)
     what = "a fresh run" if cfg.resume in (None, False) else f"resume={cfg.resume} (another checkpoint)"
     raise ValueError(
         f"{run_dir} already holds a run (checkpoints/last.pt); {what} would overwrite its checkpoints. Pass "
@@ -619,8 +625,14 @@ def _resume_config(cfg: DictConfig, run_dir: Path, given: set[str] | None = None
     """
     if cfg.resume in (None, False):
         return cfg, None
-    path = run_dir / "checkpoints" / "last.pt" if cfg.resume is True else Path(str(cfg.resume))
-    ckpt = load_checkpoint(path, keys=RESUME_KEYS)
+    own = run_dir / "checkpoints" / "last.pt"
+    path = own if cfg.resume is True else Path(str(cfg.resume))
+    try:
+        ckpt = load_checkpoint(path, keys=RESUME_KEYS)
+    except (ValueError, FileNotFoundError):
+        if path.resolve() == own.resolve():
+            _restore_run_record(run_dir)  # the run's record back from best.pt, not the refused command's
+        raise
     saved = _with_added_keys(OmegaConf.create(ckpt["config"]))
     if given is None:
         merged = OmegaConf.merge(saved, {"trainer": cfg.trainer, "resume": cfg.resume})

@@ -555,3 +555,13 @@ def test_a_root_given_to_data_that_never_reads_it_is_noted():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         build_data({"name": "digits", "root": "/data/cifar10"}, rank=1, world_size=2)
+
+
+def test_download_with_data_that_cannot_be_downloaded_is_noted(tmp_path):
+    """data.download=true with data=imagefolder (or imagenet) trains on the images under data.root, and says that
+    nothing was downloaded instead of ignoring the setting."""
+    _folder(tmp_path, ["a", "b"])
+    with pytest.warns(UserWarning, match=r"data.download=true has no effect with data=imagefolder: only cifar10 and "
+                                         r"cifar100 are downloaded"):
+        assert build_data({"name": "imagefolder", "root": str(tmp_path), "input_size": 8,
+                           "download": True}).classes == ["a", "b"]

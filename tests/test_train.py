@@ -225,6 +225,9 @@ def test_train_py_resume_keeps_the_checkpoints_trainer_settings(tmp_path):
     assert proc.returncode != 0 and "already holds a run" in proc.stderr, proc.stderr[-2000:]
     assert {name: (tmp_path / ".hydra" / name).read_text() for name in record} == record
     assert yaml.safe_load((tmp_path / ".hydra" / "config.yaml").read_text())["trainer"]["max_steps"] == 3
+    proc = run_script("train.py", "resume=true", f"hydra.run.dir={tmp_path}")  # resuming it: refused, same record
+    assert proc.returncode != 0 and "cannot be read as a torch checkpoint" in proc.stderr, proc.stderr[-2000:]
+    assert {name: (tmp_path / ".hydra" / name).read_text() for name in record} == record
     last.write_bytes(intact)
     _, resumed = train("resume=true", "trainer.max_steps=null")
     assert (first["steps"], resumed["steps"], resumed["epochs"]) == (3, 8, 2)
