@@ -426,8 +426,8 @@ def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         raise ValueError(f"compress.load: {path} has no {FORMAT!r} recipe")
     if recipe.get("version") != VERSION:
         raise ValueError(
-            f"compress.load: {path} is format version {recipe.get('version')}; this code reads version "
-            f"{VERSION}: upgrade compress or re-export the model"
+            f"compress.load: {path} is format version {recipe.get('version')!r}; this code reads version "
+            f"{VERSION!r}: upgrade compress or re-export the model"
         )
     if _DIGEST_KEY in metadata and metadata[_DIGEST_KEY] != digest(tensors):  # files before it have none
         raise ValueError(

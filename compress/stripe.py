@@ -40,6 +40,26 @@ def _pair(v) -> tuple[int, int]:
     return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
 
 
+MAX_PLAN_ROWS = 2**24  # kernel area x output channels: the index table's size (ResNet-50's largest: 9 x 512)
+
+
+def _check_geometry(conv: StripeConv2d) -> None:
+    """ValueError unless the layer's sizes are those of a conv: channels >= 1, kernel, stride and dilation >= 1,
+    padding >= 0, and a kernel area x output channels (the rows of its index table, built at load) of at most
+    MAX_PLAN_ROWS, so that a compact file cannot make `load` allocate more than its tensors suggest."""
+    named = {"in_channels": (conv.in_channels,), "out_channels": (conv.out_channels,), "kernel_size": conv.kernel_size,
+             "stride": conv.stride, "dilation": conv.dilation}
+    bad = [f"{name}={values}" for name, values in named.items() if min(values) < 1]
+    bad += [f"padding={conv.padding}"] if min(conv.padding) < 0 else []
+    rows = conv.kernel_size[0] * conv.kernel_size[1] * conv.out_channels
+    bad += [f"kernel_size={conv.kernel_size} x out_channels={conv.out_channels} = {rows:,} index rows, above "
+            f"{MAX_PLAN_ROWS:,}"] if rows > MAX_PLAN_ROWS else []
+    if bad:
+        raise ValueError(f"StripeConv2d: {'; '.join(bad)}: not the geometry of a conv layer (channels, kernel, stride "
+                         "and dilation must be >= 1, padding >= 0); a compact file that names it is corrupt or "
+                         "edited: export the model again")
+
+
 def _sources(*tensors: torch.Tensor | None) -> tuple:
     """Detached views of the tensors a cache entry was built from: held with the entry, they keep those storages
     alive, so a cache key of storage address and version can never match a later tensor at a reused address."""
@@ -180,6 +200,7 @@ class StripeConv2d(nn.Module):
         self.in_channels, self.out_channels = int(in_channels), int(out_channels)
         self.kernel_size, self.stride = _pair(kernel_size), _pair(stride)
         self.padding, self.dilation = _pair(padding), _pair(dilation)
+        _check_geometry(self)
         self.mode = mode
         self.weight = nn.Parameter(torch.zeros(num_stripes, in_channels))
         self.bias = nn.Parameter(torch.zeros(out_channels)) if bias else None

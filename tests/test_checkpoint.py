@@ -466,6 +466,30 @@ def test_a_recipe_naming_huge_layers_fails_before_allocating_them(saved):
         load(saved)
 
 
+@pytest.mark.parametrize("key, value, match", [
+    ("kernel_size", [3000, 3000], r"kernel_size=\(3000, 3000\) x out_channels=16 = 144,000,000 index rows, above"),
+    ("dilation", [0, 0], r"dilation=\(0, 0\): not the geometry of a conv layer"),
+    ("stride", [1, 0], r"stride=\(1, 0\): not the geometry"),
+    ("padding", [-3, -3], r"padding=\(-3, -3\): not the geometry"),
+])
+def test_a_stripe_conv_of_impossible_geometry_is_refused_before_its_index_table(tmp_path, key, value, match):
+    """A stripe conv's kernel size and width are in the recipe only (no tensor has their shape), so the meta-device
+    check cannot catch a huge one: a 3000x3000 kernel made load build a 144M-row index table (5.8 GB); a dilation of
+    0 divided by zero. Refused by StripeConv2d, naming the file."""
+    model = create_model("resnet20")
+    attach_skeletons(model)
+    path = save(compact(_randomise(model, keep=0.4).eval(), fold_bn=True), tmp_path / "m.safetensors")
+
+    def edit(recipe):
+        (first,) = [r for r in recipe["replacements"] if r["name"] == "conv1"]
+        assert first["type"] == "StripeConv2d"
+        first["config"][key] = value
+
+    _rewrite(path, edit_recipe=edit)
+    with pytest.raises(ValueError, match=rf"m.safetensors.*module 'conv1'.*{match}"):
+        load(path)
+
+
 @pytest.mark.parametrize("edit, match", [
     (lambda r: r["arch"]["kwargs"].update(num_classes=-5), r"cannot rebuild the architecture"),
     (lambda r: r["removed"].append("_parameters"), r"removed module '_parameters' is not a module"),
