@@ -12,7 +12,7 @@ __all__ = ["digest"]
 
 def digest(obj: object) -> str:
     """Hex SHA-256 of `obj`: nested dicts (in key order), lists and tuples of tensors (dtype, shape and bytes, taken on
-    the CPU) and plain values (their repr)."""
+    the CPU) and plain values (their repr). ValueError for a sparse or meta tensor (it has no plain bytes)."""
     h = hashlib.sha256()
     _update(h, obj)
     return h.hexdigest()
@@ -20,6 +20,8 @@ def digest(obj: object) -> str:
 
 def _update(h, obj: object) -> None:
     if isinstance(obj, torch.Tensor):
+        if obj.layout != torch.strided or obj.is_meta:
+            raise ValueError(f"a {'meta' if obj.is_meta else obj.layout} tensor, which no checkpoint of ours holds")
         t = obj.detach().to("cpu").contiguous()
         h.update(f"T{t.dtype}{tuple(t.shape)}:".encode())
         h.update(t.view(-1).view(torch.uint8).numpy())

@@ -166,5 +166,8 @@ def _launch_dir() -> Path:
 
 def launch_path(path: str | os.PathLike) -> Path:
     """`path` (~ expanded) made absolute against the directory the command was started in, not the run dir
-    `hydra.job.chdir=true` moves into."""
-    return (_launch_dir() / Path(str(path)).expanduser()).resolve()
+    `hydra.job.chdir=true` moves into. ValueError naming it for a path that cannot be resolved (a symlink loop)."""
+    try:
+        return (_launch_dir() / Path(str(path)).expanduser()).resolve()
+    except (RuntimeError, OSError) as err:  # Python 3.11-3.12 raise RuntimeError for a symlink loop
+        raise ValueError(f"{path}: cannot resolve this path ({err}); give a path to a file or folder") from None

@@ -17,7 +17,7 @@ import torch
 from compress._digest import digest
 from compress._files import atomic_write
 
-__all__ = ["atomic_save", "load_checkpoint", "rng_state", "set_rng_state"]
+__all__ = ["atomic_save", "check_weight_kinds", "load_checkpoint", "rng_state", "set_rng_state"]
 
 DIGEST_KEY = "sha256"
 
@@ -66,7 +66,12 @@ def load_checkpoint(path: str | os.PathLike, hint: str = RESUME_HINT, keys: tupl
             "file: take another checkpoint (checkpoints/best.pt, or an earlier copy)"
         ) from None
     if isinstance(ckpt, dict) and DIGEST_KEY in ckpt:  # checkpoints written before it have none
-        if ckpt.pop(DIGEST_KEY) != digest(ckpt):
+        try:
+            contents = digest({k: v for k, v in ckpt.items() if k != DIGEST_KEY})
+        except ValueError as err:
+            raise ValueError(f"{path} holds {err}: it is not a train.py checkpoint; take another checkpoint "
+                             "(checkpoints/best.pt, or an earlier copy)") from None
+        if ckpt.pop(DIGEST_KEY) != contents:
             raise ValueError(
                 f"{path} is corrupt: its contents do not match the SHA-256 saved with them; take another "
                 "checkpoint (checkpoints/best.pt, or an earlier copy)"
@@ -78,7 +83,48 @@ def load_checkpoint(path: str | os.PathLike, hint: str = RESUME_HINT, keys: tupl
             f"{path} is not a train.py checkpoint (it has no {missing}; found {found}); give a "
             "checkpoints/last.pt or best.pt of a train.py run"
         )
+    wrong = _wrong_types(ckpt)
+    if wrong:
+        raise ValueError(f"{path} is corrupt or edited ({'; '.join(wrong)}): not what train.py writes; take another "
+                         "checkpoint (checkpoints/best.pt, or an earlier copy)")
     return ckpt
+
+
+CONFIG_GROUPS = ("model", "data", "prune", "optim", "trainer", "pix")
+
+
+def _wrong_types(ckpt: dict) -> list[str]:
+    """The parts of a checkpoint that its readers take apart and that do not have the types train.py writes: "model"
+    a dict of named tensors, "config" a dict whose groups (and model.kwargs) are dicts, "arch" a dict with a str name
+    and dict kwargs."""
+    wrong = []
+    model, config, arch = ckpt.get("model", {}), ckpt.get("config", {}), ckpt.get("arch")
+    if not (isinstance(model, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in model.items())):
+        wrong.append("'model' is not a dict of named tensors")
+    if not isinstance(config, dict):
+        wrong.append(f"'config' is a {type(config).__name__}")
+    else:
+        wrong += [f"config.{g} is a {type(config[g]).__name__}" for g in CONFIG_GROUPS
+                  if g in config and not isinstance(config[g], dict)]
+        kwargs = config.get("model", {}).get("kwargs") if isinstance(config.get("model"), dict) else None
+        if kwargs is not None and not isinstance(kwargs, dict):
+            wrong.append(f"config.model.kwargs is a {type(kwargs).__name__}")
+    if arch is not None and not (isinstance(arch, dict) and isinstance(arch.get("name"), str)
+                                 and isinstance(arch.get("kwargs"), dict)):
+        wrong.append("'arch' is not a dict with a str 'name' and a dict 'kwargs'")
+    return wrong
+
+
+def check_weight_kinds(model: torch.nn.Module, weights: dict, where: str) -> None:
+    """ValueError unless each tensor of `weights` is of the kind (floating point or not) of the model's state_dict
+    entry of its name, and none is complex: load_state_dict would copy int values into float weights (or drop a
+    complex one's imaginary part) without a word."""
+    own = model.state_dict()
+    odd = [f"{k} ({t.dtype}; the model's is {own[k].dtype})" for k, t in weights.items()
+           if k in own and (t.is_complex() or t.is_floating_point() != own[k].is_floating_point())]
+    if odd:
+        raise ValueError(f"{where}: tensors of the wrong kind: {', '.join(odd[:5])}; the file is corrupt or edited: "
+                         "take another checkpoint")
 
 
 def _is_safetensors(path: Path) -> bool:

@@ -396,6 +396,9 @@ def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         raise ValueError(f"compress.load: {path} is a directory; give the compact model file in it (export.py writes "
                          "model.compact.safetensors)")
     if not path.is_file():
+        if os.path.lexists(path):  # a FIFO, a device, a symlink loop or one to nothing
+            raise ValueError(f"compress.load: {path} is not a regular file; give the compact model file "
+                             "(model.compact.safetensors)")
         raise FileNotFoundError(f"compress.load: no compact model file at {path}")
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:

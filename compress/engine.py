@@ -46,7 +46,7 @@ from compress._files import atomic_write, launch_path, lock_file, remove_if_only
 from compress._logging import RunLogger, format_summary, progress, say
 from compress._macs import estimate_macs
 from compress._modes import evaluating
-from compress._trainstate import atomic_save, load_checkpoint, rng_state, set_rng_state
+from compress._trainstate import atomic_save, check_weight_kinds, load_checkpoint, rng_state, set_rng_state
 from compress.checkpoint import build_recipe, rebuild_for, unregistered_module
 from compress.checkpoint import load as load_compact
 from compress.compaction import check_target_macs, compact
@@ -1065,6 +1065,7 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float) -> dict:
     # `skip` batches from there were trained before (see _resume_mid_epoch)
     first_sample, skip, after_skip = 0, 0, None
     if ckpt is not None:
+        check_weight_kinds(raw, ckpt["model"], f"resume: {run_dir / 'checkpoints' / 'last.pt' if cfg.resume is True else cfg.resume}")
         try:
             raw.load_state_dict(ckpt["model"])
         except RuntimeError as err:

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from compress._files import process_alive
-from compress._trainstate import _is_safetensors, load_checkpoint
+from compress._trainstate import _is_safetensors, check_weight_kinds, load_checkpoint
 from compress.checkpoint import load, rebuild_for, unregistered_module
 from compress.checkpoint import save as save_compact
 from compress.compaction import choose_modes, compact
@@ -89,6 +89,7 @@ def load_training_checkpoint(path: str | os.PathLike) -> tuple[nn.Module, dict]:
         if key.endswith(".skeleton"):
             name = key[: -len(".skeleton")]
             replace_module(model, name, SkeletonConv2d.from_conv(model.get_submodule(name), group))
+    check_weight_kinds(model, state["model"], f"export: {path}")
     try:
         model.load_state_dict(state["model"], strict=True)
     except RuntimeError as err:
@@ -110,6 +111,7 @@ def _fine_tuned(path: Path, state: dict, init: str) -> nn.Module:
         )
     else:
         model = load(init)
+    check_weight_kinds(model, state["model"], f"export: {path}")
     try:
         model.load_state_dict(state["model"], strict=True)
     except RuntimeError as err:
@@ -311,6 +313,13 @@ def export_checkpoint(
                       stacklevel=2)
         fuse_relu = True  # the dense baseline fuses as the compact model did
     fuse_relu = fuse_relu and fold_bn
+    first_multiple = int(before.get("channel_multiple", 1)) if before is not None else channel_multiple
+    if channel_multiple != first_multiple and type(channel_multiple) is int and channel_multiple >= 1:
+        # its fused stripe convs are final: they would keep the first padding (compact refuses invalid values)
+        warnings.warn(f"export: channel_multiple={channel_multiple} is ignored: {ckpt} holds a compact model whose "
+                      f"channels were padded to multiples of {first_multiple}; export its training checkpoint with "
+                      f"channel_multiple={channel_multiple}", stacklevel=2)
+        channel_multiple = first_multiple
     small = compact(model, threshold=threshold if has_skeletons else None, fold_bn=fold_bn,
                     target_macs=target_macs, input_size=size, channel_multiple=channel_multiple, fuse_relu=fuse_relu)
     # a compact file's threshold and budget are its first export's (carried in its record)
@@ -366,12 +375,14 @@ def export_checkpoint(
 class _staging:
     """`with _staging(out) as stage:` the export's files are written into `stage`, a fresh directory inside `out`
     (created if missing), and moved into `out` only when the block succeeds; any failure leaves `out` as it was
-    (an `out` the export created is removed again). A model.onnx in `out` that this export does not write (onnx
+    (an `out` the export created is removed again, with the folders above it that it created). A model.onnx in `out` that this export does not write (onnx
     off) is removed with a warning: it would describe another model. The stage is named by the process id
     (.export-<pid>-*): the stages of exports killed on this host, whose process is gone, are removed."""
 
     def __init__(self, out: Path):
-        self.out, self.created = out, not out.exists()
+        self.out = out
+        missing = [d for d in (out, *out.absolute().parents) if not d.exists()]
+        self.made = missing[-1] if missing else None  # the topmost folder the export creates
 
     def __enter__(self) -> Path:
         try:
@@ -396,6 +407,6 @@ class _staging:
                     warnings.warn(f"export: removed {self.out / name}, written by an earlier export into {self.out} "
                                   "(onnx is off now)", stacklevel=3)
         shutil.rmtree(self.stage, ignore_errors=True)
-        if kind is not None and self.created:
-            shutil.rmtree(self.out, ignore_errors=True)
+        if kind is not None and self.made is not None:
+            shutil.rmtree(self.made, ignore_errors=True)
 

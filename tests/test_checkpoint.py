@@ -588,3 +588,19 @@ def test_a_model_that_cannot_be_built_on_meta_loads(tmp_path):
     _rewrite(path, edit_tensors=lambda t: t.update({"fc.weight": t["fc.weight"][:3].clone()}))
     with pytest.raises(ValueError, match=r"m.safetensors.*fc\.weight"):
         load(path)
+
+
+def test_paths_that_are_no_regular_file_are_clear_errors(tmp_path):
+    """A symlink loop or a FIFO at the path: said so, not "no file there" (load) nor Python's RuntimeError (a
+    train.py / export.py path setting, resolved by launch_path)."""
+    import os
+
+    from compress._files import launch_path
+
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    os.mkfifo(tmp_path / "fifo")
+    for name in ("loop", "fifo"):
+        with pytest.raises(ValueError, match=rf"compress.load: {tmp_path / name} is not a regular file"):
+            load(tmp_path / name)
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'loop'}: cannot resolve this path"):
+        launch_path(tmp_path / "loop")

@@ -426,7 +426,7 @@ def test_export_device_settings_are_checked_before_any_work(training_checkpoint,
 
 def test_a_failed_export_leaves_the_out_dir_as_it_was(training_checkpoint, tmp_path, monkeypatch):
     """Every file goes into `out` only once the whole export succeeded: a failure late in the flow (here the ONNX
-    check) leaves an earlier export's files as they were, and removes an out dir it created."""
+    check) leaves an earlier export's files as they were, and removes an out dir it created (and its new parents)."""
     import compress.export as export_module
 
     path, _ = training_checkpoint
@@ -443,7 +443,7 @@ def test_a_failed_export_leaves_the_out_dir_as_it_was(training_checkpoint, tmp_p
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     with pytest.raises(RuntimeError, match="onnxruntime failed"):
         export_checkpoint(path, tmp_path / "new" / "out", latency=False, choose_stripe_modes=False)
-    assert not (tmp_path / "new" / "out").exists()
+    assert not (tmp_path / "new").exists()  # out and the folder above it, both created by the export
 
 
 def test_report_counts_the_stripes_of_the_exported_model(training_checkpoint, tmp_path):
@@ -523,6 +523,12 @@ def test_exporting_a_compact_file_again_keeps_its_compaction_record(training_che
     said = " ".join(str(w.message) for w in caught)
     assert "fold_bn=false is ignored: " in said and "fuse_relu=false is ignored: " in said
     assert load(tmp_path / "c" / FILES[0]).compress_compaction["fold_bn"]
+    # its fused stripe convs keep the first padding, so another channel multiple would be recorded but not applied
+    with pytest.warns(UserWarning, match=r"channel_multiple=8 is ignored: .*model.bin holds a compact model whose "
+                                         r"channels were padded to multiples of 1"):
+        export_checkpoint(renamed, tmp_path / "f", channel_multiple=8, onnx=False, latency=False,
+                          choose_stripe_modes=False)
+    assert load(tmp_path / "f" / FILES[0]).compress_compaction["channel_multiple"] == 1
     # ... and the dense baseline is the one a plain re-export compares with (BN folded, ReLUs fused)
     assert [(r["name"], r["type"]) for r in ignored["dense"]["layers"]] == \
         [(r["name"], r["type"]) for r in again["dense"]["layers"]]

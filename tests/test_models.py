@@ -226,6 +226,18 @@ def broken_state(model: nn.Module) -> dict:
     return state
 
 
+class _Payload:
+    """Unpickling it would run a shell command that creates `marker` (it never is: weights_only)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
 def test_load_weights_takes_a_state_dict_file_and_keeps_a_classifier_of_other_classes_fresh(tmp_path):
     """A pretrained file (here a random torchvision ResNet-18 of 1000 classes, saved as torchvision does, wrapped as
     training scripts do, and as timm's safetensors) loads into create_model's model; a classifier of another size
@@ -266,6 +278,12 @@ def test_load_weights_takes_a_state_dict_file_and_keeps_a_classifier_of_other_cl
     torch.save(source, tmp_path / "whole.pth")
     with pytest.raises(ValueError, match="holds Python objects besides tensors .* never loaded"):
         load_weights(create_model("resnet18"), tmp_path / "whole.pth")
+    torch.save({"w": _Payload(tmp_path / "ran")}, tmp_path / "payload.pth")  # torch words a blocked module's global differently
+    with pytest.raises(ValueError, match=r"payload.pth holds Python objects besides tensors \(posix.system\)"):
+        load_weights(create_model("resnet18"), tmp_path / "payload.pth")
+    assert not (tmp_path / "ran").exists()
+    torch.save(source.state_dict(), tmp_path / "torch_named.safetensors")  # a torch file named like safetensors
+    assert load_weights(create_model("resnet18", num_classes=1000), tmp_path / "torch_named.safetensors") == []
     for text in ("not a checkpoint at all", '{"json": 1}'):
         (tmp_path / "text.pth").write_text(text)
         with pytest.raises(ValueError, match=r"text.pth is not a torch file[^;]*$") as info:

@@ -725,6 +725,44 @@ def test_train_py_and_export_py_under_hydra_job_chdir_read_paths_from_the_launch
     assert refused.returncode != 0 and (tmp_path / "mine").is_dir() and not (tmp_path / "mine" / "r1").exists()
 
 
+@pytest.mark.parametrize("edit, match", [
+    (lambda c: c.update(config=[1, 2]), r"'config' is a list"),
+    (lambda c: c["config"].update(pix=[1]), r"config.pix is a list"),
+    (lambda c: c["config"]["model"].update(kwargs=[1]), r"config.model.kwargs is a list"),
+    (lambda c: c.update(arch={"name": "resnet20"}), r"'arch' is not a dict with a str 'name' and a dict 'kwargs'"),
+    (lambda c: c.update(model="weights"), r"'model' is not a dict of named tensors"),
+    (lambda c: c["model"].update({"fc.weight": c["model"]["fc.weight"].to(torch.int32)}),
+     r"tensors of the wrong kind: fc.weight \(torch.int32; the model's is torch.float32\)"),
+])
+def test_a_checkpoint_edited_into_other_types_is_refused_naming_the_file(tmp_path, edit, match):
+    """A checkpoint whose digest fits but whose parts are not what train.py writes (edited by hand, or by another
+    tool) is a ValueError naming the file, for export and resume alike: not an AttributeError from deep inside, and
+    never int weights copied into float ones (load_state_dict truncates them without a word)."""
+    from compress._trainstate import DIGEST_KEY, atomic_save
+    from compress.export import load_any
+
+    run(_compose(*TINY, "trainer.max_steps=1"), run_dir=tmp_path / "run")
+    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
+    ckpt.pop(DIGEST_KEY)
+    edit(ckpt)
+    path = atomic_save(ckpt, tmp_path / "edited.pt")
+    with pytest.raises(ValueError, match=rf"{path}.*{match}"):
+        load_any(path)
+    with pytest.raises(ValueError, match=rf"{path}.*{match}"):
+        run(_compose(*TINY, f"resume={path}"), run_dir=tmp_path / "resumed")
+
+
+@pytest.mark.filterwarnings("ignore:Validating sparse tensor invariants")
+@pytest.mark.parametrize("odd", [torch.zeros(3, 3).to_sparse(), torch.empty(3, device="meta")])
+def test_a_checkpoint_holding_a_sparse_or_meta_tensor_is_refused_naming_the_file(tmp_path, odd):
+    """weights_only loading allows sparse and meta tensors; the digest check read their bytes and crashed."""
+    from compress._trainstate import load_checkpoint
+
+    torch.save({"model": {}, "config": {}, "extra": odd, "sha256": "0" * 64}, tmp_path / "odd.pt")
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'odd.pt'} holds a (torch.sparse_coo|meta) tensor"):
+        load_checkpoint(tmp_path / "odd.pt")
+
+
 def test_resuming_a_checkpoint_with_non_finite_weights_is_refused(tmp_path):
     """Such a file (an older version saved diverged runs) would train a whole epoch before failing."""
     from compress._trainstate import DIGEST_KEY, atomic_save

@@ -63,11 +63,11 @@ def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 def _torch_file(path: Path):
     """The contents of a torch file, read with `weights_only=True` (argparse args, which training scripts save beside
     the weights, allowed); ValueError naming the file otherwise."""
-    try:
-        with torch.serialization.safe_globals([argparse.Namespace]):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(err))
+    try:  # a file object: torch.load picks its safetensors reader by a path's suffix
+        with open(path, "rb") as f, torch.serialization.safe_globals([argparse.Namespace]):
+            return torch.load(f, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:  # "Unsupported global: GLOBAL x.y", "unsupported GLOBAL posix.system ..."
+        found = re.search(r"GLOBAL ([\w.]+)", str(err), re.IGNORECASE)
         if found is None:
             raise ValueError(f"model.weights: {path} is not a torch file (a state dict saved with torch.save, or a "
                              ".safetensors file)") from None
