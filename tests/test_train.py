@@ -752,6 +752,13 @@ def test_a_checkpoint_edited_into_other_types_is_refused_naming_the_file(tmp_pat
         run(_compose(*TINY, f"resume={path}"), run_dir=tmp_path / "resumed")
 
 
+def test_resume_of_a_file_that_is_no_torch_file_says_so(tmp_path):
+    """A text file given as resume= was "cannot be read as a torch checkpoint (KeyError: 101)"."""
+    (tmp_path / "notes.txt").write_text("epoch 3: loss 0.2")
+    with pytest.raises(ValueError, match=r"notes.txt is not a torch checkpoint \(it starts with b'epoc'; torch.save"):
+        run(_compose(*TINY, f"resume={tmp_path / 'notes.txt'}"), run_dir=tmp_path / "run")
+
+
 @pytest.mark.filterwarnings("ignore:Validating sparse tensor invariants")
 @pytest.mark.parametrize("odd", [torch.zeros(3, 3).to_sparse(), torch.empty(3, device="meta")])
 def test_a_checkpoint_holding_a_sparse_or_meta_tensor_is_refused_naming_the_file(tmp_path, odd):
