@@ -104,7 +104,8 @@ def _wrong_types(ckpt: dict) -> list[str]:
     and dict kwargs."""
     wrong = []
     model, config, arch = ckpt.get("model", {}), ckpt.get("config", {}), ckpt.get("arch")
-    if not (isinstance(model, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in model.items())):
+    if not (isinstance(model, dict)
+            and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in model.items())):
         wrong.append("'model' is not a dict of named tensors")
     if not isinstance(config, dict):
         wrong.append(f"'config' is a {type(config).__name__}")

@@ -930,8 +930,8 @@ def _run_lock(run_dir: Path, dist: DistInfo):
     started in the same dir while this one works would otherwise train beside it (its checkpoints/last.pt is not
     written yet at first), both would write the same checkpoints, logs and .hydra record, and one run's results
     would be lost. The lock is the OS's (`_files.lock_file`): it ends with its process, kill -9 included, so a
-    killed run's dir resumes at once. The refused command puts the holder's .hydra record back over its own. A run dir the lock had to create
-    is removed again if the run leaves it empty (a command refused by its config)."""
+    killed run's dir resumes at once. The refused command puts the holder's .hydra record back over its own. A run
+    dir the lock had to create is removed again if the run leaves it empty (a command refused by its config)."""
     created = dist.is_main and not run_dir.exists()
     refused = _take_run_lock(run_dir) if dist.is_main else None
     if dist.world_size > 1:
@@ -1065,7 +1065,8 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float) -> dict:
     # `skip` batches from there were trained before (see _resume_mid_epoch)
     first_sample, skip, after_skip = 0, 0, None
     if ckpt is not None:
-        check_weight_kinds(raw, ckpt["model"], f"resume: {run_dir / 'checkpoints' / 'last.pt' if cfg.resume is True else cfg.resume}")
+        resumed = run_dir / "checkpoints" / "last.pt" if cfg.resume is True else cfg.resume
+        check_weight_kinds(raw, ckpt["model"], f"resume: {resumed}")
         try:
             raw.load_state_dict(ckpt["model"])
         except RuntimeError as err:

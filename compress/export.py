@@ -375,8 +375,9 @@ def export_checkpoint(
 class _staging:
     """`with _staging(out) as stage:` the export's files are written into `stage`, a fresh directory inside `out`
     (created if missing), and moved into `out` only when the block succeeds; any failure leaves `out` as it was
-    (an `out` the export created is removed again, with the folders above it that it created). A model.onnx in `out` that this export does not write (onnx
-    off) is removed with a warning: it would describe another model. The stage is named by the process id
+    (an `out` the export created is removed again, with the folders above it that it created). A model.onnx in
+    `out` that this export does not write (onnx off) is removed with a warning: it would describe another model.
+    The stage is named by the process id
     (.export-<pid>-*): the stages of exports killed on this host, whose process is gone, are removed."""
 
     def __init__(self, out: Path):
