@@ -433,7 +433,8 @@ def test_bad_checkpoint_files_are_clear_errors(tmp_path):
     import compress
 
     compress.save(compress.create_model("resnet20", num_classes=3), tmp_path / "compact.safetensors")
-    cases = {"truncated.pt": "truncated or corrupt", "summary.json": "refused it", "text.pt": "truncated or corrupt",
+    cases = {"truncated.pt": "truncated or corrupt", "summary.json": "refused it",
+             "text.pt": r"is not a torch checkpoint \(it starts with b'hell'; torch.save writes a zip archive\)",
              "folder.pt": "is a directory, not a checkpoint",
              "compact.safetensors": "is a safetensors file.*fine-tune a compact model with train.py init=",
              "whole_model.pt": "never loaded here because loading them can run code",
@@ -750,13 +751,6 @@ def test_a_checkpoint_edited_into_other_types_is_refused_naming_the_file(tmp_pat
         load_any(path)
     with pytest.raises(ValueError, match=rf"{path}.*{match}"):
         run(_compose(*TINY, f"resume={path}"), run_dir=tmp_path / "resumed")
-
-
-def test_resume_of_a_file_that_is_no_torch_file_says_so(tmp_path):
-    """A text file given as resume= was "cannot be read as a torch checkpoint (KeyError: 101)"."""
-    (tmp_path / "notes.txt").write_text("epoch 3: loss 0.2")
-    with pytest.raises(ValueError, match=r"notes.txt is not a torch checkpoint \(it starts with b'epoc'; torch.save"):
-        run(_compose(*TINY, f"resume={tmp_path / 'notes.txt'}"), run_dir=tmp_path / "run")
 
 
 @pytest.mark.filterwarnings("ignore:Validating sparse tensor invariants")
