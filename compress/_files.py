@@ -100,7 +100,10 @@ def lock_file(path: Path) -> int | None:
     except ImportError:
         fcntl = None
     for _ in range(8):
-        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fd, writable = os.open(path, os.O_CREAT | os.O_RDWR, 0o644), True
+        except PermissionError:  # another user's file: a read-only descriptor can hold the lock too
+            fd, writable = os.open(path, os.O_RDONLY), False
         try:
             if fcntl is None:
                 raise OSError("no fcntl on this platform")
@@ -113,11 +116,14 @@ def lock_file(path: Path) -> int | None:
                           RuntimeWarning, stacklevel=2)
             return fd
         try:
-            if os.path.samestat(os.fstat(fd), os.stat(path)):
-                return fd
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
         except FileNotFoundError:
-            pass
-        os.close(fd)  # its holder removed the file between our open and our lock: lock the file there now
+            same = False
+        if same and writable:
+            return fd
+        if same:  # another user's file that no process holds: replace it with one of ours (the folder allows it)
+            os.unlink(path)
+        os.close(fd)  # else its holder removed the file between our open and our lock: lock the file there now
     raise OSError(f"could not lock {path}: other processes keep removing and creating it")
 
 

@@ -62,8 +62,9 @@ def load_checkpoint(path: str | os.PathLike, hint: str = RESUME_HINT, keys: tupl
         with open(path, "rb") as f:
             head = f.read(4)
         if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):  # torch.save's zip archive, a pickle
-            raise ValueError(f"{path} is not a torch checkpoint (it starts with {head!r}; torch.save writes a zip "
-                             "archive): give a checkpoints/last.pt or best.pt of a train.py run") from None
+            what = f"it starts with {head!r}" if head else "it is empty"
+            raise ValueError(f"{path} is not a torch checkpoint ({what}; torch.save writes a zip archive): give a "
+                             "checkpoints/last.pt or best.pt of a train.py run") from None
         first = str(err).splitlines()[0] if str(err) else ""
         first = f"{type(err).__name__}: {first}" if first else type(err).__name__
         raise ValueError(

@@ -924,6 +924,19 @@ RUN_LOCK = ".train.lock"  # in a run dir while a train.py process works in it: {
 _run_locks: dict[Path, int] = {}  # run dir -> the open descriptor holding its RUN_LOCK (rank 0)
 
 
+def _close_inherited_locks() -> None:
+    """In a forked child (a DataLoader worker): close the run locks' descriptors it inherited, so that the lock ends
+    with the training process (a lock lasts while any descriptor of its open file does)."""
+    for fd in _run_locks.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _run_locks.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_inherited_locks)
+
+
 @contextlib.contextmanager
 def _run_lock(run_dir: Path, dist: DistInfo):
     """Hold `run_dir` for this run (rank 0 creates RUN_LOCK, every rank learns whether it could): a second train.py
@@ -933,13 +946,19 @@ def _run_lock(run_dir: Path, dist: DistInfo):
     killed run's dir resumes at once. The refused command puts the holder's .hydra record back over its own. A run
     dir the lock had to create is removed again if the run leaves it empty (a command refused by its config)."""
     created = dist.is_main and not run_dir.exists()
-    refused = _take_run_lock(run_dir) if dist.is_main else None
+    refused, error = None, None
+    if dist.is_main:
+        try:
+            refused = _take_run_lock(run_dir)
+        except OSError as err:  # the other ranks must learn it too, or they would wait in the broadcast below
+            _release_run_lock(run_dir)  # if it was taken before the error
+            refused, error = f"{run_dir}: cannot lock {RUN_LOCK} there ({err}); give a writable hydra.run.dir", err
     if dist.world_size > 1:
         shared = [refused]
         torch_dist.broadcast_object_list(shared, src=0)
         refused = shared[0]
     if refused:
-        raise ValueError(refused)
+        raise ValueError(refused) from error
     try:
         yield
     finally:
@@ -970,9 +989,9 @@ def _take_run_lock(run_dir: Path) -> str | None:
         return (f"{run_dir} is in use by another train.py process{who}: two runs in one directory would overwrite "
                 "each other's checkpoints, logs and .hydra record. Give this run another hydra.run.dir, or wait for "
                 "that one to end (resume=true continues it)")
+    _run_locks[run_dir] = fd  # released by _release_run_lock whatever happens next
     os.ftruncate(fd, 0)  # a killed run's file: its lock went with its process
     os.write(fd, json.dumps({"pid": os.getpid(), "host": host, "hydra": record}).encode())
-    _run_locks[run_dir] = fd
     return None
 
 

@@ -8,6 +8,7 @@ report.json, report.md and stripes.png, and returns the report dict.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -375,28 +376,35 @@ def export_checkpoint(
 class _staging:
     """`with _staging(out) as stage:` the export's files are written into `stage`, a fresh directory inside `out`
     (created if missing), and moved into `out` only when the block succeeds; any failure leaves `out` as it was
-    (an `out` the export created is removed again, with the folders above it that it created). A model.onnx in
-    `out` that this export does not write (onnx off) is removed with a warning: it would describe another model.
-    The stage is named by the process id
-    (.export-<pid>-*): the stages of exports killed on this host, whose process is gone, are removed."""
+    (the folders the export created for `out` are removed again, each if empty: what another writer put there
+    meanwhile stays). A model.onnx in `out` that this export does not write (onnx off) is removed with a warning:
+    it would describe another model. The stage is named by the process id (.export-<pid>-*): the stages of exports
+    killed on this host, whose process is gone, are removed."""
 
     def __init__(self, out: Path):
         self.out = out
-        missing = [d for d in (out, *out.absolute().parents) if not d.exists()]
-        self.made = missing[-1] if missing else None  # the topmost folder the export creates
+        self.made: list[Path] = []  # the folders this export created, outermost first
 
     def __enter__(self) -> Path:
         try:
-            self.out.mkdir(parents=True, exist_ok=True)
+            for folder in reversed([d for d in (self.out.absolute(), *self.out.absolute().parents) if not d.exists()]):
+                folder.mkdir(exist_ok=True)
+                self.made.append(folder)
             for old in self.out.glob(".export-*-*"):
                 pid = old.name.split("-")[1]
                 if old.is_dir() and pid.isdigit() and not process_alive(int(pid)):
                     shutil.rmtree(old, ignore_errors=True)  # a killed export's
             self.stage = Path(tempfile.mkdtemp(prefix=f".export-{os.getpid()}-", dir=self.out))
         except OSError as err:
+            self._remove_made()
             raise ValueError(f"export: cannot write into out={self.out} ({err.strerror or err}); give a writable "
                              "directory") from None
         return self.stage
+
+    def _remove_made(self) -> None:
+        for folder in reversed(self.made):  # innermost first, each only if empty: another writer's files stay
+            with contextlib.suppress(OSError):
+                folder.rmdir()
 
     def __exit__(self, kind, err, tb) -> None:
         if kind is None:
@@ -408,6 +416,6 @@ class _staging:
                     warnings.warn(f"export: removed {self.out / name}, written by an earlier export into {self.out} "
                                   "(onnx is off now)", stacklevel=3)
         shutil.rmtree(self.stage, ignore_errors=True)
-        if kind is not None and self.made is not None:
-            shutil.rmtree(self.made, ignore_errors=True)
+        if kind is not None:
+            self._remove_made()
 

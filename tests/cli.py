@@ -42,12 +42,19 @@ def _script(name: str):
     return _scripts[name]
 
 
+def _loggers() -> dict[logging.Logger, tuple]:
+    """Every logger's state that Hydra's logging config sets (export.yaml's `disabled` job logging disables all
+    existing loggers)."""
+    loggers = [logging.getLogger(), *(v for v in logging.root.manager.loggerDict.values()
+                                      if isinstance(v, logging.Logger))]
+    return {lg: (lg.handlers[:], lg.level, lg.disabled, lg.propagate) for lg in loggers}
+
+
 def run_script(name: str, *args: str, cwd: Path = ROOT) -> Result:
     """`python <ROOT/name> *args` run from `cwd`, in this process: its exit status, stdout and stderr (Hydra prints
-    a failed run's error to stderr and exits 1). Restores the working directory, sys.argv and the root logger."""
+    a failed run's error to stderr and exits 1). Restores the working directory, sys.argv and every logger."""
     main = _script(name).main
-    root = logging.getLogger()
-    handlers, level, argv, old_cwd = root.handlers[:], root.level, sys.argv, os.getcwd()
+    loggers, argv, old_cwd = _loggers(), sys.argv, os.getcwd()
     out, err = io.StringIO(), io.StringIO()
     code = 0
     sys.argv = [str(ROOT / name), *args]
@@ -60,9 +67,11 @@ def run_script(name: str, *args: str, cwd: Path = ROOT) -> Result:
     finally:
         os.chdir(old_cwd)
         sys.argv = argv
-        for handler in root.handlers:
-            if handler not in handlers:
-                handler.close()  # Hydra's handlers for this run (its train.log and console)
-        root.handlers[:] = handlers
-        root.setLevel(level)
+        for logger, (handlers, level, disabled, propagate) in loggers.items():
+            for handler in logger.handlers:
+                if handler not in handlers:
+                    handler.close()  # Hydra's handlers for this run (its train.log and console)
+            logger.handlers[:] = handlers
+            logger.setLevel(level)
+            logger.disabled, logger.propagate = disabled, propagate
     return Result(code, out.getvalue(), err.getvalue())

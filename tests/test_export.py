@@ -444,6 +444,15 @@ def test_a_failed_export_leaves_the_out_dir_as_it_was(training_checkpoint, tmp_p
     with pytest.raises(RuntimeError, match="onnxruntime failed"):
         export_checkpoint(path, tmp_path / "new" / "out", latency=False, choose_stripe_modes=False)
     assert not (tmp_path / "new").exists()  # out and the folder above it, both created by the export
+    # a folder it created that another export wrote into meanwhile keeps that export's files
+    from compress.export import _staging
+
+    with pytest.raises(RuntimeError, match="failed"), _staging(tmp_path / "exports" / "run1"):
+        (tmp_path / "exports" / "run2").mkdir()
+        (tmp_path / "exports" / "run2" / "m.safetensors").write_text("another export's")
+        raise RuntimeError("failed")
+    assert sorted(p.name for p in (tmp_path / "exports").iterdir()) == ["run2"]
+    assert (tmp_path / "exports" / "run2" / "m.safetensors").read_text() == "another export's"
 
 
 def test_report_counts_the_stripes_of_the_exported_model(training_checkpoint, tmp_path):

@@ -934,6 +934,44 @@ def test_a_checkpoint_written_before_stripe_group_resumes_with_its_own_command_l
                        given | {"prune.stripe_group"})
 
 
+def test_the_run_lock_survives_write_errors_other_users_files_and_forks(tmp_path, monkeypatch):
+    """A failure after the lock is taken (a full disk writing its file) releases it, so the next run in this process
+    is not refused; another user's lock file that no process holds is replaced (the folder allows it); a forked child
+    (a DataLoader worker) closes its copy of the descriptor, so the lock ends with the training process."""
+    import errno
+
+    import compress._files as files
+    from compress.engine import RUN_LOCK, _release_run_lock, _run_locks, _take_run_lock
+
+    def full_disk(fd, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "ftruncate", full_disk)
+        with pytest.raises(ValueError, match=rf"{tmp_path / 'a'}: cannot lock {RUN_LOCK} there \(.*No space left"):
+            run(_compose(*TINY, "trainer.max_steps=1"), run_dir=tmp_path / "a")
+    assert not _run_locks
+    assert run(_compose(*TINY, "trainer.max_steps=1"), run_dir=tmp_path / "a")["steps"] == 1
+
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / RUN_LOCK).write_text('{"pid": 1, "host": "elsewhere"}')  # as another user's killed run left it
+    real_open = os.open
+
+    def other_users(path, flags, *mode):
+        if str(path).endswith(RUN_LOCK) and flags & os.O_RDWR and os.path.exists(path) and os.path.getsize(path):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, flags, *mode)
+
+    monkeypatch.setattr(files.os, "open", other_users)
+    assert _take_run_lock(tmp_path / "b") is None
+    assert json.loads((tmp_path / "b" / RUN_LOCK).read_text())["pid"] == os.getpid()
+    pid = os.fork()
+    if pid == 0:  # the child: its copy of the lock's descriptor is closed
+        os._exit(0 if not _run_locks else 1)
+    assert os.waitpid(pid, 0)[1] == 0
+    _release_run_lock(tmp_path / "b")
+
+
 def test_a_run_dir_in_use_by_another_process_is_refused(tmp_path):
     """While a train.py process works in a run dir it holds a lock on .train.lock there: a second run started in the
     same dir (before the first wrote checkpoints/last.pt, which the overwrite check looks for) is refused instead of
