@@ -524,7 +524,8 @@ class StripeConv2d(nn.Module):
 
     def train(self, mode: bool = True) -> StripeConv2d:
         """Also drops the kept weights (dense, unrolled, launcher): writes that bypass a tensor's version counter
-        (`.data`, fused optimizers such as `SGD(fused=True)`) leave the cache keys unchanged, so a switch to or from
+        (`.data`, fused optimizers such as `SGD(fused=True)`, in-place writes to inference tensors, which have no
+        version) leave the cache keys unchanged, so a switch to or from
         eval, as every training loop makes, rebuilds them from the current weights. Such a write made in eval shows
         after the next `train()`/`eval()`."""
         self._drop_caches()
