@@ -62,11 +62,11 @@ def _fsync_dir(folder: Path) -> None:
 
 def remove_if_only_hydra(run_dir: Path, log_name: str | None = None) -> bool:
     """Delete `run_dir` when all it holds is what Hydra writes at a job's start (.hydra/*.yaml and an empty
-    `log_name`, the job's log file, where the job has one), and, where Hydra named it (no hydra.run.dir / hydra.sweep.dir on the command
-    line), the folders above it inside the launch directory that this leaves empty (outputs/<date>; a folder of
-    the user's own, such as myruns/ of hydra.run.dir=myruns/r1, stays); return whether `run_dir` was deleted. A
-    process inside `run_dir` (hydra.job.chdir=true) first goes back to the launch directory, as Hydra does after
-    the job."""
+    `log_name`, the job's log file, where the job has one), and, where Hydra named it (no hydra.run.dir /
+    hydra.sweep.dir on the command line), the folders above it inside the launch directory that this leaves empty
+    (outputs/<date>; a folder of the user's own, such as myruns/ of hydra.run.dir=myruns/r1, stays); return
+    whether `run_dir` was deleted. A process inside `run_dir` (hydra.job.chdir=true) first goes back to the launch
+    directory, as Hydra does after the job."""
     entries = {p.name for p in run_dir.iterdir()} if run_dir.is_dir() else {"?"}
     hydra = run_dir / ".hydra"
     only_yaml = not hydra.exists() or all(p.suffix == ".yaml" and p.is_file() for p in hydra.iterdir())

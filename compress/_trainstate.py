@@ -113,7 +113,8 @@ def _wrong_types(ckpt: dict) -> list[str]:
     else:
         wrong += [f"config.{g} is a {type(config[g]).__name__}" for g in CONFIG_GROUPS
                   if g in config and not isinstance(config[g], dict)]
-        kwargs = config.get("model", {}).get("kwargs") if isinstance(config.get("model"), dict) else None
+        model_cfg = config.get("model")
+        kwargs = model_cfg.get("kwargs") if isinstance(model_cfg, dict) else None
         if kwargs is not None and not isinstance(kwargs, dict):
             wrong.append(f"config.model.kwargs is a {type(kwargs).__name__}")
     if arch is not None and not (isinstance(arch, dict) and isinstance(arch.get("name"), str)

@@ -613,6 +613,11 @@ def _refuse_to_overwrite_a_run(cfg: DictConfig, run_dir: Path) -> None:
     )
 
 
+def _resume_path(cfg: DictConfig, run_dir: Path) -> Path:
+    """The checkpoint a resume reads: the run dir's checkpoints/last.pt for resume=true, else the file given."""
+    return run_dir / "checkpoints" / "last.pt" if cfg.resume is True else Path(str(cfg.resume))
+
+
 def _resume_config(cfg: DictConfig, run_dir: Path, given: set[str] | None = None) -> tuple[DictConfig, dict | None]:
     """The config to train with and the checkpoint to resume from (None for a fresh run).
 
@@ -625,12 +630,11 @@ def _resume_config(cfg: DictConfig, run_dir: Path, given: set[str] | None = None
     """
     if cfg.resume in (None, False):
         return cfg, None
-    own = run_dir / "checkpoints" / "last.pt"
-    path = own if cfg.resume is True else Path(str(cfg.resume))
+    path = _resume_path(cfg, run_dir)
     try:
         ckpt = load_checkpoint(path, keys=RESUME_KEYS)
     except (ValueError, FileNotFoundError):
-        if path.resolve() == own.resolve():
+        if path.resolve() == (run_dir / "checkpoints" / "last.pt").resolve():
             _restore_run_record(run_dir)  # the run's record back from best.pt, not the refused command's
         raise
     saved = _with_added_keys(OmegaConf.create(ckpt["config"]))
@@ -1084,8 +1088,7 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float) -> dict:
     # `skip` batches from there were trained before (see _resume_mid_epoch)
     first_sample, skip, after_skip = 0, 0, None
     if ckpt is not None:
-        resumed = run_dir / "checkpoints" / "last.pt" if cfg.resume is True else cfg.resume
-        check_weight_kinds(raw, ckpt["model"], f"resume: {resumed}")
+        check_weight_kinds(raw, ckpt["model"], f"resume: {_resume_path(cfg, run_dir)}")
         try:
             raw.load_state_dict(ckpt["model"])
         except RuntimeError as err:

@@ -387,7 +387,8 @@ class _staging:
 
     def __enter__(self) -> Path:
         try:
-            for folder in reversed([d for d in (self.out.absolute(), *self.out.absolute().parents) if not d.exists()]):
+            out = self.out.absolute()
+            for folder in reversed([d for d in (out, *out.parents) if not d.exists()]):
                 folder.mkdir(exist_ok=True)
                 self.made.append(folder)
             for old in self.out.glob(".export-*-*"):
