@@ -294,6 +294,10 @@ def _to_stripe_convs(model: nn.Module, pruned: list[str], direct: set[str]) -> N
     `left_alone`: the forward also reads their weight, or a hook of theirs may) stay nn.Conv2d: a StripeConv2d holds
     its weight in another shape."""
     for name, m in list(model.named_modules()):
+        if type(m) is nn.Conv2d and m.groups != 1 and name in pruned \
+                and not bool((m.weight.detach().abs().amax(1) > 0).all()):
+            warnings.warn(f"compact: {name} has groups={m.groups}; its pruned stripes are zeroed in a dense nn.Conv2d, "
+                          "which saves no work (StripeConv2d takes groups=1 convs only)", stacklevel=4)
         if type(m) is not nn.Conv2d or m.groups != 1 or (name not in pruned and not stripe_padding_ok(m)):
             continue
         if name in direct:

@@ -50,7 +50,9 @@ class SkeletonConv2d(nn.Conv2d):
     `stripe_group` G > 1 by `skeleton` (ceil(N / G), kh, kw), each entry shared by G consecutive filters.
 
     Every Conv2d argument (stride, padding incl. 'same', dilation, groups, bias, padding_mode)
-    behaves exactly as in nn.Conv2d; only the weight used by the forward pass changes.
+    behaves exactly as in nn.Conv2d; only the weight used by the forward pass changes. Compaction turns
+    groups=1 convs into StripeConv2d; a grouped one (`attach_skeletons` never makes one) stays a dense conv with
+    its pruned stripes zeroed, with a warning.
     """
 
     def __init__(self, *args, stripe_group: int = 1, **kwargs):

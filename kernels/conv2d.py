@@ -38,6 +38,8 @@ def _check(x, weight, bias, stride, padding, dilation, groups, op=OP):
     check_like(op, "weight", weight, x)
     N, C, H, W = x.shape
     Co, Cg, kh, kw = weight.shape
+    if C == 0:
+        raise ValueError(f"{op}: tensor 'x' has no channels (shape {tuple(x.shape)}); a conv needs at least one")
     if groups < 1 or C % groups or Co % groups:
         raise ValueError(f"{op}: groups={groups} must divide the channels of 'x' ({C}) and of 'weight' ({Co})")
     if Cg != C // groups:

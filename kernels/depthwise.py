@@ -41,6 +41,8 @@ def _check(x: Tensor, weight: Tensor, bias: Tensor | None, stride, padding, dila
     check_4d(op, "weight", weight)
     check_like(op, "weight", weight, x)
     C = x.shape[1]
+    if C == 0:
+        raise ValueError(f"{op}: tensor 'x' has no channels (shape {tuple(x.shape)}); a conv needs at least one")
     if weight.shape[0] != C or weight.shape[1] != 1:
         raise ValueError(f"{op}: tensor 'weight' must have shape ({C}, 1, kh, kw) for x with {C} channels, "
                          f"got {tuple(weight.shape)}")

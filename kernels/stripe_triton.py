@@ -855,6 +855,8 @@ def _grad_weight(grad, x, out_index, offset, N, kernel_size, stride, padding, di
     KH, KW = kernel_size
     Ho, Wo = grad.shape[2:]
     M = B * Ho * Wo
+    if M == 0:  # an empty batch: nothing to launch (the pixel slices below would be empty)
+        return x.new_zeros((out_index.numel(), C), dtype=torch.float32)
     kc = KH * KW * C  # im2col columns
     kcb = _pow2(kc, 16, 256) if kc <= 256 else 128
     bn = _pow2(N, 16, 64)

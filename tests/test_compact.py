@@ -500,6 +500,21 @@ def test_convs_with_padding_stripes_cannot_express_get_no_skeleton():
     torch.testing.assert_close(out(x), model(x), rtol=1e-6, atol=1e-6)
 
 
+def test_pruned_grouped_skeleton_conv_stays_dense_with_a_warning():
+    """A hand-built SkeletonConv2d with groups=2 (attach_skeletons never makes one): compact zeroes its pruned
+    stripes in a dense conv, exact, and says that this saves no work."""
+    torch.manual_seed(0)
+    conv = SkeletonConv2d(4, 6, 3, padding=1, groups=2, dtype=torch.float64)
+    with torch.no_grad():
+        conv.skeleton.mul_((torch.rand_like(conv.skeleton) < 0.5).double())
+    model = nn.Sequential(conv, nn.ReLU()).eval()
+    with pytest.warns(UserWarning, match=r"compact: 0 has groups=2; its pruned stripes are zeroed in a dense"):
+        out = compact(model)
+    assert type(out[0]) is nn.Conv2d
+    x = torch.randn(2, 4, 9, 10, dtype=torch.float64)
+    torch.testing.assert_close(out(x), model(x), rtol=1e-12, atol=1e-12)
+
+
 class _ReadsWeights(nn.Module):
     """Convs whose tensors the forward also reads itself: conv2's weight (a 3x3 conv that could get a skeleton),
     proj's weight with its BN after it (a 1x1 conv BN would fold into), and b's weight (the consumer of a's

@@ -89,6 +89,8 @@ def test_errors():
         kernels.depthwise_conv2d(x, w, dilation=4)
     with pytest.raises(ValueError, match=r"compress::depthwise_conv2d: stride must be two ints >= 1"):
         kernels.depthwise_conv2d(x, w, stride=0)
+    with pytest.raises(ValueError, match=r"compress::depthwise_conv2d: tensor 'x' has no channels"):
+        kernels.depthwise_conv2d(x[:, :0], w[:0])
     with pytest.raises(ValueError, match=r"compress::depthwise_conv2d_backward: tensor 'grad' must have shape"):
         torch.ops.compress.depthwise_conv2d_backward(torch.randn(2, 3, 2, 2), x, w, [1, 1], [1, 1], [1, 1])
 

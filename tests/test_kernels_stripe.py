@@ -443,6 +443,11 @@ for dt, ks, st, pd, dl, C, N, c, fmt in [
         assert (a is None) != asked
         if asked:
             assert a.shape == e.shape and ((a.double() - e).norm() / e.norm()).item() < 1e-3, (dt, ks, st)
+# an empty batch through both Triton gradients: zeros of the right shapes
+w, oi, off = random_layer(8, 16, (3, 3), 0.4, gen, dtype=torch.float32)
+x0, g0 = torch.randn(0, 16, 6, 5), torch.randn(0, 8, 6, 5)
+dx, dw = stripe_triton.backward(g0, x0, w, oi, off, 8, [3, 3], [1, 1], [1, 1], [1, 1], True, True)
+assert dx.shape == x0.shape and dw.shape == w.shape and not dw.any(), (dx.shape, dw.shape)
 # the LISTED route (a tile's kept offsets only) on masks shared by groups of 16 filters: tiles of 16 (the last
 # one partial), C not a multiple of BLOCK_K, stride 2, both layouts, chosen by default_config from tile_keep
 for dt, st, C, N, fmt in ((torch.float32, (1, 1), 24, 40, torch.channels_last),
