@@ -20,6 +20,7 @@ from compress.surgery import conv_config
 from kernels import stripe_triton, unrolled
 from kernels._utils import (
     autocast_dtype,
+    autocast_inputs,
     contiguous_input,
     conv2d_relu,
     conv_out_size,
@@ -371,9 +372,11 @@ class StripeConv2d(nn.Module):
         if self._no_stripe() and self._constant_applies(x):
             out = self._constant_output(x, fmt)
             return self._pooled(out.relu_() if self.relu else out)
-        if self._mode == "gemm" and self._gemm_fits(x):
-            return self._pooled(unrolled.unrolled_conv2d(x, *self._cached_unrolled(x), relu=self.relu,
-                                                         memory_format=fmt))
+        if self._mode == "gemm":
+            (xg,) = autocast_inputs(x)  # the GEMM in the autocast dtype, as F.conv2d would run
+            if self._gemm_fits(xg):
+                return self._pooled(unrolled.unrolled_conv2d(xg, *self._cached_unrolled(xg), relu=self.relu,
+                                                             memory_format=fmt))
         if self._mode != "stripe" or self._cuda_training_in_dense_mode(x):
             conv = conv2d_relu if self.relu else F.conv2d
             w, pad = self._dense_mode_weight(fmt)

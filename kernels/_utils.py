@@ -125,7 +125,9 @@ def conv2d_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     no tracing, compiling or ONNX export) one cuDNN call, `torch.cudnn_convolution_relu`, with the bias add and
     the ReLU in the conv's epilogue: PyTorch's conv adds a bias in a separate elementwise kernel, and in a
     compact VGG16 at batch 256 those adds and the ReLUs were 30% of the forward on an H200
-    (benchmarks/results/compact_profile_vgg16_real_h200.txt). Elsewhere F.conv2d then ReLU."""
+    (benchmarks/results/compact_profile_vgg16_real_h200.txt). Elsewhere F.conv2d then ReLU. Under autocast the
+    inputs are cast first, as autocast casts F.conv2d's (the cuDNN call itself is not an autocast op)."""
+    x, weight, bias = autocast_inputs(x, weight, bias)
     if (
         x.is_cuda
         and x.dtype in KERNEL_DTYPES

@@ -721,6 +721,46 @@ def test_stripe_layer_under_cpu_autocast():
     torch.testing.assert_close(x.grad.double(), xb.grad, rtol=2e-2, atol=2e-2)
 
 
+def _autocast_cases(device: str, seed: int):
+    """(name, module, reference conv, mask, x): each StripeConv2d mode with its ReLU fused, and a Conv2dReLU, all
+    float32 on `device`, with an x for which gemm mode runs its GEMM (3x3 maps)."""
+    from compress.stripe import Conv2dReLU
+    cases = []
+    for mode in ("stripe", "dense", "gemm"):
+        conv, mask, s, gen = _layer(mode, seed, 16, 24)
+        s.relu = True
+        cases.append((mode, s, conv, mask))
+    conv = nn.Conv2d(16, 24, 3, padding=1)
+    cases.append(("Conv2dReLU", Conv2dReLU.from_conv(conv).eval(), conv, torch.ones(24, 3, 3, dtype=torch.bool)))
+    x = torch.randn(4, 16, 3, 3, generator=torch.Generator().manual_seed(seed)).to(device)
+    return [(name, m.to(device), conv.to(device), mask.to(device), x) for name, m, conv, mask in cases]
+
+
+def _check_autocast_relu_convs(device: str, seed: int):
+    """Under bf16 autocast every fused conv + ReLU returns bf16, like F.conv2d under autocast, and the conv of the
+    bf16-rounded inputs (float64 reference)."""
+    for name, m, conv, mask, x in _autocast_cases(device, seed):
+        with torch.autocast(device, dtype=torch.bfloat16), torch.no_grad():
+            y = m(x)
+        assert y.dtype == torch.bfloat16, (name, y.dtype)
+        xb, wb, bb = (t.detach().bfloat16().double() for t in (x, conv.weight, conv.bias))
+        ref = F.relu(F.conv2d(xb, wb * mask[:, None].double(), bb, 1, 1))
+        torch.testing.assert_close(y.double(), ref, rtol=2e-2, atol=2e-2, msg=name)
+        if name == "gemm":
+            assert m._gemm_cache is not None and m._gemm_cache[1][0].dtype == torch.bfloat16  # the GEMM ran in bf16
+
+
+def test_fused_relu_convs_under_cpu_autocast():
+    _check_autocast_relu_convs("cpu", 47)
+
+
+@pytest.mark.cuda
+def test_fused_relu_convs_under_cuda_autocast():
+    """On CUDA the fused call is torch.cudnn_convolution_relu, which autocast does not cast: the inputs are cast
+    first (it returned float32 under bf16 autocast before)."""
+    _check_autocast_relu_convs("cuda", 48)
+
+
 @pytest.mark.parametrize("mode", ["stripe", "dense", "gemm"])
 def test_float64_stays_float64_under_cpu_autocast(mode):
     """Autocast leaves float64 convs alone (not eligible); every mode does the same."""
