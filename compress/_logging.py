@@ -5,8 +5,10 @@ Only rank 0 logs; on other ranks (or with enabled=False) every method is a no-op
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,7 +18,7 @@ from tqdm import tqdm
 
 from compress.skeleton import SkeletonConv2d
 
-__all__ = ["RunLogger", "progress", "skeleton_heatmap", "format_summary", "say"]
+__all__ = ["RunLogger", "progress", "skeleton_heatmap", "format_summary", "say", "log_failure", "warnings_in_log_files"]
 
 _log = logging.getLogger("compress")
 
@@ -26,6 +28,50 @@ def say(text: str, write: Callable[[str], object] = print) -> None:
     Hydra's job logging (conf/train.yaml) puts it in <run dir>/train.log."""
     write(text)
     _log.info(text)
+
+
+def _file_handlers() -> list[logging.FileHandler]:
+    """The file handlers the run's messages reach (under train.py, Hydra's job logging: <run dir>/train.log)."""
+    found, logger = [], _log
+    while logger is not None:
+        found += [h for h in logger.handlers if isinstance(h, logging.FileHandler) and h not in found]
+        logger = logger.parent if logger.propagate else None
+    return found
+
+
+def _to_log_files(level: int, text: str, exc_info=None) -> None:
+    """Write `text` into the log files only: the terminal has shown it already (a warning) or will (an error)."""
+    record = _log.makeRecord(_log.name, level, __file__, 0, text, None, exc_info)
+    for handler in _file_handlers():
+        if level >= handler.level:
+            handler.handle(record)
+
+
+def log_failure(err: BaseException) -> None:
+    """Put the error that stopped a run, with its traceback, into the run's log files (train.log), so that a batch
+    job's log says why it ended; the terminal shows Python's own report of it."""
+    _to_log_files(logging.ERROR, f"the run stopped: {type(err).__name__}: {err}", (type(err), err, err.__traceback__))
+
+
+@contextlib.contextmanager
+def warnings_in_log_files(enabled: bool = True):
+    """While the run works, every warning shown (on stderr, as Python shows it) also goes into the log files, so
+    that train.log holds what the terminal showed. (logging.captureWarnings would take warnings off stderr, and off
+    warnings.catch_warnings(record=True) callers such as pytest.warns: this chains to the previous display.)"""
+    if not enabled:
+        yield
+        return
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        _to_log_files(logging.WARNING, warnings.formatwarning(message, category, filename, lineno, line).rstrip())
+        shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
 
 
 def progress(iterable, enabled: bool, **kwargs) -> tqdm:

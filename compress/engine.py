@@ -43,7 +43,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from torch.utils.data import DistributedSampler
 
 from compress._files import atomic_write, launch_path, lock_file, remove_if_only_hydra, unlock_file
-from compress._logging import RunLogger, format_summary, progress, say
+from compress._logging import RunLogger, format_summary, log_failure, progress, say, warnings_in_log_files
 from compress._macs import estimate_macs
 from compress._modes import evaluating
 from compress._trainstate import atomic_save, check_weight_kinds, load_checkpoint, rng_state, set_rng_state
@@ -253,6 +253,15 @@ def _skipping(loader, skip: int, after_skip=None):
     yield from batches
 
 
+def _then(first, second):
+    """A function that calls `first()` (if not None), then `second()`."""
+    def both() -> None:
+        if first is not None:
+            first()
+        second()
+    return both
+
+
 def train_one_epoch(s: _Step, loader, step: int, max_steps: int | None, log, show: bool, skip: int = 0,
                     after_skip=None, on_step=None) -> tuple[dict, int, int]:
     """One pass over `loader`, stopping right after optimizer step `max_steps` (no further batch is loaded).
@@ -267,8 +276,15 @@ def train_one_epoch(s: _Step, loader, step: int, max_steps: int | None, log, sho
     sums = torch.zeros(3, dtype=torch.float64, device=s.device)  # loss * n, correct, n
     start = time.perf_counter()
     done = skip
+
+    def skipped() -> None:  # the epoch's rate counts the batches trained here, not the dropped ones' loading
+        nonlocal start
+        if after_skip is not None:
+            after_skip()
+        start = time.perf_counter()
+
     if max_steps is None or step < max_steps:
-        batches = _skipping(loader, skip, after_skip)
+        batches = _skipping(loader, skip, skipped)
         bar = progress(batches, show, leave=False, desc="train", total=len(loader) - skip)
         for x, y in bar:
             x, y = _to_device(x, y, s)
@@ -440,8 +456,9 @@ def _check_milestones(milestones, epochs) -> None:
     if isinstance(epochs, int) and not 0 < values[0] <= values[-1] < epochs:
         example = (f"e.g. optim.milestones=[{epochs // 2},{3 * epochs // 4}]" if epochs >= 4
                    else "or optim=sgd_cosine" if epochs < 2 else "e.g. optim.milestones=[1]")
-        raise ValueError(f"optim.milestones={values}: a multistep run of {epochs} epochs lowers the learning rate "
-                         f"only at epochs 1..{epochs - 1}; set milestones inside the run ({example}) or run past "
+        where = f"only at epochs 1..{epochs - 1}" if epochs >= 2 else "at no epoch boundary (it has none)"
+        raise ValueError(f"optim.milestones={values}: a multistep run of {epochs} epoch{'s' * (epochs != 1)} lowers the "
+                         f"learning rate {where}; set milestones inside the run ({example}) or run past "
                          f"epoch {values[-1]} (trainer.epochs, which is optim.epochs unless set)")
 
 
@@ -920,8 +937,13 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     start = time.perf_counter()
     dist = setup_distributed(cfg.trainer.device)
     run_dir = _shared_run_dir(Path(run_dir) if run_dir is not None else _hydra_run_dir(), dist)
-    with _run_lock(run_dir, dist):
-        return _run(cfg, run_dir, dist, start)
+    with _run_lock(run_dir, dist), warnings_in_log_files(dist.is_main):
+        try:
+            return _run(cfg, run_dir, dist, start)
+        except BaseException as err:
+            if dist.is_main and (run_dir / "tensorboard").is_dir():  # the run had begun writing its results (a
+                log_failure(err)  # command its config refuses leaves no trace in a fresh run dir)
+            raise
 
 
 RUN_LOCK = ".train.lock"  # in a run dir while a train.py process works in it: {"pid", "host", "hydra": its record}
@@ -1158,7 +1180,7 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float) -> dict:
                 f"train: the model's weights are not finite at step {at} (epoch {epoch + 1}): the run diverged. "
                 + (f"{ckpt_dir} keeps the checkpoint written before" if (ckpt_dir / "last.pt").is_file()
                    else "No checkpoint was written")
-                + f". Lower optim.lr (it is {cfg.optim.lr:g}) or prune.alpha"
+                + f". Lower optim.lr (it is {cfg.optim.lr:g})" + (f" or prune.alpha (it is {swp[0]:g})" if swp else "")
                 + (", or train with trainer.amp=false" if amp_dtype is not None else "")
             )
         if dist.is_main:  # best.pt first: a run killed between the two writes still has its best weights
@@ -1185,6 +1207,8 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float) -> dict:
         data.train.sampler.set_epoch(epoch, first_sample)
         epoch_rng = ckpt["rng_epoch_start"][dist.rank] if skip else rng_state(generator)
         log_step.restart()
+        if skip:  # the step log's rate, too, starts after the dropped batches
+            after_skip = _then(after_skip, log_step.restart)
         train, step, done = train_one_epoch(s, data.train, step, max_steps, log_step, dist.is_main, skip, after_skip,
                                             on_step)
         first_sample, skip, after_skip, epochs_trained = 0, 0, None, epoch + 1

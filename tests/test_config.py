@@ -123,6 +123,9 @@ def test_cifar_configs_keep_the_paper_recipe():
         (["optim=sgd_multistep", "optim.epochs=10"], ValueError,
          r"optim.milestones=\[80, 120\]: a multistep run of 10 epochs lowers the learning rate only at epochs 1..9; "
          r"set milestones inside the run \(e.g. optim.milestones=\[5,7\]\) or run past epoch 120 \(trainer.epochs"),
+        (["optim=sgd_multistep", "optim.epochs=1", "optim.milestones=[1]"], ValueError,
+         r"a multistep run of 1 epoch lowers the learning rate at no epoch boundary \(it has none\); set milestones "
+         r"inside the run \(or optim=sgd_cosine\)"),
         (["optim=sgd_multistep", "optim.milestones=abc"], ValueError,
          r"optim.milestones='abc' must be a list of increasing epoch numbers"),
         (["optim=sgd_multistep", "optim.milestones=[120,80]"], ValueError, "must be a list of increasing epoch numbers"),

@@ -697,6 +697,50 @@ def test_a_diverged_run_stops_without_writing_over_its_checkpoints(tmp_path, mon
     assert saved["step"] == 4 and all(v.isfinite().all() for v in saved["model"].values() if v.is_floating_point())
 
 
+def test_train_log_holds_the_runs_warnings_and_the_error_that_stopped_it(tmp_path):
+    """train.log is the run's record: a warning shown on the terminal is in it too, and so is the error (with its
+    traceback) that stopped a run which had begun; a command its config refuses leaves no run dir."""
+    run_dir = tmp_path / "run"
+    r = run_script("train.py", *TINY, "optim.lr=1e30", f"data.root={tmp_path / 'nowhere'}", f"hydra.run.dir={run_dir}")
+    assert r.returncode == 1 and "FloatingPointError" in r.stderr
+    log = (run_dir / "train.log").read_text()
+    assert re.search(r"\[WARNING\] .*UserWarning: build_data: data.root='.*nowhere' has no effect", log), log
+    assert re.search(r"\[ERROR\] the run stopped: FloatingPointError: train: the model's weights are not finite", log)
+    assert "Traceback (most recent call last)" in log
+    refused = run_script("train.py", *TINY, "optim.lr=-1", f"hydra.run.dir={tmp_path / 'refused'}")
+    assert refused.returncode == 1 and not (tmp_path / "refused").exists(), refused.stderr[-1000:]
+
+
+def test_images_per_s_of_a_resumed_epoch_leaves_out_the_dropped_batches():
+    """A run resumed inside an epoch loads and drops the batches trained before (`skip`): the epoch's images/s
+    counts only the batches it trains, not that loading (slow here: 1 s per dropped batch)."""
+    import torch.nn as nn
+
+    import compress.engine as engine
+
+    class Loader:
+        batch_size = 8
+
+        def __len__(self):
+            return 4
+
+        def __iter__(self):
+            for i in range(4):
+                if i < 2:
+                    time.sleep(1.0)  # a slow batch: the two skipped ones
+                yield torch.randn(8, 4), torch.randint(0, 3, (8,))
+
+    model = nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    s = engine._Step(model, model, optimizer, torch.amp.GradScaler("cpu", enabled=False), torch.device("cpu"), None,
+                     False, None)
+    skipped = []
+    metrics, step, done = engine.train_one_epoch(s, Loader(), 0, None, lambda *a: None, False, skip=2,
+                                                 after_skip=lambda: skipped.append(True))
+    assert skipped == [True] and step == 2 and done == 4
+    assert metrics["images_per_s"] > 100, metrics  # 16 images trained in milliseconds; with the skip: 8 per second
+
+
 def test_train_py_and_export_py_under_hydra_job_chdir_read_paths_from_the_launch_directory(tmp_path):
     """hydra.job.chdir=true runs the job inside its run dir: relative data.root, resume=<file> and export's out= still
     name paths in the directory the command ran from, and a refused command leaves no outputs/<date> behind."""
