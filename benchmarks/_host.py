@@ -1,9 +1,19 @@
-"""The machine a CPU benchmark ran on, for its JSON (shared by compact_cpu.py and pix_cpu.py)."""
+"""The machine a benchmark runs on: the CPU's name for a CPU benchmark's JSON (compact_cpu.py, pix_cpu.py), and
+the check the GPU benchmarks start with."""
 
 from __future__ import annotations
 
 import platform
+import sys
 from pathlib import Path
+
+import torch
+
+
+def require_cuda(script: str) -> None:
+    """Exit with a message naming `script` (its path) when this machine has no CUDA device."""
+    if not torch.cuda.is_available():
+        sys.exit(f"{Path(script).name} times GPU kernels and needs a CUDA device; none was found here")
 
 
 def cpu_model() -> str:

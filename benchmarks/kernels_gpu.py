@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+from _host import require_cuda  # noqa: E402
+
 import kernels  # noqa: E402
 from kernels import _ext  # noqa: E402
 
@@ -406,9 +408,10 @@ def main():
     ap.add_argument("--skip", default="", help="comma list of sections to skip: correctness,pix,depthwise,conv2d")
     ap.add_argument("--pix-sizes", default="56,28,14,7", help="comma list of the PiX rows' plane sizes to time")
     args = ap.parse_args()
+    require_cuda(__file__)
     skip = set(filter(None, args.skip.split(",")))
-    assert torch.cuda.is_available(), "needs a CUDA GPU"
-    assert _ext.load() is not None, "the CUDA extension did not build"
+    if _ext.load() is None:
+        sys.exit("kernels_gpu.py: the CUDA extension did not build (see the messages above)")
     props = torch.cuda.get_device_properties(0)
     RESULTS["meta"] = {"device": torch.cuda.get_device_name(0), "sms": props.multi_processor_count,
                        "torch": torch.__version__, "cuda": torch.version.cuda,

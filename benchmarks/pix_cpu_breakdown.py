@@ -7,7 +7,11 @@ per call; each shared conv's median is in ``shared_conv_ms``), the max-pool and 
 forward: the C++ kernel and the Python around it) likewise, and the totals without wrappers in the same loop.
 Median over the repeats.
 
-    python benchmarks/pix_cpu_breakdown.py [--threads 2] [--batch 1] [--layout nchw] [--repeats 20] [--out PATH]
+    python benchmarks/pix_cpu_breakdown.py [--threads 2] [--batch 1] [--layout nchw] [--repeats 20]
+                                           [--max-pools compress|torch] [--size 224] [--out PATH]
+
+--max-pools as in pix_cpu.py: compress (the default) gives both models compress.pooling.MaxPool2d, export's stem
+pool; torch keeps PyTorch's nn.MaxPool2d (the session-23 breakdowns ran with it).
 """
 
 from __future__ import annotations
@@ -52,15 +56,17 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--layout", choices=("nchw", "channels_last"), default="nchw")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--max-pools", choices=("compress", "torch"), default="compress")
+    ap.add_argument("--size", type=int, default=224, help="input height and width (small sizes: a quick check)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cl = args.layout == "channels_last"
-    x = torch.randn(args.batch, 3, 224, 224).contiguous(
+    x = torch.randn(args.batch, 3, args.size, args.size).contiguous(
         memory_format=torch.channels_last if cl else torch.contiguous_format)
     names = {"resnet50": False, "pix_resnet50": True}
-    timed = {k: build(p, True, cl) for k, p in names.items()}  # with wrappers: the parts
-    plain = {k: build(p, True, cl) for k, p in names.items()}  # without: the totals
+    timed = {k: build(p, True, cl, args.max_pools) for k, p in names.items()}  # with wrappers: the parts
+    plain = {k: build(p, True, cl, args.max_pools) for k, p in names.items()}  # without: the totals
     parts: dict[str, dict[str, list[float]]] = {k: defaultdict(list) for k in names}
     for k, m in timed.items():
         time_modules(m, parts[k])
@@ -99,7 +105,7 @@ def main() -> None:
                   "PiX ResNet-50); pix_blocks: PiX ResNet-50's 16 PiX blocks, whole forward; rest: total - the "
                   "parts (residual tails, head, Python); parts timed with wrappers, totals without, interleaved",
         "torch": torch.__version__, "threads": torch.get_num_threads(), "batch": args.batch,
-        "layout": args.layout, "repeats": args.repeats, "cpu": cpu_model(),
+        "layout": args.layout, "size": args.size, "repeats": args.repeats, "max_pool": args.max_pools, "cpu": cpu_model(),
         "cpu_count": os.cpu_count(), "rows": rows,
         "speedup": round(r["total_ms"] / p["total_ms"], 3),
         "speedup_without_maxpool": round((r["total_ms"] - r["maxpool_ms"]) / (p["total_ms"] - p["maxpool_ms"]), 3),
@@ -115,6 +121,7 @@ def main() -> None:
     print("shared convs, PiX ResNet-50 minus ResNet-50 (ms): " + "  ".join(f"{k} {v:+.2f}" for k, v in by_kind.items()))
     out = Path(args.out) if args.out else (Path(__file__).parent / "results"
                                            / f"pix_cpu_breakdown_{args.layout}_{args.threads}threads_b{args.batch}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
 

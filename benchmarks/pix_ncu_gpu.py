@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _host import require_cuda  # noqa: E402
+
 import kernels  # noqa: E402
 from kernels import _ext  # noqa: E402
 
@@ -63,7 +65,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--paths", action="store_true", help="run every 16-bit kernel path once (for compute-sanitizer)")
     args = ap.parse_args()
-    assert torch.cuda.is_available() and _ext.load() is not None, "needs a CUDA GPU and the built extension"
+    require_cuda(__file__)
+    if _ext.load() is None:
+        sys.exit("pix_ncu_gpu.py: the CUDA extension did not build (see the messages above)")
     if args.paths:
         all_paths()
     else:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from _host import require_cuda  # noqa: E402
 from stripe_gpu import (  # noqa: E402
     DT,
     SHAPES,
@@ -129,6 +130,7 @@ def main():
     ap.add_argument("--groups", type=int, nargs="+", default=[32, 64], help="filters per group (capped at the width)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "stripe_blocks_gpu.json"))
     args = ap.parse_args()
+    require_cuda(__file__)
     torch.backends.cudnn.benchmark = True
     torch.backends.cudnn.allow_tf32 = True
     gpu = torch.cuda.get_device_name()

@@ -19,6 +19,7 @@ import json
 import os
 
 import torch
+from _host import require_cuda  # noqa: E402
 
 import kernels
 from kernels import stripe_triton
@@ -84,6 +85,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    require_cuda(__file__)
     dev = torch.device("cuda")
     torch.backends.cudnn.benchmark = True
     gen = torch.Generator().manual_seed(0)

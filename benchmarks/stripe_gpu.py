@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from _host import require_cuda  # noqa: E402
+
 import kernels  # noqa: E402
 from kernels import stripe_triton  # noqa: E402
 from kernels.stripe import _graph_ms  # noqa: E402
@@ -296,6 +298,7 @@ def main():
     ap.add_argument("--channels", type=int, nargs="+", default=None, help="only the shapes of these widths")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "stripe_gpu.json"))
     args = ap.parse_args()
+    require_cuda(__file__)
     torch.backends.cudnn.benchmark = True
     torch.backends.cudnn.allow_tf32 = True
     gpu = torch.cuda.get_device_name()

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+from _host import require_cuda  # noqa: E402
 from test_kernels_stripe import random_layer  # noqa: E402
 
 import kernels  # noqa: E402
@@ -58,6 +59,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.path.join(HERE, "results", "stripe_narrow_stages_h200.json"))
     args = ap.parse_args()
+    require_cuda(__file__)
     torch.backends.cudnn.benchmark = True
     dev, dt = torch.device("cuda"), torch.bfloat16
     gen = torch.Generator().manual_seed(0)

@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
+from _host import require_cuda  # noqa: E402
 from stripe_gpu import random_layer  # noqa: E402
 
 import kernels  # noqa: E402
@@ -32,6 +33,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--skip-loop", action="store_true", help="NOSKIP off, 2 stages (the profiled kernel)")
     args = ap.parse_args()
+    require_cuda(__file__)
     gen = torch.Generator().manual_seed(0)
     for C, N, H, keep in LAYERS:
         w64, oi, off = random_layer(N, C, keep, gen)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
+from _host import require_cuda  # noqa: E402
 from stripe_models_gpu import MODELS, build_skeleton  # noqa: E402
 
 import compress  # noqa: E402
@@ -113,6 +114,7 @@ def main() -> None:
     ap.add_argument("--max-pixels", type=int, default=16384, help="layers with at most this many output pixels")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "stripe_small_gpu_h200.json"))
     args = ap.parse_args()
+    require_cuda(__file__)
     torch.backends.cudnn.benchmark = True
     dev = torch.device("cuda")
     rows, t0 = [], time.time()

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+from _host import require_cuda  # noqa: E402
 from test_kernels_stripe import random_layer  # noqa: E402
 
 import kernels  # noqa: E402
@@ -66,6 +67,7 @@ def main() -> None:
     ap.add_argument("--narrow", action="store_true", help="16-64-channel layers instead of first layers")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="fp32: TF32 tensor cores on both sides")
     args = ap.parse_args()
+    require_cuda(__file__)
     kind = ("narrow_im2col" if args.narrow else "stem") + ("_fp32" if args.dtype == "fp32" else "")
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"stripe_{kind}_gpu_h200.json")
     from triton.testing import do_bench

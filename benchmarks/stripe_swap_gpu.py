@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _host import require_cuda  # noqa: E402
 from _masks import load_masks  # noqa: E402
 from stripe_gpu import mask_layer, random_layer, time_rotated  # noqa: E402
 
@@ -77,6 +78,7 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     ap.add_argument("--out", default="benchmarks/results/stripe_swap_h200.json")
     args = ap.parse_args()
+    require_cuda(__file__)
     torch.backends.cudnn.benchmark = True
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # cuDNN's side of TF32
     dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
+from _host import require_cuda  # noqa: E402
 from stripe_gpu import random_layer  # noqa: E402
 
 import kernels  # noqa: E402
@@ -112,6 +113,7 @@ def main():
     ap.add_argument("--set", choices=("narrow", "vgg16", "noskip"), default="narrow")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    require_cuda(__file__)
     torch.backends.cudnn.benchmark = True
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)

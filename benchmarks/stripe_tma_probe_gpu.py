@@ -31,6 +31,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from _host import require_cuda  # noqa: E402
 from stripe_blocks_gpu import block_mask  # noqa: E402
 from stripe_gpu import cudnn_ms, mask_layer, prepare_stripe, time_rotated  # noqa: E402
 
@@ -120,6 +121,7 @@ def main() -> None:
     ap.add_argument("--keeps", type=float, nargs="+", default=[1.0, 0.3, 0.15])
     ap.add_argument("--out", default="benchmarks/results/stripe_tma_probe_h200.json")
     args = ap.parse_args()
+    require_cuda(__file__)
     torch.backends.cudnn.benchmark = True
     gen = torch.Generator().manual_seed(0)
     rows = []

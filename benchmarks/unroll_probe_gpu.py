@@ -22,6 +22,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
+from _host import require_cuda  # noqa: E402
 from stripe_models_gpu import CIFAR, build_skeleton  # noqa: E402
 
 import compress  # noqa: E402
@@ -35,6 +36,7 @@ def main() -> None:
     ap.add_argument("--variant", choices=("real", "random"), default="real")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "unroll_probe_h200.json"))
     args = ap.parse_args()
+    require_cuda(__file__)
     torch.backends.cudnn.benchmark = True
     dev, dt, fmt = torch.device("cuda"), torch.bfloat16, torch.channels_last
     skeleton, _ = build_skeleton("vgg16", args.variant, 0, CIFAR)

@@ -132,3 +132,55 @@ def test_pix_cpu_benchmark_trials(tmp_path):
     assert row["layout"] == "nchw" and row["batch"] == 1 and len(row["speedup_per_trial"]) == 3
     assert all(v > 0 for v in row["speedup_per_trial"]) and row["resnet50_ms"] > 0 and row["pix_resnet50_ms"] > 0
     assert row["resnet50_faults"] >= 0 and row["pix_resnet50_faults"] >= 0
+
+
+def test_calibrated_masked_models_show_a_wrong_layer():
+    """swp_like calibrates BN statistics, so that the compact model check of the benchmarks (max |compact -
+    skeleton| / max |skeleton| of the logits) sees a 1% change of one stripe conv's weights; with BN's default
+    statistics the masked VGG16's logits hardly depended on the input (the check passed with the convs zeroed)."""
+    from compress.stripe import StripeConv2d
+
+    skeleton = _masks.swp_like("vgg16", 0, {"inner": (0.6, 0.3), "outer": (0.3, 0.5)})
+    compact_model = compact(skeleton, fold_bn=True, fuse_relu=True)
+    x = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = skeleton(x)
+        assert float((compact_model(x) - ref).abs().max() / ref.abs().max()) < 1e-4
+        assert float((ref - ref.mean(0)).abs().max() / ref.abs().max()) > 0.05  # the logits depend on the input
+        layer = [m for m in compact_model.modules() if isinstance(m, StripeConv2d) and m.num_stripes][5]
+        layer.weight.mul_(1.01)
+        assert float((compact_model(x) - ref).abs().max() / ref.abs().max()) > 1e-3
+
+
+GPU_SCRIPTS = ["kernels_gpu", "pix_ncu_gpu", "stripe_blocks_gpu", "stripe_bwd_gpu", "stripe_gpu", "stripe_narrow_stages_gpu",
+               "stripe_ncu_gpu", "stripe_small_gpu", "stripe_stem_gpu", "stripe_swap_gpu", "stripe_tiles_gpu",
+               "stripe_tma_probe_gpu", "unroll_probe_gpu"]
+
+
+@pytest.mark.parametrize("script", GPU_SCRIPTS)
+def test_gpu_benchmarks_without_cuda_say_so(script, monkeypatch):
+    """Run on a machine without CUDA, each GPU benchmark stops at once with a message naming itself (not a
+    traceback from deep inside its first timing)."""
+    import importlib
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", [f"{script}.py"])
+    module = importlib.import_module(script)
+    with pytest.raises(SystemExit, match=rf"{script}.py times GPU kernels and needs a CUDA device; none was found"):
+        module.main()
+
+
+def test_pix_cpu_breakdown_runs(tmp_path):
+    """benchmarks/pix_cpu_breakdown.py at 64x64, one repeat: the parts add up to each model's total."""
+    import subprocess
+
+    out = tmp_path / "breakdown" / "b.json"  # a folder it has to make
+    r = subprocess.run([sys.executable, str(BENCH / "pix_cpu_breakdown.py"), "--threads", "1", "--repeats", "1",
+                        "--size", "64", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    result = json.loads(out.read_text())
+    assert result["max_pool"] == "compress" and result["size"] == 64
+    for name, row in result["rows"].items():
+        parts = row["shared_convs_ms"] + row["own_convs_ms"] + row["pix_blocks_ms"] + row["maxpool_ms"] + row["rest_ms"]
+        assert parts == pytest.approx(row["total_ms"], abs=0.05), name
+    assert result["rows"]["resnet50"]["pix_blocks_ms"] == 0 and result["rows"]["pix_resnet50"]["own_convs_ms"] == 0
