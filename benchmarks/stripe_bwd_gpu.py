@@ -126,6 +126,11 @@ def main():
         with open(args.out, "w") as fh:
             json.dump(report, fh, indent=1)
         print(f"wrote {args.out}")
+    tol = {"bf16": 1e-2, "fp32": 1e-3}  # relative error against float64 (fp32 runs in TF32)
+    wrong = [f"{r['net']} {r['C']}x{r['H']} {r['dtype']}" for r in rows
+             if any(e is not None and not e <= tol[r["dtype"]] for e in (r["err_dx"], r["err_dw"]))]
+    if wrong:
+        raise SystemExit(f"stripe_bwd_gpu.py: gradients beyond tolerance in {wrong}; their timings do not count")
 
 
 if __name__ == "__main__":

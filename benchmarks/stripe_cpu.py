@@ -14,12 +14,16 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-import kernels
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # this checkout's kernels
+import kernels  # noqa: E402
+
+TOLERANCE = 1e-4  # relative error of the stripe op against F.conv2d, float32 on the CPU
 
 SHAPES = [  # (net, C=N, H, stride)
     ("resnet56", 16, 32, 1), ("resnet56", 32, 16, 1), ("resnet56", 64, 8, 1), ("resnet56/s2", 16, 32, 2),
@@ -88,6 +92,9 @@ def main():
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     print("wrote", args.out)
+    wrong = [f"{r['net']} {r['layout']} keep {r['keep']}" for r in rows if not r["rel_err"] <= TOLERANCE]
+    if wrong:
+        raise SystemExit(f"stripe_cpu.py: the stripe op differs from F.conv2d by more than {TOLERANCE} in {wrong}")
 
 
 if __name__ == "__main__":
