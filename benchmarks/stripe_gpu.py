@@ -11,7 +11,7 @@
    kept), at keep 0.5/0.3/0.15 with random stripe masks, and with the masks of a real SWP run (ResNet-56 on
    digits, on the CIFAR shapes: rows `mask = real:<layer>`); the floor = max(kept MACs at the measured
    tensor-core rate, in+out bytes at the copy bandwidth) and the fraction of the attainable speedup min(1/keep,
-   dense/floor). The stripe kernel runs as a compact model's layer runs it in inference: prepared once per
+   dense/floor), keep being the mask's share of kept stripes. The stripe kernel runs as a compact model's layer runs it in inference: prepared once per
    input shape (``stripe_triton.prepare``; until 2026-11-21 it was prepared on every timed call, which made the
    narrow layers' times host-bound), and the DENSE route (``kernels.stripe_reads_dense``) reads the dense weight
    kept with the layer (``dense=``) instead of building it per call.
@@ -249,7 +249,7 @@ def run_case(net, B, C, H, keep, w64, oi, off, x64, gen, rates, bw, rows, fails,
             if best is None or ms < best[0]:
                 best = (ms, cfg)
         def_ms = time_rotated(prepare_stripe(xs[0], w, oi, off, b, plan, N, None, kept), xs, graph=True)
-        if def_ms < best[0]:  # the default (what StripeConv2d runs) beat every tuned candidate
+        if best is None or def_ms < best[0]:  # the default (what StripeConv2d runs) beat every tuned candidate
             reads = kernels.stripe_reads_dense(xs[0], w, N, 3, 1, 1)
             pixels = stripe_triton.out_pixels(xs[0], [3, 3], [1, 1], [1, 1], [1, 1])
             best = (def_ms, stripe_triton.default_config(C, N, S, 9, dt, dense_given=reads, pixels=pixels))
@@ -260,7 +260,8 @@ def run_case(net, B, C, H, keep, w64, oi, off, x64, gen, rates, bw, rows, fails,
         macs = B * H * H * S * C
         esz = xs[0].element_size()
         floor_ms = max(2 * macs / rates[dname], 2 * B * C * H * H * esz / bw) * 1e3
-        attain = min(1 / keep, dense_ms / floor_ms)
+        attain = min(9 * N / S, dense_ms / floor_ms) if S else dense_ms / floor_ms  # the mask's own keep (a random
+        # one's differs from `keep` by a few percent; runs before 2026-11-28 used `keep`)
         sp = dense_ms / best[0]
         row = dict(net=net, B=B, C=C, N=N, H=H, keep=keep, mask=mask, stripes=S, dtype=dname, layout=layout,
                    dense_ms=round(dense_ms, 4), dense_unfused_ms=round(unfused_ms, 4),
