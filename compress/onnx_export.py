@@ -40,6 +40,7 @@ STRIPE_MODES = ("dense", "shift")
 # as 1-3e-4 errors on deep randomly initialised timm nets (EfficientNet-B0, Inception-v4, Xception-41: their batch
 # spread is at or below 1e-3 of the output, and the float32 PyTorch model is that far from float64 too)
 CENTRED_FLOOR = 1e-2
+FLAT_OUTPUT = 1e-6  # check_onnx warns below this batch spread of the outputs (relative to their size)
 
 
 class ShiftAddConv2d(nn.Module):
@@ -253,6 +254,12 @@ def check_onnx(path: str | os.PathLike, model: nn.Module, x: torch.Tensor) -> fl
     got = torch.from_numpy(got).float()
     with evaluating(model), torch.no_grad():
         want = model(x).float().cpu()
+    spread = (want - want.mean(0)).abs().max()
+    if not spread > FLAT_OUTPUT * want.abs().max():
+        warnings.warn(f"check_onnx: the model gives (nearly) the same output for each of the {x.shape[0]} check inputs "
+                      f"(batch spread {float(spread):.1e} against outputs up to {float(want.abs().max()):.1e}), so the "
+                      "check compares little more than its biases; check the model's weights (an untrained model?)",
+                      stacklevel=2)
     centred = (got - got.mean(0) - (want - want.mean(0))).abs().max()
-    scale = torch.maximum((want - want.mean(0)).abs().max(), CENTRED_FLOOR * want.abs().max()).clamp_min(1e-12)
+    scale = torch.maximum(spread, CENTRED_FLOOR * want.abs().max()).clamp_min(1e-12)
     return max(_rel_error(got, want), float(centred / scale))

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,23 @@ def test_onnx_of_compact_model_matches_pytorch(name, keep, tmp_path):
         _assert_same_function(small(x), want)
     path = export_onnx(small, tmp_path / "m.onnx", (3, 32, 32))
     assert check_onnx(path, skeleton, x) <= 1e-4
+
+
+def test_check_onnx_warns_when_the_output_ignores_the_input(tmp_path):
+    """A model whose output is the same for every input (zero conv weights: only biases reach it) passes any check
+    of its outputs; check_onnx says that its comparison proves little then."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 5)).eval()
+    with torch.no_grad():
+        model[0].weight.zero_()
+    path = export_onnx(model, tmp_path / "flat.onnx", (3, 8, 8))
+    with pytest.warns(UserWarning, match=r"check_onnx: the model gives \(nearly\) the same output for each of the 3"):
+        assert check_onnx(path, model, torch.randn(3, 3, 8, 8)) <= 1e-6
+    with torch.no_grad():
+        model[0].weight.normal_()
+    live = export_onnx(model, tmp_path / "live.onnx", (3, 8, 8))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="check_onnx")
+        assert check_onnx(live, model, torch.randn(3, 3, 8, 8)) <= 1e-5
 
 
 def test_check_onnx_feeds_a_float16_graph_its_dtype(tmp_path):
