@@ -92,9 +92,14 @@ def contiguous_input(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous()
 
 
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)  # (nn.RNN's check too)
+
+
 def autocast_inputs(*ts):
     """Under autocast, cast floating tensors other than float64 to the autocast dtype (as autocast casts F.conv2d's
     inputs: float64 is not eligible); otherwise unchanged."""
+    if not _any_autocast():  # every eager layer call passes here: the common case answers in one C call
+        return ts
     ref = next((t for t in ts if isinstance(t, torch.Tensor)), None)
     if ref is None:
         return ts
