@@ -47,10 +47,21 @@ def _to_log_files(level: int, text: str, exc_info=None) -> None:
             handler.handle(record)
 
 
-def log_failure(err: BaseException) -> None:
+def log_failure(err: BaseException, rank: int = 0, run_dir: Path | None = None) -> None:
     """Put the error that stopped a run, with its traceback, into the run's log files (train.log), so that a batch
-    job's log says why it ended; the terminal shows Python's own report of it."""
-    _to_log_files(logging.ERROR, f"the run stopped: {type(err).__name__}: {err}", (type(err), err, err.__traceback__))
+    job's log says why it ended; the terminal shows Python's own report of it. Another DDP rank (`rank` > 0; rank 0
+    may only see that a peer's connection closed) appends it, naming itself, to the files of those names in
+    `run_dir`, the run's (its own Hydra log may lie in a folder of its own)."""
+    text = ("" if rank == 0 else f"rank {rank}: ") + f"the run stopped: {type(err).__name__}: {err}"
+    if rank == 0:
+        _to_log_files(logging.ERROR, text, (type(err), err, err.__traceback__))
+        return
+    record = _log.makeRecord(_log.name, logging.ERROR, __file__, 0, text, None, (type(err), err, err.__traceback__))
+    for handler in _file_handlers():
+        path = Path(run_dir) / Path(handler.baseFilename).name
+        if path.is_file():
+            with open(path, "a") as f:
+                f.write(handler.format(record) + "\n")
 
 
 @contextlib.contextmanager

@@ -4,10 +4,11 @@ imagenet/imagefolder from a local root, and fake (synthetic, for speed tests).
 `build_data(cfg, rank, world_size)` returns train/test DataLoaders (NCHW float32 images, int64
 labels) with the number of classes and the input geometry. Nothing is downloaded unless
 `download=true` is set for CIFAR. The training order is `EpochSampler`'s: epoch e's permutation, drawn from
-(seed + e), dealt out to the ranks, so that any number of processes sees the same global batches and a run
-stopped inside an epoch can go on with that epoch's remaining samples on another number of processes. Random
-augmentation draws from torch's RNG: in loader workers it is seeded from the loader's seeded generator; with
-num_workers=0 it follows `torch.manual_seed`.
+(seed + e), dealt out to the ranks, so that any number of processes sees the same samples in each global batch
+and a run stopped inside an epoch can go on with that epoch's remaining samples on another number of processes.
+Random augmentation draws from torch's RNG: in loader workers it is seeded from the loader's seeded generator; with
+num_workers=0 it follows `torch.manual_seed` (each rank's seed is trainer.seed + rank), so the augmented images
+of a global batch depend on the number of processes; without augmentation (data=fake) they do not.
 """
 
 from __future__ import annotations

@@ -231,6 +231,12 @@ def train_step(s: _Step, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor
             raise ValueError(f"a training batch of {x.shape[0]} image(s) of {tuple(x.shape[1:])} reaches a BatchNorm "
                              "with one value per channel (a 1x1 feature map), which it cannot train on; use "
                              "data.batch_size >= 2 (per process) or a larger data.input_size") from err
+        except RuntimeError as err:
+            if "Expected to have finished reduction" not in str(err):
+                raise
+            raise RuntimeError("DDP: some parameters of the model got no gradient in the last step (its forward does "
+                               "not use them), and DDP waits for every parameter's; train with "
+                               "trainer.find_unused_parameters=true, or remove them from the model") from err
         loss = F.cross_entropy(out, y)
     s.optimizer.zero_grad(set_to_none=True)
     s.scaler.scale(loss).backward()
@@ -368,7 +374,11 @@ class _StepLog:
         self.images += batch_images * self.world_size
         if step % self.every:
             return None
-        value = float(loss)  # waits for the queued steps, so the clock below is honest
+        # the global batch's mean loss (every rank logs the same steps); waits for the queued steps, so the clock
+        # below is honest
+        total, images = _all_reduce_sum(torch.stack([loss.double() * batch_images, loss.new_tensor(batch_images,
+                                                                                                   dtype=torch.float64)]))
+        value = total / images
         now = time.perf_counter()
         rate = self.images / max(now - self.since, 1e-9)
         self.images, self.since = 0, now
@@ -464,7 +474,7 @@ def _check_milestones(milestones, epochs) -> None:
 
 # on/off settings (data.download and data.pin_memory are checked by build_data)
 BOOLEAN_KEYS = ("trainer.amp", "trainer.channels_last", "trainer.compile", "trainer.sync_bn", "trainer.dump_rank_state",
-                "optim.nesterov")
+                "trainer.find_unused_parameters", "optim.nesterov")
 
 
 def _check_config(cfg: DictConfig, ckpt: dict | None = None) -> None:
@@ -777,7 +787,9 @@ def _training_model(raw: nn.Module, cfg: DictConfig, dist: DistInfo) -> nn.Modul
     model = raw
     if dist.world_size > 1:
         device_ids = [dist.device] if dist.device.type == "cuda" else None
-        model = nn.parallel.DistributedDataParallel(raw, device_ids=device_ids, gradient_as_bucket_view=True)
+        model = nn.parallel.DistributedDataParallel(
+            raw, device_ids=device_ids, gradient_as_bucket_view=True,
+            find_unused_parameters=bool(cfg.trainer.get("find_unused_parameters", False)))
     if cfg.trainer.compile:
         model = torch.compile(model, backend=cfg.trainer.compile_backend)
     return model
@@ -941,8 +953,8 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
         try:
             return _run(cfg, run_dir, dist, start)
         except BaseException as err:
-            if dist.is_main and (run_dir / "tensorboard").is_dir():  # the run had begun writing its results (a
-                log_failure(err)  # command its config refuses leaves no trace in a fresh run dir)
+            if (run_dir / "tensorboard").is_dir():  # the run had begun writing its results (a command its config
+                log_failure(err, dist.rank, run_dir)  # refuses leaves no trace in a fresh run dir)
             raise
 
 

@@ -75,6 +75,15 @@ def _assert_same(a: dict, b: dict, exact: bool) -> None:
             torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
+def _loss_steps(run_dir: Path) -> dict[int, float]:
+    """{step: train/loss_step} of a run's TensorBoard events."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    return {e.step: e.value for e in events.Scalars("train/loss_step")}
+
+
 def _masks(state: dict) -> dict:
     return {k: v.abs() > THRESHOLD for k, v in state.items() if k.endswith("skeleton")}
 
@@ -103,7 +112,7 @@ def test_torchrun_two_ranks_match_one_process_and_resume_across_world_sizes(tmp_
     partial = tmp_path / "partial.pt"
     shutil.copy(parts / "checkpoints" / "last.pt", partial)
     _torchrun(parts, *per_rank, "resume=true", "trainer.max_steps=null")
-    _torchrun(full, *per_rank)
+    _torchrun(full, *per_rank, "trainer.log_every=1")
     for rank in (0, 1):
         _assert_same(_state(parts, rank), _state(full, rank), exact=True)
     assert json.loads((parts / "summary.json").read_text())["steps"] == 6
@@ -113,7 +122,7 @@ def test_torchrun_two_ranks_match_one_process_and_resume_across_world_sizes(tmp_
     rank0 = _state(full, 0)
     _assert_same(rank0, _state(full, 1), exact=True)
     _assert_same(_masks(rank0), _masks(_state(full, 1)), exact=True)
-    ref = _run_here(tmp_path / "single", SINGLE)
+    ref = _run_here(tmp_path / "single", SINGLE, "trainer.log_every=1")
     _assert_same(rank0, _state(tmp_path / "single"), exact=False)
     _assert_same(_masks(rank0), _masks(_state(tmp_path / "single")), exact=True)
     summary = json.loads((full / "summary.json").read_text())  # written by rank 0 only
@@ -124,6 +133,10 @@ def test_torchrun_two_ranks_match_one_process_and_resume_across_world_sizes(tmp_
     assert summary["test_accuracy"] == ref["test_accuracy"]
     assert summary["test_loss"] == pytest.approx(ref["test_loss"], rel=1e-4)
     assert sorted(p.name for p in (full / "checkpoints").iterdir()) == ["best.pt", "last.pt"]
+    # the per-step loss logged is the global batch's (both ranks'), as one process at batch 4 logs it
+    ranks, one = _loss_steps(full), _loss_steps(tmp_path / "single")
+    assert len(ranks) == 6 and ranks.keys() == one.keys()
+    assert all(ranks[k] == pytest.approx(one[k], rel=1e-4) for k in ranks), (ranks, one)
 
     # 2 -> 1 inside an epoch: one process at batch 4 trains the epoch's 4 samples the 2 ranks had left, in the
     # global batch they would have formed (data.EpochSampler), and ends with the 2-rank run's weights (rank 1's RNG
@@ -156,3 +169,45 @@ def test_compile_runs_skeleton_convs_and_matches_eager(tmp_path, one_thread):
     _assert_same(_state(tmp_path / "eager"), _state(tmp_path / "compiled"), exact=False)
     assert compiled["stripes_kept"] == eager["stripes_kept"] < compiled["stripes_total"]
 
+
+
+class _WithUnused(torch.nn.Module):
+    """A model whose forward leaves `spare` unused."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+        self.spare = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def test_ddp_with_unused_parameters_names_the_setting(tmp_path):
+    """DDP waits for a gradient of every parameter: a model whose forward skips some fails at its second step with
+    an error naming trainer.find_unused_parameters, and trains with it (a one-process gloo group, in-process)."""
+    from omegaconf import OmegaConf
+
+    import compress.engine as engine
+
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        dist = engine.DistInfo(rank=0, world_size=2, device=torch.device("cpu"))  # world_size > 1: wrap in DDP
+        x, y = torch.randn(4, 4), torch.randint(0, 3, (4,))
+        for find in (False, True):
+            cfg = OmegaConf.create({"trainer": {"compile": False, "find_unused_parameters": find}})
+            raw = _WithUnused()
+            model = engine._training_model(raw, cfg, dist)
+            optimizer = torch.optim.SGD(raw.parameters(), lr=0.1)
+            s = engine._Step(model, raw, optimizer, torch.amp.GradScaler("cpu", enabled=False), dist.device, None,
+                             False, None)
+            engine.train_step(s, x, y)
+            if find:
+                engine.train_step(s, x, y)
+            else:
+                with pytest.raises(RuntimeError, match=r"DDP: some parameters of the model got no gradient in the "
+                                   r"last step .* train with trainer.find_unused_parameters=true"):
+                    engine.train_step(s, x, y)
+    finally:
+        torch.distributed.destroy_process_group()

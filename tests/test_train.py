@@ -711,6 +711,34 @@ def test_train_log_holds_the_runs_warnings_and_the_error_that_stopped_it(tmp_pat
     assert refused.returncode == 1 and not (tmp_path / "refused").exists(), refused.stderr[-1000:]
 
 
+def test_another_ranks_failure_goes_into_the_runs_log(tmp_path):
+    """A DDP rank other than 0 appends its error, naming itself, to the log file of its log's name in the run dir
+    (rank 0's), not to its own Hydra log elsewhere."""
+    import logging
+
+    from compress._logging import log_failure
+
+    own, run_dir = tmp_path / "own", tmp_path / "run"
+    own.mkdir()
+    run_dir.mkdir()
+    (run_dir / "train.log").write_text("[t][INFO] epoch 1\n")
+    handler = logging.FileHandler(own / "train.log")
+    handler.setFormatter(logging.Formatter("[%(levelname)s] %(message)s"))
+    logger = logging.getLogger("compress")
+    logger.addHandler(handler)
+    try:
+        try:
+            raise RuntimeError("boom on rank 1")
+        except RuntimeError as err:
+            log_failure(err, 1, run_dir)
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
+    text = (run_dir / "train.log").read_text()
+    assert text.startswith("[t][INFO] epoch 1\n[ERROR] rank 1: the run stopped: RuntimeError: boom on rank 1\n")
+    assert "Traceback (most recent call last)" in text and (own / "train.log").read_text() == ""
+
+
 def test_images_per_s_of_a_resumed_epoch_leaves_out_the_dropped_batches():
     """A run resumed inside an epoch loads and drops the batches trained before (`skip`): the epoch's images/s
     counts only the batches it trains, not that loading (slow here: 1 s per dropped batch)."""
