@@ -18,11 +18,15 @@ from kernels import _ext
 
 
 def _arch_flags() -> list[str]:
-    archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "9.0").replace(",", ";").replace(" ", ";")
+    """nvcc -gencode flags for TORCH_CUDA_ARCH_LIST (compute capabilities such as "8.0;9.0", "+PTX" allowed;
+    unset or empty: 9.0). SystemExit naming the entry for anything else (a name such as "Hopper")."""
+    archs = (os.environ.get("TORCH_CUDA_ARCH_LIST") or "9.0").replace(",", ";").replace(" ", ";")
     flags = []
     for a in filter(None, archs.split(";")):
-        a = a.replace("+PTX", "")
-        num = a.replace(".", "")
+        num = a.removesuffix("+PTX").replace(".", "")
+        if not num.isdigit():
+            raise SystemExit(f"check-compile: TORCH_CUDA_ARCH_LIST entry {a!r} is not a compute capability; give "
+                             "numbers such as 8.0;9.0 (optionally with +PTX)")
         flags.append(f"-gencode=arch=compute_{num},code=sm_{num}")
     return flags
 
@@ -87,11 +91,12 @@ def check_compile(jobs: int | None = None) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kernels")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("build", help="compile and cache the CUDA extension (needs a GPU and nvcc)")
+    build = sub.add_parser("build", help="compile and cache the CUDA extension (needs a GPU and nvcc)")
+    build.add_argument("-v", "--verbose", action="store_true", help="show the compiler's commands and output")
     sub.add_parser("check-compile", help="compile the CUDA sources to object files with nvcc only (no GPU)")
     args = ap.parse_args(argv)
     if args.cmd == "build":
-        mod = _ext.load(verbose="-v" in sys.argv)
+        mod = _ext.load(verbose=args.verbose)
         print("build:", "ok" if mod is not None else "unavailable (see the warning above)")
         return 0 if mod is not None else 1
     return check_compile()

@@ -1,8 +1,10 @@
 """Small C++ CPU kernels, compiled on first use with the system C++ compiler and called through ctypes.
 
-No PyTorch headers: one source (``SOURCE``), one ``c++ -O3 -fopenmp -shared`` call (~6 s on 2 cores, once),
-cached as a shared library in ``$COMPRESS_KERNELS_CACHE`` or ``~/.cache/compress_kernels/cpu``, named by a hash of
-the source, the compiler, the flags and the machine. With GCC on x86-64 the float32 workers are ``target_clones``
+No PyTorch headers: one source (``SOURCE``), one ``c++ -O3 -fopenmp -shared`` call (15-50 s on 2 cores, once;
+the compiler is ``$CXX`` if set, else the first of c++, g++, clang++), cached as a shared library in
+``$COMPRESS_KERNELS_CACHE/cpu`` (default ``~/.cache/compress_kernels/cpu``), named by a hash of the source, the
+compiler, the flags and the machine. A cached file that is not a whole library (truncated on disk: dlopen would
+crash the process) or does not load is rebuilt once. With GCC on x86-64 the float32 workers are ``target_clones``
 (AVX-512, AVX2, baseline x86-64), so one library runs on any x86-64 CPU. Where this cannot work (no compiler, a
 compile or load error, or ``COMPRESS_KERNELS_NO_CPU=1``) ``lib()`` returns ``None``, after ONE warning unless the
 variable asked for it, and the ops keep their PyTorch CPU path.
@@ -14,7 +16,9 @@ team size too (``compress_omp_max_threads()`` reports it). A pass forks only for
 (``PAR_MIN``; the predictor: G * C * B); each thread takes one contiguous share of rows (NCHW: B*G) or positions
 (channels_last: B*H*W), so a result depends on the thread count only in the channels_last pool (per-thread sums
 in double, added in thread order). Where ``-fopenmp`` does not build or load, the library is built without it
-(``SERIAL_FLAGS``, one warning; the failed build is remembered in the cache) and the kernels run single-threaded.
+(``SERIAL_FLAGS``, one warning naming the cache's ``.failed`` file that remembers the failure: delete it to try
+again, e.g. after installing OpenMP) and the kernels run single-threaded. A compiler killed by a signal (the OOM
+killer) is not remembered.
 A torch that uses another OpenMP runtime (e.g. Intel's libiomp5) would leave ours with a pool of its own.
 The kernels are memory-bound passes (in a 1-thread PiX ResNet-50 forward they run at about the speed of a copy
 of their input).
@@ -41,15 +45,18 @@ Every ``pix_*`` and ``max_pool2d_*`` function returns 0, or 1 if a scratch alloc
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
 import platform
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 import warnings
 
 __all__ = ["lib", "reset_for_tests", "SOURCE"]
@@ -704,7 +711,11 @@ _state: dict[str, object] = {}
 
 
 def _compiler() -> str | None:
-    for cand in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+    cxx = os.environ.get("CXX")
+    if cxx and not shutil.which(cxx):
+        warnings.warn(f"compress kernels: CXX={cxx!r} is not an executable compiler; trying c++, g++ and clang++",
+                      RuntimeWarning, stacklevel=4)
+    for cand in (cxx, "c++", "g++", "clang++"):
         if cand and shutil.which(cand):
             return shutil.which(cand)
     return None
@@ -727,15 +738,51 @@ def _path(cxx: str, flags: list[str]) -> str:
     return os.path.join(root, "cpu", f"compress_cpu_{tag.hexdigest()[:16]}.so")
 
 
+def _intact(path: str) -> bool:
+    """Whether `path` is a whole ELF file (its program and section header tables inside it). A library truncated on
+    disk makes dlopen crash the process (SIGBUS), past any Python error handling. Only checked on Linux."""
+    if platform.system() != "Linux":
+        return True
+    try:
+        with open(path, "rb") as f:
+            head, size = f.read(64), os.fstat(f.fileno()).st_size
+    except OSError:
+        return False
+    if len(head) < 52 or head[:4] != b"\x7fELF" or head[4] not in (1, 2) or head[5] not in (1, 2):
+        return False
+    order = "<" if head[5] == 1 else ">"
+    if head[4] == 2:  # ELF64
+        if len(head) < 64:
+            return False
+        phoff, shoff = struct.unpack_from(order + "QQ", head, 32)
+        phentsize, phnum, shentsize, shnum = struct.unpack_from(order + "HHHH", head, 54)
+    else:
+        phoff, shoff = struct.unpack_from(order + "II", head, 28)
+        phentsize, phnum, shentsize, shnum = struct.unpack_from(order + "HHHH", head, 42)
+    return phoff + phnum * phentsize <= size and shoff + shnum * shentsize <= size
+
+
+def _sweep_stale_builds(d: str, age_s: float = 3600) -> None:
+    """Remove build folders (tmp*) older than `age_s` that killed processes left in the cache folder `d`."""
+    for entry in os.scandir(d):
+        with contextlib.suppress(OSError):
+            if entry.name.startswith("tmp") and entry.is_dir() and time.time() - entry.stat().st_mtime > age_s:
+                shutil.rmtree(entry.path, ignore_errors=True)
+
+
 def _build(cxx: str, flags: list[str]) -> str:
     so = _path(cxx, flags)
     d = os.path.dirname(so)
     os.makedirs(d, exist_ok=True)
     if os.path.exists(so):
-        return so
+        if _intact(so):
+            return so
+        with contextlib.suppress(OSError):
+            os.remove(so)  # damaged on disk: built again below
     if os.path.exists(so + ".failed"):  # an OpenMP build that failed where the serial one built: not retried
         with open(so + ".failed") as f:
-            raise _CompileError(f.read().strip() or "an earlier build failed")
+            raise _CompileError((f.read().strip() or "an earlier build failed") + f"; delete {so}.failed to retry")
+    _sweep_stale_builds(d)
     with tempfile.TemporaryDirectory(dir=d) as tmp:  # build privately, then rename: safe with parallel processes
         src, out = os.path.join(tmp, "kernels.cpp"), os.path.join(tmp, "kernels.so")
         with open(src, "w") as f:
@@ -745,13 +792,23 @@ def _build(cxx: str, flags: list[str]) -> str:
         r = subprocess.run([cxx, *flags, "-o", out, src], capture_output=True, text=True, timeout=300)
         if r.returncode != 0:
             lines = (r.stderr or r.stdout or f"exit status {r.returncode}").strip().splitlines()
-            raise _CompileError(next((ln for ln in lines if "error" in ln), lines[-1])[:300])
+            killed = r.returncode < 0 or any("Killed signal" in ln for ln in lines)  # not the flags' fault
+            raise (RuntimeError if killed else _CompileError)(
+                next((ln for ln in lines if "error" in ln), lines[-1])[:300])
+        with open(out, "rb") as f:
+            os.fsync(f.fileno())  # on disk before it gets its name: a crash leaves no truncated library behind
         os.replace(out, so)
     return so
 
 
 def _load(cxx: str, flags: list[str]) -> ctypes.CDLL:
-    handle = ctypes.CDLL(_build(cxx, flags))
+    so = _build(cxx, flags)
+    try:
+        handle = ctypes.CDLL(so)
+    except OSError:  # a cached file this process cannot load (not a library, another machine's): built once more
+        with contextlib.suppress(OSError):
+            os.remove(so)
+        handle = ctypes.CDLL(_build(cxx, flags))
     for name, args in SIGNATURES.items():
         fn = getattr(handle, name)
         fn.argtypes, fn.restype = args, ctypes.c_int
@@ -770,7 +827,7 @@ def _load_any(cxx: str) -> ctypes.CDLL:
         with open(failed, "w") as f:
             f.write(str(omp_error))
     warnings.warn(f"compress kernels: the C++ CPU kernels are built without OpenMP ({omp_error}); they run "
-                  "single-threaded.", RuntimeWarning, stacklevel=4)
+                  f"single-threaded (delete {failed} to try the OpenMP build again).", RuntimeWarning, stacklevel=4)
     return handle
 
 

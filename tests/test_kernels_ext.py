@@ -70,3 +70,20 @@ def test_torch_export_keeps_the_ops():
     names = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
     assert {"compress.depthwise_conv2d.default", "compress.conv2d.default", "compress.pix.default"} <= names
     torch.testing.assert_close(ep.module()(x, p), m(x, p))
+
+
+def test_cli_build_takes_verbose_and_arch_list_is_checked(monkeypatch):
+    """`python -m kernels build -v` parses (it was refused by argparse); TORCH_CUDA_ARCH_LIST must name compute
+    capabilities (empty: the default 9.0)."""
+    from kernels import __main__ as cli
+
+    seen = {}
+    monkeypatch.setattr(cli._ext, "load", lambda verbose=False: seen.setdefault("verbose", verbose))
+    assert cli.main(["build", "-v"]) == 0 and seen == {"verbose": True}
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
+    assert cli._arch_flags() == ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90"]
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "")
+    assert cli._arch_flags() == ["-gencode=arch=compute_90,code=sm_90"]
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "Hopper")
+    with pytest.raises(SystemExit, match=r"TORCH_CUDA_ARCH_LIST entry 'Hopper' is not a compute capability"):
+        cli._arch_flags()

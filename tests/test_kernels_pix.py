@@ -1,6 +1,7 @@
 """compress::pix against a float64 reference written from the definition (DESIGN.md, seed 003)."""
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -515,6 +516,57 @@ def test_cpu_library_falls_back_to_a_serial_build(monkeypatch, tmp_path, capfd):
     with pytest.warns(RuntimeWarning, match="built without OpenMP"):
         assert _cpu.lib() is not None
     assert "compiling" not in capfd.readouterr().err
+
+
+def test_cpu_library_rebuilds_a_damaged_cache_and_forgets_a_killed_compiler(monkeypatch, tmp_path, capfd):
+    """A cached library truncated on disk (dlopen would crash the process with SIGBUS) or empty is built again, with
+    OpenMP, not loaded and not replaced by the serial build; a compiler killed by a signal (the OOM killer) falls
+    back to the serial build for this process without remembering the OpenMP build as failed."""
+    import subprocess
+
+    from kernels import _cpu
+
+    if _cpu._compiler() is None:
+        pytest.skip("no C++ compiler")
+    monkeypatch.setenv("COMPRESS_KERNELS_CACHE", str(tmp_path))
+    monkeypatch.setattr(_cpu, "SERIAL_FLAGS", ["-O0", "-shared", "-fPIC"])  # -O0: 2 s to build, not 15
+    monkeypatch.setattr(_cpu, "FLAGS", [*_cpu.SERIAL_FLAGS, "-fopenmp"])
+    monkeypatch.setattr(_cpu, "_state", {})
+    assert _cpu.lib().compress_omp_max_threads() > 0
+    (so,) = (tmp_path / "cpu").glob("*.so")
+    assert _cpu._intact(str(so))
+    whole = so.read_bytes()
+    for damaged in (whole[: len(whole) // 2], b""):
+        (tmp_path / "damaged").write_bytes(damaged)
+        os.replace(tmp_path / "damaged", so)  # (writing into `so` itself would break this process's mapping of it)
+        assert not _cpu._intact(str(so))
+        capfd.readouterr()
+        monkeypatch.setattr(_cpu, "_state", {})  # a new process
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no fallback warning: the OpenMP build is made again
+            assert _cpu.lib().compress_omp_max_threads() > 0
+        assert "compiling" in capfd.readouterr().err and _cpu._intact(str(so))
+    so.unlink()
+    real_run = subprocess.run
+
+    def killed(cmd, **kwargs):  # the OpenMP compile dies of SIGKILL
+        if "-fopenmp" in cmd:
+            return subprocess.CompletedProcess(cmd, -9, "", "c++: fatal error: Killed signal terminated program cc1plus")
+        return real_run(cmd, **kwargs)
+
+    monkeypatch.setattr(_cpu.subprocess, "run", killed)
+    monkeypatch.setattr(_cpu, "_state", {})
+    with pytest.warns(RuntimeWarning, match="built without OpenMP .*Killed signal"):
+        assert _cpu.lib().compress_omp_max_threads() == 0
+    assert not list((tmp_path / "cpu").glob("*.failed"))  # the next process tries OpenMP again
+
+
+def test_cpu_library_warns_about_an_unusable_cxx(monkeypatch):
+    from kernels import _cpu
+
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    with pytest.warns(RuntimeWarning, match=r"CXX='/nonexistent/g\+\+' is not an executable compiler; trying c\+\+"):
+        _cpu._compiler()
 
 
 def test_cpu_library_missing_compiler_warns_once(monkeypatch):
