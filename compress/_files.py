@@ -1,15 +1,17 @@
-"""Atomic file writes for checkpoints and compact model files; removing a Hydra run dir that holds nothing else;
-lock files."""
+"""Atomic file writes for checkpoints and compact model files; strict JSON text; removing a Hydra run dir that
+holds nothing else; lock files."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import shutil
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["atomic_write", "launch_path", "lock_file", "process_alive", "remove_if_only_hydra", "unlock_file"]
+__all__ = ["atomic_write", "json_text", "launch_path", "lock_file", "process_alive", "remove_if_only_hydra", "unlock_file"]
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
@@ -45,6 +47,21 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def json_text(value) -> str:
+    """`value` as indented JSON text (with a final newline), each non-finite float (NaN, inf) written as null:
+    json.dumps would write bare NaN, which strict JSON readers (JavaScript, jq --strict) reject."""
+    def finite(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: finite(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [finite(x) for x in v]
+        return v
+
+    return json.dumps(finite(value), indent=2, allow_nan=False) + "\n"
 
 
 def _fsync_dir(folder: Path) -> None:

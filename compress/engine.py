@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch.utils.data import DistributedSampler
 
-from compress._files import atomic_write, launch_path, lock_file, remove_if_only_hydra, unlock_file
+from compress._files import atomic_write, json_text, launch_path, lock_file, remove_if_only_hydra, unlock_file
 from compress._logging import RunLogger, format_summary, log_failure, progress, say, warnings_in_log_files
 from compress._macs import estimate_macs
 from compress._modes import evaluating
@@ -433,9 +433,16 @@ def check_optim(optim: DictConfig, epochs: int | None = None) -> None:
     numbers in range, nesterov with momentum; with `epochs` (the run's length) also the warmup and the milestones.
     `train.py` checks it before building any data; build_optimizer and build_scheduler check it again."""
     if optim.get("name") != "sgd":
-        raise ValueError(f"optim.name={optim.get('name')!r} is not supported; use optim=sgd_multistep or optim=sgd_cosine")
+        raise ValueError(f"optim.name={optim.get('name')!r} is not supported; use optim=sgd_multistep, "
+                         "optim=sgd_cosine or optim=sgd_digits")
     if optim.get("schedule") not in ("multistep", "cosine"):
         raise ValueError(f"optim.schedule={optim.get('schedule')!r} is not supported; use 'multistep' or 'cosine'")
+    if optim.schedule == "multistep" and "milestones" not in optim:
+        raise ValueError("optim.schedule=multistep needs optim.milestones and optim.gamma, which this optim group "
+                         "does not have; use optim=sgd_multistep (its optim.milestones and optim.gamma set the steps)")
+    if optim.schedule == "cosine" and ("milestones" in optim or "gamma" in optim):
+        warnings.warn("optim.milestones and optim.gamma have no effect with optim.schedule=cosine (the cosine "
+                      "schedule has no steps); use optim=sgd_cosine, or optim.schedule=multistep", stacklevel=2)
     for key, (rule, ok) in _OPTIM_RANGES.items():
         value = optim.get(key)
         if value is None and key in _OPTIONAL:
@@ -488,7 +495,8 @@ def _check_config(cfg: DictConfig, ckpt: dict | None = None) -> None:
     if cfg.init is not None and cfg.pix.zeta is not None:
         raise ValueError("init and pix.zeta are both set: a compact model already has its PiX blocks; leave pix.zeta=null")
     if cfg.prune.name not in PRUNE_METHODS:
-        raise ValueError(f"prune.name={cfg.prune.name!r} is unknown; choose one of {PRUNE_METHODS} (prune=none|swp)")
+        raise ValueError(f"prune.name={cfg.prune.name!r} is unknown; choose one of {PRUNE_METHODS} "
+                         "(prune=none|swp|swp_digits)")
     if cfg.prune.name == "swp":
         check_nonnegative(alpha=cfg.prune.alpha, threshold=cfg.prune.threshold)
         _require_int("prune.min_kernel_size", cfg.prune.min_kernel_size, 1,
@@ -1300,7 +1308,7 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float) -> dict:
         "checkpoint": str(ckpt_dir / "last.pt") if (ckpt_dir / "last.pt").is_file() else None,  # None: none written
     }
     if dist.is_main:
-        atomic_write(run_dir / "summary.json", lambda tmp: tmp.write_text(json.dumps(summary, indent=2) + "\n"))
+        atomic_write(run_dir / "summary.json", lambda tmp: tmp.write_text(json_text(summary)))
         say(format_summary(summary))
     _finish_distributed(dist)
     return summary

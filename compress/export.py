@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
+import math
 import os
 import shutil
 import tempfile
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from compress._files import process_alive
+from compress._files import json_text, process_alive
 from compress._trainstate import _is_safetensors, check_weight_kinds, load_checkpoint
 from compress.checkpoint import load, rebuild_for, unregistered_module
 from compress.checkpoint import save as save_compact
@@ -347,7 +347,11 @@ def export_checkpoint(
             export_onnx(small.cpu(), stage / FILES[1], size, stripe_mode=stripe_mode, opset=opset)
             probe = torch.randn(2, *size, generator=torch.Generator().manual_seed(0))  # the same check every export
             err = check_onnx(stage / FILES[1], small, probe)
-            if err > ONNX_TOLERANCE:
+            if not math.isfinite(err):
+                warnings.warn(f"export: the ONNX check of {out / FILES[1]} got NaN or inf: the PyTorch model or "
+                              "onnxruntime outputs non-finite values on random inputs (check the model's weights and "
+                              "BN statistics)", stacklevel=2)
+            elif err > ONNX_TOLERANCE:
                 warnings.warn(f"export: {out / FILES[1]} differs from the PyTorch model by {err:.2e} (relative) in "
                               f"onnxruntime, above {ONNX_TOLERANCE:g}; check it before deploying "
                               + ("" if stripe_mode == "dense" else "(onnx.stripe_mode=dense is the plainest export)"),
@@ -367,7 +371,7 @@ def export_checkpoint(
         report.update(source=str(ckpt), target_macs=budget, fold_bn=fold_bn, onnx=onnx_info, file_bytes=sizes,
                       run={"dtype": dtype, "channels_last": channels_last, "cuda_graphs": cuda_graphs,
                            "modes": f"chosen by {timing} timing" if choose_stripe_modes else "cost model"})
-        (stage / FILES[2]).write_text(json.dumps(report, indent=2) + "\n")
+        (stage / FILES[2]).write_text(json_text(report))
         (stage / FILES[3]).write_text(render_markdown(report))
         plot_stripes(report["stripes"], stage / FILES[4])
     return report

@@ -604,3 +604,20 @@ def test_paths_that_are_no_regular_file_are_clear_errors(tmp_path):
             load(tmp_path / name)
     with pytest.raises(ValueError, match=rf"{tmp_path / 'loop'}: cannot resolve this path"):
         launch_path(tmp_path / "loop")
+
+
+def test_json_text_writes_non_finite_numbers_as_null():
+    """summary.json and report.json: a NaN test loss (BN statistics overflowing after one step) or an ONNX error of
+    NaN is written null, so that strict JSON readers accept the file (json.dumps writes a bare NaN)."""
+    import json
+    import math
+
+    from compress._files import json_text
+
+    value = {"test_loss": float("nan"), "onnx": {"max_rel_error": float("inf"), "opset": 17}, "ms": [1.5, -math.inf],
+             "name": "resnet50", "ok": True, "none": None}
+    text = json_text(value)
+    strict = json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+    assert strict == {"test_loss": None, "onnx": {"max_rel_error": None, "opset": 17}, "ms": [1.5, None],
+                      "name": "resnet50", "ok": True, "none": None}
+    assert text.endswith("}\n") and json_text({"a": 0.25}) == '{\n  "a": 0.25\n}\n'

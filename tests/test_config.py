@@ -77,6 +77,8 @@ def test_cifar_configs_keep_the_paper_recipe():
         (["init=/nonexistent/model.safetensors"], ValueError, "no such file"),
         (["resume=true"], FileNotFoundError, "no checkpoint at .*last.pt"),
         (["optim.schedule=linear"], ValueError, "optim.schedule='linear' is not supported"),
+        (["optim=sgd_cosine", "optim.schedule=multistep"], ValueError,
+         r"optim.schedule=multistep needs optim.milestones and optim.gamma, .* use optim=sgd_multistep"),
         (["model=vgg11_bn"], ValueError, r"the model cannot take a 3x8x8 input \(data.input_size=8\)"),
         (["trainer.eval_every=0"], ValueError, "trainer.eval_every=0 must be an int >= 1"),
         (["trainer.max_steps=0"], ValueError, r"trainer.max_steps=0 must be an int >= 1, or null \(no step limit\)"),
@@ -242,3 +244,11 @@ def test_a_batch_of_one_that_reaches_a_1x1_batchnorm_names_the_fix(tmp_path):
     with pytest.raises(ValueError, match=r"a training batch of 1 image\(s\) of \(3, 32, 32\) reaches a BatchNorm "
                                          r"with one value per channel.*data.batch_size >= 2"):
         run(cfg, run_dir=tmp_path)
+
+
+def test_cosine_schedule_with_milestones_warns():
+    """optim=sgd_multistep with optim.schedule=cosine: its milestones and gamma would be ignored without a word."""
+    from compress.engine import check_optim
+
+    with pytest.warns(UserWarning, match=r"optim.milestones and optim.gamma have no effect with optim.schedule=cosine"):
+        check_optim(_compose("optim=sgd_multistep", "optim.schedule=cosine").optim, 200)
