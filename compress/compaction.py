@@ -438,6 +438,9 @@ def check_target_macs(target, name: str = "compact: target_macs") -> None:
     if isinstance(target, bool) or not isinstance(target, numbers.Real) or not 0 < target < math.inf:
         raise ValueError(f"{name} must be a fraction in (0, 1] of the dense model's MACs or a MAC count > 1, got "
                          f"{target!r}")
+    if target > 1 and not float(target).is_integer():
+        raise ValueError(f"{name}={target!r} is neither a fraction in (0, 1] of the dense model's MACs nor a whole "
+                         "count of MACs; for a share give a value up to 1 (e.g. 0.5)")
 
 
 def _compact_to_budget(model, base, fold, target, input_size, multiple=1):

@@ -112,6 +112,8 @@ def test_cifar_configs_keep_the_paper_recipe():
         (["prune=swp", "prune.target_flops=abc"], ValueError,
          r"prune.target_flops must be a fraction in \(0, 1\] of the dense model's MACs or a MAC count > 1, got 'abc'"),
         (["prune=swp", "prune.target_flops=0"], ValueError, r"prune.target_flops must be a fraction .* got 0"),
+        (["prune=swp", "prune.target_flops=1.5"], ValueError,  # a mistyped share, refused before training
+         r"prune.target_flops=1.5 is neither a fraction in \(0, 1\] of the dense model's MACs nor a whole count"),
         (["pix.tau=abc"], ValueError, r"pix.tau='abc' must be a number in \[0, 1\]"),
         (["prune=swp", "prune.alpha=abc"], ValueError, r"SWP alpha must be a finite number >= 0, got 'abc'; set prune.alpha to a non-negative number"),
         (["prune=swp", "prune.min_kernel_size=abc"], ValueError, r"prune.min_kernel_size='abc' must be an int >= 1"),
