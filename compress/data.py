@@ -13,6 +13,7 @@ of a global batch depend on the number of processes; without augmentation (data=
 
 from __future__ import annotations
 
+import os
 import shutil
 import warnings
 from dataclasses import dataclass
@@ -204,7 +205,8 @@ def _require_root(opts: dict, expected: str, how: str) -> Path:
     """The configured root as a Path; DatasetNotFoundError naming what belongs there if unset or missing."""
     name, root = opts["name"], opts["root"]
     root = None if root == "???" else root  # OmegaConf's mark of a value the config leaves to the command line
-    where = "data.root is not set" if root is None else f"data.root={root} does not exist"
+    where = ("data.root is not set" if root is None else f"data.root={root} is not a directory"
+             if Path(root).expanduser().exists() else f"data.root={root} does not exist")
     if root is None or not Path(root).expanduser().is_dir():
         raise DatasetNotFoundError(f"{name}: {where}; expected {expected} there. {how}")
     return Path(root).expanduser()
@@ -298,7 +300,8 @@ def _cifar(opts: dict):
             raise
     except RuntimeError as e:  # torchvision: "Dataset not found or corrupted"
         raise DatasetNotFoundError(
-            f"{name}: files under {root / folder}/ are missing or corrupted ({e}). {how}"
+            f"{name}: {_bad_cifar_files(cls, root / folder)} under {root / folder}/ (torchvision checks each file's "
+            f"MD5 before reading it). {how}"
         ) from e
     except OSError as e:  # the download itself (no network, a refused or broken connection)
         raise DatasetNotFoundError(
@@ -306,6 +309,18 @@ def _cifar(opts: dict):
             f"site, fetch the python version elsewhere and extract it there as {folder}/"
         ) from e
     return train, test, num_classes
+
+
+def _bad_cifar_files(cls, folder: Path) -> str:
+    """Which of a torchvision CIFAR class's files are missing under `folder` or are not the originals (their MD5)."""
+    from torchvision.datasets import cifar
+
+    files = [*cls.train_list, *cls.test_list, [cls.meta["filename"], cls.meta["md5"]]]
+    missing = [f for f, _ in files if not (folder / f).is_file()]
+    altered = [f for f, md5 in files if f not in missing and not cifar.check_integrity(str(folder / f), md5)]
+    parts = ([f"missing: {', '.join(missing)}"] if missing else []) + (
+        [f"not the original files (MD5 differs): {', '.join(altered)}"] if altered else [])
+    return "; ".join(parts) or "the files do not load"
 
 
 # ---- imagenet / imagefolder -----------------------------------------------------------------------
@@ -333,6 +348,10 @@ def _image_folder(opts: dict):
     test_tf = T.Compose([T.Resize(round(size / 0.875)), T.CenterCrop(size)] + normalize)
     splits = []
     for split, transform in (("train", train_tf), ("val", test_tf)):
+        loop = _symlink_loop(root / split)
+        if loop is not None:
+            raise ValueError(f"{name}: {loop} is a symlink to a folder that contains it: ImageFolder would follow it "
+                             f"again and again, reading every image below it many times; remove the link")
         try:
             splits.append(tvd.ImageFolder(str(root / split), transform=transform, loader=load_image))
         except FileNotFoundError as e:  # torchvision: no class folders or no images
@@ -350,10 +369,23 @@ def _image_folder(opts: dict):
     return train, test, len(train.classes)
 
 
+def _symlink_loop(folder: Path) -> str | None:
+    """A symlinked folder under `folder` that points at itself or a folder above it (ImageFolder follows links, so
+    such a loop repeats the images below it until the OS stops the walk), or None."""
+    for top, dirs, _ in os.walk(folder, followlinks=True):
+        here = os.path.realpath(top)
+        for d in dirs:
+            link = os.path.join(top, d)
+            target = os.path.realpath(link)
+            if os.path.islink(link) and (here == target or here.startswith(target + os.sep)):
+                return link
+    return None
+
+
 def load_image(path: str):
     """The image file at `path` as an 8-bit RGB PIL image. 16-bit images (PNG/TIFF modes I;16 and I) are scaled to
-    8 bits (PIL's convert would clip them at 255: nearly white); an unreadable or truncated file is an OSError
-    naming it (PIL's error does not)."""
+    8 bits (PIL's convert would clip them at 255: nearly white); an unreadable or truncated file, and float or
+    32-bit pixels (PIL's convert would make them near-black), are an OSError naming it (PIL's error does not)."""
     from PIL import Image
 
     try:
@@ -362,8 +394,14 @@ def load_image(path: str):
             img.load()
     except Exception as err:
         raise OSError(f"cannot read the image {path} ({type(err).__name__}: {err}); remove or replace the file") from None
+    if img.mode == "F" or img.mode.startswith("I;32"):
+        raise OSError(f"cannot read the image {path}: its pixels are {img.mode} values (float or 32-bit), whose "
+                      "range is not known; save it with 8 or 16 bits per channel")
     if img.mode.startswith("I;16") or img.mode == "I":
-        wide = np.asarray(img, dtype=np.float64).clip(0, 65535)
+        wide = np.asarray(img, dtype=np.float64)
+        if wide.size and not 0 <= wide.min() <= wide.max() <= 65535:
+            raise OSError(f"cannot read the image {path}: its 32-bit pixels reach {wide.min():g}..{wide.max():g}, "
+                          "outside the 16-bit range this loader scales; save it with 8 or 16 bits per channel")
         img = Image.fromarray((wide * (255 / 65535)).round().astype(np.uint8))
     return img.convert("RGB")
 

@@ -1243,7 +1243,16 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float) -> dict:
         logged_before = not trained and ckpt is not None and step == ckpt.get("logged_step")
         evaluated = ((epoch + 1) % cfg.trainer.eval_every == 0 or epoch + 1 == epochs or stopping) and not logged_before
         if evaluated:
-            test = evaluate(s, data.test, dist.is_main)
+            try:
+                test = evaluate(s, data.test, dist.is_main)
+            except Exception:
+                if dist.world_size == 1:  # (under DDP the other ranks are inside the evaluation's collectives)
+                    # keep what the epoch trained (an unreadable test image would otherwise cost it on every
+                    # attempt): last.pt as at an epoch end without an evaluation, then stop
+                    if not partial:
+                        scheduler.step()
+                    save(epoch, done, step, epoch_rng, rng or rng_state(generator), is_best=False, logged=False)
+                raise
         lr = optimizer.param_groups[0]["lr"]
         if not partial:
             scheduler.step()

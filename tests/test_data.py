@@ -565,3 +565,42 @@ def test_download_with_data_that_cannot_be_downloaded_is_noted(tmp_path):
                                          r"cifar100 are downloaded"):
         assert build_data({"name": "imagefolder", "root": str(tmp_path), "input_size": 8,
                            "download": True}).classes == ["a", "b"]
+
+
+def test_image_folders_refuse_symlink_loops_and_float_or_32_bit_images(tmp_path):
+    """A symlink in a class folder to a folder above it made ImageFolder read each image below it ~40 times
+    (followlinks); float and 32-bit pixels came out near-black; a data.root that is a file said 'does not exist'."""
+    from compress.data import load_image
+
+    root = tmp_path / "folder"
+    _folder(root, ["a", "b"])
+    assert len(build_data({"name": "imagefolder", "root": str(root), "input_size": 8}).train.dataset) == 4
+    (root / "train" / "a" / "loop").symlink_to(root / "train" / "a")
+    with pytest.raises(ValueError, match=rf"imagefolder: {root / 'train' / 'a' / 'loop'} is a symlink to a folder "
+                                         "that contains it"):
+        build_data({"name": "imagefolder", "root": str(root), "input_size": 8})
+    (root / "train" / "a" / "loop").unlink()
+    (root / "train" / "a" / "shared").symlink_to(root / "val" / "b")  # a link elsewhere is followed as before
+    assert len(build_data({"name": "imagefolder", "root": str(root), "input_size": 8}).train.dataset) == 6
+
+    Image.fromarray(np.full((4, 4), 0.8, np.float32)).save(tmp_path / "f.tif")
+    with pytest.raises(OSError, match=r"cannot read the image .*f.tif: its pixels are F values"):
+        load_image(str(tmp_path / "f.tif"))
+    Image.fromarray(np.full((4, 4), 70000, np.int32)).save(tmp_path / "i.tif")
+    with pytest.raises(OSError, match=r"cannot read the image .*i.tif: its 32-bit pixels reach 70000\.\.70000"):
+        load_image(str(tmp_path / "i.tif"))
+    Image.fromarray(np.full((4, 4), 65535, np.int32)).save(tmp_path / "w.tif")  # in the 16-bit range: scaled
+    assert np.asarray(load_image(str(tmp_path / "w.tif"))).min() == 255
+
+    with pytest.raises(DatasetNotFoundError, match=r"data.root=.*0.png is not a directory"):
+        build_data({"name": "imagefolder", "root": str(root / "train" / "a" / "0.png")})
+
+
+def test_cifar_errors_name_the_bad_files(tmp_path):
+    """A missing or altered CIFAR batch file is named (torchvision only says 'not found or corrupted')."""
+    _write_cifar(tmp_path, "cifar10", 10, 6)
+    folder = tmp_path / "cifar-10-batches-py"
+    (folder / "data_batch_3").unlink()
+    with pytest.raises(DatasetNotFoundError, match=r"cifar10: missing: data_batch_3; not the original files \(MD5 "
+                                                   r"differs\): data_batch_1, data_batch_2, data_batch_4"):
+        build_data({"name": "cifar10", "root": str(tmp_path)})

@@ -711,6 +711,29 @@ def test_train_log_holds_the_runs_warnings_and_the_error_that_stopped_it(tmp_pat
     assert refused.returncode == 1 and not (tmp_path / "refused").exists(), refused.stderr[-1000:]
 
 
+def test_a_failed_evaluation_keeps_the_epoch_trained(tmp_path, monkeypatch):
+    """An evaluation that fails (an unreadable test image) used to stop the run before last.pt was written, losing
+    the epoch on every attempt: the epoch's weights are saved first (as at an epoch end without an evaluation), and
+    resume goes on from the next epoch."""
+    import compress.engine as engine
+
+    real_evaluate = engine.evaluate
+
+    def unreadable(*args, **kwargs):
+        raise OSError("cannot read the image val/a/0.png (UnidentifiedImageError); remove or replace the file")
+
+    monkeypatch.setattr(engine, "evaluate", unreadable)
+    with pytest.raises(OSError, match="cannot read the image val/a/0.png"):
+        run(_compose(*TINY), run_dir=tmp_path)
+    saved = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
+    assert (saved["step"], saved["epoch"], saved["epoch_batches"]) == (4, 1, 0)  # epoch 1's 4 steps, finished
+    assert not (tmp_path / "checkpoints" / "best.pt").exists()
+    monkeypatch.setattr(engine, "evaluate", real_evaluate)
+    cfg = _compose(*TINY, "resume=true")
+    summary = run(cfg, run_dir=tmp_path)
+    assert summary["steps"] == 8 and summary["epochs"] == 2 and 0 <= summary["test_accuracy"] <= 1
+
+
 def test_another_ranks_failure_goes_into_the_runs_log(tmp_path):
     """A DDP rank other than 0 appends its error, naming itself, to the log file of its log's name in the run dir
     (rank 0's), not to its own Hydra log elsewhere."""
