@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 import warnings
 from collections.abc import Callable
@@ -39,12 +40,19 @@ def _file_handlers() -> list[logging.FileHandler]:
     return found
 
 
-def _to_log_files(level: int, text: str, exc_info=None) -> None:
-    """Write `text` into the log files only: the terminal has shown it already (a warning) or will (an error)."""
+def _to_log_files(level: int, text: str, exc_info=None, run_dir: Path | None = None) -> None:
+    """Write `text` into the log files only: the terminal has shown it already (a warning) or will (an error).
+    With `run_dir`: into the files of the same names there, if they exist, instead (another DDP rank's way into
+    rank 0's train.log)."""
     record = _log.makeRecord(_log.name, level, __file__, 0, text, None, exc_info)
     for handler in _file_handlers():
-        if level >= handler.level:
+        if level < handler.level:
+            continue
+        if run_dir is None:
             handler.handle(record)
+        elif (path := Path(run_dir) / Path(handler.baseFilename).name).is_file():
+            with open(path, "a") as f:
+                f.write(handler.format(record) + "\n")
 
 
 def log_failure(err: BaseException, rank: int = 0, run_dir: Path | None = None) -> None:
@@ -53,24 +61,27 @@ def log_failure(err: BaseException, rank: int = 0, run_dir: Path | None = None) 
     may only see that a peer's connection closed) appends it, naming itself, to the files of those names in
     `run_dir`, the run's (its own Hydra log may lie in a folder of its own)."""
     text = ("" if rank == 0 else f"rank {rank}: ") + f"the run stopped: {type(err).__name__}: {err}"
-    if rank == 0:
-        _to_log_files(logging.ERROR, text, (type(err), err, err.__traceback__))
-        return
-    record = _log.makeRecord(_log.name, logging.ERROR, __file__, 0, text, None, (type(err), err, err.__traceback__))
-    for handler in _file_handlers():
-        path = Path(run_dir) / Path(handler.baseFilename).name
-        if path.is_file():
-            with open(path, "a") as f:
-                f.write(handler.format(record) + "\n")
+    _to_log_files(logging.ERROR, text, (type(err), err, err.__traceback__), None if rank == 0 else run_dir)
 
 
 @contextlib.contextmanager
 def warnings_in_log_files(enabled: bool = True):
     """While the run works, every warning shown (on stderr, as Python shows it) also goes into the log files, so
     that train.log holds what the terminal showed. (logging.captureWarnings would take warnings off stderr, and off
-    warnings.catch_warnings(record=True) callers such as pytest.warns: this chains to the previous display.)"""
+    warnings.catch_warnings(record=True) callers such as pytest.warns: this chains to the previous display.)
+    Yields `forget()`, which truncates the log files back to their size at the start: a command refused before
+    its run began leaves its run dir's log as it found it (empty: the dir is then removed)."""
+    sizes = {h.baseFilename: os.path.getsize(h.baseFilename) if os.path.exists(h.baseFilename) else 0
+             for h in _file_handlers()} if enabled else {}
+
+    def forget() -> None:
+        for path, size in sizes.items():
+            with contextlib.suppress(OSError):
+                if os.path.getsize(path) > size:
+                    os.truncate(path, size)
+
     if not enabled:
-        yield
+        yield forget
         return
     shown = warnings.showwarning
 
@@ -80,7 +91,7 @@ def warnings_in_log_files(enabled: bool = True):
 
     warnings.showwarning = show
     try:
-        yield
+        yield forget
     finally:
         warnings.showwarning = shown
 

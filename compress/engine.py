@@ -440,9 +440,6 @@ def check_optim(optim: DictConfig, epochs: int | None = None) -> None:
     if optim.schedule == "multistep" and "milestones" not in optim:
         raise ValueError("optim.schedule=multistep needs optim.milestones and optim.gamma, which this optim group "
                          "does not have; use optim=sgd_multistep (its optim.milestones and optim.gamma set the steps)")
-    if optim.schedule == "cosine" and ("milestones" in optim or "gamma" in optim):
-        warnings.warn("optim.milestones and optim.gamma have no effect with optim.schedule=cosine (the cosine "
-                      "schedule has no steps); use optim=sgd_cosine, or optim.schedule=multistep", stacklevel=2)
     for key, (rule, ok) in _OPTIM_RANGES.items():
         value = optim.get(key)
         if value is None and key in _OPTIONAL:
@@ -513,6 +510,9 @@ def _check_config(cfg: DictConfig, ckpt: dict | None = None) -> None:
     _require_int("trainer.log_every", cfg.trainer.log_every, 1)
     _require_int("trainer.seed", cfg.trainer.seed, 0, most=MAX_SEED)
     check_optim(cfg.optim, cfg.trainer.epochs)
+    if cfg.optim.schedule == "cosine" and ("milestones" in cfg.optim or "gamma" in cfg.optim):
+        warnings.warn("optim.milestones and optim.gamma have no effect with optim.schedule=cosine (the cosine "
+                      "schedule has no steps); use optim=sgd_cosine, or optim.schedule=multistep", stacklevel=2)
     if cfg.trainer.amp_dtype not in ("bfloat16", "float16"):
         raise ValueError(f"trainer.amp_dtype={cfg.trainer.amp_dtype!r}; use bfloat16 or float16")
     if cfg.prune.name == "swp" and _is_number(cfg.prune.threshold) and cfg.prune.threshold >= 1:
@@ -957,12 +957,14 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     start = time.perf_counter()
     dist = setup_distributed(cfg.trainer.device)
     run_dir = _shared_run_dir(Path(run_dir) if run_dir is not None else _hydra_run_dir(), dist)
-    with _run_lock(run_dir, dist), warnings_in_log_files(dist.is_main):
+    with _run_lock(run_dir, dist), warnings_in_log_files(dist.is_main) as forget_warnings:
         try:
             return _run(cfg, run_dir, dist, start)
         except BaseException as err:
-            if (run_dir / "tensorboard").is_dir():  # the run had begun writing its results (a command its config
-                log_failure(err, dist.rank, run_dir)  # refuses leaves no trace in a fresh run dir)
+            if (run_dir / "tensorboard").is_dir():  # the run had begun writing its results
+                log_failure(err, dist.rank, run_dir)
+            else:  # a command its config refuses leaves no trace in a fresh run dir
+                forget_warnings()
             raise
 
 

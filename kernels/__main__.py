@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,16 +19,18 @@ from kernels import _ext
 
 
 def _arch_flags() -> list[str]:
-    """nvcc -gencode flags for TORCH_CUDA_ARCH_LIST (compute capabilities such as "8.0;9.0", "+PTX" allowed;
-    unset or empty: 9.0). SystemExit naming the entry for anything else (a name such as "Hopper")."""
+    """nvcc -gencode flags for TORCH_CUDA_ARCH_LIST (compute capabilities such as "8.0;9.0a", "+PTX" adding the
+    PTX; unset or empty: 9.0). SystemExit naming the entry for anything else (a name such as "Hopper")."""
     archs = (os.environ.get("TORCH_CUDA_ARCH_LIST") or "9.0").replace(",", ";").replace(" ", ";")
     flags = []
     for a in filter(None, archs.split(";")):
         num = a.removesuffix("+PTX").replace(".", "")
-        if not num.isdigit():
+        if not re.fullmatch(r"\d+[af]?", num):
             raise SystemExit(f"check-compile: TORCH_CUDA_ARCH_LIST entry {a!r} is not a compute capability; give "
-                             "numbers such as 8.0;9.0 (optionally with +PTX)")
+                             "numbers such as 8.0;9.0 (optionally with a, f or +PTX)")
         flags.append(f"-gencode=arch=compute_{num},code=sm_{num}")
+        if a.endswith("+PTX"):
+            flags.append(f"-gencode=arch=compute_{num},code=compute_{num}")
     return flags
 
 

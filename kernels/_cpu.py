@@ -4,7 +4,7 @@ No PyTorch headers: one source (``SOURCE``), one ``c++ -O3 -fopenmp -shared`` ca
 the compiler is ``$CXX`` if set, else the first of c++, g++, clang++), cached as a shared library in
 ``$COMPRESS_KERNELS_CACHE/cpu`` (default ``~/.cache/compress_kernels/cpu``), named by a hash of the source, the
 compiler, the flags and the machine. A cached file that is not a whole library (truncated on disk: dlopen would
-crash the process) or does not load is rebuilt once. With GCC on x86-64 the float32 workers are ``target_clones``
+crash the process) is rebuilt. With GCC on x86-64 the float32 workers are ``target_clones``
 (AVX-512, AVX2, baseline x86-64), so one library runs on any x86-64 CPU. Where this cannot work (no compiler, a
 compile or load error, or ``COMPRESS_KERNELS_NO_CPU=1``) ``lib()`` returns ``None``, after ONE warning unless the
 variable asked for it, and the ops keep their PyTorch CPU path.
@@ -781,7 +781,7 @@ def _build(cxx: str, flags: list[str]) -> str:
             os.remove(so)  # damaged on disk: built again below
     if os.path.exists(so + ".failed"):  # an OpenMP build that failed where the serial one built: not retried
         with open(so + ".failed") as f:
-            raise _CompileError((f.read().strip() or "an earlier build failed") + f"; delete {so}.failed to retry")
+            raise _CompileError(f.read().strip() or "an earlier build failed")
     _sweep_stale_builds(d)
     with tempfile.TemporaryDirectory(dir=d) as tmp:  # build privately, then rename: safe with parallel processes
         src, out = os.path.join(tmp, "kernels.cpp"), os.path.join(tmp, "kernels.so")
@@ -802,13 +802,7 @@ def _build(cxx: str, flags: list[str]) -> str:
 
 
 def _load(cxx: str, flags: list[str]) -> ctypes.CDLL:
-    so = _build(cxx, flags)
-    try:
-        handle = ctypes.CDLL(so)
-    except OSError:  # a cached file this process cannot load (not a library, another machine's): built once more
-        with contextlib.suppress(OSError):
-            os.remove(so)
-        handle = ctypes.CDLL(_build(cxx, flags))
+    handle = ctypes.CDLL(_build(cxx, flags))
     for name, args in SIGNATURES.items():
         fn = getattr(handle, name)
         fn.argtypes, fn.restype = args, ctypes.c_int
@@ -826,8 +820,9 @@ def _load_any(cxx: str) -> ctypes.CDLL:
     if isinstance(omp_error, _CompileError) and not os.path.exists(failed):  # the serial build compiled: remember
         with open(failed, "w") as f:
             f.write(str(omp_error))
+    retry = f" (delete {failed} to try the OpenMP build again)" if os.path.exists(failed) else ""
     warnings.warn(f"compress kernels: the C++ CPU kernels are built without OpenMP ({omp_error}); they run "
-                  f"single-threaded (delete {failed} to try the OpenMP build again).", RuntimeWarning, stacklevel=4)
+                  f"single-threaded{retry}.", RuntimeWarning, stacklevel=4)
     return handle
 
 

@@ -15,7 +15,7 @@ Tolerances (max |out - ref| / max |ref|, ref = float64 on the CPU, written with 
   the im2col conv2d uses torch.matmul, so it gets 1e-3 only if torch.backends.cuda.matmul.allow_tf32 is True;
   float16 / bfloat16 (and autocast bf16): 1e-2. Gradients: the same tolerances, relative to the reference
   gradient's max |.| (a reduction of B*H*W terms, so 16-bit grads get 2e-2).
-A case whose reference raises (invalid input) passes iff the op raises too (both messages recorded).
+The CUDAGraphModel dtype cases pass when the wrapper raises as the eager model does, or matches it.
 """
 
 from __future__ import annotations
@@ -523,10 +523,7 @@ def conv2d_case(name, B, C, N, H, W, ks=3, st=1, pd=1, dl=1, groups=1, dtype=tor
         x64 = rnd((B, C, H, W), seed + 1)
         b64 = rnd((N,), seed + 2) if bias else None
         xr, wr = x64.clone().requires_grad_("x" in grad), w64.clone().requires_grad_("w" in grad)
-        if C == 0:  # the definition: the bias (F.conv2d itself returns (B, 0, Ho, Wo))
-            yr = b64[None, :, None, None].expand(B, N, H + 2 * pd - 2 * dl, W + 2 * pd - 2 * dl)
-        else:
-            yr = F.conv2d(xr, wr, b64, st, pd, dl, groups)
+        yr = F.conv2d(xr, wr, b64, st, pd, dl, groups)  # (C == 0 is refused by the op: tests/test_kernels_conv2d.py)
         idt = torch.float32 if autocast else dtype
         x = layout(to_dev(x64, idt), lay).requires_grad_("x" in grad)
         w = to_dev(w64, idt).requires_grad_("w" in grad)

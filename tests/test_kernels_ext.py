@@ -80,8 +80,9 @@ def test_cli_build_takes_verbose_and_arch_list_is_checked(monkeypatch):
     seen = {}
     monkeypatch.setattr(cli._ext, "load", lambda verbose=False: seen.setdefault("verbose", verbose))
     assert cli.main(["build", "-v"]) == 0 and seen == {"verbose": True}
-    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
-    assert cli._arch_flags() == ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90"]
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0a;9.0+PTX")
+    assert cli._arch_flags() == ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90a,code=sm_90a",
+                                 "-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_90,code=compute_90"]
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "")
     assert cli._arch_flags() == ["-gencode=arch=compute_90,code=sm_90"]
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "Hopper")

@@ -709,6 +709,11 @@ def test_train_log_holds_the_runs_warnings_and_the_error_that_stopped_it(tmp_pat
     assert "Traceback (most recent call last)" in log
     refused = run_script("train.py", *TINY, "optim.lr=-1", f"hydra.run.dir={tmp_path / 'refused'}")
     assert refused.returncode == 1 and not (tmp_path / "refused").exists(), refused.stderr[-1000:]
+    # a warning (data.root) before the refusal (vgg11_bn cannot take 8x8 inputs) does not keep the dir either
+    warned = run_script("train.py", *TINY, "model=vgg11_bn", f"data.root={tmp_path / 'nowhere'}",
+                        f"hydra.run.dir={tmp_path / 'warned'}")
+    assert warned.returncode == 1 and "cannot take a 3x8x8 input" in warned.stderr
+    assert not (tmp_path / "warned").exists()
 
 
 def test_a_failed_evaluation_keeps_the_epoch_trained(tmp_path, monkeypatch):
