@@ -334,8 +334,9 @@ def test_cifar_loads_written_files(tmp_path, monkeypatch, name):
         "num_workers": 0,
         "input_size": 32,
     }
-    # torchvision rejects the synthetic files by checksum; build_data reports it.
-    with pytest.raises(DatasetNotFoundError, match="missing or corrupted"):
+    # torchvision rejects the synthetic files by checksum; build_data names them.
+    with pytest.raises(DatasetNotFoundError, match=r"not the original files \(MD5 differs\): .*"
+                                                   + _CIFAR_FILES[name][3]):
         build_data(cfg)
     _skip_cifar_md5(monkeypatch)
     data = build_data(cfg)
@@ -372,7 +373,7 @@ def test_cifar_loads_written_files(tmp_path, monkeypatch, name):
 
     # A file gone (here the meta file) is reported as missing.
     os.remove(tmp_path / _CIFAR_FILES[name][0] / _CIFAR_FILES[name][3])
-    with pytest.raises(DatasetNotFoundError, match="missing or corrupted"):
+    with pytest.raises(DatasetNotFoundError, match=rf"{name}: missing: {_CIFAR_FILES[name][3]} under"):
         build_data(cfg)
 
 
