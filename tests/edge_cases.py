@@ -191,6 +191,16 @@ def run_grads(y, inputs, seed):
     return [next(it) if (t is not None and t.requires_grad) else None for t in inputs], g
 
 
+def cmp_grads(ck, y, yr, inputs, refs_in, names, seed, tol):
+    """Compare the gradients of (y * g).sum() for the `inputs` that require grad against those of the float64
+    reference yr for the matching `refs_in` (which require grad alike), each under its name in `names`."""
+    got, g = run_grads(y, inputs, seed)
+    asked = [i for i, (t, r) in enumerate(zip(inputs, refs_in)) if r.requires_grad]
+    refs = ref_grad(yr, [refs_in[i] for i in asked], g)
+    for i, ref in zip(asked, refs):
+        ck.cmp(names[i], got[i], ref, tol)
+
+
 # ------------------------------------------------------------------------------------------ stripe op
 def stripe_case(name, B, C, N, H, W, ks=(3, 3), st=(1, 1), pd=(1, 1), dl=(1, 1), mask="random", dtype=torch.float32,
                 lay="nchw", bias=True, relu=False, grad="", plan=True, dense=False, cuda_only=False, seed=0):
@@ -538,15 +548,8 @@ def conv2d_case(name, B, C, N, H, W, ks=3, st=1, pd=1, dl=1, groups=1, dtype=tor
         ck.expect("dtype", y.dtype == edt, str(y.dtype))
         ck.cmp("y", y, yr, tol_for(edt, tf32=mm_tf32))
         if grad:
-            req = [t for t in (xr, wr) if t.requires_grad]
-            (gx, gw), g = run_grads(y, [x, w], seed + 3)
-            refs = ref_grad(yr, req, g)
-            k = 0
-            if "x" in grad:
-                ck.cmp("grad_x", gx, refs[k], 2 * tol_for(edt, tf32=mm_tf32))
-                k += 1
-            if "w" in grad:
-                ck.cmp("grad_w", gw, refs[k], 2 * tol_for(edt, tf32=mm_tf32))
+            cmp_grads(ck, y, yr, [x, w], [xr, wr], ["grad_x", "grad_w"], seed + 3,
+                      2 * tol_for(edt, tf32=mm_tf32))
     return _run
 
 
@@ -593,15 +596,7 @@ def dw_case(name, B, C, H, W, ks=3, st=1, pd=1, dl=1, dtype=torch.float32, lay="
         if lay == "cl" and C > 1 and H * W > 1:
             ck.expect("layout cl kept", y.is_contiguous(memory_format=torch.channels_last), str(y.stride()))
         if grad:
-            req = [t for t in (xr, wr) if t.requires_grad]
-            (gx, gw), g = run_grads(y, [x, w], seed + 3)
-            refs = ref_grad(yr, req, g)
-            k = 0
-            if "x" in grad:
-                ck.cmp("grad_x", gx, refs[k], 2 * tol_for(edt, tf32=True))
-                k += 1
-            if "w" in grad:
-                ck.cmp("grad_w", gw, refs[k], 2 * tol_for(edt, tf32=True))
+            cmp_grads(ck, y, yr, [x, w], [xr, wr], ["grad_x", "grad_w"], seed + 3, 2 * tol_for(edt, tf32=True))
     return _run
 
 
@@ -663,15 +658,7 @@ def pix_case(name, B, C, H, W, zeta, dtype=torch.float32, lay="nchw", grad="", t
         y = kernels.pix(x, p, zeta, tau)
         ck.cmp("y", y, yr, tol_for(dtype))
         if grad:
-            req = [t for t in (xr, pr) if t.requires_grad]
-            (gx, gp), g = run_grads(y, [x, p], seed + 3)
-            refs = ref_grad(yr, req, g)
-            k = 0
-            if "x" in grad:
-                ck.cmp("grad_x", gx, refs[k], 2 * tol_for(dtype))
-                k += 1
-            if "p" in grad:
-                ck.cmp("grad_p", gp, refs[k], 2 * tol_for(dtype))
+            cmp_grads(ck, y, yr, [x, p], [xr, pr], ["grad_x", "grad_p"], seed + 3, 2 * tol_for(dtype))
     return _run
 
 
@@ -761,15 +748,7 @@ def squeeze_case(name, B, C, H, W, zeta, dtype=torch.float32, lay="nchw", grad="
             a, w, y = fwd()
         ck.cmp("y", y, yr, tol_for(dtype))
         if grad:
-            req = [t for t in (ar, wr) if t.requires_grad]
-            (ga, gw), g = run_grads(y, [a, w], seed + 3)
-            refs = ref_grad(yr, req, g)
-            k = 0
-            if "x" in grad:
-                ck.cmp("grad_x", ga, refs[k], 2 * tol_for(dtype))
-                k += 1
-            if "w" in grad:
-                ck.cmp("grad_w", gw, refs[k], 2 * tol_for(dtype))
+            cmp_grads(ck, y, yr, [a, w], [ar, wr], ["grad_x", "grad_w"], seed + 3, 2 * tol_for(dtype))
     return _run
 
 
