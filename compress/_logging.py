@@ -65,14 +65,16 @@ def log_failure(err: BaseException, rank: int = 0, run_dir: Path | None = None) 
 
 
 @contextlib.contextmanager
-def warnings_in_log_files(enabled: bool = True):
+def warnings_in_log_files(enabled: bool = True, run_dir: Path | None = None):
     """While the run works, every warning shown (on stderr, as Python shows it) also goes into the log files, so
     that train.log holds what the terminal showed. (logging.captureWarnings would take warnings off stderr, and off
     warnings.catch_warnings(record=True) callers such as pytest.warns: this chains to the previous display.)
-    Yields `forget()`, which truncates the log files back to their size at the start: a command refused before
-    its run began leaves its run dir's log as it found it (empty: the dir is then removed)."""
-    sizes = {h.baseFilename: os.path.getsize(h.baseFilename) if os.path.exists(h.baseFilename) else 0
-             for h in _file_handlers()} if enabled else {}
+    Yields `forget()`, which truncates the log files inside `run_dir` (which the run lock keeps to this run) back to
+    their size at the start: a command refused before its run began leaves the run dir's log as it found it (a
+    fresh dir's empty log: the dir is then removed). Log files elsewhere are never truncated."""
+    inside = [h.baseFilename for h in _file_handlers() if run_dir is not None
+              and Path(h.baseFilename).resolve().parent == Path(run_dir).resolve()] if enabled else []
+    sizes = {path: os.path.getsize(path) if os.path.exists(path) else 0 for path in inside}
 
     def forget() -> None:
         for path, size in sizes.items():

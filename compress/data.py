@@ -370,14 +370,17 @@ def _image_folder(opts: dict):
 
 
 def _symlink_loop(folder: Path) -> str | None:
-    """A symlinked folder under `folder` that points at itself or a folder above it (ImageFolder follows links, so
-    such a loop repeats the images below it until the OS stops the walk), or None."""
+    """A symlinked folder under `folder` whose target is a folder the walk is already inside (itself or one above
+    it, also through other links: ImageFolder follows links, so such a loop repeats the images below it until the
+    OS stops the walk), or None."""
+    folder = os.path.abspath(folder)
     for top, dirs, _ in os.walk(folder, followlinks=True):
-        here = os.path.realpath(top)
+        rel = os.path.relpath(top, folder)
+        parts = [] if rel == "." else rel.split(os.sep)
+        inside = {os.path.realpath(os.path.join(folder, *parts[:i])) for i in range(len(parts) + 1)}
         for d in dirs:
             link = os.path.join(top, d)
-            target = os.path.realpath(link)
-            if os.path.islink(link) and (here == target or here.startswith(target + os.sep)):
+            if os.path.islink(link) and os.path.realpath(link) in inside:
                 return link
     return None
 

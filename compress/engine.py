@@ -30,7 +30,7 @@ import shutil
 import socket
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -957,13 +957,14 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     start = time.perf_counter()
     dist = setup_distributed(cfg.trainer.device)
     run_dir = _shared_run_dir(Path(run_dir) if run_dir is not None else _hydra_run_dir(), dist)
-    with _run_lock(run_dir, dist), warnings_in_log_files(dist.is_main) as forget_warnings:
+    began = []  # set by _run once the run writes its results
+    with _run_lock(run_dir, dist), warnings_in_log_files(dist.is_main, run_dir) as forget_warnings:
         try:
-            return _run(cfg, run_dir, dist, start)
+            return _run(cfg, run_dir, dist, start, lambda: began.append(True))
         except BaseException as err:
-            if (run_dir / "tensorboard").is_dir():  # the run had begun writing its results
+            if began:
                 log_failure(err, dist.rank, run_dir)
-            else:  # a command its config refuses leaves no trace in a fresh run dir
+            else:  # a command its config refuses leaves the run dir's log as it was (a fresh dir is then removed)
                 forget_warnings()
             raise
 
@@ -1049,8 +1050,8 @@ def _release_run_lock(run_dir: Path) -> None:
         unlock_file(run_dir / RUN_LOCK, fd)
 
 
-def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float) -> dict:
-    """`run`'s work, with the run dir held (`_run_lock`)."""
+def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float, began: Callable[[], None]) -> dict:
+    """`run`'s work, with the run dir held (`_run_lock`); calls `began()` once the run writes its results."""
     _refuse_added_keys(cfg)
     import_modules(cfg.get("imports"), launch_path("."))  # your own models' modules, before any model is built
     _absolute_paths(cfg)  # as the checkpoint holds them, so that the same command line resumes
@@ -1158,6 +1159,7 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float) -> dict:
             _carry_best_checkpoint(Path(str(cfg.resume)), best, ckpt_dir)
     # on resume, events a killed process logged after its checkpoint are dropped: the resumed run logs them again
     logger = RunLogger(run_dir / "tensorboard", dist.is_main, purge_step=step + 1 if ckpt is not None else None)
+    began()
     input_shape = (data.in_chans, data.input_size, data.input_size)
     max_steps = cfg.trainer.max_steps
     log_step = _StepLog(logger, optimizer, int(cfg.trainer.log_every), dist.world_size)
@@ -1253,6 +1255,7 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float) -> dict:
                     # attempt): last.pt as at an epoch end without an evaluation, then stop
                     if not partial:
                         scheduler.step()
+                    test = {"loss": float("nan"), "accuracy": float("nan")}  # these weights were not evaluated
                     save(epoch, done, step, epoch_rng, rng or rng_state(generator), is_best=False, logged=False)
                 raise
         lr = optimizer.param_groups[0]["lr"]

@@ -25,7 +25,7 @@ def _arch_flags() -> list[str]:
     flags = []
     for a in filter(None, archs.split(";")):
         num = a.removesuffix("+PTX").replace(".", "")
-        if not re.fullmatch(r"\d+[af]?", num):
+        if not re.fullmatch(r"\d{2,}[af]?", num):
             raise SystemExit(f"check-compile: TORCH_CUDA_ARCH_LIST entry {a!r} is not a compute capability; give "
                              "numbers such as 8.0;9.0 (optionally with a, f or +PTX)")
         flags.append(f"-gencode=arch=compute_{num},code=sm_{num}")

@@ -792,7 +792,7 @@ def _build(cxx: str, flags: list[str]) -> str:
         r = subprocess.run([cxx, *flags, "-o", out, src], capture_output=True, text=True, timeout=300)
         if r.returncode != 0:
             lines = (r.stderr or r.stdout or f"exit status {r.returncode}").strip().splitlines()
-            killed = r.returncode < 0 or any("Killed signal" in ln for ln in lines)  # not the flags' fault
+            killed = r.returncode < 0 or any("Killed" in ln for ln in lines)  # gcc's and clang's words: no fault of the flags
             raise (RuntimeError if killed else _CompileError)(
                 next((ln for ln in lines if "error" in ln), lines[-1])[:300])
         with open(out, "rb") as f:
@@ -820,7 +820,9 @@ def _load_any(cxx: str) -> ctypes.CDLL:
     if isinstance(omp_error, _CompileError) and not os.path.exists(failed):  # the serial build compiled: remember
         with open(failed, "w") as f:
             f.write(str(omp_error))
-    retry = f" (delete {failed} to try the OpenMP build again)" if os.path.exists(failed) else ""
+    so = _path(cxx, FLAGS)
+    retry = (f" (delete {failed} to try the OpenMP build again)" if os.path.exists(failed)
+             else f" (delete {so} to build it again)" if os.path.exists(so) else "")  # built, but it does not load
     warnings.warn(f"compress kernels: the C++ CPU kernels are built without OpenMP ({omp_error}); they run "
                   f"single-threaded{retry}.", RuntimeWarning, stacklevel=4)
     return handle

@@ -85,6 +85,7 @@ def test_cli_build_takes_verbose_and_arch_list_is_checked(monkeypatch):
                                  "-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_90,code=compute_90"]
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "")
     assert cli._arch_flags() == ["-gencode=arch=compute_90,code=sm_90"]
-    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "Hopper")
-    with pytest.raises(SystemExit, match=r"TORCH_CUDA_ARCH_LIST entry 'Hopper' is not a compute capability"):
-        cli._arch_flags()
+    for bad in ("Hopper", "9"):
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", bad)
+        with pytest.raises(SystemExit, match=rf"TORCH_CUDA_ARCH_LIST entry '{bad}' is not a compute capability"):
+            cli._arch_flags()

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -714,6 +715,13 @@ def test_train_log_holds_the_runs_warnings_and_the_error_that_stopped_it(tmp_pat
                         f"hydra.run.dir={tmp_path / 'warned'}")
     assert warned.returncode == 1 and "cannot take a 3x8x8 input" in warned.stderr
     assert not (tmp_path / "warned").exists()
+    # a command refused in a finished run's dir (a fresh run there) leaves that run's log as it was
+    done = run_script("train.py", *TINY, "trainer.max_steps=1", f"hydra.run.dir={tmp_path / 'done'}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    before = (tmp_path / "done" / "train.log").read_text()
+    again = run_script("train.py", *TINY, f"data.root={tmp_path / 'nowhere'}", f"hydra.run.dir={tmp_path / 'done'}")
+    assert again.returncode == 1 and "already holds a run" in again.stderr
+    assert (tmp_path / "done" / "train.log").read_text() == before
 
 
 def test_a_failed_evaluation_keeps_the_epoch_trained(tmp_path, monkeypatch):
@@ -737,6 +745,52 @@ def test_a_failed_evaluation_keeps_the_epoch_trained(tmp_path, monkeypatch):
     cfg = _compose(*TINY, "resume=true")
     summary = run(cfg, run_dir=tmp_path)
     assert summary["steps"] == 8 and summary["epochs"] == 2 and 0 <= summary["test_accuracy"] <= 1
+
+    # the last epoch's evaluation fails: a resume has nothing to train, and does not pass the epoch before's
+    # accuracy off as the final weights' (null: never evaluated)
+    calls = []
+
+    def second_fails(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError("cannot read the image val/a/0.png")
+        return real_evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "evaluate", second_fails)
+    with pytest.raises(OSError):
+        run(_compose(*TINY), run_dir=tmp_path / "last")
+    monkeypatch.setattr(engine, "evaluate", real_evaluate)
+    summary = run(_compose(*TINY, "resume=true"), run_dir=tmp_path / "last")
+    assert summary["steps"] == 8 and summary["test_accuracy"] is None
+    assert json.loads((tmp_path / "last" / "summary.json").read_text())["test_accuracy"] is None
+
+
+def test_forgetting_a_refused_commands_warnings_truncates_only_the_run_dirs_log(tmp_path):
+    """warnings_in_log_files' forget() takes the warnings back out of the run dir's log (which the run lock keeps to
+    one run), never out of a log elsewhere that other processes may share."""
+    import logging
+
+    from compress._logging import warnings_in_log_files
+
+    run_dir, shared = tmp_path / "run", tmp_path / "all.log"
+    run_dir.mkdir()
+    (run_dir / "train.log").write_text("[t][INFO] epoch 1\n")
+    handlers = [logging.FileHandler(run_dir / "train.log"), logging.FileHandler(shared)]
+    logger = logging.getLogger("compress")
+    for h in handlers:
+        logger.addHandler(h)
+    try:
+        with warnings_in_log_files(True, run_dir) as forget:
+            warnings.warn("a refused command's warning", stacklevel=1)
+            with open(shared, "a") as f:
+                f.write("another job's line\n")
+            forget()
+    finally:
+        for h in handlers:
+            logger.removeHandler(h)
+            h.close()
+    assert (run_dir / "train.log").read_text() == "[t][INFO] epoch 1\n"
+    assert "a refused command's warning" in shared.read_text() and "another job's line" in shared.read_text()
 
 
 def test_another_ranks_failure_goes_into_the_runs_log(tmp_path):
