@@ -883,7 +883,7 @@ def _build_model(cfg: DictConfig, data, ckpt: dict | None = None, announce: bool
         raw = create_model(_model_name(cfg.model), num_classes=data.num_classes, input_size=data.input_size,
                            in_chans=data.in_chans, **kwargs)
     except TypeError as err:  # a keyword the model's constructor does not take
-        if not kwargs:
+        if not any(f"'{key}'" in str(err) for key in kwargs):  # an error of the builder's own code: as it is
             raise
         raise ValueError(f"model.kwargs={kwargs}: {cfg.model.name} does not take them ({err}); check the "
                          "constructor's arguments, or drop model.kwargs") from None

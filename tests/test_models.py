@@ -297,6 +297,18 @@ def test_load_weights_takes_a_state_dict_file_and_keeps_a_classifier_of_other_cl
     torch.save({"model": source.state_dict(), "args": argparse.Namespace(lr=0.1), "epoch": 3,
                 "best_acc1": torch.tensor(70.1)}, tmp_path / "script.pth")
     assert load_weights(create_model("resnet18", num_classes=1000), tmp_path / "script.pth") == []
+    # another script's {"model", "optimizer", "config"} checkpoint is not train.py's: its model is unwrapped
+    optimizer = torch.optim.SGD(source.parameters(), lr=0.1)
+    torch.save({"model": source.state_dict(), "optimizer": optimizer.state_dict(), "config": {"lr": 0.1}},
+               tmp_path / "generic.pth")
+    assert load_weights(create_model("resnet18", num_classes=1000), tmp_path / "generic.pth") == []
+    # AveragedModel's state dict (module. keys and n_averaged), compiled around DDP (_orig_mod.module.)
+    averaged = {f"module.{k}": v for k, v in source.state_dict().items()} | {"n_averaged": torch.tensor(5)}
+    torch.save(averaged, tmp_path / "swa.pth")
+    torch.save({f"_orig_mod.module.{k}": v for k, v in source.state_dict().items()}, tmp_path / "compiled_ddp.pth")
+    for name in ("swa.pth", "compiled_ddp.pth"):
+        loaded = create_model("resnet18", num_classes=1000)
+        assert load_weights(loaded, tmp_path / name) == [] and torch.equal(loaded.conv1.weight, source.conv1.weight)
     torch.save({"model": {"arch": "resnet18", "depth": 18}, "model_state_dict": source.state_dict()}, tmp_path / "m.pth")
     assert load_weights(create_model("resnet18", num_classes=1000), tmp_path / "m.pth") == []  # the tensors' wrapper
     torch.save(broken_state(source), tmp_path / "nan.pth")

@@ -159,8 +159,14 @@ def test_builders_that_return_no_module_or_ignore_num_classes_are_refused(tmp_pa
         "import torch.nn as nn, compress\n"
         "@compress.register_model\ndef returns_a_string(num_classes=10, in_chans=3):\n    return 'a model'\n"
         "@compress.register_model\ndef fixed_classes(num_classes=10, in_chans=3):\n"
-        "    return nn.Sequential(nn.Conv2d(in_chans, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 7))\n")
+        "    return nn.Sequential(nn.Conv2d(in_chans, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 7))\n"
+        "@compress.register_model\ndef buggy_net(num_classes=10, in_chans=3, width=8):\n"
+        "    return nn.Sequential(nn.Conv2d(in_chans, width, 3, paddin=1))\n")
     import_modules(["odd_builders_mod"], tmp_path)
+    # a TypeError of the builder's own code is raised as it is (it was blamed on model.kwargs, its traceback gone)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'paddin'"):
+        run(_compose(*TINY, "model.name=buggy_net", "+model.kwargs.width=4", "trainer.max_steps=1"),
+            run_dir=tmp_path / "buggy")
     with pytest.raises(ValueError, match=r"builder odd_builders_mod.returns_a_string returned a str, not a torch.nn"):
         create_model("returns_a_string")
     cfg = _compose(*TINY, "model.name=fixed_classes", "trainer.max_steps=1")

@@ -39,7 +39,8 @@ def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
             state = {k: f.get_tensor(k) for k in f.keys()}
     else:
         state = _torch_file(path)
-    if isinstance(state, dict) and "config" in state and "model" in state and "optimizer" in state:
+    # train.py's own checkpoints (another script's {"model", "optimizer", "config"} file is unwrapped below)
+    if isinstance(state, dict) and {"config", "model", "optimizer", "scheduler", "rng", "best_accuracy"} <= state.keys():
         raise ValueError(f"model.weights: {path} is a train.py checkpoint; continue it with resume={path}, or export "
                          "it and fine-tune the compact model with init=<file>")
     while isinstance(state, dict) and not all(isinstance(v, torch.Tensor) for v in state.values()):
@@ -50,9 +51,13 @@ def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     if not isinstance(state, dict) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ValueError(f"model.weights: {path} holds no state dict (a dict of tensor names to tensors, possibly "
                          f"under one of the keys {', '.join(_WRAPPERS)})")
-    for prefix in _PREFIXES:
-        if all(k.startswith(prefix) for k in state):
-            state = {k[len(prefix):]: v for k, v in state.items()}
+    state.pop("n_averaged", None)  # torch.optim.swa_utils.AveragedModel's count of averaged models
+    stripped = True
+    while stripped:  # in any order and nesting: torch.compile around DDP gives _orig_mod.module.
+        stripped = False
+        for prefix in _PREFIXES:
+            if all(k.startswith(prefix) for k in state):
+                state, stripped = {k[len(prefix):]: v for k, v in state.items()}, True
     bad = [k for k, v in state.items() if v.is_floating_point() and not bool(v.isfinite().all())]
     if bad:
         raise ValueError(f"model.weights: {path} holds NaN or inf values in {', '.join(bad[:5])}"
