@@ -15,14 +15,16 @@ import compress
 from compress.stripe import StripeConv2d
 
 
-def _stripe_layer(mode: str, relu: bool, pool: bool, device: str) -> StripeConv2d:
+def _stripe_layer(mode: str, relu: bool, pool: bool, device: str) -> tuple[StripeConv2d, torch.Tensor]:
+    """(the layer, its source conv's weight with the dropped stripes zeroed: a reference independent of the
+    layer's own dense_weight())."""
     gen = torch.Generator().manual_seed(1)
     conv = nn.Conv2d(6, 8, 3, padding=1, bias=True)
     mask = torch.rand(8, 3, 3, generator=gen) < 0.4
     mask[0] = False  # a dead filter
     layer = StripeConv2d.from_dense(conv, mask, mode=mode)
     layer.relu, layer.pool = relu, pool
-    return layer.to(device).eval()
+    return layer.to(device).eval(), (conv.weight * mask[:, None]).detach().to(device)
 
 
 def _per_sample_grads(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -53,9 +55,9 @@ def _assert_close(got: dict, want: dict, rtol: float) -> None:
 
 
 def _check_layer(device: str, mode: str, relu: bool, pool: bool, rtol: float) -> None:
-    layer = _stripe_layer(mode, relu, pool, device)
+    layer, masked = _stripe_layer(mode, relu, pool, device)
     x = torch.randn(3, 6, 8, 8, generator=torch.Generator().manual_seed(2)).to(device)
-    dense = F.conv2d(x, layer.dense_weight().detach(), layer.bias.detach(), padding=1)
+    dense = F.conv2d(x, masked, layer.bias.detach(), padding=1)
     dense = dense.relu() if relu else dense
     want = F.max_pool2d(dense, 2) if pool else dense
     assert torch.allclose(torch.func.vmap(layer)(x), want, atol=rtol, rtol=rtol)  # unbatched samples

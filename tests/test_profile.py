@@ -163,10 +163,18 @@ def test_paper_convention_counts_a_stripe_convs_bias_as_a_convs():
 
 
 def test_latency_and_mode_restored():
+    """A train-mode model is profiled in eval mode (its BatchNorm statistics untouched: in train mode every counted
+    and timed forward would update them) and handed back in train mode."""
     model = _small_net().train()
+    bn = model[1]
+    with torch.no_grad():
+        bn.running_mean.uniform_(-1, 1)
+        bn.running_var.uniform_(0.5, 2)
+    before = {k: v.clone() for k, v in bn.state_dict().items()}
     rep = profile(model, (3, 8, 8), batch_size=4, repeats=3)
     assert rep.latency_ms > 0 and rep.batch_size == 4
     assert model.training
+    assert all(torch.equal(bn.state_dict()[k], v) for k, v in before.items())
 
 
 def test_to_dict_and_compare():
@@ -310,7 +318,8 @@ def test_latency_leaves_the_global_rng_alone_and_takes_the_memory_format():
 
 class FunctionalOps(nn.Module):
     """Convolutions and products its forward calls itself: F.conv2d on a child conv's weight (4 -> 6, 3x3, pad 1),
-    a transposed conv on a weight of its own, a matrix product, an einsum and fused attention."""
+    a transposed conv on a weight of its own, a matrix product, an einsum, fused self- and cross-attention (keys and
+    values of other sizes than the queries), mv, dot, baddbmm and addbmm."""
 
     def __init__(self):
         super().__init__()
@@ -327,12 +336,19 @@ class FunctionalOps(nn.Module):
         e = torch.einsum("bik,bjk->bij", t, t)  # (1, 100, 100): 10000 outputs * 3 = 30000
         q = t.view(1, 1, 100, 3)
         a = F.scaled_dot_product_attention(q, q, q)  # 100 * 100 * (3 + 3) = 60000
-        return e.mean() + a.mean()
+        # cross-attention: 2 queries, 7 keys of 3 and values of 5: 2 * 7 * (3 + 5) = 112
+        kv = x.flatten(1)[:, :56].view(1, 1, 7, 8)
+        c = F.scaled_dot_product_attention(q[:, :, :2], kv[..., :3], kv[..., 3:])
+        mat, vec, b1, b2 = x[0, 0, :3, :4], x[0, 1, 0, :4], x[0, :2, :3, :4], x[0, 2:, :4, :]
+        products = (torch.mv(mat, vec).sum() + torch.dot(vec, vec)  # 3 * 4 + 4 = 16
+                    + torch.baddbmm(torch.zeros(2, 3, 5), b1, b2).sum()  # 2 * 3 * 5 * 4 = 120
+                    + torch.addbmm(torch.zeros(3, 5), b1, b2).sum())  # 120
+        return e.mean() + a.mean() + c.mean() + products
 
 
 def test_functional_convs_and_products_count_in_the_row_of_the_module_that_calls_them():
     model = FunctionalOps()
-    functional = 5400 + 1200 + 1500 + 30000 + 60000
+    functional = 5400 + 1200 + 1500 + 30000 + 60000 + 112 + 16 + 120 + 120
     for convention in ("layers", "paper"):
         rep = profile(model, (4, 5, 5), latency=False, convention=convention)
         rows = {row.name: row for row in rep.layers}

@@ -40,6 +40,15 @@ def test_fits_bounds():
     assert not unrolled.fits(4, 4, (2, 2), (3, 3), (1, 1), (0, 0), (1, 1), 2)  # no output pixel
 
 
+def _masked_weight(m: StripeConv2d) -> torch.Tensor:
+    """The layer's dense (N, C, KH, KW) weight, written stripe by stripe here (independent of dense_weight(), which
+    dense and gemm mode both read): filter n's kernel offset (i, j) holds its stripe's C values, zeros elsewhere."""
+    w = torch.zeros(m.out_channels, m.in_channels, *m.kernel_size, dtype=m.weight.dtype)
+    for s, (n, (i, j)) in enumerate(zip(m.out_index.tolist(), m.offset.tolist())):
+        w[n, :, i, j] = m.weight[s].detach()
+    return w
+
+
 def _layer(C=6, N=5, keep=0.5, relu=True, pool=False, seed=0):
     gen = torch.Generator().manual_seed(seed)
     conv = torch.nn.Conv2d(C, N, 3, padding=1, bias=True).double()
@@ -61,7 +70,7 @@ def test_a_non_finite_input_value_in_each_mode():
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(2, 6, 4, 4, generator=gen, dtype=torch.float64)
     x[0, 2, 1, 1] = float("inf")
-    want = F.conv2d(x, m.dense_weight(), m.bias, 1, 1)
+    want = F.conv2d(x, _masked_weight(m), m.bias, 1, 1)
     assert 0 < (~want[0].isfinite()).sum() < want[0].numel()
     for mode in ("stripe", "dense", "gemm"):
         m.mode = mode
@@ -83,7 +92,7 @@ def test_gemm_mode_matches_dense_mode(layout, pool):
         x = x.contiguous(memory_format=torch.channels_last)
 
     def expected():
-        y = F.conv2d(x, m.dense_weight(), m.bias, 1, 1).relu()
+        y = F.conv2d(x, _masked_weight(m), m.bias, 1, 1).relu()
         return F.max_pool2d(y, 2) if pool else y
 
     want = expected()
@@ -103,7 +112,7 @@ def test_gemm_mode_falls_back_to_dense_on_large_maps_and_in_training():
     m.mode = "gemm"
     x = torch.randn(2, 6, 9, 9, generator=torch.Generator().manual_seed(2), dtype=torch.float64)  # 81 > 18 pixels
     with torch.no_grad():
-        torch.testing.assert_close(m(x), F.conv2d(x, m.dense_weight(), m.bias, 1, 1).relu())
+        torch.testing.assert_close(m(x), F.conv2d(x, _masked_weight(m), m.bias, 1, 1).relu())
     assert m._gemm_cache is None
     # autograd records: dense mode, gradients reach the stripes
     xs = torch.randn(2, 6, 4, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
@@ -131,7 +140,7 @@ def test_choose_modes_picks_the_fastest_measured():
 def test_gemm_mode_cuda(dtype):
     m = _layer(C=40, N=48, keep=0.2, pool=True).to("cuda")
     x = torch.randn(16, 40, 4, 4, generator=torch.Generator().manual_seed(6), dtype=torch.float64).cuda()
-    want = F.max_pool2d(F.conv2d(x, m.dense_weight(), m.bias, 1, 1).relu(), 2)
+    want = F.max_pool2d(F.conv2d(x, _masked_weight(m), m.bias, 1, 1).relu(), 2)
     m.to(dtype)
     m.mode = "gemm"
     with torch.no_grad():
