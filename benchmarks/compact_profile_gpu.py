@@ -26,6 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from _host import require_cuda  # noqa: E402
 from pix_gpu import median_ms  # noqa: E402
 from stripe_models_gpu import MODELS, build_skeleton, cuda_graph  # noqa: E402
 
@@ -55,8 +56,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--top", type=int, default=12)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("compact_profile_gpu.py needs a CUDA GPU")
+    require_cuda(__file__)
     torch.backends.cudnn.benchmark = True
     dev = torch.device("cuda")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.model}/{args.variant}, batch "

@@ -24,6 +24,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from _host import require_cuda  # noqa: E402
+
 from compress.pix import insert_pix  # noqa: E402
 
 
@@ -87,8 +89,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--top", type=int, default=14, help="top kernels of the PiX model to list")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("pix_profile_gpu.py needs a CUDA GPU")
+    require_cuda(__file__)
     torch.backends.cudnn.benchmark = True
     warnings.filterwarnings("ignore", module="torch.profiler")  # its per-cycle notice would split the lines
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, batch {args.batch}, bf16, channels_last")

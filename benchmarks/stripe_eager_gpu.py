@@ -38,6 +38,8 @@ import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+from _host import require_cuda  # noqa: E402
+
 import kernels  # noqa: E402
 from compress.stripe import StripeConv2d  # noqa: E402
 
@@ -114,8 +116,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("stripe_eager_gpu.py needs a CUDA GPU")
+    require_cuda(__file__)
 
     torch.backends.cudnn.benchmark = True
     gen = torch.Generator().manual_seed(0)

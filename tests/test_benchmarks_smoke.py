@@ -152,7 +152,7 @@ def test_calibrated_masked_models_show_a_wrong_layer():
         assert float((compact_model(x) - ref).abs().max() / ref.abs().max()) > 1e-3
 
 
-GPU_SCRIPTS = ["kernels_gpu", "pix_ncu_gpu", "stripe_blocks_gpu", "stripe_bwd_gpu", "stripe_gpu", "stripe_narrow_stages_gpu",
+GPU_SCRIPTS = ["compact_profile_gpu", "kernels_gpu", "pix_ncu_gpu", "pix_profile_gpu", "stripe_eager_gpu", "stripe_blocks_gpu", "stripe_bwd_gpu", "stripe_gpu", "stripe_narrow_stages_gpu",
                "stripe_ncu_gpu", "stripe_small_gpu", "stripe_stem_gpu", "stripe_swap_gpu", "stripe_tiles_gpu",
                "stripe_tma_probe_gpu", "unroll_probe_gpu"]
 
