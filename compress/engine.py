@@ -26,6 +26,7 @@ import math
 import operator
 import os
 import random
+import re
 import shutil
 import socket
 import time
@@ -832,7 +833,8 @@ def _model_name(model_cfg: DictConfig) -> str:
 def _check_input_size(raw: nn.Module, data, device: torch.device) -> None:
     """One eval forward of a random image of the data's size, so that a model that cannot take it fails here with
     the data key named (not at the first training step with a bare shape error), and one whose logits are not the
-    data's classes (a builder of your own that ignores num_classes) is refused."""
+    data's classes or whose stem takes other channels (a builder of your own that ignores num_classes or in_chans) is
+    refused."""
     gen = torch.Generator().manual_seed(0)  # a private generator: the check never moves the training RNG streams
     x = torch.randn(1, data.in_chans, data.input_size, data.input_size, generator=gen).to(device)
     try:
@@ -840,6 +842,12 @@ def _check_input_size(raw: nn.Module, data, device: torch.device) -> None:
             logits = raw(x)
     except (RuntimeError, ValueError, AssertionError) as err:
         first = (str(err).splitlines() or [type(err).__name__])[0]
+        channels = re.search(r"to have (\d+) channels, but got (\d+) channels", first)
+        if channels and int(channels[2]) == data.in_chans:  # PyTorch's conv error: the stem takes other channels
+            raise ValueError(
+                f"the model's first layer takes {channels[1]} input channels and the data gives {data.in_chans} "
+                f"(data.in_chans={data.in_chans}): {first}. A model builder must use its in_chans argument"
+            ) from err
         raise ValueError(
             f"the model cannot take a {data.in_chans}x{data.input_size}x{data.input_size} input (data.input_size="
             f"{data.input_size}): {first}. Use a data.input_size the model allows (timm models with a fixed size take "

@@ -153,13 +153,15 @@ def test_imports_of_a_run_of_a_library_model_are_not_needed_again_and_a_bare_nam
     assert run(_compose(*TINY, "resume=true", "trainer.max_steps=2"), run_dir=tmp_path / "run")["steps"] == 2
 
 
-def test_builders_that_return_no_module_or_ignore_num_classes_are_refused(tmp_path, monkeypatch):
+def test_builders_that_return_no_module_or_ignore_num_classes_or_in_chans_are_refused(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "odd_builders_mod.py").write_text(
         "import torch.nn as nn, compress\n"
         "@compress.register_model\ndef returns_a_string(num_classes=10, in_chans=3):\n    return 'a model'\n"
         "@compress.register_model\ndef fixed_classes(num_classes=10, in_chans=3):\n"
         "    return nn.Sequential(nn.Conv2d(in_chans, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 7))\n"
+        "@compress.register_model\ndef fixed_chans(num_classes=10, in_chans=3):\n"
+        "    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, num_classes))\n"
         "@compress.register_model\ndef buggy_net(num_classes=10, in_chans=3, width=8):\n"
         "    return nn.Sequential(nn.Conv2d(in_chans, width, 3, paddin=1))\n")
     import_modules(["odd_builders_mod"], tmp_path)
@@ -172,6 +174,10 @@ def test_builders_that_return_no_module_or_ignore_num_classes_are_refused(tmp_pa
     cfg = _compose(*TINY, "model.name=fixed_classes", "trainer.max_steps=1")
     with pytest.raises(ValueError, match=r"gives \(1, 7\) for one image, not \(1, 3\).*must use its num_classes"):
         run(cfg, run_dir=tmp_path / "run")
+    cfg = _compose(*TINY, "+data.in_chans=1", "model.name=fixed_chans", "trainer.max_steps=1")
+    with pytest.raises(ValueError, match=r"first layer takes 3 input channels and the data gives 1 \(data.in_chans=1\)"
+                                         r".*must use its in_chans argument"):
+        run(cfg, run_dir=tmp_path / "chans")
 
 
 def test_train_py_and_export_py_take_imports_and_load_names_the_module(tmp_path, monkeypatch):
