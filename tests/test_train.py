@@ -790,6 +790,16 @@ def test_a_failed_evaluation_keeps_the_epoch_trained(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "last" / "summary.json").read_text())["test_accuracy"] is None
 
 
+def test_eval_every_evaluates_every_nth_epoch_and_the_last(tmp_path):
+    """trainer.eval_every=2 over 3 epochs (4 steps each) evaluates after epochs 2 and 3 (the last always), not 1."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    summary = run(_compose(*TINY, "optim.epochs=3", "trainer.eval_every=2"), run_dir=tmp_path)
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert summary["epochs"] == 3 and [e.step for e in events.Scalars("test/accuracy")] == [8, 12]
+
+
 def test_forgetting_a_refused_commands_warnings_truncates_only_the_run_dirs_log(tmp_path):
     """warnings_in_log_files' forget() takes the warnings back out of the run dir's log (which the run lock keeps to
     one run), never out of a log elsewhere that other processes may share."""
