@@ -151,6 +151,24 @@ def test_fuse_relu_takes_each_conv_relu_into_the_conv(name, size, fused, pools, 
         compact(model, fuse_relu=True)
 
 
+@pytest.mark.parametrize("ceil_mode", [False, True])
+def test_fuse_relu_takes_a_pool_with_its_ceil_mode(ceil_mode):
+    """The 2x2 max-pool a stripe conv takes keeps its ceil mode: on 9x9 maps (odd) floor pools 4x4, ceil 5x5."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.MaxPool2d(2, ceil_mode=ceil_mode), nn.Flatten(), nn.LazyLinear(5))
+    x = torch.randn(2, 3, 9, 9, generator=torch.Generator().manual_seed(1))
+    model(x)
+    attach_skeletons(model)
+    _randomize_bn(model, torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        fs = torch.rand(model[0].skeleton.shape, generator=torch.Generator().manual_seed(3)) + 0.5
+        model[0].skeleton.copy_(torch.where(fs < 0.9, 0.0, fs))  # about 40% of the stripes pruned
+    out = compact(model.eval(), fold_bn=True, fuse_relu=True)
+    assert out.compress_compaction["pool_fused"] == 1 and out[0].pool_ceil is ceil_mode
+    assert_same_output(model, out, x)
+
+
 @pytest.mark.parametrize("name, act", [("timm:regnetx_002", nn.ReLU), ("timm:efficientnet_b0", nn.SiLU)])
 def test_timm_batchnorm_act_folds_into_its_activation(name, act, tmp_path):
     """timm's BatchNormAct2d (BN -> act in one module) folds like a BatchNorm2d and leaves its activation in its
@@ -189,6 +207,10 @@ def test_compacting_a_compact_model_folds_its_bn_and_removes_new_dead_filters():
     stripes = {n: m.num_stripes for n, m in first.named_modules() if isinstance(m, StripeConv2d)}
     assert {n: m.num_stripes for n, m in again.named_modules() if isinstance(m, StripeConv2d)} == stripes | {
         "layer1.0.conv1": stripes["layer1.0.conv1"] - int((conv.out_index == conv.out_index[0]).sum())}
+    # a folded compact model (stripe convs with biases) compacted again keeps its output
+    folded = compact(model, fold_bn=True)
+    assert any(isinstance(m, StripeConv2d) and m.bias is not None for m in folded.modules())
+    assert_same_output(folded, compact(folded), x)
 
 
 def test_a_compact_model_compacted_again_keeps_the_record_of_what_chose_its_stripes():
@@ -202,6 +224,11 @@ def test_a_compact_model_compacted_again_keeps_the_record_of_what_chose_its_stri
         again = compact(first, threshold=0.5, fold_bn=True)
     assert {n: m.num_stripes for n, m in again.named_modules() if isinstance(m, StripeConv2d)} == stripes
     assert again.compress_compaction["threshold"] == 0.05 and again.compress_compaction["fold_bn"] is True
+    # folded and fused by the first pass: the record says so after a second pass that has nothing left to fold
+    fused = compact(model, fold_bn=True, fuse_relu=True)
+    twice = compact(fused, fold_bn=True, fuse_relu=True)
+    assert compact(fused).compress_compaction["fold_bn"] is True
+    assert twice.compress_compaction["relu_fused"] == fused.compress_compaction["relu_fused"] > 0
     plain = compact(create_model("resnet20", num_classes=10))
     assert plain.compress_compaction["threshold"] is None
 
@@ -316,10 +343,11 @@ def test_target_macs_meets_budget_with_smallest_threshold():
         "threshold": t, "target_macs": 0.4, "dense_macs": dense}
     assert again.compress_compaction["macs"] == profile(again, size, latency=False).macs  # its own, counted again
     assert compact(model, target_macs=macs, input_size=size).compress_compaction["threshold"] == t
+    assert compact(model, target_macs=1.0, input_size=size).compress_compaction["threshold"] == 0.0
     with pytest.raises(ValueError, match=r"below what dropping every stripe reaches \(\d+ MACs, 0.\d+ of the dense "
                                          r"\d+\).*absolute MAC count"):
         compact(model, target_macs=100, input_size=size)  # the Linear alone has 640 MACs
-    for bad in (float("nan"), float("inf"), "0.3", True):
+    for bad in (float("nan"), float("inf"), "0.3", True, 0, -0.1):
         with pytest.raises(ValueError, match="target_macs must be a fraction in"):
             compact(model, target_macs=bad, input_size=size)
     for bad in (float("nan"), -0.1, "abc"):
