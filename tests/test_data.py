@@ -49,6 +49,8 @@ def test_digits_normalised(digits):
     x_train, _ = _all(digits.train)  # shifted copies: only a little extra background
     for x in (x_train, x_test):
         assert abs(x.mean().item()) < 0.1 and abs(x.std().item() - 1) < 0.1
+    images = digits.train.dataset.images  # the training split's own statistics (not the test images')
+    assert abs(images.mean().item()) < 1e-5 and abs(images.std().item() - 1) < 1e-5
 
 
 def test_digits_test_images_are_the_real_digits(digits):
@@ -71,17 +73,24 @@ def test_digits_augmentation_is_a_shift_not_a_flip(digits):
     ds = digits.train.dataset
     torch.manual_seed(1)
     views = [ds[5][0][0] for _ in range(12)]
-    a = views[0]
+    a, shifts = views[0], set()
     for b in views[1:]:
         # b equals a translated by some (dy, dx) within 2 * pad = 4 pixels on their overlap.
-        found = False
+        found = set()
         for dy in range(-4, 5):
             for dx in range(-4, 5):
                 ya, yb = slice(max(dy, 0), 32 + min(dy, 0)), slice(max(-dy, 0), 32 + min(-dy, 0))
                 xa, xb = slice(max(dx, 0), 32 + min(dx, 0)), slice(max(-dx, 0), 32 + min(-dx, 0))
-                found |= torch.equal(a[ya, xa], b[yb, xb])
+                if torch.equal(a[ya, xa], b[yb, xb]):
+                    found.add((dy, dx))
         assert found
+        shifts |= found
     assert any(not torch.equal(a, b) for b in views[1:])
+    assert any(dy != dx for dy, dx in shifts)  # rows and columns shift independently
+    # the uncovered border takes the background's value (the digits' corners are blank), not a grey frame
+    background = digits.test.dataset[0][0][0, 0, 0].item()
+    assert ds.fill == pytest.approx(background, abs=1e-6) and background < -0.5
+    assert (torch.stack(views).amin((1, 2)) >= background - 1e-5).all()
 
 
 def test_digits_deterministic():
@@ -438,6 +447,14 @@ def test_imagenet_folder_loads_written_images(tmp_path):
     assert torch.equal(raw.mean((2, 3)).argmax(1), y_test)
     assert raw.min() >= -1e-5 and raw.max() <= 1 + 1e-5  # de-normalised back to [0, 1]
     assert torch.equal(next(iter(data.test))[0], x_test)  # eval transform is deterministic
+    # eval: the shorter side resized to round(24 / 0.875) = 27 (PIL bilinear), the centre 24x24, normalised
+    image = Image.open(tmp_path / "val" / "cat" / "0.png").convert("RGB").resize((32, 27), Image.BILINEAR)
+    ref = torch.tensor(np.asarray(image), dtype=torch.float32)[2:26, 4:28].permute(2, 0, 1) / 255
+    torch.testing.assert_close(x_test[0], (ref - mean) / std, atol=1e-5, rtol=0)
+    # train: random crops and flips, another view each pass
+    torch.manual_seed(0)
+    views = torch.stack([data.train.dataset[0][0] for _ in range(8)])
+    assert views.shape == (8, 3, 24, 24) and len({v.sum().item() for v in views}) == 8
 
 
 @pytest.mark.parametrize(

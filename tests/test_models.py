@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import compress
 from compress.models import create_model, list_models, register_model
@@ -111,6 +112,47 @@ def test_resnet56_shortcut_is_parameter_free():
     assert not y[:, :8].any() and not y[:, 24:].any()
 
 
+def _random_bn_statistics(model: nn.Module) -> nn.Module:
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                for t, lo in ((m.running_mean, -0.5), (m.running_var, 0.5), (m.weight, 0.5), (m.bias, -0.5)):
+                    t.copy_(torch.rand(t.shape, generator=gen, dtype=t.dtype) + lo)
+    return model.eval()
+
+
+def _bn(y: torch.Tensor, bn: nn.BatchNorm2d) -> torch.Tensor:
+    return F.batch_norm(y, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0.0, bn.eps)
+
+
+def test_blocks_compute_what_the_papers_define():
+    """A basic block (option-A shortcut, stride 2), a bottleneck (projection shortcut, stride 2 in the 3x3) and a
+    VGG stage against float64 references written from their definitions, eval mode, random BN statistics."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 8, 8, dtype=torch.float64)
+    basic = _random_bn_statistics(create_model("resnet20").double()).layer2[0]
+    y = F.relu(_bn(F.conv2d(x, basic.conv1.weight, stride=2, padding=1), basic.bn1))
+    y = _bn(F.conv2d(y, basic.conv2.weight, padding=1), basic.bn2)
+    with torch.no_grad():
+        torch.testing.assert_close(basic(x), F.relu(y + F.pad(x[:, :, ::2, ::2], (0, 0, 0, 0, 8, 8))))
+
+    x = torch.randn(2, 64, 8, 8, dtype=torch.float64)
+    block = _random_bn_statistics(create_model("resnet29_bottleneck").double()).layer2[0]
+    y = F.relu(_bn(F.conv2d(x, block.conv1.weight), block.bn1))
+    y = F.relu(_bn(F.conv2d(y, block.conv2.weight, stride=2, padding=1), block.bn2))
+    y = _bn(F.conv2d(y, block.conv3.weight), block.bn3)
+    shortcut = _bn(F.conv2d(x, block.downsample[0].weight, stride=2), block.downsample[1])
+    with torch.no_grad():
+        torch.testing.assert_close(block(x), F.relu(y + shortcut))
+
+    x = torch.randn(2, 3, 7, 7, dtype=torch.float64)  # odd: VGG's pools round up
+    features = _random_bn_statistics(create_model("vgg11").double()).features
+    y = F.relu(_bn(F.conv2d(x, features[0].weight, padding=1), features[1]))
+    with torch.no_grad():
+        torch.testing.assert_close(features[:4](x), F.max_pool2d(y, 2, ceil_mode=True))
+
+
 def test_bottleneck_structure():
     model = create_model("resnet29_bottleneck")
     outs = [
@@ -153,18 +195,32 @@ def test_block_layer_types_are_used():
     class MyConv(nn.Conv2d):
         pass
 
+    class MyAct(nn.ReLU):
+        pass
+
     model = create_model("resnet20", conv_layer=MyConv, norm_layer=nn.Identity)
     convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
     assert len(convs) == 19 and all(type(m) is MyConv for m in convs)
     assert not any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+    # bottlenecks: their projection shortcuts too (SWP prunes them), and every activation
+    model = create_model("resnet29_bottleneck", conv_layer=MyConv, act_layer=MyAct)
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+    assert len(convs) == 31 and all(type(m) is MyConv for m in convs)
+    assert sum(type(m) is MyAct for m in model.modules()) == 28 and not any(type(m) is nn.ReLU for m in model.modules())
 
 
 def test_weight_init():
     torch.manual_seed(0)
     model = create_model("vgg16")
-    conv = model.features[14]  # a 256 -> 256 conv: fan_out = 256 * 9
+    conv = model.features[14]  # a 128 -> 256 conv: fan_out = 256 * 9
     assert conv.weight.std().item() == pytest.approx((2 / (256 * 9)) ** 0.5, rel=0.02)
     bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    with torch.no_grad():  # BN's own init is already 1 and 0: moved first, so init_weights must set them
+        for b in bns:
+            b.weight.fill_(0.5), b.bias.fill_(0.5)
+    from compress.models._weight_init import init_weights
+
+    init_weights(model)
     assert all(torch.equal(b.weight, torch.ones_like(b.weight)) and not b.bias.any() for b in bns)
 
 
@@ -259,6 +315,10 @@ def test_load_weights_takes_a_state_dict_file_and_keeps_a_classifier_of_other_cl
         if not key.startswith("fc."):
             assert torch.equal(model.state_dict()[key], value), key
     assert torch.equal(model.fc.weight, fc_before)
+    # a file without num_batches_tracked (saved by an older torch, or trimmed) loads with nothing missing
+    torch.save({k: v for k, v in source.state_dict().items() if not k.endswith("num_batches_tracked")},
+               tmp_path / "untracked.pth")
+    assert load_weights(create_model("resnet18", num_classes=1000), tmp_path / "untracked.pth") == []
 
     torch.save({"epoch": 3, "state_dict": {f"module.{k}": v for k, v in source.state_dict().items()}}, tmp_path / "w.pth")
     same_classes = create_model("resnet18", num_classes=1000)
