@@ -64,10 +64,11 @@ def test_forward_backward_matches_dense(case, with_bias, layout):
     yr = _ref(ref_ins[0], ref_ins[1], oi, off, ref_ins[2] if with_bias else None, N, ks, st, pd, dl)
     assert y.shape == yr.shape
     torch.testing.assert_close(y, yr, rtol=1e-10, atol=1e-10)
-    assert y.is_contiguous(memory_format=torch.channels_last if layout == "channels_last"
-                           else torch.contiguous_format)
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    assert y.is_contiguous(memory_format=fmt)
     g = torch.randn(yr.shape, generator=gen, dtype=torch.float64)
     got = torch.autograd.grad(y, ins, g)
+    assert got[0].is_contiguous(memory_format=fmt)  # grad_x in x's layout
     want = torch.autograd.grad(yr, ref_ins, g)
     for a, e in zip(got, want):
         torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10)
@@ -77,13 +78,15 @@ def test_no_plan_and_relu_match():
     gen = torch.Generator().manual_seed(1)
     w, oi, off = random_layer(6, 4, (3, 3), 0.4, gen)
     x = torch.randn(2, 4, 8, 8, generator=gen, dtype=torch.float64, requires_grad=True)
-    b = torch.randn(6, generator=gen, dtype=torch.float64)
+    b = torch.randn(6, generator=gen, dtype=torch.float64, requires_grad=True)
+    w.requires_grad_()
     y = kernels.stripe_conv2d(x, w, oi, off, b, 6, 3, 2, 1, 1, relu=True)
     yr = _ref(x, w, oi, off, b, 6, (3, 3), 2, 1, 1, relu=True)
     assert (yr == 0).any() and (yr > 0).any()
     torch.testing.assert_close(y, yr, rtol=1e-10, atol=1e-10)
     g = torch.randn(yr.shape, generator=gen, dtype=torch.float64)
-    torch.testing.assert_close(torch.autograd.grad(y, x, g)[0], torch.autograd.grad(yr, x, g)[0])
+    for got, want in zip(torch.autograd.grad(y, (x, w, b), g), torch.autograd.grad(yr, (x, w, b), g)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)  # the bias gradient too: behind the ReLU
 
 
 def test_float32_and_empty_batch():
@@ -93,10 +96,18 @@ def test_float32_and_empty_batch():
     y = kernels.stripe_conv2d(x, w, oi, off, None, 8, 3, 1, 1, 1)
     torch.testing.assert_close(y, _ref(x, w, oi, off, None, 8, (3, 3), 1, 1, 1), rtol=1e-5, atol=1e-5)
     x0 = torch.randn(0, 6, 10, 10, requires_grad=True)
+    w.requires_grad_()
     y0 = kernels.stripe_conv2d(x0, w, oi, off, None, 8, 3, 2, 1, 1)
     assert y0.shape == (0, 8, 5, 5)
     y0.sum().backward()
-    assert x0.grad.shape == x0.shape
+    assert x0.grad.shape == x0.shape and torch.equal(w.grad, torch.zeros_like(w))
+    # a layer with no stripe left (SWP can prune one whole): zeros out, zero gradient in
+    x.requires_grad_()
+    empty = torch.zeros(0, 6, requires_grad=True)
+    y = kernels.stripe_conv2d(x, empty, oi[:0], off[:0], None, 8, 3, 1, 1, 1)
+    assert y.shape == (3, 8, 10, 10) and not y.any()
+    y.backward(torch.randn(y.shape, generator=gen))
+    assert torch.equal(x.grad, torch.zeros_like(x)) and empty.grad.shape == (0, 6)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -202,8 +213,9 @@ def test_opcheck():
     b = torch.randn(5, generator=gen, dtype=torch.float64, requires_grad=True)
     w.requires_grad_()
     plan = kernels.stripe_plan(oi, off, 5, 3)
-    torch.library.opcheck(torch.ops.compress.stripe_conv2d.default,
-                          (x, w, oi, off, b, plan, 5, [3, 3], [2, 2], [1, 1], [1, 1], False))
+    for xl in (x, x.detach().contiguous(memory_format=torch.channels_last).requires_grad_()):
+        torch.library.opcheck(torch.ops.compress.stripe_conv2d.default,
+                              (xl, w, oi, off, b, plan, 5, [3, 3], [2, 2], [1, 1], [1, 1], False))
     dense = kernels.stripe_to_dense(w.detach(), oi, off, 5, 3, memory_format=torch.channels_last)
     torch.library.opcheck(torch.ops.compress.stripe_conv2d.default,
                           (x, w, oi, off, b, plan, 5, [3, 3], [2, 2], [1, 1], [1, 1], True, dense))
@@ -231,6 +243,9 @@ def test_plan_contents():
     ("order", "canonical order"),
     ("range", "out_index' values must lie"),
     ("offset", "offset' values must lie"),
+    ("duplicate", "canonical order"),
+    ("negative", "out_index' values must lie"),
+    ("negative_offset", "offset' values must lie"),
 ])
 def test_plan_validation(bad, msg):
     oi, off = torch.tensor([0, 1]), torch.tensor([[0, 0], [0, 1]])
@@ -238,8 +253,14 @@ def test_plan_validation(bad, msg):
         off = torch.tensor([[0, 1], [0, 0]])
     elif bad == "range":
         oi = torch.tensor([0, 7])
-    else:
+    elif bad == "offset":
         off = torch.tensor([[0, 0], [3, 0]])
+    elif bad == "duplicate":  # the same (offset, output channel) twice
+        oi, off = torch.tensor([1, 1]), torch.tensor([[0, 0], [0, 0]])
+    elif bad == "negative":
+        oi, off = torch.tensor([-1, 1]), torch.tensor([[0, 0], [0, 0]])
+    else:
+        off = torch.tensor([[0, -1], [0, 0]])
     with pytest.raises(ValueError, match=msg):
         kernels.stripe_plan(oi, off, 2, 3)
 
@@ -292,10 +313,15 @@ def test_dense_argument_is_checked_and_leaves_the_result_unchanged():
     x = torch.randn(2, 4, 7, 7, generator=gen)
     dense = kernels.stripe_to_dense(w, oi, off, 6, 3, memory_format=torch.channels_last)
     want = F.conv2d(x, dense, None, 1, 1)
-    got = kernels.stripe_conv2d(x, w.requires_grad_(), oi, off, None, 6, 3, 1, 1, 1, dense=dense.detach())
+    g = torch.randn(want.shape, generator=gen)
+    w_without = w.clone().requires_grad_()
+    kernels.stripe_conv2d(x, w_without, oi, off, None, 6, 3, 1, 1, 1).backward(g)
+    dense.requires_grad_()
+    got = kernels.stripe_conv2d(x, w.requires_grad_(), oi, off, None, 6, 3, 1, 1, 1, dense=dense)
     torch.testing.assert_close(got, want)
-    got.sum().backward()
-    assert w.grad is not None and w.grad.abs().sum() > 0
+    got.backward(g)
+    assert w.grad.abs().sum() > 0 and torch.equal(w.grad, w_without.grad) and dense.grad is None
+    dense = dense.detach()
     assert not kernels.stripe_reads_dense(x, w, 6, 3)  # CPU: never the kernel's dense route
     with pytest.raises(ValueError, match="tensor 'dense' must be the zero-filled dense weight"):
         kernels.stripe_conv2d(x, w, oi, off, None, 6, 3, 1, 1, 1, dense=dense.contiguous())  # NCHW strides
