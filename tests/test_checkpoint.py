@@ -48,6 +48,7 @@ def _round_trip(model: nn.Module, tmp_path, size: int = 32) -> nn.Module:
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
     assert {k: v.dtype for k, v in loaded.state_dict().items()} == {k: v.dtype for k, v in model.state_dict().items()}
+    assert getattr(loaded, "compress_compaction", None) == getattr(model, "compress_compaction", None)
     assert not list(tmp_path.glob(".*tmp*")), "the temporary file of the atomic write was left behind"
     return loaded
 
@@ -374,24 +375,30 @@ def _set(entry, key, value):
     entry[key] = value
 
 
-@pytest.mark.parametrize("edit_recipe, edit_tensors", [
-    (lambda r: _set(r["arch"], "name", 7), None),
-    (lambda r: _set(r["replacements"][0], "name", 3), None),
-    (lambda r: _set(r["replacements"][0], "name", "training"), None),  # an attribute, not a module
-    (lambda r: _set(r["replacements"][0], "name", "__class__"), None),
-    (lambda r: _set(_first_stripe(r)["config"], "out_channels", -4), None),
-    (lambda r: _set(r["arch"]["kwargs"], "checkpoint_path", "/etc/passwd"), None),
-    (None, lambda t: t.update({k: v.float() for k, v in t.items() if k.endswith("out_index")})),
-    (None, lambda t: t.update({k: v + 1000 for k, v in t.items() if k.endswith("out_index")})),
+@pytest.mark.parametrize("edit_recipe, edit_tensors, message", [
+    (lambda r: _set(r["arch"], "name", 7), None, "cannot rebuild the architecture.*model name must be a string"),
+    (lambda r: _set(r["replacements"][0], "name", 3), None, "the recipe is incomplete or malformed"),
+    (lambda r: _set(r["replacements"][0], "name", "training"), None,  # an attribute, not a module
+     "'training' cannot name a module"),
+    (lambda r: _set(r["replacements"][0], "name", "__class__"), None, "'__class__' cannot name a module"),
+    (lambda r: _set(_first_stripe(r)["config"], "out_channels", -4), None,
+     "module 'conv1': cannot build StripeConv2d from config"),
+    (lambda r: _set(r["arch"]["kwargs"], "checkpoint_path", "/etc/passwd"), None,
+     r"cannot rebuild the architecture.*\['checkpoint_path'\] would make the constructor read weights"),
+    (None, lambda t: t.update({k: v.float() for k, v in t.items() if k.endswith("out_index")}),
+     "the tensors do not fit the recipe's model: shape or kind differs for conv1.out_index"),
+    (None, lambda t: t.update({k: v + 1000 for k, v in t.items() if k.endswith("out_index")}),
+     "the tensors do not fit the recipe's model: StripeConv2d: invalid stripe indices"),
 ])
-def test_tampered_compact_files_are_errors_naming_the_file(tmp_path, edit_recipe, edit_tensors):
+def test_tampered_compact_files_are_errors_naming_the_file(tmp_path, edit_recipe, edit_tensors, message):
     """Recipe values of the wrong type or range, a recipe asking the constructor to read a file, and stripe indices
-    of the wrong type or range: each a ValueError naming the file, never another exception or a file read."""
+    of the wrong type or range: each a ValueError naming the file and the problem, never another exception or a file
+    read."""
     model = create_model("resnet20")
     attach_skeletons(model)
     path = save(compact(_randomise(model)), tmp_path / "m.safetensors")
     _rewrite(path, edit_tensors=edit_tensors, edit_recipe=edit_recipe)
-    with pytest.raises(ValueError, match="m.safetensors"):
+    with pytest.raises(ValueError, match=r"compress.load\(.*m.safetensors\): " + message):
         load(path)
 
 
