@@ -108,8 +108,13 @@ def test_first_argmax_with_ties():
     assert torch.equal((dx != 0).unflatten(1, (2, 4)).sum(2), torch.ones(2, 2, 5, 6, dtype=torch.long))
 
 
-def test_p_equal_tau_takes_mean():
-    x, p = make()
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("library", [True, False])
+def test_p_equal_tau_takes_mean(layout, library, monkeypatch):
+    """p == tau takes the mean branch: in both layouts, with the C++ CPU kernels and with the PyTorch fallback."""
+    if not library:
+        _no_cpu_lib(monkeypatch)
+    x, p = make(layout=layout)
     p.fill_(0.5)
     y = kernels.pix(x, p, 4, 0.5)
     torch.testing.assert_close(y, 0.5 * x.unflatten(1, (2, 4)).mean(2))
@@ -164,6 +169,7 @@ def test_autocast_bf16_and_compile():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = kernels.pix(x.bfloat16(), p, 4)  # fp32 p is cast to x's dtype
     assert y.dtype == torch.bfloat16
+    assert rel_err(y, ref_pix(x.bfloat16().double(), p.bfloat16().double(), 4, 0.5)[0]) < 1e-2
     f = torch.compile(lambda a, b: kernels.pix(a, b, 4).square().sum(), backend="aot_eager", fullgraph=True)
     xa = x.clone().requires_grad_(True)
     f(xa, p).backward()
@@ -374,9 +380,11 @@ def test_cpu_kernels_match_reference(dtype, layout, shape):
     assert yp.is_contiguous(memory_format=torch.channels_last if layout == "channels_last" else torch.contiguous_format)
 
 
-def test_cpu_kernels_fall_back_without_the_library(monkeypatch):
-    """Without the C++ library (no compiler, COMPRESS_KERNELS_NO_CPU=1) the PyTorch path gives the same results."""
-    x, w = make_squeeze(2, 16, 5, 6, 4, torch.float32, "cpu", "channels_last")
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_cpu_kernels_fall_back_without_the_library(monkeypatch, layout):
+    """Without the C++ library (no compiler, COMPRESS_KERNELS_NO_CPU=1) the PyTorch path matches the float64
+    definitions (pix and pix_squeeze, forward and backward) and gives the C++ path's results."""
+    x, w = make_squeeze(2, 16, 5, 6, 4, torch.float32, "cpu", layout)
     y = kernels.pix_squeeze(x, w, 4)
     dx, dw = torch.autograd.grad(y.square().sum(), (x, w))
     _no_cpu_lib(monkeypatch)
@@ -385,6 +393,19 @@ def test_cpu_kernels_fall_back_without_the_library(monkeypatch):
     torch.testing.assert_close(y2, y)
     torch.testing.assert_close(dx2, dx)
     torch.testing.assert_close(dw2, dw)
+    xr, wr = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    yr = ref_squeeze(xr, wr, 4, 0.5, torch.float32)
+    dxr, dwr = torch.autograd.grad(yr.square().sum(), (xr, wr))
+    assert rel_err(y2, yr) < 1e-5 and rel_err(dx2, dxr) < 1e-5 and rel_err(dw2, dwr) < 1e-5
+    x, p = make(layout=layout)
+    x.requires_grad_(True)
+    y = kernels.pix(x, p, 4, 0.5)
+    assert y.is_contiguous(memory_format=torch.channels_last if layout == "channels_last" else torch.contiguous_format)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(3))
+    yr, _ = ref_pix(x.detach().double(), p.double(), 4, 0.5)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    dxr, _ = ref_pix_backward(dy.double(), x.detach().double(), p.double(), 4, 0.5)
+    assert rel_err(y, yr) < 1e-5 and rel_err(dx, dxr) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
