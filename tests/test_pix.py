@@ -500,7 +500,7 @@ def test_block_cuda_matches_float64_reference(dtype):
     tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-4, "atol": 1e-4}
     torch.testing.assert_close(y.double().cpu(), y_ref.detach(), **tol)
     torch.testing.assert_close(xg.grad.double().cpu(), x_ref.grad, **tol)
-    wtol = {"rtol": 5e-2, "atol": 5e-2} if dtype == torch.bfloat16 else tol  # bf16: p rounded before the sigmoid's grad
+    wtol = {"rtol": 5e-2, "atol": 5e-2} if dtype == torch.bfloat16 else tol
     torch.testing.assert_close(gpu.weight.grad.double().cpu(), w_ref.grad, **wtol)
 
 
