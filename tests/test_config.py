@@ -96,6 +96,11 @@ def test_cifar_configs_keep_the_paper_recipe():
         (["optim.lr=inf"], ValueError, r"optim.lr=inf must be a finite number > 0"),
         (["optim.momentum=nan"], ValueError, r"optim.momentum=nan must be a finite number in \[0, 1\)"),
         (["optim.momentum=1.5"], ValueError, r"optim.momentum=1.5 must be a finite number in \[0, 1\)"),
+        (["optim.momentum=1"], ValueError, r"optim.momentum=1 must be a finite number in \[0, 1\)"),  # the bounds
+        (["optim=sgd_multistep", "optim.gamma=0"], ValueError, r"optim.gamma=0 must be a finite number in \(0, 1\]"),
+        (["prune=swp", "prune.threshold=1"], ValueError, "prune.threshold=1 zeroes every stripe"),
+        (["trainer.checkpoint_every=0"], ValueError, "trainer.checkpoint_every=0 must be an int >= 1"),
+        (["trainer.epochs=0"], ValueError, "trainer.epochs=0 must be an int >= 1"),
         (["optim.weight_decay=nan"], ValueError, r"optim.weight_decay=nan must be a finite number >= 0"),
         (["optim.skeleton_weight_decay=abc"], ValueError, r"optim.skeleton_weight_decay='abc' must be a finite number"),
         (["optim.skeleton_weight_decay=true"], ValueError, r"optim.skeleton_weight_decay=True must be a finite number"),

@@ -164,8 +164,12 @@ def test_compile_runs_skeleton_convs_and_matches_eager(tmp_path, one_thread):
     # aot_eager traces forward and backward (skeleton products included) in seconds on a CPU;
     # the default backend, inductor, is the one meant for GPUs.
     steps = ["data.batch_size=8", "trainer.max_steps=2", "optim.epochs=2", "optim.milestones=[1]"]
+    from torch._dynamo.utils import counters
+
     eager = _run_here(tmp_path / "eager", *steps)
+    counters.clear()
     compiled = _run_here(tmp_path / "compiled", *steps, "trainer.compile=true", "trainer.compile_backend=aot_eager")
+    assert counters["stats"]["unique_graphs"] > 0  # dynamo traced the model: the run was compiled
     _assert_same(_state(tmp_path / "eager"), _state(tmp_path / "compiled"), exact=False)
     assert compiled["stripes_kept"] == eager["stripes_kept"] < compiled["stripes_total"]
 

@@ -643,6 +643,9 @@ def test_dense_mode_runs_the_trimmed_kernel(case, layout):
                                torch.contiguous_format)
     if any(want_trim):
         assert m._trim_cache[1][0].shape[2:] == (k - 2, k - 2)
+    with torch.no_grad():  # an in-place edit of the kept weights shows in the trimmed conv too
+        m.weight.mul_(-2.0)
+        torch.testing.assert_close(m(x), F.conv2d(x, m.dense_weight(), m.bias, s, p, d))
 
 
 def _layer(mode: str, seed: int, in_channels: int = 6, out_channels: int = 8):
@@ -702,6 +705,33 @@ def test_writes_that_bypass_the_version_counter_show_after_train_eval(mode, hw):
         s.bias.data.add_(1.0)
         s.eval()
         torch.testing.assert_close(s(x), F.conv2d(x, s.dense_weight(), s.bias, 1, 1), rtol=1e-5, atol=1e-5)
+
+
+def test_gemm_mode_follows_bias_edits_and_input_sizes():
+    """gemm mode's kept unrolled weight follows an in-place bias edit, and a new input size gets its own GEMM."""
+    conv, mask, s, gen = _layer("gemm", 44)
+    x = torch.randn(2, 6, 3, 3, generator=gen)
+    with torch.no_grad():
+        s(x)
+        s.bias.add_(1.0)
+        torch.testing.assert_close(s(x), F.conv2d(x, s.dense_weight(), s.bias, 1, 1), rtol=1e-5, atol=1e-5)
+        for hw in (2, 3, 4, 3):
+            x = torch.randn(2, 6, hw, hw, generator=gen)
+            torch.testing.assert_close(s(x), _masked_reference(conv, mask, x) + 1.0, rtol=1e-5, atol=1e-5)
+
+
+def test_stripe_layer_under_cpu_autocast_sums_in_float32():
+    """64 input channels x 25 offsets: a bf16 sum would be off by far more than one bf16 rounding of the result."""
+    gen = torch.Generator().manual_seed(45)
+    conv = nn.Conv2d(64, 8, 5, padding=2)
+    mask = torch.rand(8, 5, 5, generator=gen) < 0.9
+    s = StripeConv2d.from_dense(conv, mask).eval()
+    x = torch.randn(2, 64, 8, 8, generator=gen)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        y = s(x)
+    xb, wb, bb = (t.detach().bfloat16().double() for t in (x, conv.weight, conv.bias))
+    ref = F.conv2d(xb, wb * mask[:, None].double(), bb, 1, 2)
+    assert ((y.double() - ref).abs() / ref.abs().clamp_min(1e-2)).max() <= 2**-7
 
 
 def test_stripe_layer_under_cpu_autocast():
