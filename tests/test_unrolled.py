@@ -43,7 +43,7 @@ def test_fits_bounds():
 def _masked_weight(m: StripeConv2d) -> torch.Tensor:
     """The layer's dense (N, C, KH, KW) weight, written stripe by stripe here (independent of dense_weight(), which
     dense and gemm mode both read): filter n's kernel offset (i, j) holds its stripe's C values, zeros elsewhere."""
-    w = torch.zeros(m.out_channels, m.in_channels, *m.kernel_size, dtype=m.weight.dtype)
+    w = torch.zeros(m.out_channels, m.in_channels, *m.kernel_size, dtype=m.weight.dtype, device=m.weight.device)
     for s, (n, (i, j)) in enumerate(zip(m.out_index.tolist(), m.offset.tolist())):
         w[n, :, i, j] = m.weight[s].detach()
     return w
