@@ -382,14 +382,19 @@ def test_latencies_and_compact_figures_land_on_their_own_side(training_checkpoin
     assert compact_layers[name]["macs"] < dense_macs
 
 
+def _export_with_config(path, tmp_path, group: str, key: str, value) -> dict:
+    """export_checkpoint (no ONNX, no timing, cost-model modes) of the training checkpoint at `path` with its
+    config's `group.key` set to `value`, written as tmp_path/last.pt; the outputs go to tmp_path/out."""
+    state = torch.load(path, weights_only=True)
+    state["config"][group][key] = value
+    torch.save(state, tmp_path / "last.pt")
+    return export_checkpoint(tmp_path / "last.pt", tmp_path / "out", onnx=False, latency=False,
+                             choose_stripe_modes=False)
+
+
 def test_export_takes_the_training_runs_flops_budget(training_checkpoint, tmp_path):
     """A run trained with prune.target_flops exports at that budget when target_macs is not given."""
-    path, _ = training_checkpoint
-    state = torch.load(path, weights_only=True)
-    state["config"]["prune"]["target_flops"] = 0.3
-    budget = tmp_path / "budget.pt"
-    torch.save(state, budget)
-    report = export_checkpoint(budget, tmp_path / "out", onnx=False, latency=False, choose_stripe_modes=False)
+    report = _export_with_config(training_checkpoint[0], tmp_path, "prune", "target_flops", 0.3)
     assert report["target_macs"] == 0.3 and report["compact"]["macs"] <= 0.3 * report["dense"]["macs"]
 
 
@@ -705,12 +710,7 @@ def test_check_onnx_is_not_fooled_by_outputs_that_hardly_depend_on_the_input(tmp
 def test_a_run_trained_at_another_input_size_is_reported_at_it(training_checkpoint, tmp_path):
     """An init= run may fine-tune a compact model at another size than it was built for: the report counts at the
     run's data.input_size, as its training summary did (it took the architecture's)."""
-    path, _ = training_checkpoint
-    state = torch.load(path, weights_only=True)
-    state["config"]["data"]["input_size"] = 16
-    moved = tmp_path / "last.pt"
-    torch.save(state, moved)
-    report = export_checkpoint(moved, tmp_path / "out", onnx=False, latency=False, choose_stripe_modes=False)
+    report = _export_with_config(training_checkpoint[0], tmp_path, "data", "input_size", 16)
     assert report["compact"]["input_size"] == report["dense"]["input_size"] == [3, 16, 16]
     # its compact file, exported again, counts at that size too (its architecture still says 32)
     again = export_checkpoint(tmp_path / "out" / FILES[0], tmp_path / "again", latency=False, choose_stripe_modes=False)
