@@ -345,6 +345,7 @@ def _no_cpu_lib(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 @pytest.mark.parametrize("shape", [(3, 16, 5, 7, 4), (2, 24, 3, 11, 3), (1, 16, 6, 6, 1), (2, 32, 9, 9, 2),
+                                   (2, 16, 28, 28, 4),  # a map of more than one vector block (ResNet-50's 56x56)
                                    (2, 64, 4, 5, 8), (2, 48, 1, 37, 16)])
 def test_cpu_kernels_match_reference(dtype, layout, shape):
     """The C++ paths (pix_squeeze in one call, pix's fusion) against the float64 definitions, forward and backward
@@ -373,6 +374,8 @@ def test_cpu_kernels_match_reference(dtype, layout, shape):
     assert rel_err(y, yr) < tol and rel_err(dx, dxr) < tol and rel_err(dw, dwr) < tol
     with torch.inference_mode():
         assert torch.equal(kernels.pix_squeeze(x.detach(), w.detach(), zeta), y.detach())
+        other = torch.float32 if dtype == torch.float64 else torch.float64  # a weight of another float dtype
+        assert rel_err(kernels.pix_squeeze(x.detach(), w.detach().to(other), zeta), y.detach()) < tol
 
     xp, p = make(B=B, C=C, H=H, W=W, zeta=zeta, dtype=dtype, layout=layout, seed=zeta)
     yp = kernels.pix(xp, p, zeta, 0.5)

@@ -51,17 +51,22 @@ def test_matches_aten_on_every_valid_window(dtype, threads, no_aten_pool):
     try:
         with torch.inference_mode():
             for (h, w), k, s, p, d, ceil in itertools.product(
-                    [(7, 9), (1, 4), (35, 16), (8, 8)], [1, 2, 3, (3, 2)], [1, 2, (2, 3)], [0, 1], [1, 2],
-                    [False, True]):
+                    [(7, 9), (1, 4), (35, 16), (8, 8), (9, 9)], [1, 2, 3, (3, 2)], [1, 2, 3, (2, 3)], [0, 1], [1, 2],
+                    [False, True]):  # (9, 9), k = s = 3: padded windows whose rows tile the map exactly
                 x = _input((3, 5, h, w), dtype, seed=checked)
                 try:
                     ref = aten(x, k, s, p, d, ceil)
-                except RuntimeError:
+                except RuntimeError:  # refused by PyTorch: handed to F.max_pool2d for its error, not computed
+                    with pytest.raises(AssertionError, match="F.max_pool2d was called"):
+                        max_pool2d(x, k, s, p, d, ceil)
                     continue
                 assert _same(max_pool2d(x, k, s, p, d, ceil), ref), (h, w, k, s, p, d, ceil)
                 checked += 1
             big = _input((2, 64, 112, 112), dtype, seed=5)  # ResNet's stem pool, threads sharing the planes
             assert _same(max_pool2d(big, 3, 2, 1), aten(big, 3, 2, 1))
+            strided = _input((2, 3, 10, 12), dtype, seed=7)[:, :, :, ::2]  # a view: PyTorch's pool reads it
+            with pytest.raises(AssertionError, match="F.max_pool2d was called"):
+                max_pool2d(strided, 2)
             unbatched = _input((4, 11, 6), dtype, seed=6)
             assert _same(max_pool2d(unbatched, 2, ceil_mode=True), aten(unbatched, 2, 2, 0, 1, True))
             # padding past the map's edge on both sides (no window starts inside: SPPF's 5x5 / pad 2 on a 1-wide
@@ -73,7 +78,7 @@ def test_matches_aten_on_every_valid_window(dtype, threads, no_aten_pool):
                     assert _same(max_pool2d(x, k, 1, p), aten(x, k, 1, p)), (shape, k, p)
     finally:
         torch.set_num_threads(old)
-    assert checked > 250  # of 384 combinations; the rest are refused by PyTorch (padding over half the window)
+    assert checked > 400  # of 640 combinations; the rest are refused by PyTorch (padding over half the window)
 
 
 def test_other_calls_run_aten():
