@@ -220,6 +220,7 @@ def test_registered_custom_module_round_trip(tmp_path):
             super().__init__()
             self.channels = channels
             self.weight = nn.Parameter(torch.ones(channels, 1, 1))
+            self.register_buffer("tags", torch.zeros(4, dtype=torch.int64))  # stored narrow: negative values too
 
         def forward(self, x):
             return x * self.weight
@@ -230,7 +231,19 @@ def test_registered_custom_module_round_trip(tmp_path):
     register_module_type("test.Scale", Scale)
     model = create_model("resnet20")
     replace_module(model, "layer2.0.act1", Scale(32))
-    _round_trip(_randomise(model), tmp_path)
+    model.layer2[0].act1.tags.copy_(torch.tensor([-200, 100, -1, 5]))
+    loaded = _round_trip(_randomise(model), tmp_path)
+    assert torch.equal(loaded.layer2[0].act1.tags, model.layer2[0].act1.tags)
+
+
+def test_bn_settings_and_the_device_survive_a_round_trip(tmp_path):
+    """A BN whose only difference is its eps (timm's tf_* models use 1e-3) keeps it; load(device=) builds there."""
+    model = create_model("resnet20")
+    replace_module(model, "bn1", nn.BatchNorm2d(16, eps=0.5, momentum=0.3))
+    loaded = _round_trip(_randomise(model), tmp_path)
+    assert (loaded.bn1.eps, loaded.bn1.momentum) == (0.5, 0.3)
+    on_meta = load(tmp_path / "m.safetensors", device="meta")
+    assert {t.device.type for t in on_meta.state_dict().values()} == {"meta"}
 
 
 def test_model_without_arch_is_a_clear_error(tmp_path):

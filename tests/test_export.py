@@ -94,6 +94,24 @@ def test_check_onnx_warns_when_the_output_ignores_the_input(tmp_path):
         assert check_onnx(live, model, torch.randn(3, 3, 8, 8, generator=torch.Generator().manual_seed(1))) <= 1e-4
 
 
+def test_onnx_of_a_train_mode_model_uneven_pools_and_check_onnx_sees_biases(tmp_path):
+    """export_onnx of a model left in train mode exports its BN statistics as they are (its probe forward runs a
+    copy in eval mode); an adaptive pool whose windows do not divide the map (7 from 14x10) exports as fixed windows;
+    check_onnx sees a wrong output bias (a constant offset the batch-centred error leaves out)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(7),
+                          nn.Flatten(), nn.Linear(8 * 49, 5))
+    with torch.no_grad():
+        model[1].running_mean.uniform_(-1, 1), model[1].running_var.uniform_(0.5, 2)
+    model.train()
+    x = torch.randn(4, 3, 14, 10)
+    path = export_onnx(model, tmp_path / "m.onnx", (3, 14, 10))
+    assert check_onnx(path, model, x) <= 1e-4
+    with torch.no_grad():
+        model[5].bias += 1.0
+    assert check_onnx(path, model, x) > 1e-2
+
+
 def test_check_onnx_feeds_a_float16_graph_its_dtype(tmp_path):
     """export_onnx writes a float16 model as a float16 graph; check_onnx feeds it float16 inputs."""
     torch.manual_seed(0)

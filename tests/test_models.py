@@ -319,6 +319,14 @@ def test_load_weights_takes_a_state_dict_file_and_keeps_a_classifier_of_other_cl
     torch.save({k: v for k, v in source.state_dict().items() if not k.endswith("num_batches_tracked")},
                tmp_path / "untracked.pth")
     assert load_weights(create_model("resnet18", num_classes=1000), tmp_path / "untracked.pth") == []
+    # a VGG's head is its last Linear (classifier.6), not its first: kept fresh at another class count
+    vgg = torchvision.models.vgg11_bn(num_classes=1000)
+    torch.save(vgg.state_dict(), tmp_path / "vgg.pth")
+    assert load_weights(create_model("vgg11_bn", num_classes=10), tmp_path / "vgg.pth") == ["classifier.6.bias",
+                                                                                           "classifier.6.weight"]
+    torch.save({"n_averaged": torch.tensor(3)}, tmp_path / "count_only.pth")  # once looped for ever
+    with pytest.raises(ValueError, match="count_only.pth holds no state dict"):
+        load_weights(create_model("resnet18"), tmp_path / "count_only.pth")
 
     torch.save({"epoch": 3, "state_dict": {f"module.{k}": v for k, v in source.state_dict().items()}}, tmp_path / "w.pth")
     same_classes = create_model("resnet18", num_classes=1000)

@@ -48,10 +48,11 @@ def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         if inner is None:
             break
         state = inner
+    if isinstance(state, dict):
+        state.pop("n_averaged", None)  # torch.optim.swa_utils.AveragedModel's count of averaged models
     if not isinstance(state, dict) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ValueError(f"model.weights: {path} holds no state dict (a dict of tensor names to tensors, possibly "
                          f"under one of the keys {', '.join(_WRAPPERS)})")
-    state.pop("n_averaged", None)  # torch.optim.swa_utils.AveragedModel's count of averaged models
     stripped = True
     while stripped:  # in any order and nesting: torch.compile around DDP gives _orig_mod.module.
         stripped = False
