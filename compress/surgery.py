@@ -250,7 +250,11 @@ def read_outside_their_call(model: nn.Module, x: torch.Tensor, names) -> set[str
 def hooked(model: nn.Module) -> set[str]:
     """Names of the modules with forward hooks or pre-hooks of their own, which surgery leaves alone: a hook may read
     or set their tensors (the old-style torch.nn.utils.weight_norm and spectral_norm recompute the weight in one)."""
-    return {name for name, m in model.named_modules() if m._forward_pre_hooks or m._forward_hooks}
+    return {name for name, m in model.named_modules() if _has_hooks(m)}
+
+
+def _has_hooks(m: nn.Module) -> bool:
+    return bool(m._forward_pre_hooks or m._forward_hooks)
 
 
 def left_alone(graph: fx.Graph, model: nn.Module) -> set[str]:
@@ -272,6 +276,8 @@ def _channelwise_step(model: nn.Module, node: fx.Node, src: fx.Node, channels: i
     args, kwargs = tuple(node.args[1:]), dict(node.kwargs)
     if node.op == "call_module":
         m = model.get_submodule(node.target)
+        if _has_hooks(m):  # a hook may read its channels (feature capture, a per-channel scale): left alone
+            return None
         if isinstance(m, batch_norm_types()):  # in eval mode a fixed per-channel map, unless it keeps no statistics
             ok = m.running_mean is not None and m.running_mean.numel() == channels and node.target in once
             return Step("module", node.target) if ok else None
@@ -451,9 +457,10 @@ def chain_constants(model: nn.Module, chain: Chain) -> torch.Tensor:
 
 
 def _set_param(module: nn.Module, name: str, value: torch.Tensor) -> None:
-    """Replace (or add) Parameter `name` of `module` by a copy of `value`, keeping requires_grad."""
+    """Replace (or add) Parameter `name` of `module` by a copy of `value`, keeping requires_grad (a new bias takes the
+    weight's: a frozen conv stays frozen)."""
     old = getattr(module, name)
-    requires_grad = old.requires_grad if old is not None else True
+    requires_grad = (old if old is not None else module.weight).requires_grad
     setattr(module, name, nn.Parameter(value.detach().clone(), requires_grad=requires_grad))
 
 

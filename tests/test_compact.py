@@ -169,6 +169,76 @@ def test_fuse_relu_takes_a_pool_with_its_ceil_mode(ceil_mode):
     assert_same_output(model, out, x)
 
 
+class _DeadFilterNet(nn.Module):
+    """conv1 (filters 1 and 4 dead) -> bn1 (biases 0.5-1.5: the dead filters output constants) -> act -> conv2, in
+    float64 eval; `variant` changes one piece that dead-filter removal must handle or leave alone."""
+
+    def __init__(self, variant: str):
+        super().__init__()
+        self.variant = variant
+        self.conv1 = nn.Conv2d(4, 8, 3, padding=1, bias=False, groups=2 if variant == "grouped producer" else 1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.act = nn.ReLU()
+        padding = "same" if variant == "same-padded consumer" else 0
+        self.conv2 = nn.Conv2d(8, 8, 3 if padding else 1, padding=padding, bias=False)
+        self.bn2 = self.bn1 if variant == "shared bn" else nn.BatchNorm2d(8)
+        gen = torch.Generator().manual_seed(5)
+        _randomize_bn(self, gen)
+        with torch.no_grad():
+            self.bn1.bias.copy_(torch.rand(8, generator=gen) + 0.5)
+            if variant == "leaky_relu(0.2)":
+                self.bn1.bias.sub_(3.0)  # negative constants: the slope matters
+            self.conv1.weight[[1, 4]] = 0
+        if variant == "hooked activation":  # a per-channel scale in a hook: the ReLU's channels must stay
+            scale = torch.rand(8, 1, 1, generator=gen, dtype=torch.float64) + 0.5
+            self.act.register_forward_hook(lambda module, inputs, out: out * scale)
+        self.double().eval()
+
+    def forward(self, x):
+        y = self.bn1(self.conv1(x))
+        y = F.leaky_relu(y, 0.2) if self.variant == "leaky_relu(0.2)" else self.act(y)
+        return self.bn2(self.conv2(y))
+
+
+@pytest.mark.parametrize("variant", ["hooked activation", "same-padded consumer", "leaky_relu(0.2)", "shared bn",
+                                     "grouped producer"])
+@pytest.mark.parametrize("fold", [False, True])
+def test_dead_filter_removal_keeps_the_function_of_odd_chains(variant, fold):
+    """Dead filters whose constant output a hook, a 'same'-padded consumer, a functional activation with arguments,
+    a BN shared by two convs or a grouped producer could get wrong: the compact model equals the model (float64);
+    a hooked activation or a padded consumer keeps the filters."""
+    model = _DeadFilterNet(variant)
+    x = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    out = compact(model, fold_bn=fold)
+    assert_same_output(model, out, x)
+    if variant in ("hooked activation", "same-padded consumer"):
+        assert out.conv1.out_channels == 8
+    elif variant == "leaky_relu(0.2)":
+        assert out.conv1.out_channels == 6  # removed, their constants folded into conv2
+
+
+def test_compaction_keeps_frozen_parameters_frozen():
+    """A frozen model compacts frozen: the biases BN folding and dead-filter removal add do not train."""
+    model = _DeadFilterNet("leaky_relu(0.2)").requires_grad_(False)
+    out = compact(model, fold_bn=True)
+    assert out.conv1.bias is not None and not any(p.requires_grad for p in out.parameters())
+
+
+def test_fuse_relu_leaves_a_padded_pool():
+    """A 2x2 max-pool with padding is not the stripe kernel's epilogue pool: it stays a module, same output."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.MaxPool2d(2, 2, padding=1), nn.Conv2d(8, 4, 3))
+    attach_skeletons(model)
+    _randomize_bn(model, torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        fs = torch.rand(model[0].skeleton.shape, generator=torch.Generator().manual_seed(3)) + 0.5
+        model[0].skeleton.copy_(torch.where(fs < 0.9, 0.0, fs))
+    out = compact(model.eval(), fold_bn=True, fuse_relu=True)
+    assert out.compress_compaction["pool_fused"] == 0
+    assert_same_output(model, out, torch.randn(2, 3, 9, 9, generator=torch.Generator().manual_seed(1)))
+
+
 @pytest.mark.parametrize("name, act", [("timm:regnetx_002", nn.ReLU), ("timm:efficientnet_b0", nn.SiLU)])
 def test_timm_batchnorm_act_folds_into_its_activation(name, act, tmp_path):
     """timm's BatchNormAct2d (BN -> act in one module) folds like a BatchNorm2d and leaves its activation in its
