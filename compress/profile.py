@@ -312,6 +312,12 @@ class ProfileReport:
         ])
 
 
+def _storage_key(t: torch.Tensor) -> int:
+    """The identity of `t`'s storage (shared by its views and in-place results): the address of the storage object
+    itself, not of its data, which is 0 for every tensor on the meta device (and for empty ones)."""
+    return t.untyped_storage()._cdata
+
+
 def _count(model: nn.Module, x: torch.Tensor, convention: str = "layers") -> tuple[list[LayerProfile], int, int]:
     """Per-layer rows for one forward of `x` (a module called more than once sums its calls), the bytes of the
     largest single new output tensor, and the MACs of functional ops (`_FunctionalMacs`) among the rows'. Runs
@@ -321,7 +327,7 @@ def _count(model: nn.Module, x: torch.Tensor, convention: str = "layers") -> tup
     largest = 0
     seen_storage: set[int] = set()
     counted_tensors: set[int] = set()  # ids of the weights a row holds: a tied one counts in its first row only
-    keep_alive: list[torch.Tensor] = []  # holds outputs so a freed pointer is not reused and miscounted
+    keep_alive: list[torch.Tensor] = []  # holds outputs so a freed storage's address is not reused and miscounted
     running: list[str] = []  # the modules whose forward is running, innermost last
     in_counted = 0  # how many of them count their own work (a handler or macs()): ops inside are theirs
     functional: dict[str, int] = {}  # MACs of ops the forward of each module called itself, until it returns
@@ -358,9 +364,9 @@ def _count(model: nn.Module, x: torch.Tensor, convention: str = "layers") -> tup
             macs = int(handler(mod, inp, out_t)) if handler is not None and out_t is not None else 0
             act = 0
             if profiled and out_t is not None:
-                ptr = out_t.untyped_storage().data_ptr()
-                if ptr not in seen_storage:
-                    seen_storage.add(ptr)
+                key = _storage_key(out_t)
+                if key not in seen_storage:
+                    seen_storage.add(key)
                     # (at most its storage: an expanded view of a small new tensor allocates only that)
                     act = min(out_t.numel() * out_t.element_size(), out_t.untyped_storage().nbytes())
                     largest = max(largest, act)
@@ -402,7 +408,7 @@ def _count(model: nn.Module, x: torch.Tensor, convention: str = "layers") -> tup
         torch.backends.mha.set_fastpath_enabled(False)
         with torch.inference_mode(False), torch.no_grad():
             x = x.clone()  # a normal tensor: the model may work on it in place
-            seen_storage.add(x.untyped_storage().data_ptr())
+            seen_storage.add(_storage_key(x))
             with _FunctionalMacs(add_functional):
                 model(x)
     finally:

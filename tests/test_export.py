@@ -410,6 +410,36 @@ def _export_with_config(path, tmp_path, group: str, key: str, value) -> dict:
                              choose_stripe_modes=False)
 
 
+def test_report_tables_give_each_side_its_own_values_and_stripes_per_layer_takes_the_threshold(tmp_path,
+                                                                                                 monkeypatch):
+    """report.md's per-layer row: the dense and compact MACs, params and latencies in their own columns; sizes in
+    binary units; plot_stripes draws the kept fractions; stripes_per_layer counts |skeleton| above the threshold."""
+    import matplotlib.axes
+
+    from compress.report import _bytes, plot_stripes, render_markdown, report_dict, stripes_per_layer
+    from compress.skeleton import SkeletonConv2d
+
+    dense = profile(nn.Sequential(nn.Conv2d(3, 8, 3), nn.Conv2d(8, 4, 3)), (3, 8, 8), latency=False)
+    small = profile(nn.Sequential(nn.Conv2d(3, 5, 3, bias=False), nn.Conv2d(5, 4, 3)), (3, 8, 8), latency=False)
+    for i, (d, c) in enumerate(zip(dense.layers, small.layers)):
+        d.latency_ms, c.latency_ms = 1.0 + i, 10.0 + i
+    text = render_markdown(report_dict(dense, small, threshold=None, stripes={"0": {"kept": 10, "total": 72}}))
+    row = next(line for line in text.splitlines() if line.startswith("| `0` |")).strip("| ").split(" | ")
+    assert row == ["`0`", "Conv2d", "7.78 K", "4.86 K", "224", "135", "10/72", "-", "1.000 ms", "10.000 ms"]
+    assert (_bytes(3 * 2**20), _bytes(1536), _bytes(5 * 2**30), _bytes(1000)) == ("3.00 MiB", "1.50 KiB", "5.00 GiB",
+                                                                                 "1000 B")
+    heights = []
+    real_bar = matplotlib.axes.Axes.bar
+    monkeypatch.setattr(matplotlib.axes.Axes, "bar", lambda ax, x, h, **kw: (heights.extend(h), real_bar(ax, x, h, **kw))[1])
+    plot_stripes({"a": {"kept": 3, "total": 12}, "b": {"kept": 9, "total": 9}}, tmp_path / "s.png")
+    assert heights == [0.25, 1.0]
+    conv = SkeletonConv2d.from_conv(nn.Conv2d(3, 4, 3))
+    with torch.no_grad():
+        conv.skeleton.copy_(torch.linspace(-1, 1, 36).view(conv.skeleton.shape))
+    kept = stripes_per_layer(nn.Sequential(conv), 0.5)["0"]["kept"]
+    assert kept == int((conv.skeleton.abs() > 0.5).sum()) and 0 < kept < 36
+
+
 def test_export_takes_the_training_runs_flops_budget(training_checkpoint, tmp_path):
     """A run trained with prune.target_flops exports at that budget when target_macs is not given."""
     report = _export_with_config(training_checkpoint[0], tmp_path, "prune", "target_flops", 0.3)

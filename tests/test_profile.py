@@ -81,6 +81,54 @@ def test_a_module_called_twice_sums_its_calls_but_not_into_the_largest_activatio
     assert rep.activation_bytes == {"max": big, "sum": 2 * (big + small)}
 
 
+def test_a_shared_relu_counts_each_call_and_meta_models_count_activations():
+    """In the paper convention a ReLU module called twice counts the elements of both calls; a model built on the
+    meta device gets the activation bytes of a real one (every meta tensor's data pointer is 0)."""
+    rep = profile(SharedReLU(), (3, 16, 16), latency=False, convention="paper")
+    assert next(row.macs for row in rep.layers if row.name == "relu") == 8 * 16 * 16 + 16 * 8 * 8
+    real = profile(SharedReLU(), (3, 16, 16), latency=False)
+    with torch.device("meta"):
+        meta = profile(SharedReLU(), (3, 16, 16), latency=False)
+    assert meta.activation_bytes == real.activation_bytes and real.activation_bytes["max"] > 0
+    assert [row.activation_bytes for row in meta.layers] == [row.activation_bytes for row in real.layers]
+
+
+class _ClaimsSeven(nn.Module):
+    def forward(self, x):
+        return x
+
+    def macs(self, x, out):  # its own count
+        return 7
+
+
+def test_rows_of_siblings_whose_names_extend_another_and_in_place_ops_on_the_input():
+    """Module "10" is not inside module "1" (which counts itself); an in-place op on the input allocates nothing."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), _ClaimsSeven(), *[nn.Identity() for _ in range(8)],
+                          nn.Conv2d(4, 2, 1, bias=False))
+    rep = profile(model, (3, 5, 5), latency=False)
+    assert next(row.macs for row in rep.layers if row.name == "10") == 200
+    assert rep.macs == 300 + 7 + 200
+    rep = profile(nn.Sequential(nn.ReLU(inplace=True), nn.Flatten(), nn.Linear(48, 5)), (3, 4, 4), latency=False)
+    assert [row.activation_bytes for row in rep.layers] == [0, 0, 20]
+
+
+def test_weight_bytes_leave_out_non_persistent_buffers_and_layers_get_latencies():
+    class Cached(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 1)
+            self.register_buffer("cache", torch.randn(1000), persistent=False)  # rebuilt, never stored
+
+        def forward(self, x):
+            return self.conv(x)
+
+    rep = profile(Cached(), (3, 4, 4), latency=False)
+    assert rep.weight_bytes == 4 * 16 == sum(row.weight_bytes for row in rep.layers)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 36, 5))
+    rep = profile(model, (3, 8, 8), batch_size=2, repeats=2, warmup=0)
+    assert all(row.latency_ms > 0 for row in rep.layers)
+
+
 def test_small_net_paper_convention():
     """convention="paper" adds conv/Linear bias (1 per output), BN (2 per element), ReLU (1 per element),
     pooling (1 per input element); custom macs() modules and the rest are unchanged."""
