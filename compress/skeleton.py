@@ -35,6 +35,7 @@ import torch.nn as nn
 from compress.surgery import (
     conv_bn_pairs,
     conv_config,
+    conv_like,
     hooked,
     read_directly,
     read_outside_their_call,
@@ -72,9 +73,7 @@ class SkeletonConv2d(nn.Conv2d):
             new.weight.copy_(conv.weight)
             if conv.bias is not None:
                 new.bias.copy_(conv.bias)
-        new.weight.requires_grad_(conv.weight.requires_grad)
-        new.train(conv.training)
-        return new
+        return conv_like(new, conv)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, C, H, W) -> (B, N, Ho, Wo), the conv with weight * skeleton[:, None].
@@ -84,7 +83,7 @@ class SkeletonConv2d(nn.Conv2d):
         multiply plus a cast, and the same for its backward. torch.compile fuses it into one kernel.
         """
         weight, skeleton = self.weight, self.skeleton
-        if torch.is_autocast_enabled(x.device.type):
+        if torch.is_autocast_enabled(x.device.type) and weight.dtype == torch.float32:  # autocast casts float32 only
             dtype = torch.get_autocast_dtype(x.device.type)
             weight, skeleton = weight.to(dtype), skeleton.to(dtype)
         return self._conv_forward(x, weight * self.per_filter(skeleton)[:, None], self.bias)

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kernels
-from compress.surgery import conv_config
+from compress.surgery import conv_config, conv_like
 from kernels import stripe_triton, unrolled
 from kernels._utils import (
     autocast_dtype,
@@ -144,11 +144,9 @@ def masked_conv(conv: nn.Conv2d, threshold: float) -> nn.Conv2d:
     weight W * skeleton * mask (zeros where dropped); same arguments, bias, device, dtype, mode."""
     dense = nn.Conv2d(**conv_config(conv), device=conv.weight.device, dtype=conv.weight.dtype)
     dense.weight.copy_(conv.weight * (conv.stripe_scale() * conv.stripe_mask(threshold))[:, None])
-    dense.weight.requires_grad_(conv.weight.requires_grad)
     if conv.bias is not None:
         dense.bias.copy_(conv.bias)
-    dense.train(conv.training)
-    return dense
+    return conv_like(dense, conv)
 
 
 class StripeConv2d(nn.Module):
@@ -267,8 +265,7 @@ class StripeConv2d(nn.Module):
             if conv.bias is not None:
                 new.bias.copy_(conv.bias)
         new._build_plan()
-        new.train(conv.training)
-        return new
+        return conv_like(new, conv)
 
     @classmethod
     def from_skeleton(cls, conv: nn.Conv2d, threshold: float, mode: str = "stripe") -> StripeConv2d:
@@ -300,7 +297,7 @@ class StripeConv2d(nn.Module):
             conv.weight.copy_(self.dense_weight())
             if self.bias is not None:
                 conv.bias.copy_(self.bias)
-        conv.train(self.training)
+        conv_like(conv, self)
         return nn.Sequential(conv, nn.MaxPool2d(2, ceil_mode=self.pool_ceil)).train(self.training) if self.pool else conv
 
     def stripe_mask(self) -> torch.Tensor:
@@ -598,14 +595,16 @@ class StripeConv2d(nn.Module):
         }
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        own = [t for t in (*self._parameters.values(), *self._buffers.values()) if t is not None]
-        kept = [t.detach().clone() for t in own]
+        params, buffers = dict(self._parameters), dict(self._buffers)
+        kept = [(t, t.detach().clone()) for t in (*params.values(), *buffers.values()) if t is not None]
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         try:
             self._build_plan()
         except ValueError:  # invalid indices: the module stays as it was (weights, indices, plan), not half loaded
+            self._parameters.update(params)  # the tensors themselves: load_state_dict(assign=True) replaced them
+            self._buffers.update(buffers)
             with torch.no_grad():
-                for t, value in zip(own, kept):
+                for t, value in kept:
                     t.copy_(value)
             raise
 

@@ -57,6 +57,13 @@ def conv_config(conv: nn.Conv2d) -> dict:
     }
 
 
+def conv_like(new: nn.Module, old: nn.Module) -> nn.Module:
+    """`new` (a conv built from conv `old`) in `old`'s train/eval mode, its weight and bias frozen where `old`'s are."""
+    for name in ("weight", "bias"):
+        if getattr(new, name, None) is not None and getattr(old, name, None) is not None:
+            getattr(new, name).requires_grad_(getattr(old, name).requires_grad)
+    return new.train(old.training)
+
 def get_module(model: nn.Module, name: str) -> nn.Module:
     """Return the submodule at dotted path `name` ('' is the model itself)."""
     return model.get_submodule(name) if name else model

@@ -46,6 +46,28 @@ def test_from_conv_keeps_arguments_dtype_and_padding_mode():
     torch.testing.assert_close(sk(x), conv(x))  # skeleton = 1: identical to the source conv
 
 
+def test_attach_selection_frozen_weights_modes_and_float64_under_autocast():
+    """exclude= alone, min_kernel_size on non-square kernels (the larger side counts), an asymmetric 'same' conv left
+    dense with a warning; from_conv keeps a frozen weight frozen and the train/eval mode; a float64 skeleton conv
+    stays float64 under CPU autocast, as nn.Conv2d does."""
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.Conv2d(4, 4, 3))
+    assert attach_skeletons(net, exclude=["0", "3"]) == ["2"]
+    net = nn.Sequential(nn.Conv2d(3, 4, (1, 3)), nn.Conv2d(4, 4, (3, 1)), nn.Conv2d(4, 4, 1), nn.Conv2d(4, 4, (1, 5)))
+    assert attach_skeletons(net, min_kernel_size=3) == ["0", "1", "3"]
+    net = nn.Sequential(nn.Conv2d(3, 4, 4, padding="same"), nn.Conv2d(4, 4, 3, padding="same"))
+    with pytest.warns(UserWarning, match="asymmetric 'same'"):
+        assert attach_skeletons(net) == ["1"]
+    conv = nn.Conv2d(3, 4, 3, padding=1).double().eval()
+    conv.weight.requires_grad_(False)
+    sk = SkeletonConv2d.from_conv(conv)
+    assert not sk.weight.requires_grad and sk.bias.requires_grad and not sk.training
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = sk(x)
+    assert y.dtype == torch.float64
+    torch.testing.assert_close(y, conv(x))
+
+
 def test_stripe_mask_threshold_is_strict():
     sk = SkeletonConv2d(1, 2, 2)
     with torch.no_grad():

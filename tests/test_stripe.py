@@ -177,6 +177,56 @@ def test_corrupt_indices_are_rejected():
         s.load_state_dict(state)  # a failed load leaves the module as it was: indices, plan and output
     assert all(torch.equal(v, good[k]) for k, v in s.state_dict().items())
     torch.testing.assert_close(s(x), want)
+    with pytest.raises(ValueError, match="StripeConv2d: invalid stripe indices"):
+        s.load_state_dict(state, assign=True)  # assign replaces the tensors themselves: the old ones come back
+    assert all(torch.equal(v, good[k]) for k, v in s.state_dict().items())
+    torch.testing.assert_close(s(x), want)
+
+
+@pytest.mark.parametrize("mode", ["dense", "gemm"])
+def test_kept_weights_built_in_inference_mode_follow_a_load(mode):
+    """Tensors made under inference_mode have no version counter: a load of other stripes must still drop the kept
+    dense / unrolled weight."""
+    gen = torch.Generator().manual_seed(50)
+    conv = nn.Conv2d(4, 6, 3, padding=1)
+    m1 = _random_mask(6, 3, 3, keep=0.5, gen=gen)
+    m2 = m1.flatten().roll(1).view(6, 3, 3)
+    x = torch.randn(2, 4, 3, 3, generator=gen)
+    with torch.inference_mode():
+        s = StripeConv2d.from_dense(conv, m1, mode=mode).eval()
+        s(x)
+        s.load_state_dict(StripeConv2d.from_dense(conv, m2).state_dict())
+        torch.testing.assert_close(s(x), _masked_reference(conv, m2, x), rtol=1e-5, atol=1e-5)
+
+
+def test_modes_and_frozen_weights_carry_over_and_gemm_mode_follows_the_dtype():
+    """from_dense and to_dense keep the train/eval mode and frozen weights (compaction of a frozen model stays
+    frozen); gemm mode called under bf16 autocast and then in float32 gives the float32 result; a conv that pads
+    asymmetrically ('same' with an even kernel) is refused."""
+    from compress.stripe import masked_conv
+
+    gen = torch.Generator().manual_seed(51)
+    conv = nn.Conv2d(4, 6, 3, padding=1).requires_grad_(False)
+    mask = _random_mask(6, 3, 3, keep=0.5, gen=gen)
+    for training in (True, False):
+        s = StripeConv2d.from_dense(conv.train(training), mask)
+        assert s.training == training and not s.weight.requires_grad and not s.bias.requires_grad
+        s.pool = True
+        dense = s.to_dense()
+        assert all(m.training == training for m in dense.modules())
+        assert not any(p.requires_grad for p in dense.parameters())
+    skeleton = SkeletonConv2d.from_conv(conv)
+    assert not any(p.requires_grad for p in masked_conv(skeleton, 0.0).parameters())
+    s = StripeConv2d.from_dense(nn.Conv2d(4, 6, 3, padding=1), mask, mode="gemm").eval()
+    x = torch.randn(2, 4, 4, 4, generator=gen)
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert s(x).dtype == torch.bfloat16
+        y = s(x)
+        assert y.dtype == torch.float32
+        torch.testing.assert_close(y, F.conv2d(x, s.dense_weight(), s.bias, 1, 1), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="pads asymmetrically"):
+        StripeConv2d.from_dense(nn.Conv2d(3, 4, 4, padding="same"), torch.ones(4, 4, 4, dtype=torch.bool))
 
 
 def test_macs_counts_kept_stripes():
