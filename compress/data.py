@@ -45,6 +45,7 @@ _DEFAULTS: dict[str, Any] = {
 }
 
 MAX_SEED = 2**32 - 1  # numpy's seed range (np.random.seed), which trainer.seed and data.seed must fit
+MAX_FAKE_SIZE = 2**31 - 1  # data=fake train and test images have 32-bit generator keys of their own (_FakeImages)
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 _CIFAR = {  # name: (torchvision class, folder under root, classes, mean, std)
@@ -170,7 +171,7 @@ def _options(cfg) -> dict[str, Any]:
     lowest = {"batch_size": 1, "eval_batch_size": 1, "input_size": 1, "in_chans": 1, "num_workers": 0,
               "train_size": 1, "test_size": 1, "num_classes": 2, "seed": 0}  # (one class: nothing to learn)
     for key, least in lowest.items():
-        value, most = opts[key], MAX_SEED if key == "seed" else None
+        value, most = opts[key], {"seed": MAX_SEED, "train_size": MAX_FAKE_SIZE, "test_size": MAX_FAKE_SIZE}.get(key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least
                                   or (most is not None and value > most)):
             raise ValueError(f"build_data: data.{key}={value!r}; it must be an int >= {least}"
@@ -413,18 +414,21 @@ def load_image(path: str):
 
 
 class _FakeImages(Dataset):
-    """`size` standard-normal images (in_chans, s, s), image i drawn from its own seeded generator
-    (so any size costs no memory and every worker sees the same data), with fixed random labels."""
+    """`size` standard-normal images (in_chans, s, s), image i drawn from its own generator, seeded with image key
+    `first` + i of data seed `seed` (so any size costs no memory and every worker sees the same data; torch's CPU
+    generator keeps a seed's low 32 bits, so the keys of one seed's train and test images, 0 .. train_size +
+    test_size - 1, never share a generator), with fixed random labels drawn with `label_seed`."""
 
-    def __init__(self, size: int, num_classes: int, shape: tuple[int, int, int], seed: int):
-        self.shape, self.seed = shape, seed
-        self.labels = torch.randint(0, num_classes, (size,), generator=torch.Generator().manual_seed(seed))
+    def __init__(self, size: int, num_classes: int, shape: tuple[int, int, int], seed: int, first: int,
+                 label_seed: int):
+        self.shape, self.base = shape, seed * 1_000_003 + 1 + first
+        self.labels = torch.randint(0, num_classes, (size,), generator=torch.Generator().manual_seed(label_seed))
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def __getitem__(self, i: int):
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i + 1)
+        g = torch.Generator().manual_seed((self.base + i) % 2**32)
         return torch.randn(self.shape, generator=g), self.labels[i]
 
 
@@ -433,8 +437,8 @@ def _fake(opts: dict):
     num_classes = opts["num_classes"] or 10
     shape = (opts["in_chans"], opts["input_size"], opts["input_size"])
     seed = opts["seed"]
-    train = _FakeImages(opts["train_size"], num_classes, shape, 2 * seed)
-    test = _FakeImages(opts["test_size"], num_classes, shape, 2 * seed + 1)
+    train = _FakeImages(opts["train_size"], num_classes, shape, seed, 0, label_seed=2 * seed)
+    test = _FakeImages(opts["test_size"], num_classes, shape, seed, opts["train_size"], label_seed=2 * seed + 1)
     return train, test, num_classes
 
 

@@ -314,17 +314,18 @@ def _normalised(images: np.ndarray, mean, std) -> torch.Tensor:
     return (torch.from_numpy(images).float() / 255 - mean) / std
 
 
-def _is_shifted_or_flipped(view: torch.Tensor, ref: torch.Tensor, pad: int) -> bool:
-    """view equals ref, maybe mirrored left-right, translated by at most `pad` pixels (on the overlap)."""
+def _shifted_or_flipped(view: torch.Tensor, ref: torch.Tensor, pad: int) -> str | None:
+    """"shift" if view equals ref translated by at most `pad` pixels (on the overlap), "flip" if it equals ref
+    mirrored left-right and so translated, else None."""
     h, w = ref.shape[-2:]
-    for v in (view, view.flip(-1)):
+    for kind, v in (("shift", view), ("flip", view.flip(-1))):
         for dy in range(-pad, pad + 1):
             for dx in range(-pad, pad + 1):
                 ya, yb = slice(max(dy, 0), h + min(dy, 0)), slice(max(-dy, 0), h + min(-dy, 0))
                 xa, xb = slice(max(dx, 0), w + min(dx, 0)), slice(max(-dx, 0), w + min(-dx, 0))
                 if torch.allclose(v[:, ya, xa], ref[:, yb, xb], atol=1e-5):
-                    return True
-    return False
+                    return kind
+    return None
 
 
 @pytest.mark.parametrize("name", ["cifar10", "cifar100"])
@@ -377,8 +378,10 @@ def test_cifar_loads_written_files(tmp_path, monkeypatch, name):
     ref = _normalised(images, mean, std)
     torch.manual_seed(0)  # augmentation RNG (num_workers=0)
     views = [ds[k][0] for k in range(n_train)]
-    assert all(_is_shifted_or_flipped(v, ref[k], 4) for k, v in enumerate(views))
+    assert all(_shifted_or_flipped(v, ref[k], 4) for k, v in enumerate(views))
     assert any(not torch.allclose(v, ref[k]) for k, v in enumerate(views))  # augmented, not identity
+    kinds = [_shifted_or_flipped(ds[0][0], ref[0], 4) for _ in range(40)]  # about half the views mirrored
+    assert None not in kinds and 8 <= kinds.count("flip") <= 32
 
     # A file gone (here the meta file) is reported as missing.
     os.remove(tmp_path / _CIFAR_FILES[name][0] / _CIFAR_FILES[name][3])
@@ -400,6 +403,46 @@ def test_cifar_resized_input(tmp_path, monkeypatch, name):
     _, _, _, mean, std = _CIFAR[name]
     want = _normalised(written["test"][0][:2], mean, std).mean((2, 3))
     assert torch.allclose(x_test.mean((2, 3)), want, atol=0.05)
+    # training crops pad input_size / 8 = 5 pixels: blank top rows up to 5, beyond the 4 of 32x32 CIFAR
+    blank = ((0 - torch.tensor(mean)) / torch.tensor(std)).view(3, 1)
+    torch.manual_seed(0)
+    tops = []
+    for _ in range(60):
+        view = data.train.dataset[0][0]
+        rows = [torch.allclose(view[:, r], blank.expand(3, 40), atol=1e-5) for r in range(8)]
+        tops.append(rows.index(False))
+    assert max(tops) == 5
+
+
+def test_imagefolder_training_views_are_mirrored_about_half_the_time(tmp_path):
+    """A left-to-right brightness ramp: a view brighter on its left was mirrored (RandomHorizontalFlip)."""
+    ramp = np.repeat(np.linspace(0, 255, 48, dtype=np.uint8)[None, :, None], 40, 0).repeat(3, 2)
+    for split in ("train", "val"):
+        for cls in ("a", "b"):
+            (tmp_path / split / cls).mkdir(parents=True)
+            Image.fromarray(ramp).save(tmp_path / split / cls / "0.png")
+    data = build_data({"name": "imagefolder", "root": str(tmp_path), "input_size": 16, "num_workers": 0})
+    torch.manual_seed(0)
+    views = [data.train.dataset[0][0] for _ in range(40)]
+    mirrored = sum(bool(v[..., :8].mean() > v[..., 8:].mean()) for v in views)
+    assert 8 <= mirrored <= 32
+
+
+def test_fake_images_of_train_and_test_never_coincide_and_seeds_are_bounded():
+    """Image i of each split and seed has a generator of its own (train image 1,000,003 was test image 0); the
+    loaders' worker seeds differ across ranks; a data.seed or size outside the generator's range is refused."""
+    data = build_data({"name": "fake", "input_size": 4, "train_size": 1_000_004, "test_size": 2})
+    assert not torch.equal(data.train.dataset[1_000_003][0], data.test.dataset[0][0])
+    other = build_data({"name": "fake", "input_size": 4, "train_size": 2, "test_size": 2, "seed": 1})
+    assert not torch.equal(other.train.dataset[0][0], data.test.dataset[0][0])
+    cfg = {"name": "fake", "input_size": 4, "num_workers": 1}
+    assert len({build_data(cfg, rank, 2).train.generator.initial_seed() for rank in (0, 1)}) == 2
+    with pytest.raises(ValueError, match=r"data.seed=4294967296; it must be an int >= 0 and <= 4294967295"):
+        build_data({"name": "fake", "seed": 2**32})
+    with pytest.raises(ValueError, match=r"data.train_size=2147483648; it must be an int >= 1 and <= 2147483647"):
+        build_data({"name": "fake", "train_size": 2**31})
+    with pytest.raises(DatasetNotFoundError, match=r"imagefolder: data.root is not set; expected train/ and val/"):
+        build_data({"name": "imagefolder", "root": "???"})  # imagefolder.yaml's placeholder
 
 
 def test_imagenet_folder_loads_written_images(tmp_path):

@@ -587,10 +587,37 @@ def test_a_failed_insertion_leaves_the_model_as_it_was(build, zeta, tau, message
 
 
 @pytest.mark.parametrize("insert, name, zeta", [(insert_pix, "resnet29_bottleneck", 4), (downscale_pix, "resnet20", 2)])
-def test_insert_and_downscale_record_pix_in_the_architecture(insert, name, zeta):
+def test_insert_and_downscale_record_pix_in_the_architecture_and_give_every_block_tau(insert, name, zeta):
+    """The recorded tau is every block's: tau 0 (every group takes the mean) and tau 1 (every group the max) give
+    different outputs (bottleneck branches not zero-initialised, so the PiX branch shows)."""
     model = create_model(name)
     insert(model, zeta, 0.4)
     assert model.compress_arch["pix"] == {"zeta": zeta, "tau": 0.4}
+    outputs = []
+    x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    for tau in (0.0, 1.0):
+        torch.manual_seed(0)
+        model = create_model(name, **({"zero_init_last": False} if "bottleneck" in name else {}))
+        insert(model, zeta, tau)
+        assert {m.tau for m in model.modules() if isinstance(m, PiXBlock)} == {tau}
+        with torch.no_grad():
+            outputs.append(model.eval()(x))
+    assert not torch.allclose(*outputs)
+
+
+def test_squeezes_pix_cannot_take_are_refused_naming_the_layer_and_tau_bounds_are_inclusive():
+    """A strided squeeze conv (Caffe-style bottleneck) and timm's anti-aliased blocks at another width are refused,
+    the model left as it was; tau 0 and 1 are valid."""
+    model = torchvision.models.resnet50()
+    model.layer2[0].conv1.stride, model.layer2[0].conv2.stride = (2, 2), (1, 1)
+    with pytest.raises(ValueError, match=r"layer 'layer2.0'.*conv1 must be the squeeze, a plain stride-1 1x1"):
+        insert_pix(model, 4)
+    assert not any(isinstance(m, PiXBlock) for m in model.modules())
+    model = create_model("timm:resnetaa50d", num_classes=10, input_size=32)
+    with pytest.raises(ValueError, match=r"cannot change the width with anti-aliasing \(\w+\); use zeta=4"):
+        insert_pix(model, 8)
+    assert not any(isinstance(m, PiXBlock) for m in model.modules())
+    assert [PiXBlock(8, 2, tau).tau for tau in (0, 0.0, 1, 1.0)] == [0.0, 0.0, 1.0, 1.0]
 
 
 def test_inductor_with_frozen_weights_hands_pix_its_channels_last_activations(monkeypatch):
