@@ -790,6 +790,33 @@ def test_a_failed_evaluation_keeps_the_epoch_trained(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "last" / "summary.json").read_text())["test_accuracy"] is None
 
 
+def test_a_runs_logs_summary_and_best_pt_say_what_it_trained(tmp_path, monkeypatch):
+    """TensorBoard: each epoch's LR (not the next one's), each step's LR, the epoch's train/loss as the mean of its
+    step losses (equal batches), the share of stripes kept; the summary's params are the model's, skeletons left
+    out; an accuracy that only ties the best leaves best.pt at its first epoch; CPU weights stay NCHW."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import compress
+    import compress.engine as engine
+
+    real_evaluate = engine.evaluate
+    monkeypatch.setattr(engine, "evaluate", lambda *args, **kwargs: {**real_evaluate(*args, **kwargs), "accuracy": 0.5})
+    summary = run(_compose(*TINY, "trainer.log_every=1"), run_dir=tmp_path)
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    scalars = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+    assert scalars["epoch/lr"] == pytest.approx({4: 0.1, 8: 0.01})
+    assert scalars["lr"] == pytest.approx({s: 0.1 if s <= 4 else 0.01 for s in range(1, 9)})
+    for end in (4, 8):
+        steps = [scalars["train/loss_step"][s] for s in range(end - 3, end + 1)]
+        assert scalars["train/loss"][end] == pytest.approx(sum(steps) / 4, rel=1e-5)
+    assert scalars["stripes_kept/total"][8] == pytest.approx(summary["stripes_kept"] / summary["stripes_total"])
+    model = compress.create_model("resnet20", num_classes=3, input_size=8)
+    assert summary["params"] == sum(p.numel() for p in model.parameters())
+    assert torch.load(tmp_path / "checkpoints" / "best.pt", weights_only=True)["step"] == 4
+    assert all(t.is_contiguous() for t in _weights(tmp_path).values())
+
+
 def test_eval_every_evaluates_every_nth_epoch_and_the_last(tmp_path):
     """trainer.eval_every=2 over 3 epochs (4 steps each) evaluates after epochs 2 and 3 (the last always), not 1."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
