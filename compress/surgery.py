@@ -64,6 +64,7 @@ def conv_like(new: nn.Module, old: nn.Module) -> nn.Module:
             getattr(new, name).requires_grad_(getattr(old, name).requires_grad)
     return new.train(old.training)
 
+
 def get_module(model: nn.Module, name: str) -> nn.Module:
     """Return the submodule at dotted path `name` ('' is the model itself)."""
     return model.get_submodule(name) if name else model
