@@ -78,6 +78,50 @@ def test_forward_backward(name):
     assert any(g.abs().sum() > 0 for g in grads)
 
 
+def _vgg_params(cfg: list, classes: int = 10) -> int:
+    """3x3 conv weights (no bias), 2 per BN channel, Linear(last, classes), counted by hand."""
+    total, channels = 0, 3
+    for width in cfg:
+        total += 9 * channels * width + 2 * width
+        channels = width
+    return total + channels * classes + classes
+
+
+@pytest.mark.parametrize("name, cfg", [
+    ("vgg11", [64, 128, 256, 256, 512, 512, 512, 512]),
+    ("vgg13", [64, 64, 128, 128, 256, 256, 512, 512, 512, 512]),
+    ("vgg16", [64, 64, 128, 128, 256, 256, 256, 512, 512, 512, 512, 512, 512]),
+    ("vgg19", [64, 64, 128, 128, 256, 256, 256, 256, 512, 512, 512, 512, 512, 512, 512, 512]),
+])
+def test_cifar_vgg_params_by_hand(name, cfg):
+    """Simonyan & Zisserman's configurations A/B/D/E with BN, one Linear head (vgg19: 20.04 M, as in Liu et al.'s
+    network slimming)."""
+    assert n_params(create_model(name)) == _vgg_params(cfg)
+
+
+def test_one_input_channel_keeps_the_stem_configuration():
+    """in_chans=1: the stem conv replaced with the same kernel, stride, padding, bias and a He (fan-out) init."""
+    import torchvision
+
+    for name, stem in (("resnet18", "conv1"), ("vgg11_bn", "features.0"), ("mobilenet_v2", "features.0.0")):
+        torch.manual_seed(0)
+        new, old = create_model(name, in_chans=1).get_submodule(stem), getattr(torchvision.models, name)().get_submodule(stem)
+        assert new.in_channels == 1 and [getattr(new, k) for k in ("out_channels", "kernel_size", "stride", "padding",
+                                                                    "dilation", "groups")] == [
+            getattr(old, k) for k in ("out_channels", "kernel_size", "stride", "padding", "dilation", "groups")]
+        assert (new.bias is None) == (old.bias is None)
+        fan_out = new.out_channels * new.kernel_size[0] * new.kernel_size[1]
+        assert new.weight.std().item() == pytest.approx((2 / fan_out) ** 0.5, rel=0.15), name
+    assert create_model("resnet20", input_size=16).compress_arch["kwargs"]["input_size"] == 16
+
+
+@pytest.mark.parametrize("key", ["pretrained", "weights", "checkpoint_path", "pretrained_cfg", "pretrained_cfg_overlay",
+                                 "cache_dir", "weights_backbone"])
+def test_create_model_refuses_arguments_that_read_weights(key, tmp_path):
+    with pytest.raises(ValueError, match=rf"create_model: \['{key}'\] would make the constructor read weights"):
+        create_model("timm:resnet18", **{key: str(tmp_path / "w.pth")})
+
+
 # He et al. 2016, Table 6 (params rounded to two significant digits).
 @pytest.mark.parametrize(
     "name, documented_m", [("resnet20", 0.27), ("resnet32", 0.46), ("resnet56", 0.85), ("resnet110", 1.7)]
@@ -268,6 +312,10 @@ def test_bad_depth_and_duplicate_registration():
 
     with pytest.raises(ValueError, match="6n\\+2"):
         _create_cifar_resnet(21, bottleneck=False)
+    with pytest.raises(ValueError, match="3 stage depths for 2 stage widths"):
+        create_model("resnet20", widths=[8, 16])
+    with pytest.raises(ValueError, match="shortcut must be 'pad' or 'conv', got 'Conv'"):
+        create_model("resnet20", shortcut="Conv")
     with pytest.raises(ValueError, match="already registered"):
 
         @register_model

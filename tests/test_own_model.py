@@ -93,6 +93,22 @@ def test_import_modules_errors_name_the_problem(tmp_path):
         import_modules(["file_given_mod.py"], tmp_path)
     with pytest.raises(ValueError, match=r"'/abs/nets.py' is not a Python module name.*add its folder to PYTHONPATH"):
         import_modules("/abs/nets.py", tmp_path)
+    with pytest.raises(ValueError, match=r"'nets/my-nets.py' is not a Python module name.*must be Python names"):
+        import_modules("nets/my-nets.py", tmp_path)  # no dotted name to suggest: nets.my-nets is none
+    with pytest.raises(ValueError, match="not a module name or a list of them"):
+        import_modules({"my_nets": 1}, tmp_path)  # (a dict once passed as its keys)
+    with pytest.raises(ValueError, match=r"no module named 'no_such_pkg_here.nets' in"):
+        import_modules(["no_such_pkg_here.nets"], tmp_path)  # its package missing
+
+
+def test_the_launch_directory_is_searched_first(tmp_path, monkeypatch):
+    for folder in ("other", "launch"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "shadowed_nets_mod.py").write_text(f"WHERE = {folder!r}\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "other"))
+    monkeypatch.delitem(sys.modules, "shadowed_nets_mod", raising=False)
+    import_modules("shadowed_nets_mod", tmp_path / "launch")
+    assert sys.modules["shadowed_nets_mod"].WHERE == "launch"
 
 
 def test_saving_a_model_registered_by_a_script_warns_that_no_other_process_can_load_it(tmp_path):

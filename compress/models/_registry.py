@@ -6,7 +6,7 @@ import fnmatch
 import importlib
 import re
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import torch.nn as nn
@@ -44,7 +44,7 @@ def module_names(value) -> list[str]:
     a file path included (with the module name to give instead)."""
     if value is None or isinstance(value, str):
         names = [] if value is None else [value]
-    elif isinstance(value, Iterable):
+    elif isinstance(value, Iterable) and not isinstance(value, Mapping):  # (a dict would pass as its keys)
         names = list(value)
     else:
         raise ValueError(f"imports: {value!r} is not a module name or a list of them (imports=[my_nets])")
@@ -54,8 +54,12 @@ def module_names(value) -> list[str]:
             if isinstance(name, str) and ("/" in name or name.endswith(".py")):
                 path = Path(name).with_suffix("")
                 dotted = ".".join(path.parts) if not path.is_absolute() and ".." not in path.parts else None
-                hint = (f" (a file path? give its module name, e.g. imports=[{dotted}], run where it is" if dotted else
-                        " (a file path? give its module name, and add its folder to PYTHONPATH") + ")"
+                if dotted is not None and not _MODULE_NAME.fullmatch(dotted):
+                    hint = (" (a file path? it cannot be imported as a module: its folder and file names must be Python "
+                            "names, letters, digits and _; rename them, then give its module name)")
+                else:
+                    hint = (f" (a file path? give its module name, e.g. imports=[{dotted}], run where it is" if dotted
+                            else " (a file path? give its module name, and add its folder to PYTHONPATH") + ")"
             raise ValueError(f"imports: {name!r} is not a Python module name{hint}")
     return [str(name) for name in names]
 
