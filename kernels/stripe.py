@@ -149,8 +149,12 @@ def stripe_plan(out_index: Tensor, offset: Tensor, out_channels: int, kernel_siz
     With ``validate`` (the default; it reads the indices on the host once) it checks ranges and canonical order.
     """
     kernel_size = pair(kernel_size, "kernel_size")
-    S = out_index.shape[0] if out_index.dim() == 1 else -1
-    _check_index("stripe_plan", out_index, offset, S, out_index.device)
+    if min(kernel_size) < 1:
+        raise ValueError(f"stripe_plan: kernel_size must be two ints >= 1, got {kernel_size}")
+    if isinstance(out_index, Tensor) and out_index.dim() != 1:
+        raise ValueError(f"stripe_plan: tensor 'out_index' must be 1-D (S,), got shape {tuple(out_index.shape)}")
+    S = out_index.shape[0] if isinstance(out_index, Tensor) else 0  # (_check_index refuses a non-tensor)
+    _check_index("stripe_plan", out_index, offset, S, getattr(out_index, "device", None))
     if validate:
         _validate_indices("stripe_plan", out_index, offset, out_channels, kernel_size)
     return _plan_torch(out_index, offset, out_channels, kernel_size)

@@ -279,8 +279,19 @@ def test_errors():
         kernels.stripe_conv2d(x, w.double(), oi, off, None, 4, 3, 1, 1, 1)
     with pytest.raises(ValueError, match=r"tensor 'bias' must have shape \(4,\)"):
         kernels.stripe_conv2d(x, w, oi, off, torch.zeros(3), 4, 3, 1, 1, 1)
-    with pytest.raises(ValueError, match="too small for kernel"):
-        kernels.stripe_conv2d(torch.randn(1, 3, 2, 2), w, oi, off, None, 4, 3, 1, 0, 1)
+    for hw in ((2, 2), (5, 2), (5, 1)):  # too small in either direction
+        with pytest.raises(ValueError, match="too small for kernel"):
+            kernels.stripe_conv2d(torch.randn(1, 3, *hw), w, oi, off, None, 4, 3, 1, 0, 1)
+    with pytest.raises(ValueError, match=r"stride must be two ints >= 1, got \[0, 1\]"):
+        kernels.stripe_conv2d(x, w, oi, off, None, 4, 3, (0, 1), 1, 1)
+    with pytest.raises(ValueError, match="tensor 'out_index' is on meta but 'x' is on cpu"):
+        kernels.stripe_conv2d(x, w, oi.to("meta"), off, None, 4, 3, 1, 1, 1)
+    with pytest.raises(ValueError, match=r"tensor 'out_index' must be 1-D \(S,\), got shape \(\d+, 1\)"):
+        kernels.stripe_plan(oi[:, None], off, 4, 3)
+    with pytest.raises(TypeError, match="'out_index' must be a Tensor, got list"):
+        kernels.stripe_plan(oi.tolist(), off, 4, 3)
+    with pytest.raises(ValueError, match=r"kernel_size must be two ints >= 1, got \[0, 0\]"):
+        kernels.stripe_plan(oi, off, 4, 0)
     with pytest.raises(ValueError, match="tensor 'plan' must be int32"):
         kernels.stripe_conv2d(x, w, oi, off, None, 4, 3, 1, 1, 1, plan=torch.zeros(9, 5, dtype=torch.int64))
     other = kernels.stripe_plan(oi[:-1], off[:-1], 4, 3)  # the plan of other indices (one stripe fewer)

@@ -655,6 +655,9 @@ def test_dense_trim():
     assert kernels.dense_trim(centre, 3, 0, 1) == (0, 0)  # no padding to take back
     assert kernels.dense_trim(centre, 3, 2, 2) == (1, 1) and kernels.dense_trim(centre, 3, 1, 2) == (0, 0)
     assert kernels.dense_trim(torch.zeros(0, 2, dtype=torch.long), 3, 1, 1) == (0, 0)
+    # stripes in the lower rows or right columns only: the bottom row / right column stays
+    assert kernels.dense_trim(torch.tensor([[1, 1], [2, 1]]), 3, 1, 1) == (0, 1)
+    assert kernels.dense_trim(torch.tensor([[1, 1], [1, 2]]), 3, 1, 1) == (1, 0)
 
 
 @pytest.mark.parametrize("case", [(3, 1, 1, 1), (3, 2, 1, 1), (5, 1, 2, 1), (3, 1, 2, 2), (3, 1, 0, 1)])

@@ -38,6 +38,8 @@ def test_fits_bounds():
     assert not unrolled.fits(64, 64, (8, 8), (3, 3), (1, 1), (1, 1), (1, 1), 2)
     assert not unrolled.fits(2048, 2048, (4, 4), (3, 3), (1, 1), (1, 1), (1, 1), 2)  # 2 GiB of weight
     assert not unrolled.fits(4, 4, (2, 2), (3, 3), (1, 1), (0, 0), (1, 1), 2)  # no output pixel
+    assert unrolled.fits(8, 8, (3, 6), (3, 3), (1, 1), (1, 1), (1, 1), 4)  # 18 pixels: the bound itself
+    assert not unrolled.fits(8, 8, (1, 19), (3, 3), (1, 1), (1, 1), (1, 1), 4)
 
 
 def _masked_weight(m: StripeConv2d) -> torch.Tensor:
