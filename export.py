@@ -31,12 +31,18 @@ def main(cfg: DictConfig) -> None:
         remove_if_only_hydra(run_dir)  # (export has no log file: conf/export.yaml)
 
 
+_ABSENT = object()
+
+
 def _refuse_added_keys(cfg: DictConfig) -> None:
     """ValueError for a key added with '+' on the command line: export reads only conf/export.yaml's keys, so an
     added one (a misspelling such as +profile.batchsize) would be ignored."""
     overrides = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
+    settings = OmegaConf.load(Path(__file__).resolve().parent / "conf" / "export.yaml")
     for o in overrides:
         key = o.split("=", 1)[0]
+        if key.startswith("++") and OmegaConf.select(settings, key[2:], default=_ABSENT) is not _ABSENT:
+            continue  # Hydra's force-override of an existing setting: it is read
         if key.startswith("+") and not key.lstrip("+").startswith("hydra."):
             known = ", ".join(sorted(str(k) for k in cfg))
             raise ValueError(f"export: {key} is not an export setting, so it would be ignored (settings: {known}; "

@@ -224,7 +224,7 @@ def export_checkpoint(
     threshold: float | None = None,
     target_macs: float | None = None,
     fold_bn: bool = True,
-    channel_multiple: int = 1,
+    channel_multiple: int | None = None,
     fuse_relu: bool = True,
     choose_stripe_modes: bool = True,
     modes_timing: str = "auto",
@@ -246,7 +246,8 @@ def export_checkpoint(
             config's prune.threshold / prune.target_flops (threshold 0 without one).
         fold_bn: fold BN into convs, in the compact model and (for a fair latency) the dense baseline. A compact
             file whose BN is folded already is compared with a folded baseline whatever fold_bn says.
-        channel_multiple: keep shrunk convs' channel counts a multiple of this (8 for GPU deployment).
+        channel_multiple: keep shrunk convs' channel counts a multiple of this (8 for GPU deployment); None: 1, or a
+            compact file's own.
         fuse_relu: with fold_bn, fold each conv's ReLU into it (compress.compact), in the compact model and the
             dense baseline alike.
         choose_stripe_modes: time each stripe conv against its dense equivalent on `device` and keep
@@ -314,8 +315,10 @@ def export_checkpoint(
                       stacklevel=2)
         fuse_relu = True  # the dense baseline fuses as the compact model did
     fuse_relu = fuse_relu and fold_bn
-    first_multiple = int(before.get("channel_multiple", 1)) if before is not None else channel_multiple
-    if channel_multiple != first_multiple and type(channel_multiple) is int and channel_multiple >= 1:
+    first_multiple = int(before.get("channel_multiple", 1)) if before is not None else channel_multiple or 1
+    if channel_multiple is None:
+        channel_multiple = first_multiple
+    elif channel_multiple != first_multiple and type(channel_multiple) is int and channel_multiple >= 1:
         # its fused stripe convs are final: they would keep the first padding (compact refuses invalid values)
         warnings.warn(f"export: channel_multiple={channel_multiple} is ignored: {ckpt} holds a compact model whose "
                       f"channels were padded to multiples of {first_multiple}; export its training checkpoint with "

@@ -400,11 +400,13 @@ def test_latencies_and_compact_figures_land_on_their_own_side(training_checkpoin
     assert compact_layers[name]["macs"] < dense_macs
 
 
-def _export_with_config(path, tmp_path, group: str, key: str, value) -> dict:
+def _export_with_config(path, tmp_path, group: str, key: str, value, **entries) -> dict:
     """export_checkpoint (no ONNX, no timing, cost-model modes) of the training checkpoint at `path` with its
-    config's `group.key` set to `value`, written as tmp_path/last.pt; the outputs go to tmp_path/out."""
+    config's `group.key` set to `value` (and the checkpoint's `entries`), written as tmp_path/last.pt; the outputs go
+    to tmp_path/out."""
     state = torch.load(path, weights_only=True)
     state["config"][group][key] = value
+    state.update(entries)
     torch.save(state, tmp_path / "last.pt")
     return export_checkpoint(tmp_path / "last.pt", tmp_path / "out", onnx=False, latency=False,
                              choose_stripe_modes=False)
@@ -453,7 +455,7 @@ def test_export_script(training_checkpoint, tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "export.py"), f"ckpt={path}", "out=out", "threshold=0.9",
-         "choose_modes=false", "profile.repeats=2"],
+         "choose_modes=false", "++profile.repeats=2"],  # ++: Hydra's force-override of an existing key
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -758,8 +760,10 @@ def test_check_onnx_is_not_fooled_by_outputs_that_hardly_depend_on_the_input(tmp
 def test_a_run_trained_at_another_input_size_is_reported_at_it(training_checkpoint, tmp_path):
     """An init= run may fine-tune a compact model at another size than it was built for: the report counts at the
     run's data.input_size, as its training summary did (it took the architecture's)."""
-    report = _export_with_config(training_checkpoint[0], tmp_path, "data", "input_size", 16)
+    arch = {"name": "resnet20", "kwargs": {"num_classes": 10, "input_size": 32, "in_chans": 3}}
+    report = _export_with_config(training_checkpoint[0], tmp_path, "data", "input_size", 16, arch=arch)
     assert report["compact"]["input_size"] == report["dense"]["input_size"] == [3, 16, 16]
+    assert load(tmp_path / "out" / FILES[0]).compress_arch["kwargs"]["input_size"] == 32
     # its compact file, exported again, counts at that size too (its architecture still says 32)
     again = export_checkpoint(tmp_path / "out" / FILES[0], tmp_path / "again", latency=False, choose_stripe_modes=False)
     assert again["compact"]["input_size"] == [3, 16, 16] and again["compact"]["macs"] == report["compact"]["macs"]
@@ -767,3 +771,63 @@ def test_a_run_trained_at_another_input_size_is_reported_at_it(training_checkpoi
 
     dims = onnx.load(str(tmp_path / "again" / FILES[1])).graph.input[0].type.tensor_type.shape.dim
     assert [d.dim_value for d in dims][1:] == [3, 16, 16]
+    # a run fine-tuning that compact file at 24 pixels counts at 24, not at the file's 16
+    (tmp_path / "tuned").mkdir()
+    tuned = _export_with_config(training_checkpoint[0], tmp_path / "tuned", "data", "input_size", 24,
+                                model=load(tmp_path / "out" / FILES[0]).state_dict(),
+                                config={**torch.load(training_checkpoint[0], weights_only=True)["config"],
+                                        "data": {"name": "digits", "input_size": 24, "batch_size": 64},
+                                        "init": str(tmp_path / "out" / FILES[0])})
+    assert tuned["compact"]["input_size"] == tuned["dense"]["input_size"] == [3, 24, 24]
+
+
+def test_an_output_folder_spelled_otherwise_still_never_overwrites_the_input(training_checkpoint, tmp_path):
+    path, _ = training_checkpoint
+    export_checkpoint(path, tmp_path / "a", onnx=False, latency=False, choose_stripe_modes=False)
+    before = (tmp_path / "a" / FILES[0]).read_bytes()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "a")
+    for out in (tmp_path / "b" / ".." / "a", tmp_path / "link"):
+        with pytest.raises(ValueError, match="would overwrite the input"):
+            export_checkpoint(tmp_path / "a" / FILES[0], out, onnx=False, latency=False)
+        assert (tmp_path / "a" / FILES[0]).read_bytes() == before
+
+
+def test_re_exporting_a_padded_compact_file_with_the_defaults_keeps_its_multiple_without_a_warning(
+        training_checkpoint, tmp_path):
+    path, _ = training_checkpoint
+    export_checkpoint(path, tmp_path / "a", channel_multiple=8, onnx=False, latency=False, choose_stripe_modes=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        export_checkpoint(tmp_path / "a" / FILES[0], tmp_path / "b", onnx=False, latency=False,
+                          choose_stripe_modes=False)
+    assert not [w for w in caught if "channel_multiple" in str(w.message)]
+    assert load(tmp_path / "b" / FILES[0]).compress_compaction["channel_multiple"] == 8
+    with pytest.warns(UserWarning, match="channel_multiple=1 is ignored"):  # a value given is still named
+        export_checkpoint(tmp_path / "a" / FILES[0], tmp_path / "c", channel_multiple=1, onnx=False, latency=False,
+                          choose_stripe_modes=False)
+
+
+def test_export_py_passes_every_setting(tmp_path, monkeypatch):
+    """Each conf/export.yaml key, set on the command line, reaches export_checkpoint."""
+    from cli import _script
+
+    module, got = _script("export.py"), {}
+
+    def record(ckpt, out, **kwargs):
+        got.update(kwargs, ckpt=ckpt)
+        raise RuntimeError("recorded")
+
+    monkeypatch.setattr(module, "export_checkpoint", record)
+    settings = {"threshold": 0.3, "target_macs": 0.5, "fold_bn": False, "channel_multiple": 8, "fuse_relu": False,
+                "choose_stripe_modes": False, "modes_timing": "fast", "onnx": False, "stripe_mode": "shift",
+                "opset": 15, "device": "cpu", "batch_size": 3, "latency": False, "repeats": 4, "dtype": "bfloat16",
+                "channels_last": True, "cuda_graphs": True}
+    keys = {"choose_stripe_modes": "choose_modes", "modes_timing": "choose_modes_timing", "onnx": "onnx.enabled",
+            "stripe_mode": "onnx.stripe_mode", "opset": "onnx.opset", "device": "profile.device",
+            "batch_size": "profile.batch_size", "latency": "profile.latency", "repeats": "profile.repeats",
+            "dtype": "profile.dtype", "channels_last": "profile.channels_last", "cuda_graphs": "profile.cuda_graphs"}
+    args = [f"{keys.get(k, k)}={str(v).lower() if isinstance(v, bool) else v}" for k, v in settings.items()]
+    proc = run_script("export.py", f"ckpt={tmp_path / 'x.pt'}", f"out={tmp_path / 'out'}", *args, cwd=tmp_path)
+    assert proc.returncode != 0 and "recorded" in proc.stderr
+    assert got == {**settings, "ckpt": tmp_path / "x.pt"}
