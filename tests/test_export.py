@@ -470,6 +470,8 @@ def test_export_script(training_checkpoint, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     added = run_script("export.py", f"ckpt={path}", "+profile.batchsize=64", cwd=tmp_path)  # a misspelt key, added
     assert added.returncode != 0 and "export: +profile.batchsize is not an export setting" in added.stderr
+    forced = run_script("export.py", f"ckpt={path}", "++profile.batchsize=64", cwd=tmp_path)  # forced in: refused too
+    assert forced.returncode != 0 and "export: ++profile.batchsize is not an export setting" in forced.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
