@@ -31,9 +31,6 @@ def main(cfg: DictConfig) -> None:
         remove_if_only_hydra(run_dir)  # (export has no log file: conf/export.yaml)
 
 
-_ABSENT = object()
-
-
 def _refuse_added_keys(cfg: DictConfig) -> None:
     """ValueError for a key added with '+' on the command line: export reads only conf/export.yaml's keys, so an
     added one (a misspelling such as +profile.batchsize) would be ignored."""
@@ -41,13 +38,20 @@ def _refuse_added_keys(cfg: DictConfig) -> None:
     settings = OmegaConf.load(Path(__file__).resolve().parent / "conf" / "export.yaml")
     for o in overrides:
         key = o.split("=", 1)[0]
-        if key.startswith("++") and OmegaConf.select(settings, key[2:], default=_ABSENT) is not _ABSENT:
+        if key.startswith("++") and _is_setting(settings, key[2:]):
             continue  # Hydra's force-override of an existing setting: it is read
         if key.startswith("+") and not key.lstrip("+").startswith("hydra."):
             known = ", ".join(sorted(str(k) for k in cfg))
             raise ValueError(f"export: {key} is not an export setting, so it would be ignored (settings: {known}; "
                              "profile.* and onnx.* have their own keys, see conf/export.yaml); set existing keys "
                              "without '+', and check the spelling")
+
+
+def _is_setting(settings: DictConfig, key: str) -> bool:
+    """Whether dotted `key` names a key of `settings` (one whose value is missing, ???, too)."""
+    parent, _, last = key.rpartition(".")
+    node = OmegaConf.select(settings, parent) if parent else settings
+    return isinstance(node, DictConfig) and last in node.keys()  # (`in node` is False for a ??? value)
 
 
 def export(cfg: DictConfig, out: Path) -> None:

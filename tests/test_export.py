@@ -454,7 +454,7 @@ def test_export_script(training_checkpoint, tmp_path):
     path, _ = training_checkpoint
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "export.py"), f"ckpt={path}", "out=out", "threshold=0.9",
+        [sys.executable, str(ROOT / "export.py"), f"++ckpt={path}", "out=out", "threshold=0.9",
          "choose_modes=false", "++profile.repeats=2"],  # ++: Hydra's force-override of an existing key
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
