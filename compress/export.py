@@ -280,6 +280,10 @@ def export_checkpoint(
         raise ValueError(f"export: out={out} would overwrite the input {ckpt} with the new {written[0]}; give "
                          "another out=")
     model, cfg = load_any(ckpt)
+    init = cfg.get("init")  # the compact file an init= run fine-tuned: the user's too, never written over
+    if init is not None and any((out / name).resolve() == Path(init).resolve() for name in FILES):
+        raise ValueError(f"export: out={out} would overwrite {init}, the compact model the run fine-tuned (init=); "
+                         "give another out=")
     prune = cfg.get("prune") or {}
     # a compact model (a compact file, or an init= run that fine-tuned one) was compacted before: its stripes
     # and its record (compress_compaction) stay, and only its layout options (fold_bn, ...) can change

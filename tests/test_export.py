@@ -781,6 +781,11 @@ def test_a_run_trained_at_another_input_size_is_reported_at_it(training_checkpoi
                                         "data": {"name": "digits", "input_size": 24, "batch_size": 64},
                                         "init": str(tmp_path / "out" / FILES[0])})
     assert tuned["compact"]["input_size"] == tuned["dense"]["input_size"] == [3, 24, 24]
+    init_file = (tmp_path / "out" / FILES[0]).read_bytes()
+    with pytest.raises(ValueError, match=r"would overwrite .*model.compact.safetensors, the compact model the run "
+                                         r"fine-tuned \(init=\)"):
+        export_checkpoint(tmp_path / "tuned" / "last.pt", tmp_path / "out", onnx=False, latency=False)
+    assert (tmp_path / "out" / FILES[0]).read_bytes() == init_file
 
 
 def test_an_output_folder_spelled_otherwise_still_never_overwrites_the_input(training_checkpoint, tmp_path):
