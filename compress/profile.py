@@ -314,7 +314,8 @@ class ProfileReport:
 
 def _storage_key(t: torch.Tensor) -> int:
     """The identity of `t`'s storage (shared by its views and in-place results): the address of the storage object
-    itself, not of its data, which is 0 for every tensor on the meta device (and for empty ones)."""
+    itself, not of its data, which is 0 for every tensor on the meta device (and for empty ones). `_cdata` is the
+    address of the storage's C++ object, the handle PyTorch's own Python code uses for storage identity."""
     return t.untyped_storage()._cdata
 
 

@@ -442,6 +442,19 @@ def test_report_tables_give_each_side_its_own_values_and_stripes_per_layer_takes
     assert kept == int((conv.skeleton.abs() > 0.5).sum()) and 0 < kept < 36
 
 
+def test_export_with_fold_bn_false_keeps_bn_and_fuses_no_relu(training_checkpoint, tmp_path):
+    """fold_bn=false (to fine-tune with BN): the compact model keeps its BNs and, with nothing folded, fuses no ReLU
+    (fuse_relu needs fold_bn), and it computes the skeleton model's function."""
+    path, skeleton = training_checkpoint
+    export_checkpoint(path, tmp_path, fold_bn=False, onnx=False, latency=False, choose_stripe_modes=False)
+    small = load(tmp_path / FILES[0])
+    assert small.compress_compaction["fold_bn"] is False and small.compress_compaction["relu_fused"] == 0
+    assert any(isinstance(m, nn.BatchNorm2d) for m in small.modules())
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        _assert_same_function(small(x), skeleton(x))
+
+
 def test_export_takes_the_training_runs_flops_budget(training_checkpoint, tmp_path):
     """A run trained with prune.target_flops exports at that budget when target_macs is not given."""
     report = _export_with_config(training_checkpoint[0], tmp_path, "prune", "target_flops", 0.3)

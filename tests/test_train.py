@@ -648,6 +648,19 @@ def test_a_key_added_with_plus_to_a_fixed_group_is_refused(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_run_interrupted_before_it_wrote_anything_leaves_no_run_dir(tmp_path, monkeypatch):
+    """Ctrl-C (KeyboardInterrupt, not an Exception) while a run starts: the run dir of Hydra's files only goes too."""
+    from cli import _script
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_script("train.py"), "run", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_script("train.py", *TINY, f"hydra.run.dir={tmp_path / 'run'}")
+    assert not (tmp_path / "run").exists()
+
+
 def test_train_py_notes_a_pix_tau_without_pix_zeta(tmp_path):
     """pix.tau on the command line without pix.zeta adds no PiX block: the run says so instead of ignoring it."""
     proc = run_script("train.py", *TINY, "trainer.max_steps=1", "pix.tau=0.3", f"hydra.run.dir={tmp_path}")
