@@ -169,6 +169,12 @@ def _bn_folded(model: nn.Module, arch_model: nn.Module) -> bool:
     return not has_bn(model) and has_bn(arch_model)
 
 
+def _output_named(out: Path, path: str | os.PathLike) -> str | None:
+    """The name in FILES whose file in `out` is `path` itself (however either is spelled), or None."""
+    target = Path(path).resolve()
+    return next((name for name in FILES if (out / name).resolve() == target), None)
+
+
 def _input_size(model: nn.Module, cfg: dict) -> tuple[int, int, int]:
     """(C, H, W) the report counts at: the training run's data.input_size (an init= run may fine-tune a compact model
     at another size than it was built for), else the size a compact file was exported at (its compaction record's
@@ -275,13 +281,13 @@ def export_checkpoint(
     if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
         raise ValueError(f"export: cannot write out={out}: {ancestor} is "
                          f"{'a file' if not ancestor.is_dir() else 'not writable'}; give a writable directory")
-    written = [name for name in FILES if (out / name).resolve() == Path(ckpt).resolve()]
+    written = _output_named(out, ckpt)
     if written:
-        raise ValueError(f"export: out={out} would overwrite the input {ckpt} with the new {written[0]}; give "
+        raise ValueError(f"export: out={out} would overwrite the input {ckpt} with the new {written}; give "
                          "another out=")
     model, cfg = load_any(ckpt)
     init = cfg.get("init")  # the compact file an init= run fine-tuned: the user's too, never written over
-    if init is not None and any((out / name).resolve() == Path(init).resolve() for name in FILES):
+    if init is not None and _output_named(out, init):
         raise ValueError(f"export: out={out} would overwrite {init}, the compact model the run fine-tuned (init=); "
                          "give another out=")
     prune = cfg.get("prune") or {}

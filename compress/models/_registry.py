@@ -54,12 +54,13 @@ def module_names(value) -> list[str]:
             if isinstance(name, str) and ("/" in name or name.endswith(".py")):
                 path = Path(name).with_suffix("")
                 dotted = ".".join(path.parts) if not path.is_absolute() and ".." not in path.parts else None
-                if dotted is not None and not _MODULE_NAME.fullmatch(dotted):
+                if dotted is None:
+                    hint = " (a file path? give its module name, and add its folder to PYTHONPATH)"
+                elif _MODULE_NAME.fullmatch(dotted):
+                    hint = f" (a file path? give its module name, e.g. imports=[{dotted}], run where it is)"
+                else:
                     hint = (" (a file path? it cannot be imported as a module: its folder and file names must be Python "
                             "names, letters, digits and _; rename them, then give its module name)")
-                else:
-                    hint = (f" (a file path? give its module name, e.g. imports=[{dotted}], run where it is" if dotted
-                            else " (a file path? give its module name, and add its folder to PYTHONPATH") + ")"
             raise ValueError(f"imports: {name!r} is not a Python module name{hint}")
     return [str(name) for name in names]
 
