@@ -13,6 +13,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from compress._files import launch_path, remove_if_only_hydra
+from compress._overrides import adding_overrides, command_line_overrides, typed
 from compress.export import FILES, export_checkpoint
 from compress.models import import_modules
 from compress.report import render_markdown
@@ -32,26 +33,13 @@ def main(cfg: DictConfig) -> None:
 
 
 def _refuse_added_keys(cfg: DictConfig) -> None:
-    """ValueError for a key added with '+' on the command line: export reads only conf/export.yaml's keys, so an
-    added one (a misspelling such as +profile.batchsize) would be ignored."""
-    overrides = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
-    settings = OmegaConf.load(Path(__file__).resolve().parent / "conf" / "export.yaml")
-    for o in overrides:
-        key = o.split("=", 1)[0]
-        if key.startswith("++") and _is_setting(settings, key[2:]):
-            continue  # Hydra's force-override of an existing setting: it is read
-        if key.startswith("+") and not key.lstrip("+").startswith("hydra."):
-            known = ", ".join(sorted(str(k) for k in cfg))
-            raise ValueError(f"export: {key} is not an export setting, so it would be ignored (settings: {known}; "
-                             "profile.* and onnx.* have their own keys, see conf/export.yaml); set existing keys "
-                             "without '+', and check the spelling")
-
-
-def _is_setting(settings: DictConfig, key: str) -> bool:
-    """Whether dotted `key` names a key of `settings` (one whose value is missing, ???, too)."""
-    parent, _, last = key.rpartition(".")
-    node = OmegaConf.select(settings, parent) if parent else settings
-    return isinstance(node, DictConfig) and last in node.keys()  # (`in node` is False for a ??? value)
+    """ValueError for a key added with '+' or '++' on the command line (`adding_overrides`): export reads only
+    conf/export.yaml's keys, so an added one (a misspelling such as +profile.batchsize) would be ignored."""
+    for o in adding_overrides(command_line_overrides() or []):
+        known = ", ".join(sorted(str(k) for k in cfg))
+        raise ValueError(f"export: {typed(o)} is not an export setting, so it would be ignored (settings: {known}; "
+                         "profile.* and onnx.* have their own keys, see conf/export.yaml); set existing keys "
+                         "without '+', and check the spelling")
 
 
 def export(cfg: DictConfig, out: Path) -> None:

@@ -47,6 +47,7 @@ from compress._files import atomic_write, json_text, launch_path, lock_file, rem
 from compress._logging import RunLogger, format_summary, log_failure, progress, say, warnings_in_log_files
 from compress._macs import estimate_macs
 from compress._modes import evaluating
+from compress._overrides import adding_overrides, command_line_overrides, typed
 from compress._trainstate import atomic_save, check_weight_kinds, load_checkpoint, rng_state, set_rng_state
 from compress.checkpoint import build_recipe, rebuild_for, unregistered_module
 from compress.checkpoint import load as load_compact
@@ -530,21 +531,10 @@ def _check_config(cfg: DictConfig, ckpt: dict | None = None) -> None:
                          f"use inductor or aot_eager (all: {', '.join(torch.compiler.list_backends())})")
 
 
-def _command_line_overrides() -> list | None:
-    """This train.py run's command-line overrides, parsed (Hydra's task overrides); None outside a Hydra app
-    (`run(cfg, run_dir)` called from Python)."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    if not HydraConfig.initialized():
-        return None
-    return OverridesParser.create().parse_overrides(list(HydraConfig.get().overrides.task))
-
-
 def _command_line_keys() -> set[str] | None:
     """The config keys this train.py run sets on its command line ({'resume', 'trainer.max_steps', ...}); None
     outside a Hydra app."""
-    overrides = _command_line_overrides()
+    overrides = command_line_overrides()
     return None if overrides is None else {o.key_or_group for o in overrides}
 
 
@@ -553,23 +543,24 @@ MODEL_KEYS = ("name", "kwargs", "weights", "source")  # what the model group may
 
 
 def _refuse_added_keys(cfg: DictConfig) -> None:
-    """ValueError for a key added with '+' where nothing reads it: in a group whose keys all exist already
-    (`FIXED_GROUPS`), in the model group outside model.kwargs (passed to the model's constructor), or at the top
-    level. Such a key is misspelled or belongs elsewhere, and would be ignored. (Data groups differ in their keys:
-    +data.seed and the like are checked by build_data.)"""
-    for o in _command_line_overrides() or []:
+    """ValueError for a key added with '+' or '++' (`adding_overrides`) where nothing reads it: in a group whose keys
+    all exist already (`FIXED_GROUPS`), in the model group outside model.kwargs (passed to the model's constructor),
+    or at the top level. Such a key is misspelled or belongs elsewhere, and would be ignored. (Data groups differ in
+    their keys: +data.seed and the like are checked by build_data.)"""
+    overrides = command_line_overrides()
+    for o in adding_overrides(overrides) if overrides else []:
         group, _, leaf = o.key_or_group.partition(".")
-        if not o.is_add() or group == "hydra" or (group == "data" and leaf):
+        if group == "data" and leaf:
             continue
         if not leaf:
             known = ", ".join(sorted(k for k in cfg if k != group))
-            raise ValueError(f"+{group}: the config has no top-level key {group!r}, so it would be ignored (its keys: "
-                             f"{known}); check the spelling and the group (e.g. optim.epochs, not epochs)")
+            raise ValueError(f"{typed(o)}: the config has no top-level key {group!r}, so it would be ignored (its "
+                             f"keys: {known}); check the spelling and the group (e.g. optim.epochs, not epochs)")
         if group in FIXED_GROUPS or (group == "model" and leaf.partition(".")[0] not in MODEL_KEYS):
             known = sorted(k for k in cfg[group] if k != leaf)
             fix = ("; model arguments go under +model.kwargs.<name> (pretrained weights: model.weights=<a local state "
                    "dict file>)" if group == "model" else "")
-            raise ValueError(f"+{o.key_or_group}: {group} has no key {leaf!r}, so it would be ignored (its keys: "
+            raise ValueError(f"{typed(o)}: {group} has no key {leaf!r}, so it would be ignored (its keys: "
                              f"{', '.join(known)}); set existing keys without '+', and check the spelling{fix}")
 
 

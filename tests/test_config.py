@@ -236,7 +236,7 @@ def test_keys_added_with_plus_that_nothing_reads_are_refused(monkeypatch, overri
 
     def check(*overrides):
         parsed = OverridesParser.create().parse_overrides(list(overrides))
-        monkeypatch.setattr(engine, "_command_line_overrides", lambda: parsed)
+        monkeypatch.setattr(engine, "command_line_overrides", lambda: parsed)
         engine._refuse_added_keys(_compose(*overrides))
 
     with pytest.raises(ValueError, match=match):
@@ -264,3 +264,24 @@ def test_cosine_schedule_with_milestones_warns_once(tmp_path):
             run_dir=tmp_path)
     cosine = [w for w in seen if "have no effect with optim.schedule=cosine" in str(w.message)]
     assert len(cosine) == 1, [str(w.message) for w in seen]
+
+
+def test_adding_overrides_tells_a_forced_existing_key_from_a_forced_new_one():
+    """'+key' always adds; Hydra's '++key' adds only where the config lacks the key (told by composing without the
+    '++' overrides); hydra.* overrides are left out. Order as given."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from compress._overrides import adding_overrides, typed
+
+    def added(*given):
+        parsed = OverridesParser.create().parse_overrides(list(given))
+        with initialize_config_dir(config_dir=str(CONF), version_base=None):
+            return [typed(o) for o in adding_overrides(parsed, "train")]
+
+    assert added("++prune.alpha=1e-4", "++prune.alpah=1", "+model.kwargs.drop_rate=0.1", "optim=sgd_multistep",
+                 "++optim.gamma=0.2", "++model.kwargs.width=2", "++hydra.verbose=true", "++init=x.safetensors",
+                 "++trainer.max_step=3") == ["++prune.alpah", "+model.kwargs.drop_rate", "++model.kwargs.width",
+                                             "++trainer.max_step"]
+    assert added("++optim.gamma=0.2") == ["++optim.gamma"]  # sgd_digits (the default) has no gamma
+    assert added("prune=none", "++prune.alpha=1e-4") == ["++prune.alpha"]  # nor has prune=none an alpha
+    assert added("prune.alpha=1", "++data.batch_size=8") == []

@@ -639,12 +639,15 @@ def test_trainer_seed_seeds_the_data_unless_data_seed_is_given(tmp_path):
     assert not torch.equal(x0, x1) and not torch.equal(x1, x5)
 
 
-def test_a_key_added_with_plus_to_a_fixed_group_is_refused(tmp_path):
-    """A misspelled key added with + is refused before anything trains, and the refused run leaves no run dir that
-    holds only Hydra's files."""
-    proc = run_script("train.py", *TINY, "trainer.max_steps=1", "+prune.alpah=1e-5", f"hydra.run.dir={tmp_path / 'run'}")
+@pytest.mark.parametrize("plus", ["+", "++"])
+def test_a_key_added_with_plus_to_a_fixed_group_is_refused(tmp_path, plus):
+    """A misspelled key added with + (or Hydra's add-or-set ++) is refused before anything trains, and the refused
+    run leaves no run dir that holds only Hydra's files."""
+    proc = run_script("train.py", *TINY, "trainer.max_steps=1", f"{plus}prune.alpah=1e-5",
+                      f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode != 0
-    assert re.search(r"\+prune.alpah: prune has no key 'alpah', so it would be ignored \(its keys: alpha,", proc.stderr)
+    assert re.search(rf"(^|\s){re.escape(plus)}prune.alpah: prune has no key 'alpah', so it would be ignored \(its "
+                     "keys: alpha,", proc.stderr)
     assert not (tmp_path / "run").exists()
 
 
@@ -662,8 +665,9 @@ def test_a_run_interrupted_before_it_wrote_anything_leaves_no_run_dir(tmp_path, 
 
 
 def test_train_py_notes_a_pix_tau_without_pix_zeta(tmp_path):
-    """pix.tau on the command line without pix.zeta adds no PiX block: the run says so instead of ignoring it."""
-    proc = run_script("train.py", *TINY, "trainer.max_steps=1", "pix.tau=0.3", f"hydra.run.dir={tmp_path}")
+    """pix.tau on the command line without pix.zeta adds no PiX block: the run says so instead of ignoring it.
+    (Set with Hydra's ++, which only sets an existing key: not refused as an added one.)"""
+    proc = run_script("train.py", *TINY, "trainer.max_steps=1", "++pix.tau=0.3", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "note: pix.tau=0.3 has no effect without pix.zeta (no PiX blocks)" in proc.stdout
 
