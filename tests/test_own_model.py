@@ -73,6 +73,19 @@ def test_import_modules_registers_the_models_of_a_module_in_the_launch_directory
     assert unregistered_module(model.compress_arch) is None
 
 
+def test_import_modules_searches_the_launch_directory_first(tmp_path, monkeypatch):
+    """A module of the same name in the launch directory and in a folder earlier on sys.path: the launch directory's
+    is imported, also when the launch directory is on sys.path already, behind the other."""
+    launch, other = tmp_path.resolve() / "launch", tmp_path.resolve() / "other"
+    launch.mkdir(), other.mkdir()
+    module, model_name = _user_module(launch)
+    (other / f"{module}.py").write_text("raise ImportError('the module outside the launch directory')\n")
+    monkeypatch.setattr(sys, "path", [str(other), *sys.path, str(launch)])
+    assert import_modules([module], launch) == [module]
+    assert model_name in _entrypoints and sys.path[0] == str(launch)
+    assert sys.path.count(str(launch)) == 1
+
+
 def test_import_modules_errors_name_the_problem(tmp_path):
     with pytest.raises(ValueError, match=r"'nets/my_nets.py' is not a Python module name.*nets\.my_nets"):
         import_modules(["nets/my_nets.py"], tmp_path)

@@ -72,8 +72,8 @@ def import_modules(value, search_dir: str | Path) -> list[str]:
     an error inside a module propagates, with a note naming it."""
     names = module_names(value)
     search_dir = str(Path(search_dir).resolve())
-    if search_dir not in sys.path:
-        sys.path.insert(0, search_dir)
+    if sys.path[:1] != [search_dir]:  # first, also when it is on sys.path already (after site-packages, say)
+        sys.path[:] = [search_dir] + [p for p in sys.path if p != search_dir]
     for name in names:
         try:
             importlib.import_module(name)
