@@ -191,6 +191,9 @@ def stripe_to_dense(weight: Tensor, out_index: Tensor, offset: Tensor, out_chann
     out as ``memory_format``. It is built as (N*KH*KW, C) rows, which is the channels_last layout itself: for
     ``torch.channels_last`` no copy follows (one zero fill and one row scatter; its gradient is one gather).
     ``rows``: ``stripe_rows(out_index, offset, kernel_size)``, if kept from before."""
+    if memory_format not in (torch.contiguous_format, torch.channels_last):
+        raise ValueError(f"stripe_to_dense: memory_format={memory_format}; give torch.contiguous_format or "
+                         "torch.channels_last (a new weight has no layout to preserve)")
     KH, KW = pair(kernel_size, "kernel_size")
     S, C = weight.shape
     flat = weight.new_zeros(out_channels * KH * KW, C)

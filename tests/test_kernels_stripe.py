@@ -147,6 +147,24 @@ def test_all_stripes_kept_equals_dense_conv():
                                _ref(x, w, oi, off, None, 4, (3, 3), 1, 1, 1))
 
 
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])
+def test_stripe_to_dense_places_each_stripe_in_the_layout_asked(fmt):
+    """W[o_s, :, kh_s, kw_s] = weight[s], zeros elsewhere, with the strides of `fmt` (also for one input channel,
+    where both layouts count as contiguous); a format with nothing to preserve is refused."""
+    gen = torch.Generator().manual_seed(6)
+    for C in (3, 1):
+        w, oi, off = random_layer(5, C, (3, 3), 0.4, gen)
+        want = torch.zeros(5, C, 3, 3, dtype=torch.float64)
+        for s in range(len(oi)):
+            want[oi[s], :, off[s, 0], off[s, 1]] = w[s]
+        dense = stripe_to_dense(w, oi, off, 5, (3, 3), memory_format=fmt)
+        assert torch.equal(dense, want)
+        assert dense.stride() == torch.empty_like(want, memory_format=fmt).stride()
+    with pytest.raises(ValueError, match="memory_format=torch.preserve_format; give torch.contiguous_format or "
+                                         "torch.channels_last"):
+        stripe_to_dense(w, oi, off, 5, (3, 3), memory_format=torch.preserve_format)
+
+
 def test_gradcheck():
     gen = torch.Generator().manual_seed(4)
     w, oi, off = random_layer(3, 2, (3, 3), 0.5, gen)
