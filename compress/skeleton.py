@@ -187,6 +187,11 @@ def eligible_convs(
     it."""
     if isinstance(include, str) or isinstance(exclude, str):
         raise TypeError("attach_skeletons: include/exclude are lists of patterns, e.g. ['layer1.*']")
+    if isinstance(min_kernel_size, bool) or not isinstance(min_kernel_size, numbers.Integral) or min_kernel_size < 1:
+        raise ValueError(f"attach_skeletons: min_kernel_size must be an int >= 1 (the smallest max(kh, kw) that gets a "
+                         f"skeleton; 2 leaves 1x1 convs dense), got {min_kernel_size!r} (train.py: "
+                         "prune.min_kernel_size)")
+    _warn_unmatched(model, include, exclude)
     names_of = collections.defaultdict(list)
     for name, m in model.named_modules(remove_duplicate=False):
         names_of[id(m)].append(name)
@@ -236,6 +241,18 @@ def _read_in_forward(model: nn.Module, x: torch.Tensor | None, names: list[str])
         warnings.warn(f"attach_skeletons: one forward of a {tuple(x.shape)} input failed ({type(err).__name__}: "
                       f"{err}), so convs whose weight the forward reads itself were not looked for", stacklevel=4)
         return set()
+
+
+def _warn_unmatched(model: nn.Module, include, exclude) -> None:
+    """A warning naming each include / exclude pattern that matches no conv of `model` (misspelt, most likely: an
+    include then selects fewer convs than meant, an exclude prunes a layer meant to stay dense)."""
+    convs = [name for name, m in model.named_modules() if isinstance(m, nn.Conv2d)]
+    for key, patterns in (("include", include), ("exclude", exclude)):
+        unmatched = [p for p in patterns or () if not any(fnmatch.fnmatchcase(name, p) for name in convs)]
+        if unmatched:
+            warnings.warn(f"attach_skeletons: {key} pattern(s) {unmatched} match no conv of the model (conv names: "
+                          f"{', '.join(convs[:4])}{', ...' if len(convs) > 4 else ''}); check the spelling (train.py: "
+                          f"prune.{key})", stacklevel=4)
 
 
 def _prunable(name: str, conv: nn.Conv2d, min_kernel_size: int, include, exclude) -> bool:

@@ -1,5 +1,7 @@
 """Filter Skeleton: conv semantics vs F.conv2d, the SWP update rule, BN zeroing, attach and stats."""
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -180,6 +182,21 @@ def test_attach_skeletons_mobilenet_skips_depthwise_and_filters():
     assert names == ["layer1.0.conv1", "layer1.1.conv1", "layer2.0.conv1", "layer2.1.conv1"]
     names = attach_skeletons(torchvision.models.resnet18(), min_kernel_size=1, include=["layer4.0.*"])
     assert names == ["layer4.0.conv1", "layer4.0.conv2", "layer4.0.downsample.0"]
+
+
+def test_attach_skeletons_checks_min_kernel_size_and_warns_of_patterns_that_match_no_conv():
+    model = torchvision.models.resnet18(num_classes=10)
+    for bad in (0, -1, 3.5, "3", True):
+        with pytest.raises(ValueError, match=rf"min_kernel_size must be an int >= 1 .*got {re.escape(repr(bad))}"):
+            attach_skeletons(model, min_kernel_size=bad)
+    with pytest.warns(UserWarning) as seen:
+        names = attach_skeletons(model, include=["layer1.*", "layr2.*"], exclude=["*.conv3", "layer1.1.conv2"])
+    assert names == ["layer1.0.conv1", "layer1.0.conv2", "layer1.1.conv1"]
+    messages = [str(w.message) for w in seen]
+    assert any("include pattern(s) ['layr2.*'] match no conv of the model (conv names: conv1, layer1.0.conv1" in m
+               for m in messages), messages
+    assert any("exclude pattern(s) ['*.conv3'] match no conv" in m and "prune.exclude" in m for m in messages)
+    assert not any("layer1.1.conv2" in m or "'layer1.*'" in m for m in messages)  # the patterns that match
 
 
 def test_a_conv_shared_under_two_names_gets_no_skeleton_and_stays_tied():
