@@ -304,7 +304,10 @@ def _to_stripe_convs(model: nn.Module, pruned: list[str], direct: set[str]) -> N
             continue
         mask = m.weight.detach().abs().amax(1) > 0  # (N, kh, kw)
         if (name in pruned and not bool(mask.all())) or not bool(mask.any()):
-            stripe = StripeConv2d.from_dense(m, mask)
+            try:
+                stripe = StripeConv2d.from_dense(m, mask)
+            except ValueError as err:  # a layout stripe convs cannot take (padding_mode, asymmetric 'same'): which
+                raise ValueError(f"compact: {name}: {err}") from None
             stripe.mode = _cost_model_mode(stripe)
             replace_module(model, name, stripe)
 

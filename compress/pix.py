@@ -39,6 +39,15 @@ def _check_zeta(where: str, zeta: int) -> int:
     return positive_int(where, "zeta", zeta)
 
 
+def _refuse_compacted(where: str, model: nn.Module) -> None:
+    """ValueError for a compacted model (`compress.compact`'s output, a loaded compact file): pruning fixed its layer
+    widths (and folding removed its BNs), so the squeeze factors PiX needs no longer hold; PiX goes in first."""
+    if hasattr(model, "compress_compaction"):
+        raise ValueError(f"{where}: the model is compacted already (compress.compact, or a compact file), its widths "
+                         "fixed by the pruning; insert PiX into the dense model, then train with SWP and compact "
+                         "(train.py: pix.zeta=4 prune=swp)")
+
+
 def check_tau(where: str, tau: float, key: str = "tau") -> None:
     """ValueError naming `where` and `key` (the argument, or pix.tau in a config) unless tau is a number in [0, 1]."""
     # p = sigmoid(...) lies in [0, 1] once rounded: tau 0 always mixes; tau 1 picks unless p rounds to 1
@@ -282,6 +291,7 @@ def insert_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
     """
     zeta = _check_zeta("insert_pix", zeta)
     check_tau("insert_pix", tau)
+    _refuse_compacted("insert_pix", model)
     names = [n for n, m in model.named_modules() if isinstance(m, _bottleneck_types())]
     if not names:
         raise ValueError(f"insert_pix: {type(model).__name__} has no bottleneck block; {_SUPPORTED}")
@@ -299,6 +309,7 @@ def downscale_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
     before any changes; records PiX in `model.compress_arch`. Returns the names of the replaced convs."""
     zeta = _check_zeta("downscale_pix", zeta)
     check_tau("downscale_pix", tau)
+    _refuse_compacted("downscale_pix", model)
     if any(isinstance(m, PiXBlock) for m in model.modules()):
         raise ValueError(f"downscale_pix: {type(model).__name__} has PiX blocks already; apply PiX once, to the "
                          "model without them")

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from randomize import random_bn_
 
 import compress
 from compress import compact, load, save
@@ -20,17 +21,6 @@ from compress.stripe import StripeConv2d
 RTOL = 1e-5
 
 
-def _randomize_bn(model: nn.Module, gen: torch.Generator) -> None:
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, nn.BatchNorm2d):
-                n = m.num_features
-                m.running_mean.copy_(torch.rand(n, generator=gen) - 0.5)
-                m.running_var.copy_(torch.rand(n, generator=gen) + 0.5)
-                m.weight.copy_(torch.rand(n, generator=gen) + 0.5)
-                m.bias.copy_(torch.rand(n, generator=gen) * 0.4 - 0.2)
-
-
 def skeleton_model(name: str, size: int, seed: int = 0, dead: float = 0.2, zero_bn: bool = True) -> nn.Module:
     """`name` with skeletons keeping 30-70% of stripes at random, a fraction `dead` (at least one) of the
     filters with no stripe,
@@ -39,7 +29,7 @@ def skeleton_model(name: str, size: int, seed: int = 0, dead: float = 0.2, zero_
     torch.manual_seed(seed)
     model = create_model(name, num_classes=10, input_size=size)
     attach_skeletons(model)
-    _randomize_bn(model, gen)
+    random_bn_(model, gen)
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, SkeletonConv2d):
@@ -160,7 +150,7 @@ def test_fuse_relu_takes_a_pool_with_its_ceil_mode(ceil_mode):
     x = torch.randn(2, 3, 9, 9, generator=torch.Generator().manual_seed(1))
     model(x)
     attach_skeletons(model)
-    _randomize_bn(model, torch.Generator().manual_seed(2))
+    random_bn_(model, torch.Generator().manual_seed(2))
     with torch.no_grad():
         fs = torch.rand(model[0].skeleton.shape, generator=torch.Generator().manual_seed(3)) + 0.5
         model[0].skeleton.copy_(torch.where(fs < 0.9, 0.0, fs))  # about 40% of the stripes pruned
@@ -183,7 +173,7 @@ class _DeadFilterNet(nn.Module):
         self.conv2 = nn.Conv2d(8, 8, 3 if padding else 1, padding=padding, bias=False)
         self.bn2 = self.bn1 if variant == "shared bn" else nn.BatchNorm2d(8)
         gen = torch.Generator().manual_seed(5)
-        _randomize_bn(self, gen)
+        random_bn_(self, gen)
         with torch.no_grad():
             self.bn1.bias.copy_(torch.rand(8, generator=gen) + 0.5)
             if variant == "leaky_relu(0.2)":
@@ -230,7 +220,7 @@ def test_fuse_relu_leaves_a_padded_pool():
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
                           nn.MaxPool2d(2, 2, padding=1), nn.Conv2d(8, 4, 3))
     attach_skeletons(model)
-    _randomize_bn(model, torch.Generator().manual_seed(2))
+    random_bn_(model, torch.Generator().manual_seed(2))
     with torch.no_grad():
         fs = torch.rand(model[0].skeleton.shape, generator=torch.Generator().manual_seed(3)) + 0.5
         model[0].skeleton.copy_(torch.where(fs < 0.9, 0.0, fs))
@@ -263,7 +253,7 @@ def test_compacting_a_compact_model_folds_its_bn_and_removes_new_dead_filters():
     model = skeleton_model("resnet20", 32)
     first = compact(model)
     gen = torch.Generator().manual_seed(3)
-    _randomize_bn(first, gen)  # "fine-tuned": BN statistics moved
+    random_bn_(first, gen)  # "fine-tuned": BN statistics moved
     conv = first.layer1[0].conv1
     assert isinstance(conv, StripeConv2d) and conv.out_channels > 1
     with torch.no_grad():
@@ -316,6 +306,17 @@ def test_channel_multiple_keeps_harmless_channels_exactly(name):
         assert out.get_submodule(producer).out_channels == min(full, -(-kept // 8) * 8)
     with pytest.raises(ValueError, match="channel_multiple must be an int >= 1"):
         compact(model, channel_multiple=0)
+
+
+def test_a_pruned_conv_stripe_convs_cannot_express_is_an_error_naming_it():
+    """A skeleton conv built by hand on a reflect-padded conv (attach_skeletons leaves those dense) with a pruned
+    stripe: compaction refuses it, naming the layer."""
+    net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(),
+                        SkeletonConv2d.from_conv(nn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect")))
+    with torch.no_grad():
+        net[2].skeleton[0, 0, 0] = 0
+    with pytest.raises(ValueError, match=r"compact: 2: padding_mode='reflect' is not supported by stripe compaction"):
+        compact(net.eval())
 
 
 def test_stripe_conv_from_skeleton_keeps_stride_and_mask():
@@ -446,7 +447,7 @@ def test_untraceable_model_warns_and_stays_exact():
     model = _Untraceable()
     attach_skeletons(model)
     gen = torch.Generator().manual_seed(10)
-    _randomize_bn(model, gen)
+    random_bn_(model, gen)
     with torch.no_grad():
         model.conv1.skeleton.copy_((torch.rand(8, 3, 3, generator=gen) < 0.5).float())
         model.conv1.skeleton[:3] = 0
@@ -642,7 +643,7 @@ def test_convs_whose_weights_the_forward_reads_directly_are_left_alone():
     it, and no channels removed as the consumer of dead filters (crashed); the compact model stays exact."""
     torch.manual_seed(0)
     model = _ReadsWeights().double()
-    _randomize_bn(model, torch.Generator().manual_seed(1))
+    random_bn_(model, torch.Generator().manual_seed(1))
     with pytest.warns(UserWarning, match=r"attach_skeletons: b, conv2: the forward also reads the weight"):
         assert attach_skeletons(model) == ["conv1", "a"]
     with torch.no_grad():
@@ -775,7 +776,7 @@ def test_aliased_modules_fold_and_fuse_under_every_name_and_hooked_convs_are_lef
     conv, sliced as the consumer of dead filters, failed at the next forward (its hook assigns the weight)."""
     torch.manual_seed(0)
     model = _Aliases().double()
-    _randomize_bn(model, torch.Generator().manual_seed(1))
+    random_bn_(model, torch.Generator().manual_seed(1))
     assert attach_skeletons(model) == ["conv"]
     with torch.no_grad():
         model.conv.skeleton[:3] = 0  # dead filters: mix would lose those input channels
@@ -815,7 +816,7 @@ class _FlattenHead(nn.Module):
 def test_dead_filters_before_a_flattened_linear_head_are_removed(how):
     torch.manual_seed(0)
     model = _FlattenHead(how).double()
-    _randomize_bn(model, torch.Generator().manual_seed(1))
+    random_bn_(model, torch.Generator().manual_seed(1))
     attach_skeletons(model)
     with torch.no_grad():
         model.conv.skeleton[[1, 4]] = 0  # two dead filters: the Linear loses their 2 * 16 columns
@@ -848,7 +849,7 @@ def test_a_compact_model_with_aliased_modules_saves_and_loads(tmp_path):
     """save's recipe names a replaced module by its first name; rebuilding replaces it under its other names too
     (the recipe did not rebuild the model, and save refused it)."""
     model = create_model("_test_alias_net").double()
-    _randomize_bn(model, torch.Generator().manual_seed(1))
+    random_bn_(model, torch.Generator().manual_seed(1))
     attach_skeletons(model)
     with torch.no_grad():
         model.conv.skeleton[:2] = 0
@@ -884,14 +885,7 @@ def test_frozen_and_sync_batchnorm_fold_and_slice_with_dead_filters(bn_type, fol
     if bn_type == "sync":
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     kind = FrozenBatchNorm2d if bn_type == "frozen" else nn.SyncBatchNorm
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, kind):
-                n = m.running_mean.numel()
-                m.running_mean.copy_(torch.rand(n, generator=gen) - 0.5)
-                m.running_var.copy_(torch.rand(n, generator=gen) + 0.5)
-                m.weight.copy_(torch.rand(n, generator=gen) + 0.5)
-                m.bias.copy_(torch.rand(n, generator=gen) * 0.4 - 0.2)
+    random_bn_(model, gen, kinds=(kind,))
     attach_skeletons(model)
     conv = model.layer1[0].conv1
     with torch.no_grad():

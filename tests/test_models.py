@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from randomize import random_bn_
 
 import compress
 from compress.models import create_model, list_models, register_model
@@ -156,14 +157,9 @@ def test_resnet56_shortcut_is_parameter_free():
     assert not y[:, :8].any() and not y[:, 24:].any()
 
 
-def _random_bn_statistics(model: nn.Module) -> nn.Module:
-    gen = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, nn.BatchNorm2d):
-                for t, lo in ((m.running_mean, -0.5), (m.running_var, 0.5), (m.weight, 0.5), (m.bias, -0.5)):
-                    t.copy_(torch.rand(t.shape, generator=gen, dtype=t.dtype) + lo)
-    return model.eval()
+def _random_bn_model(name: str) -> nn.Module:
+    """Model `name` in float64, eval mode, with random BN statistics and affine terms."""
+    return random_bn_(create_model(name).double(), torch.Generator().manual_seed(4)).eval()
 
 
 def _bn(y: torch.Tensor, bn: nn.BatchNorm2d) -> torch.Tensor:
@@ -175,14 +171,14 @@ def test_blocks_compute_what_the_papers_define():
     VGG stage against float64 references written from their definitions, eval mode, random BN statistics."""
     torch.manual_seed(0)
     x = torch.randn(2, 16, 8, 8, dtype=torch.float64)
-    basic = _random_bn_statistics(create_model("resnet20").double()).layer2[0]
+    basic = _random_bn_model("resnet20").layer2[0]
     y = F.relu(_bn(F.conv2d(x, basic.conv1.weight, stride=2, padding=1), basic.bn1))
     y = _bn(F.conv2d(y, basic.conv2.weight, padding=1), basic.bn2)
     with torch.no_grad():
         torch.testing.assert_close(basic(x), F.relu(y + F.pad(x[:, :, ::2, ::2], (0, 0, 0, 0, 8, 8))))
 
     x = torch.randn(2, 64, 8, 8, dtype=torch.float64)
-    block = _random_bn_statistics(create_model("resnet29_bottleneck").double()).layer2[0]
+    block = _random_bn_model("resnet29_bottleneck").layer2[0]
     y = F.relu(_bn(F.conv2d(x, block.conv1.weight), block.bn1))
     y = F.relu(_bn(F.conv2d(y, block.conv2.weight, stride=2, padding=1), block.bn2))
     y = _bn(F.conv2d(y, block.conv3.weight), block.bn3)
@@ -191,7 +187,7 @@ def test_blocks_compute_what_the_papers_define():
         torch.testing.assert_close(block(x), F.relu(y + shortcut))
 
     x = torch.randn(2, 3, 7, 7, dtype=torch.float64)  # odd: VGG's pools round up
-    features = _random_bn_statistics(create_model("vgg11").double()).features
+    features = _random_bn_model("vgg11").features
     y = F.relu(_bn(F.conv2d(x, features[0].weight, padding=1), features[1]))
     with torch.no_grad():
         torch.testing.assert_close(features[:4](x), F.max_pool2d(y, 2, ceil_mode=True))

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torchvision
+from randomize import random_bn_
 
 import compress
 from compress.models import create_model
@@ -393,11 +394,7 @@ def test_swp_pix_torchvision_resnet50_compacts_fused_and_reloads(tmp_path):
         for n in skeletons:
             sk = model.get_submodule(n).skeleton
             sk.mul_((torch.rand(sk.shape, generator=gen) > 0.5).float())
-        for m in model.modules():
-            if isinstance(m, nn.BatchNorm2d):
-                m.running_mean.uniform_(-0.2, 0.2, generator=gen)
-                m.running_var.uniform_(0.5, 1.5, generator=gen)
-    model.eval()
+    random_bn_(model, gen).eval()
     x = torch.randn(2, 3, 64, 64, generator=gen)
     small = compact(model, fold_bn=True, fuse_relu=True)
     assert small.compress_compaction["relu_fused"] == 17  # the stem and every block's conv2
@@ -735,6 +732,25 @@ def test_pix_twice_is_refused_and_numpy_ints_are_zetas():
     insert_pix(model, np.int64(4))
     with pytest.raises(ValueError, match=r"insert_pix: layer 'layer1.0' .* has a PiX block already; apply PiX once"):
         insert_pix(model, 4)
+
+
+def test_pix_into_a_compacted_model_is_refused_with_the_order_to_use():
+    """After compaction the widths are the pruning's (here stage 1 lost stem channels): no zeta fits, and the error
+    says to insert PiX first instead of suggesting another zeta; the model is unchanged."""
+    from compress.compaction import compact
+
+    for name, apply in (("resnet29_bottleneck", insert_pix), ("vgg11", downscale_pix)):
+        model = create_model(name, num_classes=3).eval()
+        first = compress.attach_skeletons(model)[0]
+        with torch.no_grad():
+            model.get_submodule(first).skeleton[:3] = 0  # 3 dead filters of the first conv
+        small = compact(model)
+        before = {k: v.clone() for k, v in small.state_dict().items()}
+        with pytest.raises(ValueError, match=rf"{apply.__name__}: the model is compacted already .* insert PiX into the "
+                                             r"dense model, then train with SWP and compact"):
+            apply(small, 4)
+        assert small.state_dict().keys() == before.keys()
+        assert all(torch.equal(v, before[k]) for k, v in small.state_dict().items())
 
 
 @pytest.mark.cuda
