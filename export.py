@@ -35,8 +35,9 @@ def main(cfg: DictConfig) -> None:
 def _refuse_added_keys(cfg: DictConfig) -> None:
     """ValueError for a key added with '+' or '++' on the command line (`adding_overrides`): export reads only
     conf/export.yaml's keys, so an added one (a misspelling such as +profile.batchsize) would be ignored."""
-    for o in adding_overrides(command_line_overrides() or []):
-        known = ", ".join(sorted(str(k) for k in cfg))
+    added = adding_overrides(command_line_overrides() or [])
+    for o in added:
+        known = ", ".join(sorted(str(k) for k in cfg if k not in {a.key_or_group for a in added}))
         raise ValueError(f"export: {typed(o)} is not an export setting, so it would be ignored (settings: {known}; "
                          "profile.* and onnx.* have their own keys, see conf/export.yaml); set existing keys "
                          "without '+', and check the spelling")

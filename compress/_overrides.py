@@ -1,9 +1,10 @@
 """Command-line overrides of a Hydra app (train.py, export.py) that add keys to its config.
 
 Both scripts refuse keys a user adds that nothing reads (a misspelt ``+prune.alpah=1`` would otherwise be ignored
-without a word). Hydra has two ways to add a key: ``+key=value`` (add; an error when the key exists) and
-``++key=value`` (add, or set when it exists). A ``++`` override has been applied by the time the config is seen,
-so whether it added its key is told by composing the config again without the ``++`` overrides.
+without a word). Hydra has two ways to add a key: ``+key=value`` (add; an error when the key holds a value, but a
+plain set when it holds null, as ``+pix.zeta=4`` does) and ``++key=value`` (add, or set when it exists). Both have
+been applied by the time the config is seen, so whether one added its key is told by composing the config again
+without them.
 """
 
 from __future__ import annotations
@@ -22,21 +23,26 @@ def command_line_overrides() -> list | None:
     return OverridesParser.create().parse_overrides(list(HydraConfig.get().overrides.task))
 
 
-def adding_overrides(overrides: list, config_name: str | None = None) -> list:
-    """The overrides in `overrides` (Hydra's parsed ones) that add a key to the config: each ``+key=value``, and each
-    ``++key=value`` whose key the config composed without the ``++`` overrides lacks; hydra.* ones left out.
-    `config_name`: the app's config (default: the running app's, e.g. train). Composing needs Hydra initialised
-    (inside @hydra.main, or hydra's initialize_config_dir)."""
-    import hydra
+def app_config_name() -> str:
+    """The running Hydra app's config name (train, export)."""
     from hydra.core.hydra_config import HydraConfig
 
+    return HydraConfig.get().job.config_name
+
+
+def adding_overrides(overrides: list, config_name: str | None = None) -> list:
+    """The overrides in `overrides` (Hydra's parsed ones) that add a key to the config: each ``+key=value`` and
+    ``++key=value`` whose key the config composed without those overrides lacks; hydra.* ones left out. `config_name`:
+    the app's config (default: the running app's, `app_config_name`). Composing needs Hydra initialised (inside
+    @hydra.main, or hydra's initialize_config_dir)."""
+    import hydra
+
     overrides = [o for o in overrides if not o.is_hydra_override()]
-    forced = [o for o in overrides if o.is_force_add()]
-    if forced:
-        name = config_name or HydraConfig.get().job.config_name
-        base = hydra.compose(name, [o.input_line for o in overrides if not o.is_force_add()])
-        forced = [o for o in forced if not has_key(base, o.key_or_group)]
-    return [o for o in overrides if o.is_add() or any(o is f for f in forced)]
+    adds = [o for o in overrides if o.is_add() or o.is_force_add()]
+    if not adds:
+        return []
+    base = hydra.compose(config_name or app_config_name(), [o.input_line for o in overrides if o not in adds])
+    return [o for o in adds if not has_key(base, o.key_or_group)]
 
 
 def has_key(cfg: DictConfig, key: str) -> bool:

@@ -357,9 +357,12 @@ def export_checkpoint(
         save_compact(small, stage / FILES[0])
         onnx_info = None
         if onnx:
-            export_onnx(small.cpu(), stage / FILES[1], size, stripe_mode=stripe_mode, opset=opset)
+            # onnxruntime's convolutions run neither bfloat16 nor float64: a compact file in one exports as float32
+            weights = next(small.parameters()).dtype
+            onnx_model = copy.deepcopy(small).float() if weights in (torch.bfloat16, torch.float64) else small
+            export_onnx(onnx_model.cpu(), stage / FILES[1], size, stripe_mode=stripe_mode, opset=opset)
             probe = torch.randn(2, *size, generator=torch.Generator().manual_seed(0))  # the same check every export
-            err = check_onnx(stage / FILES[1], small, probe)
+            err = check_onnx(stage / FILES[1], onnx_model, probe)
             if not math.isfinite(err):
                 warnings.warn(f"export: the ONNX check of {out / FILES[1]} got NaN or inf: the PyTorch model or "
                               "onnxruntime outputs non-finite values on random inputs (check the model's weights and "
@@ -369,7 +372,8 @@ def export_checkpoint(
                               f"onnxruntime, above {ONNX_TOLERANCE:g}; check it before deploying "
                               + ("" if stripe_mode == "dense" else "(onnx.stripe_mode=dense is the plainest export)"),
                               stacklevel=2)
-            onnx_info = {"file": FILES[1], "stripe_mode": stripe_mode, "opset": opset, "max_rel_error": err}
+            onnx_info = {"file": FILES[1], "stripe_mode": stripe_mode, "opset": opset, "max_rel_error": err,
+                         "dtype": str(next(onnx_model.parameters()).dtype).removeprefix("torch.")}
         stripes = compact_stripes_per_layer(small, arch_model)
         dense, small = deployed(dense), deployed(small)
         common = {"batch_size": batch_size, "device": device, "latency": latency, "repeats": repeats,

@@ -154,8 +154,9 @@ def render_markdown(report: dict) -> str:
         lines += ["", "Files: " + ", ".join(f"{name} {_bytes(n)}" for name, n in sizes.items()) + "."]
     onnx = report.get("onnx")
     if onnx:
-        lines += ["", f"ONNX: {onnx['file']} (opset {onnx['opset']}, stripe convs as {onnx['stripe_mode']}); largest "
-                      f"relative difference from PyTorch in onnxruntime {onnx['max_rel_error']:.2e}."]
+        dtype = f", {onnx['dtype']}" if "dtype" in onnx else ""  # (reports written before it was recorded: none)
+        lines += ["", f"ONNX: {onnx['file']} (opset {onnx['opset']}{dtype}, stripe convs as {onnx['stripe_mode']}); "
+                      f"largest relative difference from PyTorch in onnxruntime {onnx['max_rel_error']:.2e}."]
     lines += ["", "## Per layer", ""]
     compact_layers = {row["name"]: row for row in compact["layers"]}
     rows = []

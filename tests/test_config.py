@@ -232,16 +232,21 @@ def test_keys_added_with_plus_that_nothing_reads_are_refused(monkeypatch, overri
     constructor takes them) and +data.* (build_data checks them) are not."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
+    import compress._overrides
     import compress.engine as engine
 
     def check(*overrides):
         parsed = OverridesParser.create().parse_overrides(list(overrides))
         monkeypatch.setattr(engine, "command_line_overrides", lambda: parsed)
-        engine._refuse_added_keys(_compose(*overrides))
+        monkeypatch.setattr(compress._overrides, "app_config_name", lambda: "train")
+        cfg = _compose(*overrides)
+        with initialize_config_dir(config_dir=str(CONF), version_base=None):
+            engine._refuse_added_keys(cfg)
 
     with pytest.raises(ValueError, match=match):
         check(override)
     check("+model.kwargs.drop_rate=0.1", "+data.seed=3")
+    check("+pix.zeta=4", "+trainer.max_steps=2")  # keys that hold null: Hydra's + sets them, as a plain override
 
 
 def test_a_batch_of_one_that_reaches_a_1x1_batchnorm_names_the_fix(tmp_path):
@@ -285,3 +290,4 @@ def test_adding_overrides_tells_a_forced_existing_key_from_a_forced_new_one():
     assert added("++optim.gamma=0.2") == ["++optim.gamma"]  # sgd_digits (the default) has no gamma
     assert added("prune=none", "++prune.alpha=1e-4") == ["++prune.alpha"]  # nor has prune=none an alpha
     assert added("prune.alpha=1", "++data.batch_size=8") == []
+    assert added("+pix.zeta=4", "+init=x.safetensors", "+pix.zeta_=4") == ["+pix.zeta_"]  # null-valued keys exist

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -15,6 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 from cli import run_script
+from randomize import random_bn_
 
 import compress
 from compress.checkpoint import load
@@ -44,13 +46,7 @@ def _skeleton_model(name: str, keep: float = 0.5, seed: int = 0, pix: int | None
             if pname.endswith("skeleton"):
                 t.copy_((torch.rand(t.shape, generator=g) < keep) * (0.5 + torch.rand(t.shape, generator=g)))
                 t[:2] = 0
-        for m in model.modules():
-            if isinstance(m, nn.BatchNorm2d):
-                m.weight.copy_(1 + 0.1 * torch.randn(m.weight.shape, generator=g))
-                m.bias.copy_(0.1 * torch.randn(m.bias.shape, generator=g))
-                m.running_mean.copy_(0.1 * torch.randn(m.running_mean.shape, generator=g))
-                m.running_var.copy_(0.5 + torch.rand(m.running_var.shape, generator=g))
-    return model.eval()
+    return random_bn_(model, g).eval()
 
 
 def _assert_same_function(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -485,6 +481,9 @@ def test_export_script(training_checkpoint, tmp_path):
     assert added.returncode != 0 and "export: +profile.batchsize is not an export setting" in added.stderr
     forced = run_script("export.py", f"ckpt={path}", "++profile.batchsize=64", cwd=tmp_path)  # forced in: refused too
     assert forced.returncode != 0 and "export: ++profile.batchsize is not an export setting" in forced.stderr
+    top = run_script("export.py", f"ckpt={path}", "+thresh=1", cwd=tmp_path)  # the list of settings leaves it out
+    assert top.returncode != 0 and "export: +thresh is not an export setting" in top.stderr
+    assert re.search(r"settings: [^)]*target_macs, threshold;", top.stderr) and ", thresh," not in top.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
@@ -633,6 +632,29 @@ def test_report_names_each_stripe_convs_mode(training_checkpoint, tmp_path, monk
     assert "it does that conv's work, not the kept-stripe MACs" in text
     row = next(line for line in text.splitlines() if line.startswith(f"| `{dense}` |"))
     assert row.split(" | ")[7] == "dense"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_a_compact_file_kept_in_a_dtype_onnxruntime_cannot_run_exports_a_float32_onnx_model(
+        training_checkpoint, tmp_path, dtype):
+    """A compact file saved in bfloat16 or float64 (compress.save keeps the dtype): its ONNX model is float32 and
+    matches the float32 copy of the file's model; the re-saved file keeps the file's dtype; report.md says which."""
+    import onnxruntime as ort
+
+    path, _ = training_checkpoint
+    export_checkpoint(path, tmp_path / "a", onnx=False, latency=False, choose_stripe_modes=False)
+    held = tmp_path / "held.safetensors"
+    compress.save(load(tmp_path / "a" / FILES[0]).to(dtype), held)
+    report = export_checkpoint(held, tmp_path / "b", latency=False, choose_stripe_modes=False)
+    assert report["onnx"]["dtype"] == "float32" and report["onnx"]["max_rel_error"] < 1e-4
+    assert next(load(tmp_path / "b" / FILES[0]).parameters()).dtype == dtype
+    x = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    session = ort.InferenceSession(str(tmp_path / "b" / FILES[1]), providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {"input": x.numpy()})
+    with torch.no_grad():
+        want = load(held).float().eval()(x)
+    torch.testing.assert_close(torch.from_numpy(got), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    assert "(opset 17, float32, stripe convs as" in (tmp_path / "b" / FILES[3]).read_text()
 
 
 def test_exporting_a_compact_file_again_keeps_its_compaction_record(training_checkpoint, tmp_path):

@@ -21,7 +21,9 @@ _entrypoints: dict[str, Callable[..., nn.Module]] = {}
 
 
 def register_model(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
-    """Register `fn` under its function name; `fn(num_classes, in_chans, **kwargs)` builds the model.
+    """Register `fn` under its function name; `fn(num_classes=..., in_chans=..., **model_kwargs)` builds the model
+    (train.py's model_kwargs: +model.kwargs.<name>; name them in fn's signature, as a `**kwargs` there would take a
+    misspelt one without a word).
 
     Your own architecture: decorate its builder in an importable module (`my_nets.py`), import that module before
     `create_model` / `compress.load` (train.py and export.py: `imports=[my_nets]`). The same definition run again
