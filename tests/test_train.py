@@ -5,6 +5,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -324,6 +325,28 @@ def test_train_py_entry_point_resnet50(tmp_path):
     assert (tmp_path / ".hydra" / "config.yaml").is_file() and proc.stdout.count("test accuracy") == 1
     log = (tmp_path / "train.log").read_text()  # the run's messages, with times, beside its outputs
     assert "epoch 1/" in log and "test accuracy" in log and "[INFO]" in log
+
+
+def test_sigterm_stops_a_run_with_a_line_in_its_log_and_status_143(tmp_path):
+    """A batch system's SIGTERM mid-run: train.py ends through an exception, so train.log says why the run stopped
+    and what continues it; the exit status is the signal's (143); the checkpoint written before stays whole."""
+    cmd = [sys.executable, "train.py", *TINY, "data.train_size=100000", "trainer.checkpoint_every=1",
+           f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        last = tmp_path / "checkpoints" / "last.pt"
+        deadline = time.monotonic() + 240
+        while not last.is_file() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert last.is_file(), "no checkpoint was written"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err[-2000:]
+    assert re.search(r"\[ERROR\] the run stopped: Terminated: SIGTERM; resume=true continues from the run's last "
+                     r"checkpoint", (tmp_path / "train.log").read_text())
+    assert torch.load(last, weights_only=True)["step"] >= 1
 
 
 def test_pix_zeta_trains_a_bottleneck_resnet_with_pix_blocks(tmp_path):
