@@ -36,10 +36,11 @@ def _refuse_added_keys(cfg: DictConfig) -> None:
     """ValueError for a key added with '+' or '++' on the command line (`adding_overrides`): export reads only
     conf/export.yaml's keys, so an added one (a misspelling such as +profile.batchsize) would be ignored."""
     added = adding_overrides(command_line_overrides() or [])
-    for o in added:
+    if added:
         known = ", ".join(sorted(str(k) for k in cfg if k not in {a.key_or_group for a in added}))
-        raise ValueError(f"export: {typed(o)} is not an export setting, so it would be ignored (settings: {known}; "
-                         "profile.* and onnx.* have their own keys, see conf/export.yaml); set existing keys "
+        what = "is not an export setting, so it" if len(added) == 1 else "are not export settings, so they"
+        raise ValueError(f"export: {', '.join(typed(a) for a in added)} {what} would be ignored (settings: "
+                         f"{known}; profile.* and onnx.* have their own keys, see conf/export.yaml); set existing keys "
                          "without '+', and check the spelling")
 
 
