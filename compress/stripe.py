@@ -345,7 +345,7 @@ class StripeConv2d(nn.Module):
         """x (B, C, H, W) -> (B, N, Ho, Wo), in x's layout (see `_layout`); an unbatched x (C, H, W) -> (N, Ho, Wo),
         as nn.Conv2d. Any strides: an x that is neither contiguous NCHW nor channels_last (a channel slice) is
         copied first."""
-        if x.dim() == 3:
+        if x.dim() == 3 and x.shape[0] == self.in_channels:
             return self.forward(x.unsqueeze(0)).squeeze(0)
         if x.dim() != 4 or (not torch.jit.is_tracing() and x.shape[1] != self.in_channels):
             raise ValueError(f"StripeConv2d: expected input (B, {self.in_channels}, H, W) or ({self.in_channels}, "
@@ -594,18 +594,28 @@ class StripeConv2d(nn.Module):
             "pool_ceil": self.pool_ceil,
         }
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
         params, buffers = dict(self._parameters), dict(self._buffers)
         kept = [(t, t.detach().clone()) for t in (*params.values(), *buffers.values()) if t is not None]
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        try:
-            self._build_plan()
-        except ValueError:  # invalid indices: the module stays as it was (weights, indices, plan), not half loaded
+        errors = len(error_msgs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+        def restore() -> None:  # the module stays as it was (weights, indices, plan), not half loaded
             self._parameters.update(params)  # the tensors themselves: load_state_dict(assign=True) replaced them
             self._buffers.update(buffers)
             with torch.no_grad():
                 for t, value in kept:
                     t.copy_(value)
+
+        if len(error_msgs) > errors:  # shapes that do not fit (another stripe count): load_state_dict raises with
+            restore()  # PyTorch's size-mismatch message
+            return
+        try:
+            self._build_plan()
+        except ValueError:  # invalid indices
+            restore()
             raise
 
     def _build_plan(self) -> None:

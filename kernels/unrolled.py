@@ -85,5 +85,5 @@ def unrolled_conv2d(x: Tensor, u: Tensor, bias_rows: Tensor | None, out_hw, relu
         y = rows @ u.t() if bias_rows is None else torch.addmm(bias_rows, rows, u.t())
         if relu:
             y = y.relu_()
-    y = y.view(B, Ho, Wo, -1).permute(0, 3, 1, 2)
+    y = y.view(B, Ho, Wo, u.shape[0] // (Ho * Wo)).permute(0, 3, 1, 2)  # (not -1: B may be 0)
     return y if memory_format == torch.channels_last else y.contiguous(memory_format=memory_format)

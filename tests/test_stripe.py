@@ -181,6 +181,13 @@ def test_corrupt_indices_are_rejected():
         s.load_state_dict(state, assign=True)  # assign replaces the tensors themselves: the old ones come back
     assert all(torch.equal(v, good[k]) for k, v in s.state_dict().items())
     torch.testing.assert_close(s(x), want)
+    fewer = StripeConv2d.from_dense(conv, torch.rand(4, 3, 3, generator=torch.Generator().manual_seed(1)) < 0.5)
+    for assign in (False, True):  # another stripe count: PyTorch's size-mismatch error, the module unchanged
+        with pytest.raises(RuntimeError, match=rf"size mismatch for weight: copying a param with shape "
+                                               rf"torch.Size\(\[{fewer.num_stripes}, 3\]\)"):
+            s.load_state_dict(fewer.state_dict(), assign=assign)
+        assert all(torch.equal(v, good[k]) for k, v in s.state_dict().items())
+        torch.testing.assert_close(s(x), want)
 
 
 @pytest.mark.parametrize("mode", ["dense", "gemm"])
@@ -725,6 +732,8 @@ def test_any_input_strides_and_unbatched_inputs(mode, hw):
     with torch.no_grad():
         assert s(one).shape == (8, hw, hw)
         torch.testing.assert_close(s(one), _masked_reference(conv, mask, one[None])[0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=rf"expected input \(B, 6, H, W\) or \(6, H, W\), got \(7, {hw}, {hw}\)"):
+        s(wide[0, :7])  # the shape given, not one with a batch dimension added
     x = wide[:, 2:8]
     y = kernels.stripe_conv2d(x, s.weight, s.out_index, s.offset, s.bias, 8, 3, 1, 1)
     torch.testing.assert_close(y, _masked_reference(conv, mask, x), rtol=1e-5, atol=1e-5)

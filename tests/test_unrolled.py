@@ -30,6 +30,7 @@ def test_unrolled_conv_matches_conv2d(shape, relu, with_bias):
     want = want.relu() if relu else want
     assert got.is_contiguous(memory_format=torch.channels_last)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert unrolled.unrolled_conv2d(x[:0], u, bias_rows, out_hw, relu).shape == (0, N, *out_hw)  # an empty batch
 
 
 def test_fits_bounds():
@@ -135,6 +136,9 @@ def test_choose_modes_picks_the_fastest_measured():
     r = report["0"]
     times = {k: r[f"{k}_ms"] for k in ("stripe", "dense", "gemm")}
     assert modes == {"0": min(times, key=times.get)} and model[0].mode == modes["0"]
+    with torch.no_grad():  # an empty batch times every mode too (gemm's output view failed on it)
+        assert set(compress.choose_modes(model, x[:0], repeats=1, timing="eager", report=report).values()) <= set(times)
+    assert report["0"]["gemm_ms"] > 0
 
 
 @pytest.mark.cuda
