@@ -283,7 +283,9 @@ def _cifar(opts: dict):
         target.mkdir(parents=True)
     root = _require_root(opts, f"{folder}/ (the python version of {name}, extracted)", how)
     if not opts["download"] and not (root / folder).is_dir():
-        raise DatasetNotFoundError(f"{name}: {root / folder}/ not found under data.root={root}. {how}")
+        inside = f" data.root names {folder}/ itself: give the folder holding it, data.root={root.parent}." \
+            if root.name == folder else ""
+        raise DatasetNotFoundError(f"{name}: {root / folder}/ not found under data.root={root}.{inside} {how}")
     resize = [T.Resize(size)] if size != 32 else []
     normalize = [T.ToTensor(), T.Normalize(mean, std)]
     train_tf = T.Compose(
@@ -341,8 +343,10 @@ def _image_folder(opts: dict):
     root = _require_root(opts, expected, how)
     missing = [d for d in ("train", "val") if not (root / d).is_dir()]
     if missing:
+        inside = (f" data.root names its {root.name}/ itself: give the folder holding train/ and val/, data.root="
+                  f"{root.parent}." if root.name in ("train", "val") and (root.parent / "train").is_dir() else "")
         raise DatasetNotFoundError(
-            f"{name}: no {' or '.join(d + '/' for d in missing)} in data.root={root}; expected {expected}. {how}"
+            f"{name}: no {' or '.join(d + '/' for d in missing)} in data.root={root}; expected {expected}.{inside} {how}"
         )
     normalize = [T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
     train_tf = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip()] + normalize)
@@ -356,7 +360,10 @@ def _image_folder(opts: dict):
         try:
             splits.append(tvd.ImageFolder(str(root / split), transform=transform, loader=load_image))
         except FileNotFoundError as e:  # torchvision: no class folders or no images
-            raise DatasetNotFoundError(f"{name}: {split}/: {e}; expected {expected} in data.root={root}. {how}") from e
+            raise DatasetNotFoundError(
+                f"{name}: {split}/: {e}; expected {expected} in data.root={root}: every folder in {split}/ is a class "
+                "and needs images (a hidden one such as .ipynb_checkpoints counts too, as in torchvision's "
+                f"ImageFolder: remove it). {how}") from e
     train, test = splits
     if train.classes != test.classes:
         only = [f"only in {split}/: {', '.join(sorted(extra)[:5])}{', ...' if len(extra) > 5 else ''}"
@@ -398,14 +405,16 @@ def load_image(path: str):
             img.load()
     except Exception as err:
         raise OSError(f"cannot read the image {path} ({type(err).__name__}: {err}); remove or replace the file") from None
-    if img.mode == "F" or img.mode.startswith("I;32"):
+    # mode I is 32-bit integers in PIL; older Pillow opens 16-bit PNGs in it too, so a TIFF's own bit count decides
+    bits = max(getattr(img, "tag_v2", {}).get(258, (0,)))  # TIFF BitsPerSample, when the file has it
+    if img.mode == "F" or img.mode.startswith("I;32") or (img.mode == "I" and bits > 16):
         raise OSError(f"cannot read the image {path}: its pixels are {img.mode} values (float or 32-bit), whose "
                       "range is not known; save it with 8 or 16 bits per channel")
     if img.mode.startswith("I;16") or img.mode == "I":
         wide = np.asarray(img, dtype=np.float64)
         if wide.size and not 0 <= wide.min() <= wide.max() <= 65535:
-            raise OSError(f"cannot read the image {path}: its 32-bit pixels reach {wide.min():g}..{wide.max():g}, "
-                          "outside the 16-bit range this loader scales; save it with 8 or 16 bits per channel")
+            raise OSError(f"cannot read the image {path}: its pixels reach {wide.min():g}..{wide.max():g}, outside "
+                          "the 16-bit range 0..65535 this loader scales; save it with 8 or 16 bits per channel")
         img = Image.fromarray((wide * (255 / 65535)).round().astype(np.uint8))
     return img.convert("RGB")
 
@@ -415,9 +424,10 @@ def load_image(path: str):
 
 class _FakeImages(Dataset):
     """`size` standard-normal images (in_chans, s, s), image i drawn from its own generator, seeded with image key
-    `first` + i of data seed `seed` (so any size costs no memory and every worker sees the same data; torch's CPU
+    `first` + i of data seed `seed` (so the images cost no memory, and every worker sees the same data; torch's CPU
     generator keeps a seed's low 32 bits, so the keys of one seed's train and test images, 0 .. train_size +
-    test_size - 1, never share a generator), with fixed random labels drawn with `label_seed`."""
+    test_size - 1, never share a generator; seeds s and s + 1 do share images once train_size + test_size exceeds
+    1,000,003), with fixed random labels (8 bytes each, held) drawn with `label_seed`."""
 
     def __init__(self, size: int, num_classes: int, shape: tuple[int, int, int], seed: int, first: int,
                  label_seed: int):

@@ -591,8 +591,16 @@ def test_image_folders_read_16_bit_images_scaled_and_name_a_bad_file(tmp_path):
     (root / "val" / "c").mkdir()
     (root / "train" / "c").mkdir()
     (root / "train" / "c" / "0.png").write_bytes((root / "train" / "a" / "0.png").read_bytes())
-    with pytest.raises(DatasetNotFoundError, match=r"imagefolder: val/: Found no valid file for the classes c"):
+    with pytest.raises(DatasetNotFoundError, match=r"imagefolder: val/: Found no valid file for the classes c.*every "
+                                                   r"folder in val/ is a class and needs images \(a hidden one"):
         build_data({"name": "imagefolder", "root": str(root), "input_size": 8})
+    with pytest.raises(DatasetNotFoundError, match=rf"data.root names its train/ itself: give the folder holding "
+                                                   rf"train/ and val/, data.root={root}\."):
+        build_data({"name": "imagefolder", "root": str(root / "train"), "input_size": 8})
+    (root / "cifar-10-batches-py").mkdir()
+    with pytest.raises(DatasetNotFoundError, match=rf"data.root names cifar-10-batches-py/ itself: give the folder "
+                                                   rf"holding it, data.root={root}\."):
+        build_data({"name": "cifar10", "root": str(root / "cifar-10-batches-py")})
 
 
 def test_train_and_test_sizes_are_refused_outside_fake_data(tmp_path):
@@ -653,11 +661,13 @@ def test_image_folders_refuse_symlink_loops_and_float_or_32_bit_images(tmp_path)
     Image.fromarray(np.full((4, 4), 0.8, np.float32)).save(tmp_path / "f.tif")
     with pytest.raises(OSError, match=r"cannot read the image .*f.tif: its pixels are F values"):
         load_image(str(tmp_path / "f.tif"))
-    Image.fromarray(np.full((4, 4), 70000, np.int32)).save(tmp_path / "i.tif")
-    with pytest.raises(OSError, match=r"cannot read the image .*i.tif: its 32-bit pixels reach 70000\.\.70000"):
-        load_image(str(tmp_path / "i.tif"))
-    Image.fromarray(np.full((4, 4), 65535, np.int32)).save(tmp_path / "w.tif")  # in the 16-bit range: scaled
-    assert np.asarray(load_image(str(tmp_path / "w.tif"))).min() == 255
+    for value in (70000, 200):  # a 32-bit TIFF, also with values a 16-bit image could hold (200 came out as 1)
+        Image.fromarray(np.full((4, 4), value, np.int32)).save(tmp_path / "i.tif")
+        with pytest.raises(OSError, match=r"cannot read the image .*i.tif: its pixels are I values \(float or 32-bit\)"):
+            load_image(str(tmp_path / "i.tif"))
+    for value, want in ((65535, 255), (200, 1)):  # 16-bit TIFFs: scaled to 8 bits
+        Image.fromarray(np.full((4, 4), value, np.uint16)).save(tmp_path / "w.tif")
+        assert np.asarray(load_image(str(tmp_path / "w.tif"))).min() == want
 
     with pytest.raises(DatasetNotFoundError, match=r"data.root=.*0.png is not a directory"):
         build_data({"name": "imagefolder", "root": str(root / "train" / "a" / "0.png")})
