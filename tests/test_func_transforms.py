@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from randomize import random_bn_
 
 import compress
 from compress.stripe import StripeConv2d
@@ -91,9 +92,7 @@ def _compact_model(name: str, zeta: int | None, device: str) -> nn.Module:
         for module in model.modules():
             if hasattr(module, "skeleton"):
                 module.skeleton.copy_(torch.rand_like(module.skeleton))
-        for bn in (m for m in model.modules() if isinstance(m, nn.BatchNorm2d)):
-            bn.running_mean.uniform_(-0.5, 0.5)
-            bn.running_var.uniform_(0.5, 2.0)
+    random_bn_(model, torch.Generator().manual_seed(0))
     model = compress.compact(model.eval(), threshold=0.5)
     for layer in model.modules():  # every stripe conv on the op's path
         if isinstance(layer, StripeConv2d):

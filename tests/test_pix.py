@@ -424,10 +424,8 @@ def test_compaction_drops_the_pix_work_of_a_branch_with_no_stripe_left(tmp_path,
     model = create_model(arch, num_classes=5, input_size=16)
     apply_pix(model, zeta)
     compress.attach_skeletons(model)
+    random_bn_(model, torch.Generator().manual_seed(0))
     with torch.no_grad():
-        for bn in (m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)):
-            bn.weight.uniform_(0.5, 1.5), bn.bias.uniform_(-1, 1)
-            bn.running_mean.uniform_(-0.5, 0.5), bn.running_var.uniform_(0.5, 2)
         for name in dead:
             model.get_submodule(name).skeleton.zero_()
     model = model.double().eval()
