@@ -155,6 +155,9 @@ def _options(cfg) -> dict[str, Any]:
     name = opts["name"]
     if name not in DATASETS:
         raise ValueError(f"build_data: unknown dataset {name!r}; known datasets: {', '.join(DATASETS)}")
+    if opts["root"] is not None and not isinstance(opts["root"], (str, os.PathLike)):
+        raise ValueError(f"build_data: data.root={opts['root']!r} is of type {type(opts['root']).__name__}; give the "
+                         f"folder as a string or path (e.g. root='{opts['root']}')")
     if opts["input_size"] is None:
         opts["input_size"] = 224 if name in ("imagenet", "imagefolder") else 32
     if opts["in_chans"] is None:

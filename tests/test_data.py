@@ -636,6 +636,16 @@ def test_download_with_data_that_cannot_be_downloaded_is_noted(tmp_path):
                            "download": True}).classes == ["a", "b"]
 
 
+def test_a_root_that_is_not_a_path_is_a_clear_error(tmp_path):
+    """build_data from Python with a number as data.root (a folder named 2024) raised a bare TypeError from pathlib;
+    now a ValueError naming the value and the fix. A pathlib.Path works as a string does."""
+    with pytest.raises(ValueError, match=r"data.root=2024 is of type int; give the folder as a string or "
+                                         r"path \(e.g. root='2024'\)"):
+        build_data({"name": "imagefolder", "root": 2024})
+    _folder(tmp_path, ["a", "b"])
+    assert build_data({"name": "imagefolder", "root": tmp_path, "input_size": 8}).classes == ["a", "b"]
+
+
 def test_image_folders_refuse_symlink_loops_and_float_or_32_bit_images(tmp_path):
     """A symlink in a class folder to a folder above it made ImageFolder read each image below it ~40 times
     (followlinks); float and 32-bit pixels came out near-black; a data.root that is a file said 'does not exist'."""
