@@ -431,7 +431,7 @@ def test_tile_keep_and_tile_offsets_follow_the_mask():
     assert kernels.stripe_cost(256, 256, 500, 3, "cuda", {16: 0.2, 32: 0.2, 64: 0.2, 128: 0.35}) < 1
 
 
-_INTERPRET_SCRIPT = r"""
+_INTERPRET_PRELUDE = r"""
 import sys, torch
 sys.path.insert(0, "tests")
 import kernels
@@ -440,6 +440,10 @@ from test_kernels_stripe import block_layer, random_layer, _ref
 gen = torch.Generator().manual_seed(8)
 cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, CHUNK=16, num_warps=4, num_stages=2)
 gcfg = dict(cfg, CHUNK=8, GATHER=True)
+"""
+
+# every route's forward and both Triton gradients, per case
+_INTERPRET_ROUTES = r"""
 for dt, ks, st, pd, dl, C, N, c, fmt in [
         (torch.float32, (3, 3), (1, 1), (1, 1), (1, 1), 16, 20, None, torch.contiguous_format),
         (torch.float32, (3, 3), (1, 1), (1, 1), (1, 1), 3, 40, None, torch.channels_last),  # RGB: im2col route
@@ -503,6 +507,12 @@ w, oi, off = random_layer(8, 16, (3, 3), 0.4, gen, dtype=torch.float32)
 x0, g0 = torch.randn(0, 16, 6, 5), torch.randn(0, 8, 6, 5)
 dx, dw = stripe_triton.backward(g0, x0, w, oi, off, 8, [3, 3], [1, 1], [1, 1], [1, 1], True, True)
 assert dx.shape == x0.shape and dw.shape == w.shape and not dw.any(), (dx.shape, dw.shape)
+print("OK")
+"""
+
+# prepared launches: the LISTED route, a kept Launch, the max-pool epilogue
+_INTERPRET_LAUNCHES = r"""
+import torch.nn.functional as F
 # the LISTED route (a tile's kept offsets only) on masks shared by groups of 16 filters: tiles of 16 (the last
 # one partial), C not a multiple of BLOCK_K, stride 2, both layouts, chosen by default_config from tile_keep
 for dt, st, C, N, fmt in ((torch.float32, (1, 1), 24, 40, torch.channels_last),
@@ -534,7 +544,6 @@ for xi in (x1, x2):
 # tile spans images: every route), 8x8 and 6x10 (a tile's windows span rows: the routes split between them, both
 # layouts in each) outputs; a 5-high one takes the launcher's pool after the kernel (ceil mode: 3 rows). (Each
 # interpreted launch over the larger maps takes seconds: the routes share the epilogue, so not every pair runs.)
-import torch.nn.functional as F
 routes = ((cfg, torch.contiguous_format, torch.float32), (gcfg, torch.channels_last, torch.float16),
           (dict(cfg, DENSE=True), torch.channels_last, torch.float32),
           (dict(cfg, DENSE=True, NOSKIP=True), torch.contiguous_format, torch.float16),
@@ -564,15 +573,23 @@ print("OK")
 def test_triton_kernel_interpreted_on_cpu():
     """The Triton kernel's indexing, its one-hot and gather reductions, its im2col route and its max-pool epilogue,
     run by TRITON_INTERPRET=1 on tiny shapes (CHUNK 8 < the tile's stripes per offset, so a column's stripe may fall
-    in a later chunk)."""
+    in a later chunk). The routes and the prepared launches run in two processes at once: the interpreter is
+    single-threaded Python, and together they took 45 s of one core."""
     import subprocess
     import sys
 
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-c", _INTERPRET_SCRIPT], cwd=root, env=env, capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stdout + r.stderr
+    procs = [subprocess.Popen([sys.executable, "-c", _INTERPRET_PRELUDE + part], cwd=root, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for part in (_INTERPRET_ROUTES, _INTERPRET_LAUNCHES)]
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=300)
+            assert proc.returncode == 0 and out.strip().endswith("OK"), out + err
+    finally:
+        for proc in procs:
+            proc.kill()
 
 
 # ----------------------------------------------------------------------------------------------- CUDA
