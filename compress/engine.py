@@ -4,7 +4,8 @@
 variables select DDP (gloo on CPU, NCCL on CUDA), and only rank 0 logs and writes checkpoints,
 TensorBoard and summary.json (the other ranks wait at a barrier after each checkpoint).
 Checkpoints (`<run_dir>/checkpoints/last.pt`, `best.pt`) are written atomically at every epoch end and
-where trainer.max_steps stops a run inside an epoch; `resume=true` continues from
+where trainer.max_steps stops a run inside an epoch, every trainer.checkpoint_every steps, and after the step at
+which a SIGTERM (a batch system ending the job) stops the run (`compress._stop`); `resume=true` continues from
 `<run_dir>/checkpoints/last.pt`, `resume=<path>` from that file, with the checkpoint's config (see
 `_resume_config`) and, inside an epoch, from the batch after the last one trained (`_resume_mid_epoch`).
 
@@ -48,6 +49,7 @@ from compress._logging import RunLogger, format_summary, log_failure, progress, 
 from compress._macs import estimate_macs
 from compress._modes import evaluating
 from compress._overrides import adding_overrides, command_line_overrides, typed
+from compress._stop import StepStop, Terminated
 from compress._trainstate import atomic_save, check_weight_kinds, load_checkpoint, rng_state, set_rng_state
 from compress.checkpoint import build_recipe, rebuild_for, unregistered_module
 from compress.checkpoint import load as load_compact
@@ -117,6 +119,14 @@ def setup_distributed(device: str = "auto") -> DistInfo:
     if not torch_dist.is_initialized():
         torch_dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
     return DistInfo(torch_dist.get_rank(), world_size, dev)
+
+
+def _stop_group(dist: DistInfo):
+    """The group `StepStop` sums the ranks' SIGTERM flags over: None for one process, else a gloo group of every
+    rank (the flags are CPU ints: no device sync; under NCCL a second group)."""
+    if dist.world_size == 1:
+        return None
+    return torch_dist.group.WORLD if torch_dist.get_backend() == "gloo" else torch_dist.new_group(backend="gloo")
 
 
 def _shared_run_dir(run_dir: Path, dist: DistInfo) -> Path:
@@ -1216,75 +1226,87 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float, began: Ca
     every = cfg.trainer.get("checkpoint_every")
 
     def on_step(at: int, done: int) -> None:
-        """trainer.checkpoint_every: last.pt inside an epoch every `every` steps (the epoch's end and a max_steps
-        stop save anyway)."""
-        if every and at % every == 0 and done < len(data.train) and (max_steps is None or at < max_steps):
+        """Inside an epoch (the epoch's end and a max_steps stop save anyway): last.pt every trainer.checkpoint_every
+        steps, and at the step a SIGTERM stops the run (every rank asks `stop` at the same steps)."""
+        if done == len(data.train) or (max_steps is not None and at >= max_steps):
+            return
+        saved = bool(every) and at % every == 0
+        if saved:
             save(epoch, done, at, epoch_rng, rng_state(generator), is_best=False, logged=False)
+        if stop.due():
+            if not saved:
+                save(epoch, done, at, epoch_rng, rng_state(generator), is_best=False, logged=False)
+            raise Terminated(f"last.pt holds step {at} (epoch {epoch + 1}, batch {done} of {len(data.train)}); "
+                             "resume=true continues from there")
 
     epochs_trained = first_epoch + (1 if skip or first_sample else 0)  # the last epoch trained in (finished or not), 1-based
     _say_if_nothing_to_train(first_epoch, epochs, step, max_steps, dist)
     epoch_bar = progress(range(first_epoch, epochs), dist.is_main, desc="epochs")
-    for epoch in epoch_bar:
-        if max_steps is not None and step >= max_steps:
-            break
-        data.train.sampler.set_epoch(epoch, first_sample)
-        epoch_rng = ckpt["rng_epoch_start"][dist.rank] if skip else rng_state(generator)
-        log_step.restart()
-        if skip:  # the step log's rate, too, starts after the dropped batches
-            after_skip = _then(after_skip, log_step.restart)
-        train, step, done = train_one_epoch(s, data.train, step, max_steps, log_step, dist.is_main, skip, after_skip,
-                                            on_step)
-        first_sample, skip, after_skip, epochs_trained = 0, 0, None, epoch + 1
-        partial = done < len(data.train)  # stopped by max_steps inside the epoch: resume goes on from batch `done`
-        # inside an epoch, the streams right after the last step (an uninterrupted run loads the next batch from
-        # there); evaluating would move them (a DataLoader draws its iterator's seed from the global RNG)
-        rng = rng_state(generator) if partial else None
-        stopping = max_steps is not None and step >= max_steps
-        # the rate is NaN only where no batch ran (a resumed epoch with none left, EpochSampler); a NaN loss is not
-        trained = not np.isnan(train["images_per_s"])
-        # such an epoch at the step whose epoch line the checkpoint's run logged: those weights were evaluated there
-        logged_before = not trained and ckpt is not None and step == ckpt.get("logged_step")
-        evaluated = ((epoch + 1) % cfg.trainer.eval_every == 0 or epoch + 1 == epochs or stopping) and not logged_before
-        if evaluated:
-            try:
-                test = evaluate(s, data.test, dist.is_main)
-            except Exception:
-                if dist.world_size == 1:  # (under DDP the other ranks are inside the evaluation's collectives)
-                    # keep what the epoch trained (an unreadable test image would otherwise cost it on every
-                    # attempt): last.pt as at an epoch end without an evaluation, then stop
-                    if not partial:
-                        scheduler.step()
-                    test = {"loss": float("nan"), "accuracy": float("nan")}  # these weights were not evaluated
-                    save(epoch, done, step, epoch_rng, rng or rng_state(generator), is_best=False, logged=False)
-                raise
-        lr = optimizer.param_groups[0]["lr"]
-        if not partial:
-            scheduler.step()
-        stats = skeleton_stats(raw, threshold)
-        macs_dense, macs_pruned = estimate_macs(raw, input_shape, threshold)
-        if not logged_before:  # each step once in TensorBoard; no NaN train metrics of an epoch with no batch
-            logger.scalars(
-                ({"train/loss": train["loss"], "train/accuracy": train["accuracy"],
-                  "epoch/images_per_s": train["images_per_s"]} if trained else {})
-                | {"epoch/lr": lr, "macs/pruned_estimate": macs_pruned}
-                | _peak_gpu_memory(dist.device)
-                | ({"test/loss": test["loss"], "test/accuracy": test["accuracy"]} if evaluated else {}),
-                step,
-            )
-            logger.skeletons(raw, stats, threshold, step)
-        is_best = evaluated and test["accuracy"] > best
-        best = max(best, test["accuracy"]) if evaluated else best
-        if dist.is_main and not logged_before:
-            kept = stats["stripes_kept"] / max(stats["stripes_total"], 1)
-            say(
-                f"epoch {epoch + 1}/{epochs} step {step} lr {lr:.4g} train loss {train['loss']:.4f} "
-                f"acc {train['accuracy']:.4f} | test acc " + (f"{test['accuracy']:.4f}" if evaluated else "-")
-                + (f" | stripes kept {kept:.1%}" if stats["stripes_total"] else ""),
-                epoch_bar.write,
-            )
-        save(epoch, done, step, epoch_rng, rng or rng_state(generator), is_best)
-        if stopping:
-            break
+    with StepStop(_stop_group(dist)) as stop:  # SIGTERM: the run stops after a step (see on_step), not inside it
+        for epoch in epoch_bar:
+            if max_steps is not None and step >= max_steps:
+                break
+            data.train.sampler.set_epoch(epoch, first_sample)
+            epoch_rng = ckpt["rng_epoch_start"][dist.rank] if skip else rng_state(generator)
+            log_step.restart()
+            if skip:  # the step log's rate, too, starts after the dropped batches
+                after_skip = _then(after_skip, log_step.restart)
+            train, step, done = train_one_epoch(s, data.train, step, max_steps, log_step, dist.is_main, skip, after_skip,
+                                                on_step)
+            first_sample, skip, after_skip, epochs_trained = 0, 0, None, epoch + 1
+            partial = done < len(data.train)  # stopped by max_steps inside the epoch: resume goes on from batch `done`
+            # inside an epoch, the streams right after the last step (an uninterrupted run loads the next batch from
+            # there); evaluating would move them (a DataLoader draws its iterator's seed from the global RNG)
+            rng = rng_state(generator) if partial else None
+            stopping = max_steps is not None and step >= max_steps
+            # the rate is NaN only where no batch ran (a resumed epoch with none left, EpochSampler); a NaN loss is not
+            trained = not np.isnan(train["images_per_s"])
+            # such an epoch at the step whose epoch line the checkpoint's run logged: those weights were evaluated there
+            logged_before = not trained and ckpt is not None and step == ckpt.get("logged_step")
+            evaluated = ((epoch + 1) % cfg.trainer.eval_every == 0 or epoch + 1 == epochs or stopping) and not logged_before
+            if evaluated:
+                try:
+                    test = evaluate(s, data.test, dist.is_main)
+                except Exception:
+                    if dist.world_size == 1:  # (under DDP the other ranks are inside the evaluation's collectives)
+                        # keep what the epoch trained (an unreadable test image would otherwise cost it on every
+                        # attempt): last.pt as at an epoch end without an evaluation, then stop
+                        if not partial:
+                            scheduler.step()
+                        test = {"loss": float("nan"), "accuracy": float("nan")}  # these weights were not evaluated
+                        save(epoch, done, step, epoch_rng, rng or rng_state(generator), is_best=False, logged=False)
+                    raise
+            lr = optimizer.param_groups[0]["lr"]
+            if not partial:
+                scheduler.step()
+            stats = skeleton_stats(raw, threshold)
+            macs_dense, macs_pruned = estimate_macs(raw, input_shape, threshold)
+            if not logged_before:  # each step once in TensorBoard; no NaN train metrics of an epoch with no batch
+                logger.scalars(
+                    ({"train/loss": train["loss"], "train/accuracy": train["accuracy"],
+                      "epoch/images_per_s": train["images_per_s"]} if trained else {})
+                    | {"epoch/lr": lr, "macs/pruned_estimate": macs_pruned}
+                    | _peak_gpu_memory(dist.device)
+                    | ({"test/loss": test["loss"], "test/accuracy": test["accuracy"]} if evaluated else {}),
+                    step,
+                )
+                logger.skeletons(raw, stats, threshold, step)
+            is_best = evaluated and test["accuracy"] > best
+            best = max(best, test["accuracy"]) if evaluated else best
+            if dist.is_main and not logged_before:
+                kept = stats["stripes_kept"] / max(stats["stripes_total"], 1)
+                say(
+                    f"epoch {epoch + 1}/{epochs} step {step} lr {lr:.4g} train loss {train['loss']:.4f} "
+                    f"acc {train['accuracy']:.4f} | test acc " + (f"{test['accuracy']:.4f}" if evaluated else "-")
+                    + (f" | stripes kept {kept:.1%}" if stats["stripes_total"] else ""),
+                    epoch_bar.write,
+                )
+            save(epoch, done, step, epoch_rng, rng or rng_state(generator), is_best)
+            if stopping:
+                break
+            if epoch + 1 < epochs and stop.due(now=True):  # a SIGTERM during the epoch's last step or evaluation
+                raise Terminated(f"last.pt holds step {step}, the end of epoch {epoch + 1}; resume=true continues "
+                                 "from there")
     logger.close()
     if cfg.trainer.dump_rank_state:  # debug/tests: every rank's final weights, skeletons and buffers
         atomic_save({"model": raw.state_dict(), "step": step}, run_dir / f"rank{dist.rank}_state.pt")

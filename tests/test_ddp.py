@@ -8,9 +8,11 @@ without SyncBN would use per-rank batch statistics, and PyTorch's SyncBatchNorm 
 The 8 fake training images make 2 global batches per epoch.
 """
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +21,7 @@ import pytest
 import torch
 from cli import run_script
 from hydra import compose, initialize_config_dir
+from signalling import signalling_model
 
 from compress.engine import run
 
@@ -158,6 +161,31 @@ def test_torchrun_two_ranks_match_one_process_and_resume_across_world_sizes(tmp_
     _assert_same(_state(resumed, 0), _state(resumed, 1), exact=True)
     _assert_same(_state(resumed, 0), _state(tmp_path / "single"), exact=False)
     assert json.loads((resumed / "summary.json").read_text())["steps"] == 6
+
+
+def test_a_sigterm_that_reaches_one_rank_stops_every_rank_after_the_same_step(tmp_path):
+    """Rank 0 alone gets SIGTERM in step 3 (a batch system's signal reaches the ranks at different steps, or not all
+    of them): both ranks stop after step 4, where every rank learns of it (compress._stop), with last.pt at step 4
+    holding both ranks' RNG streams; no rank waits for ever in a collective the other never joins."""
+    launch = tmp_path / "launch"
+    args = signalling_model(launch, "ddp_sigterm_net")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "train.py"),
+           *args, "data.batch_size=4", f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path), "COMPRESS_TEST_SIGTERM": "3"}
+    # a session of its own: ranks stuck in a collective (the failure this test is for) are killed with torchrun
+    proc = subprocess.Popen(cmd, cwd=launch, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=240)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "the run stopped: Terminated: SIGTERM; last.pt holds step 4 (epoch 1, batch 4 of 8)" in log, err[-4000:]
+    assert "rank 1: the run stopped: Terminated: SIGTERM; last.pt holds step 4" in log
+    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
+    assert (ckpt["step"], ckpt["epoch_batches"], ckpt["world_size"], len(ckpt["rng"])) == (4, 4, 2, 2)
 
 
 def test_compile_runs_skeleton_convs_and_matches_eager(tmp_path, one_thread):

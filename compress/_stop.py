@@ -1,0 +1,117 @@
+"""SIGTERM (a batch system ending or preempting a job, `kill`) during training, without losing the steps trained.
+
+- `sigterm_raises()`: SIGTERM raises `Terminated` (train.py, around the whole run).
+- `StepStop`: within the training loop the first SIGTERM is only noted; the loop asks `due()` after each step and,
+  once it says so, writes last.pt at that step and raises `Terminated` itself. A second SIGTERM raises at once.
+  Under DDP every rank must stop at the same step (the checkpoint write is collective), though the signal reaches
+  the ranks at different steps, or only one of them: each step's flags are summed over the ranks in the background
+  (one gloo all-reduce of an int per step, waited for at the next step, so no device sync and no wait in the
+  step's critical path), and every rank reads the same answer one step later.
+
+Both leave processes forked from this one (DataLoader workers) ignoring SIGTERM: a worker ended first would fail the
+main process's next batch before it could write its checkpoint; workers end with the main process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as torch_dist
+
+__all__ = ["Terminated", "sigterm_raises", "StepStop"]
+
+
+class Terminated(SystemExit):
+    """The run stopped on SIGTERM; the process exits with status 143 (128 + SIGTERM), as the signal's default
+    would. `where`: what was saved (e.g. "last.pt holds step 12 ..."), else the general note."""
+
+    def __init__(self, where: str | None = None) -> None:
+        super().__init__(128 + signal.SIGTERM)
+        self.where = where
+
+    def __str__(self) -> str:
+        return "SIGTERM; " + (self.where or "resume=true continues from the run's last checkpoint, if it wrote one "
+                                            "(last.pt: at each epoch's end, every trainer.checkpoint_every steps, and "
+                                            "at the step a SIGTERM during training stops)")
+
+
+@contextlib.contextmanager
+def _on_sigterm(action: Callable[[], None]) -> Iterator[None]:
+    """Within: SIGTERM calls `action()` in this process and is ignored in processes forked from it; the previous
+    handler comes back after. Outside the main thread (where Python cannot set handlers) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pid = os.getpid()
+
+    def handler(signum, frame) -> None:
+        if os.getpid() == pid:
+            action()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _raise() -> None:
+    raise Terminated()
+
+
+def sigterm_raises() -> contextlib.AbstractContextManager[None]:
+    """Within: SIGTERM raises `Terminated` in this process (forked processes ignore it)."""
+    return _on_sigterm(_raise)
+
+
+class StepStop:
+    """Use as `with StepStop(group) as stop:` around the training loop and call `stop.due()` after every step
+    (every rank, the same steps): True once a SIGTERM was seen (by any rank, for `group` a gloo group of all ranks,
+    or None for one process), on every rank at the same call. `due(now=True)` also counts a signal seen since the
+    last call (a blocking all-reduce: use it where steps do not follow, e.g. at an epoch's end)."""
+
+    def __init__(self, group=None) -> None:
+        self.group = group
+        self.requested = False  # this process saw SIGTERM
+        self._flag = torch.zeros(1, dtype=torch.int32)
+        self._pending = None  # the all-reduce of the last call's flags
+        self._handler = None
+
+    def _note(self) -> None:
+        if self.requested:  # the second SIGTERM: stop now
+            raise Terminated()
+        self.requested = True
+
+    def __enter__(self) -> StepStop:
+        self._handler = _on_sigterm(self._note)
+        self._handler.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if self._pending is not None and exc[0] is None:  # no collective left behind
+                self._pending.wait()
+        finally:
+            self._pending = None
+            self._handler.__exit__(*exc)
+
+    def due(self, now: bool = False) -> bool:
+        if self.group is None:
+            return self.requested
+        if self._pending is not None:  # the flags of the last call, summed in the background since
+            self._pending.wait()
+            self._pending = None
+            if self._flag.item():
+                return True
+        self._flag.fill_(int(self.requested))
+        self._pending = torch_dist.all_reduce(self._flag, group=self.group, async_op=True)
+        if not now:
+            return False
+        self._pending.wait()
+        self._pending = None
+        return bool(self._flag.item())

@@ -1,0 +1,48 @@
+"""A model that sends its own process SIGTERM, as a batch system would, at a known training step (tests only)."""
+
+from pathlib import Path
+
+# SIGTERM during the forward of training step $COMPRESS_TEST_SIGTERM, counted in this process (on rank 0 only;
+# "K:2" sends it twice)
+MODULE = """
+import os
+import signal
+
+import torch
+import torch.nn as nn
+
+import compress
+
+
+class Net(nn.Module):
+    def __init__(self, num_classes, in_chans):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(in_chans, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU())
+        self.head = nn.Linear(8, num_classes)
+        self.steps = 0
+
+    def forward(self, x):
+        if self.training and torch.is_grad_enabled():
+            self.steps += 1
+            at, _, times = os.environ.get("COMPRESS_TEST_SIGTERM", "0").partition(":")
+            if self.steps == int(at) and os.environ.get("RANK", "0") == "0":
+                for _ in range(int(times or 1)):
+                    os.kill(os.getpid(), signal.SIGTERM)
+        return self.head(self.body(x).mean((2, 3)))
+
+
+@compress.register_model
+def {name}(num_classes=10, in_chans=3):
+    return Net(num_classes, in_chans)
+"""
+# 64 fake 8x8 images, batch 8: 8 steps per epoch (in one process)
+ARGS = ["data=fake", "data.input_size=8", "data.num_classes=3", "data.train_size=64", "data.test_size=8",
+        "data.batch_size=8", "optim=sgd_multistep", "optim.epochs=2", "optim.milestones=[1]", "prune=swp"]
+
+
+def signalling_model(folder: Path, name: str) -> list[str]:
+    """train.py's arguments for the signalling model, registered as `name` by a module of that name written to
+    `folder` (run train.py from there: imports= looks in the launch directory first)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.py").write_text(MODULE.replace("{name}", name))
+    return [*ARGS, f"imports=[{name}]", f"model.name={name}"]
