@@ -8,8 +8,9 @@
   (one gloo all-reduce of an int per step, waited for at the next step, so no device sync and no wait in the
   step's critical path), and every rank reads the same answer one step later.
 
-Both leave processes forked from this one (DataLoader workers) ignoring SIGTERM: a worker ended first would fail the
-main process's next batch before it could write its checkpoint; workers end with the main process.
+In processes forked from this one both handlers ignore SIGTERM. (DataLoader workers set their own handlers; they
+ignore it through `compress.data`'s worker_init_fn: a worker that a batch system's SIGTERM ended would fail this
+process's next batch before it could write its checkpoint.)
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,11 +188,20 @@ def _options(cfg) -> dict[str, Any]:
     return opts
 
 
+def _ignore_sigterm(worker_id: int) -> None:
+    """DataLoader workers ignore SIGTERM: a batch system (Slurm) sends it to every process of a job, and a worker
+    killed by it fails the training process's next batch (PyTorch's SIGCHLD check), before train.py could write its
+    checkpoint at the step it stops after. Workers still end with their loader, or within seconds of the training
+    process (PyTorch's watchdog)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def _loaders(train: Dataset, test: Dataset, opts: dict, rank: int, world_size: int):
     workers = opts["num_workers"]
     # Workers start afresh each epoch (not persistent): their RNG streams then come from the loader's generator at
     # the epoch's start, which a checkpoint holds, so a resumed run draws the augmentations an uninterrupted one does
-    common = dict(num_workers=workers, pin_memory=opts["pin_memory"], persistent_workers=False)
+    common = dict(num_workers=workers, pin_memory=opts["pin_memory"], persistent_workers=False,
+                  worker_init_fn=_ignore_sigterm if workers else None)
     # Seeds the per-epoch worker seeds; differs across ranks. (The order is the sampler's: seed + epoch.)
     generator = torch.Generator().manual_seed(opts["seed"] + rank)
     train_sampler = EpochSampler(len(train), opts["batch_size"], opts["seed"], rank, world_size)

@@ -3,10 +3,12 @@
 from pathlib import Path
 
 # SIGTERM during the forward of training step $COMPRESS_TEST_SIGTERM, counted in this process (on rank 0 only;
-# "K:2" sends it twice)
+# "K:2" sends it twice; "K:1:children" first to the DataLoader workers, from another process)
 MODULE = """
 import os
 import signal
+import subprocess
+import time
 
 import torch
 import torch.nn as nn
@@ -24,8 +26,15 @@ class Net(nn.Module):
     def forward(self, x):
         if self.training and torch.is_grad_enabled():
             self.steps += 1
-            at, _, times = os.environ.get("COMPRESS_TEST_SIGTERM", "0").partition(":")
+            at, times, children = (os.environ.get("COMPRESS_TEST_SIGTERM", "0") + "::").split(":")[:3]
             if self.steps == int(at) and os.environ.get("RANK", "0") == "0":
+                if children:  # as Slurm signals every process of a job: the DataLoader workers too, from outside
+                    with open(f"/proc/{os.getpid()}/task/{os.getpid()}/children") as f:
+                        kids = f.read().split()
+                    workers = [k for k in kids if open(f"/proc/{k}/comm").read().strip() == "pt_data_worker"]
+                    assert workers
+                    subprocess.run(["kill", "-TERM", *workers], check=True)
+                    time.sleep(0.5)  # they would be gone by now
                 for _ in range(int(times or 1)):
                     os.kill(os.getpid(), signal.SIGTERM)
         return self.head(self.body(x).mean((2, 3)))

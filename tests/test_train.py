@@ -341,7 +341,8 @@ def sigterm_caught():
 def test_sigterm_during_training_saves_the_step_and_stops_with_status_143(tmp_path, monkeypatch, sigterm_caught):
     """A batch system's SIGTERM mid-epoch: train.py finishes the step it is in, writes last.pt at that step (no
     trainer.checkpoint_every here), says so in train.log and exits with the signal's status (143); resume=true goes
-    on from that step. A second SIGTERM stops at once, inside the step."""
+    on from that step; also when the DataLoader workers get the signal too. A second SIGTERM stops at once, inside
+    the step; one in an epoch's last step stops after the epoch's evaluation and checkpoint."""
     args = signalling_model(tmp_path / "launch", "sigterm_net_a")
     monkeypatch.setenv("COMPRESS_TEST_SIGTERM", "3")
     r = run_script("train.py", *args, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path / "launch")
@@ -357,6 +358,13 @@ def test_sigterm_during_training_saves_the_step_and_stops_with_status_143(tmp_pa
                    cwd=tmp_path / "launch")
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 5
+
+    # Slurm signals every process of the job: the DataLoader workers ignore it, and go on loading until the stop
+    monkeypatch.setenv("COMPRESS_TEST_SIGTERM", "3:1:children")
+    r = run_script("train.py", *args, "data.num_workers=2", f"hydra.run.dir={tmp_path / 'workers'}",
+                   cwd=tmp_path / "launch")
+    assert r.returncode == 143 and not sigterm_caught, r.stderr[-3000:]
+    assert torch.load(tmp_path / "workers" / "checkpoints" / "last.pt", weights_only=True)["step"] == 3
 
     monkeypatch.setenv("COMPRESS_TEST_SIGTERM", "3:2")
     args = signalling_model(tmp_path / "launch", "sigterm_net_b")
