@@ -66,7 +66,7 @@ def _run_here(run_dir: Path, *overrides: str) -> dict:
 
 
 def _state(run_dir: Path, rank: int = 0) -> dict:
-    return torch.load(run_dir / f"rank{rank}_state.pt", weights_only=True)["model"]
+    return torch.load(run_dir / f"rank{rank}_state.pt", weights_only=True, map_location="cpu")["model"]
 
 
 def _assert_same(a: dict, b: dict, exact: bool) -> None:
