@@ -45,6 +45,7 @@ BASE = [
     "prune.alpha=0.01",
     f"prune.threshold={THRESHOLD}",
     "trainer.dump_rank_state=true",
+    "trainer.amp=false",  # on a GPU machine, float32 as on the CPU (bfloat16 autocast rounds 1 x 4 and 2 x 2 apart)
 ]
 PER_RANK = "data.batch_size=2"  # x 2 ranks = the single-process batch of 4
 SINGLE = "data.batch_size=4"
