@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -12,15 +13,24 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def whole(v, name: str) -> int:
+    """``v`` as an int: any integer (a NumPy one too), never a float or a bool, which ``int()`` would truncate or
+    take as 1 without a word (``zeta=3.7`` ran as 3). TypeError naming ``name`` otherwise."""
+    if not isinstance(v, bool):
+        try:
+            return operator.index(v)
+        except TypeError:
+            pass
+    raise TypeError(f"{name} must be an int, got {v!r}")
+
+
 def pair(v, name: str = "value") -> list[int]:
-    if isinstance(v, int):
-        return [v, v]
     if isinstance(v, str):
         raise ValueError(f"{name} must be an int or a pair of ints, got {v!r}: string padding ('same', 'valid') is not "
                          "supported; give the padding in pixels")
     try:
-        v = [int(a) for a in v]
-    except (TypeError, ValueError):
+        v = [whole(a, name) for a in v] if hasattr(v, "__iter__") else [whole(v, name)] * 2
+    except TypeError:
         raise ValueError(f"{name} must be an int or a pair of ints, got {v!r}") from None
     if len(v) == 1:
         return [v[0], v[0]]
@@ -181,3 +191,35 @@ def plain_eager(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
             and _plain_values(x) and (weight is None or _plain_values(weight))
             and _len_dispatch_modes is not None and _len_function_modes is not None
             and _len_dispatch_modes() == 0 and _len_function_modes() == 0)
+
+
+def register_conv_double_backward(backward_op, forward_op) -> None:
+    """Autograd for a conv's backward op, so that double backward works as with ``F.conv2d`` (gradient penalties,
+    Hessian-vector products). ``backward_op(grad, x, weight, *conf) -> (dx, dw)``, ``forward_op(x, weight, bias,
+    *conf) -> y``. Both outputs are bilinear, dx = conv_transpose(grad, weight) and dw = wgrad(x, grad), so with
+    ggx, ggw the gradients of dx, dw: d/d grad = conv(ggx, weight) + conv(x, ggw) (two forward ops), d/dx =
+    conv_transpose(grad, ggw) and d/d weight = wgrad(ggx, grad) (the backward op on (grad, x, ggw) and (grad, ggx,
+    weight)). Calls the ops themselves, so higher orders follow."""
+
+    def setup_context(ctx, inputs, output):
+        grad, x, weight, *conf = inputs
+        ctx.save_for_backward(grad, x, weight)
+        ctx.conf = conf
+
+    def double_backward(ctx, ggx, ggw):
+        grad, x, weight = ctx.saved_tensors
+        need_grad, need_x, need_w = ctx.needs_input_grad[:3]
+        ggx = None if ggx is None else ggx.contiguous(memory_format=memory_format(ggx))
+        ggw = None if ggw is None else ggw.contiguous()
+        d_grad = d_x = d_w = None
+        if need_grad:
+            parts = [forward_op(a, w, None, *ctx.conf) for a, w in ((ggx, weight), (x, ggw))
+                     if a is not None and w is not None]
+            d_grad = sum(parts[1:], parts[0]) if parts else None
+        if need_x and ggw is not None:
+            d_x = backward_op(grad, x, ggw, *ctx.conf)[0]
+        if need_w and ggx is not None:
+            d_w = backward_op(grad, ggx, weight, *ctx.conf)[1]
+        return (d_grad, d_x, d_w) + (None,) * len(ctx.conf)
+
+    backward_op.register_autograd(double_backward, setup_context=setup_context)

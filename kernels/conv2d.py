@@ -22,7 +22,9 @@ from kernels._utils import (
     conv_out_size,
     memory_format,
     pair,
+    register_conv_double_backward,
     use_kernel,
+    whole,
 )
 
 __all__ = ["conv2d", "Im2colConv2d", "COL_BYTES"]
@@ -160,6 +162,7 @@ def _backward(ctx, grad):
 
 
 _conv_op.register_autograd(_backward, setup_context=_setup_context)
+register_conv_double_backward(_conv_backward_op, _conv_op)
 
 
 def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padding=0, dilation=1,
@@ -177,7 +180,7 @@ def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padd
     """
     x, weight, bias = autocast_inputs(x, weight, bias)
     return _conv_op(x, weight, bias, pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation"),
-                    int(groups))
+                    whole(groups, "conv2d: groups"))
 
 
 class Im2colConv2d(nn.Module):

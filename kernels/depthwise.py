@@ -28,6 +28,7 @@ from kernels._utils import (
     conv_out_size,
     memory_format,
     pair,
+    register_conv_double_backward,
     use_kernel,
 )
 
@@ -153,6 +154,7 @@ def _backward(ctx, grad):
 
 
 _dw_op.register_autograd(_backward, setup_context=_setup_context)
+register_conv_double_backward(_dw_backward_op, _dw_op)
 
 
 def depthwise_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padding=0,

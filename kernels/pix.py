@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from kernels import _cpu, _ext
-from kernels._utils import acc_dtype, check_4d, check_like, memory_format, plain_eager, use_kernel
+from kernels._utils import acc_dtype, check_4d, check_like, memory_format, plain_eager, use_kernel, whole
 
 __all__ = ["pix", "pix_squeeze", "pix_reference", "residual_relu"]
 
@@ -245,7 +245,7 @@ def pix(x: Tensor, p: Tensor, zeta: int, tau: float = 0.5) -> Tensor:
     """
     if isinstance(p, torch.Tensor) and isinstance(x, torch.Tensor) and p.dtype != x.dtype and x.dtype.is_floating_point:
         p = p.to(x.dtype)
-    return _pix_op(x, p, int(zeta), float(tau))
+    return _pix_op(x, p, whole(zeta, "pix: zeta"), float(tau))
 
 
 # ------------------------------------------------------------------------------------------ pix_squeeze
@@ -464,7 +464,7 @@ def pix_squeeze(x: Tensor, weight: Tensor, zeta: int, tau: float = 0.5) -> Tenso
     CUDA calls the op's C++ functions, through ``_PixSqueezeCUDA`` when autograd records, and takes the channel
     mean that ``residual_relu`` kept on x instead of computing it (see there).
     """
-    zeta, tau = int(zeta), float(tau)
+    zeta, tau = whole(zeta, "pix_squeeze: zeta"), float(tau)
     if plain_eager(x, weight):
         grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
         # under torch.profiler CPU calls take the op, so that its time is attributed to it (the same C++ kernel);

@@ -53,6 +53,7 @@ from kernels._utils import (
     pair,
     tracing_or_compiling,
     use_kernel,
+    whole,
 )
 from kernels.pool import max_pool2x2
 
@@ -566,7 +567,7 @@ def stripe_conv2d(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, 
     if isinstance(x, Tensor):
         x = contiguous_input(x)
     x, weight, bias, dense = autocast_inputs(x, weight, bias, dense)
-    return _stripe_op(x, weight, out_index, offset, bias, plan, int(out_channels),
+    return _stripe_op(x, weight, out_index, offset, bias, plan, whole(out_channels, "stripe_conv2d: out_channels"),
                       pair(kernel_size, "kernel_size"), pair(stride, "stride"), pair(padding, "padding"),
                       pair(dilation, "dilation"), bool(relu), dense)
 
@@ -593,12 +594,13 @@ def prepare_stripe_conv2d(x: Tensor, weight: Tensor, out_index: Tensor, offset: 
 
     ks, st, pd, dl = (pair(v, nm) for v, nm in ((kernel_size, "kernel_size"), (stride, "stride"),
                                                  (padding, "padding"), (dilation, "dilation")))
-    _check(x, weight, out_index, offset, bias, plan, int(out_channels), ks, st, pd, dl, dense=dense)
+    out_channels = whole(out_channels, "prepare_stripe_conv2d: out_channels")
+    _check(x, weight, out_index, offset, bias, plan, out_channels, ks, st, pd, dl, dense=dense)
     if not (stripe_triton.available(x) and use_kernel(x)):
         return None
     if plan is None:
-        plan = stripe_plan(out_index, offset, int(out_channels), ks)  # validated once: the launcher is kept
-    return stripe_triton.prepare(x, weight, out_index, offset, bias, plan, int(out_channels), ks, st, pd, dl,
+        plan = stripe_plan(out_index, offset, out_channels, ks)  # validated once: the launcher is kept
+    return stripe_triton.prepare(x, weight, out_index, offset, bias, plan, out_channels, ks, st, pd, dl,
                                  bool(relu), dense=dense, pool=bool(pool), pool_ceil=bool(pool_ceil),
                                  tile_keep=tile_keep)
 
@@ -609,7 +611,7 @@ def stripe_tile_keep(plan: Tensor, out_channels: int) -> dict[int, float]:
     stripes where groups of filters share their offsets. One host read: call it once per plan."""
     from kernels import stripe_triton
 
-    return stripe_triton.tile_keep(plan, int(out_channels))
+    return stripe_triton.tile_keep(plan, whole(out_channels, "stripe_tile_keep: out_channels"))
 
 
 def stripe_reads_dense(x: Tensor, weight: Tensor, out_channels: int, kernel_size, stride=1, padding=0,
@@ -626,7 +628,7 @@ def stripe_reads_dense(x: Tensor, weight: Tensor, out_channels: int, kernel_size
         return False
     ks, st, pd, dl = (pair(v, nm) for v, nm in ((kernel_size, "kernel_size"), (stride, "stride"),
                                                  (padding, "padding"), (dilation, "dilation")))
-    cfg = stripe_triton.default_config(x.shape[1], int(out_channels), weight.shape[0], ks[0] * ks[1], x.dtype,
+    cfg = stripe_triton.default_config(x.shape[1], whole(out_channels, "stripe_reads_dense: out_channels"), weight.shape[0], ks[0] * ks[1], x.dtype,
                                        dense_given=True, pixels=stripe_triton.out_pixels(x, ks, st, pd, dl),
                                        tile_keep=tile_keep)
     return stripe_triton.reads_dense(cfg)

@@ -5,6 +5,7 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
+from grads import penalty_grads
 
 import kernels
 from kernels import _ext
@@ -81,6 +82,21 @@ def test_gradcheck():
     for t in (x, w, b):
         t.requires_grad_(True)
     assert torch.autograd.gradcheck(lambda a, c, e: kernels.conv2d(a, c, e, 2, 1, 1, 2), (x, w, b))
+
+
+def test_double_backward():
+    """Gradient penalties and Hessian-vector products work as with F.conv2d (groups, stride, dilation): gradgradcheck
+    in float64, and a penalty's gradients equal F.conv2d's, on NCHW and channels_last input."""
+    cfg = (4, 4, 5, 4, (3, 3), 2, 1, 1, 2)
+    x, w, b = make(cfg, dtype=torch.float64, B=2)
+    for t in (x, w, b):
+        t.requires_grad_(True)
+    assert torch.autograd.gradgradcheck(lambda a, c, e: kernels.conv2d(a, c, e, 2, 1, 1, 2), (x, w, b))
+    for xx in (x, x.detach().contiguous(memory_format=torch.channels_last)):
+        got = penalty_grads(lambda a, c, e: kernels.conv2d(a, c, e, 1, 2, 2, 2), xx, w, b)
+        want = penalty_grads(lambda a, c, e: F.conv2d(a, c, e, 1, 2, 2, 2), xx, w, b)
+        for g, gr in zip(got[:2], want[:2]):
+            assert ((g - gr).norm() / gr.norm()).item() < 1e-12
 
 
 def test_errors():

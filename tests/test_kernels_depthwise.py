@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from grads import penalty_grads
 
 import kernels
 from kernels import _ext
@@ -77,6 +78,21 @@ def test_gradcheck():
     for t in (x, w, b):
         t.requires_grad_(True)
     assert torch.autograd.gradcheck(lambda a, c, e: kernels.depthwise_conv2d(a, c, e, 2, 1, 1), (x, w, b))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_double_backward(layout):
+    """Gradient penalties and Hessian-vector products work as with F.conv2d: gradgradcheck in float64, and a
+    penalty's gradients equal F.conv2d's (the bias gets none: the penalty does not depend on it)."""
+    x, w, b = make(3, 7, 6, (3, 3), dtype=torch.float64, layout=layout)
+    for t in (x, w, b):
+        t.requires_grad_(True)
+    assert torch.autograd.gradgradcheck(lambda a, c, e: kernels.depthwise_conv2d(a, c, e, 2, 1, 1), (x, w, b))
+    got = penalty_grads(lambda a, c, e: kernels.depthwise_conv2d(a, c, e, 1, 2, 2), x, w, b)
+    want = penalty_grads(lambda a, c, e: F.conv2d(a, c, e, 1, 2, 2, groups=3), x, w, b)
+    assert got[2] is None and want[2] is None
+    for g, gr in zip(got[:2], want[:2]):
+        assert rel_err(g, gr) < 1e-12
 
 
 def test_errors():
@@ -174,6 +190,20 @@ def test_staged_small_planes_cuda(cfg, stride, dtype, staged, monkeypatch):
     names = " ".join(e.name for e in prof.events())
     for kernel in ("dw_fwd_nchw_staged", "dw_wgrad_nchw_staged"):
         assert (kernel in names) == (staged == "1"), (kernel, names)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[2], (4, 14, 14, (3, 3), 1, 1, 1), (4, 28, 28, (5, 5), 2, 2, 1)])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_double_backward_cuda(cfg, layout):
+    """A gradient penalty through the CUDA kernels (register and staged planes) in float32 equals F.conv2d's in
+    float64."""
+    C, H, W, k, s, p, d = cfg
+    x, w, b = make(C, H, W, k, "cuda", torch.float32, layout)
+    got = penalty_grads(lambda a, c, e: kernels.depthwise_conv2d(a, c, e, s, p, d), x, w, b)
+    want = penalty_grads(lambda a, c, e: F.conv2d(a, c, e, s, p, d, groups=C), *(t.cpu().double() for t in (x, w, b)))
+    for g, gr in zip(got[:2], want[:2]):
+        assert rel_err(g.cpu(), gr) < 1e-4
 
 
 @pytest.mark.cuda
