@@ -111,6 +111,8 @@ def test_errors():
         kernels.conv2d(x.int(), w, b)
     with pytest.raises(ValueError, match=r"compress::conv2d: tensor 'x' has no channels \(shape \(2, 0, 7, 7\)\)"):
         kernels.conv2d(torch.randn(2, 0, 7, 7), torch.randn(5, 0, 3, 3), b)
+    with pytest.raises(TypeError, match=r"conv2d: groups must be an int, got 1.0"):
+        kernels.conv2d(x, w, b, groups=1.0)
 
 
 def test_opcheck_cpu():

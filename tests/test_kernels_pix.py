@@ -148,6 +148,9 @@ def test_errors():
         kernels.pix(x[0], p, 4)
     with pytest.raises(TypeError, match=r"compress::pix: tensor 'x' has dtype torch.int64"):
         kernels.pix(x.long(), p, 4)
+    for zeta in (4.0, 3.7, True):  # int() would have run 3.7 as 3 and True as 1
+        with pytest.raises(TypeError, match=rf"pix: zeta must be an int, got {zeta}"):
+            kernels.pix(x, p, zeta)
     with pytest.raises(ValueError, match=r"compress::pix: tensor 'p' is on meta but 'x' is on cpu"):
         kernels.pix(x, p.to("meta"), 4)
     with pytest.raises(ValueError, match=r"compress::pix_backward: tensor 'grad' must have shape \(2, 2, 5, 6\)"):
@@ -308,6 +311,8 @@ def test_pix_squeeze_errors():
         kernels.pix_squeeze(x, w[:1], 4)
     with pytest.raises(ValueError, match=r"compress::pix_squeeze: the channels of tensor 'x' \(8\) are not divisible"):
         kernels.pix_squeeze(x, w, 3)
+    with pytest.raises(TypeError, match=r"pix_squeeze: zeta must be an int, got 2.9"):
+        kernels.pix_squeeze(x, w, 2.9)
     with pytest.raises(ValueError, match=r"compress::pix_squeeze: tensor 'weight' is on meta but 'x' is on cpu"):
         kernels.pix_squeeze(x, w.to("meta"), 4)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -297,6 +298,11 @@ def test_errors():
         kernels.stripe_conv2d(x, w.double(), oi, off, None, 4, 3, 1, 1, 1)
     with pytest.raises(ValueError, match=r"tensor 'bias' must have shape \(4,\)"):
         kernels.stripe_conv2d(x, w, oi, off, torch.zeros(3), 4, 3, 1, 1, 1)
+    with pytest.raises(TypeError, match=r"stripe_conv2d: out_channels must be an int, got 4.0"):
+        kernels.stripe_conv2d(x, w, oi, off, None, 4.0, 3, 1, 1, 1)
+    with pytest.raises(ValueError, match=r"stride must be an int or a pair of ints, got \(1.5, 1\)"):
+        kernels.stripe_conv2d(x, w, oi, off, None, 4, 3, (1.5, 1), 1, 1)
+    assert kernels.stripe_conv2d(x, w, oi, off, None, np.int64(4), 3, np.int64(1), 1, 1).shape == (1, 4, 5, 5)
     for hw in ((2, 2), (5, 2), (5, 1)):  # too small in either direction
         with pytest.raises(ValueError, match="too small for kernel"):
             kernels.stripe_conv2d(torch.randn(1, 3, *hw), w, oi, off, None, 4, 3, 1, 0, 1)
