@@ -4,6 +4,8 @@ Config: conf/train.yaml and the groups conf/{model,data,prune,optim}/. Outputs g
 directory (outputs/<date>/<time>/): checkpoints/, tensorboard/, summary.json.
 """
 
+import os
+import sys
 from pathlib import Path
 
 import hydra
@@ -11,7 +13,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from compress._files import remove_if_only_hydra
-from compress._stop import sigterm_raises
+from compress._stop import Terminated, sigterm_raises
 from compress.engine import run
 
 
@@ -20,7 +22,10 @@ def main(cfg: DictConfig) -> None:
     try:
         with sigterm_raises():  # inside the training loop, a SIGTERM stops after the step (compress._stop)
             run(cfg)
-    except BaseException:  # a run refused before it wrote anything leaves no directory of Hydra's files only
+    except BaseException as err:  # a run refused before it wrote anything leaves no directory of Hydra's files only
+        if isinstance(err, Terminated):  # Python reports no SystemExit: a batch job's output says why it ended
+            rank = os.environ.get("RANK", "0")
+            print(("" if rank == "0" else f"rank {rank}: ") + f"train.py stopped: {err}", file=sys.stderr, flush=True)
         remove_if_only_hydra(Path(HydraConfig.get().runtime.output_dir), "train.log")
         raise
 

@@ -194,6 +194,22 @@ def _ignore_sigterm(worker_id: int) -> None:
     checkpoint at the step it stops after. Workers still end with their loader, or within seconds of the training
     process (PyTorch's watchdog)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # one held since the fork (`_Loader`) is dropped
+
+
+class _Loader(DataLoader):
+    """A DataLoader that holds (blocks) SIGTERM in this thread while `iter()` forks its workers: each worker starts
+    with it blocked until `_ignore_sigterm` has set it ignored, so a signal in between (PyTorch's own worker
+    handler would die of it) is dropped; this process takes one that came meanwhile once `iter()` returns."""
+
+    def __iter__(self):
+        if not self.num_workers:
+            return super().__iter__()
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            return super().__iter__()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def _loaders(train: Dataset, test: Dataset, opts: dict, rank: int, world_size: int):
@@ -205,12 +221,12 @@ def _loaders(train: Dataset, test: Dataset, opts: dict, rank: int, world_size: i
     # Seeds the per-epoch worker seeds; differs across ranks. (The order is the sampler's: seed + epoch.)
     generator = torch.Generator().manual_seed(opts["seed"] + rank)
     train_sampler = EpochSampler(len(train), opts["batch_size"], opts["seed"], rank, world_size)
-    train_loader = DataLoader(train, opts["batch_size"], sampler=train_sampler, generator=generator, **common)
+    train_loader = _Loader(train, opts["batch_size"], sampler=train_sampler, generator=generator, **common)
     test_sampler = DistributedSampler(test, world_size, rank, shuffle=False) if world_size > 1 else None
     # A generator of its own: each pass over the test set draws its base seed from it, not from the global RNG that
     # training's augmentations and dropout draw from, so evaluating (eval_every, a max_steps stop) never changes
     # what the training run does next
-    test_loader = DataLoader(test, opts["eval_batch_size"], shuffle=False, sampler=test_sampler,
+    test_loader = _Loader(test, opts["eval_batch_size"], shuffle=False, sampler=test_sampler,
                              generator=torch.Generator().manual_seed(opts["seed"] + rank), **common)
     return train_loader, test_loader
 

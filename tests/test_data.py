@@ -636,6 +636,35 @@ def test_download_with_data_that_cannot_be_downloaded_is_noted(tmp_path):
                            "download": True}).classes == ["a", "b"]
 
 
+class _WorkerSignalState(torch.utils.data.Dataset):
+    """Item i: (SIGTERM ignored, SIGTERM blocked) in the process that loads it."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        import signal
+
+        return torch.tensor([signal.getsignal(signal.SIGTERM) == signal.SIG_IGN,
+                             signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, [])])
+
+
+def test_loader_workers_ignore_sigterm_and_the_main_process_keeps_its_mask():
+    """build_data's workers ignore SIGTERM (Slurm signals every process of a job; a worker killed by it fails the next
+    batch before train.py writes its checkpoint) and have it unblocked again after `_Loader` held it over the fork;
+    the loading thread's own signal mask is as before."""
+    import signal
+
+    from compress.data import _ignore_sigterm, _Loader
+
+    data = build_data({"name": "fake", "train_size": 8, "test_size": 4, "num_workers": 2})
+    assert all(type(d) is _Loader and d.worker_init_fn is _ignore_sigterm for d in (data.train, data.test))
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    states = torch.cat(list(_Loader(_WorkerSignalState(), 1, num_workers=2, worker_init_fn=_ignore_sigterm)))
+    assert states[:, 0].all() and not states[:, 1].any(), states
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before and signal.getsignal(signal.SIGTERM) != signal.SIG_IGN
+
+
 def test_a_root_that_is_not_a_path_is_a_clear_error(tmp_path):
     """build_data from Python with a number as data.root (a folder named 2024) raised a bare TypeError from pathlib;
     now a ValueError naming the value and the fix. A pathlib.Path works as a string does."""

@@ -348,6 +348,8 @@ def test_sigterm_during_training_saves_the_step_and_stops_with_status_143(tmp_pa
     r = run_script("train.py", *args, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path / "launch")
     assert r.returncode == 143, r.stderr[-3000:]
     assert not sigterm_caught
+    # on the terminal (a batch job's output file) too: Python prints nothing for the SystemExit itself
+    assert "train.py stopped: SIGTERM; last.pt holds step 3 (epoch 1, batch 3 of 8)" in r.stderr
     assert re.search(r"\[ERROR\] the run stopped: Terminated: SIGTERM; last.pt holds step 3 \(epoch 1, batch 3 of 8\); "
                      r"resume=true continues from there", (tmp_path / "run" / "train.log").read_text())
     ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
