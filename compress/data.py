@@ -227,7 +227,7 @@ def _loaders(train: Dataset, test: Dataset, opts: dict, rank: int, world_size: i
     # training's augmentations and dropout draw from, so evaluating (eval_every, a max_steps stop) never changes
     # what the training run does next
     test_loader = _Loader(test, opts["eval_batch_size"], shuffle=False, sampler=test_sampler,
-                             generator=torch.Generator().manual_seed(opts["seed"] + rank), **common)
+                          generator=torch.Generator().manual_seed(opts["seed"] + rank), **common)
     return train_loader, test_loader
 
 

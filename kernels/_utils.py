@@ -25,6 +25,10 @@ def whole(v, name: str) -> int:
 
 
 def pair(v, name: str = "value") -> list[int]:
+    if type(v) is int:  # the common cases first: every eager layer call passes here
+        return [v, v]
+    if type(v) in (tuple, list) and len(v) == 2 and type(v[0]) is int and type(v[1]) is int:
+        return [v[0], v[1]]
     if isinstance(v, str):
         raise ValueError(f"{name} must be an int or a pair of ints, got {v!r}: string padding ('same', 'valid') is not "
                          "supported; give the padding in pixels")
