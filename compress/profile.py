@@ -272,7 +272,8 @@ class LayerProfile:
 class ProfileReport:
     """Totals and per-layer rows for one input of shape `input_size` (C, H, W).
 
-    `activation_bytes` = {"max": largest layer output, "sum": all new layer outputs} in bytes;
+    `activation_bytes` = {"max": largest layer output, "sum": all new layer outputs} in bytes (a StripeConv2d
+    that pools after its conv, anywhere but in the CUDA kernel's epilogue, counts that conv output too);
     `latency_ms` is the median forward time at `batch_size` on `device` (None when not measured);
     `convention` is how MACs were counted ("layers" or "paper", see the module docstring); `functional_macs`: the
     part of `macs` from convolutions and matrix products that forward code calls itself (module docstring).
@@ -371,6 +372,10 @@ def _count(model: nn.Module, x: torch.Tensor, convention: str = "layers") -> tup
                     # (at most its storage: an expanded view of a small new tensor allocates only that)
                     act = min(out_t.numel() * out_t.element_size(), out_t.untyped_storage().nbytes())
                     largest = max(largest, act)
+                if isinstance(mod, StripeConv2d) and mod.pool and not mod.pools_in_kernel(inp):
+                    # the full-size conv output it pools after (as the dense model's conv output before its pool)
+                    pre = _stripe_conv_outputs(mod, inp) * out_t.element_size()
+                    act, largest = act + pre, max(largest, pre)
                 keep_alive.append(out_t)
             row = rows.get(name)
             if row is None:  # first call; a module called twice accumulates

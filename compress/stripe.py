@@ -405,6 +405,15 @@ class StripeConv2d(nn.Module):
                     _sources(self.weight, self.bias))  # held: see _cached_dense_weight
         return self._gemm_cache[1]
 
+    def pools_in_kernel(self, x: torch.Tensor) -> bool:
+        """Whether a forward on `x` max-pools in the stripe kernel's epilogue, never writing the full-size conv
+        output (eager CUDA inference in stripe mode, even output sizes); elsewhere a pooling layer writes its conv
+        output and pools it after (what `compress.profile` counts)."""
+        if not self.pool:
+            return False
+        kept = self._inference_launch(contiguous_input(x))
+        return kept is not None and kept[1].pool_fused
+
     def _pooled(self, y: torch.Tensor) -> torch.Tensor:
         return max_pool2x2(y, self.pool_ceil) if self.pool else y
 

@@ -305,6 +305,43 @@ def test_cuda_profile_of_compact_pix_and_stripe_models_matches_cpu_and_sees_no_f
     assert gpu.macs < profile(model.cpu(), (3, 32, 32), latency=False).macs
 
 
+def _vgg11_with_fused_pools():
+    """(plain, compact): VGG11 compacted with BN folded and ReLUs fused, without skeletons (convs and separate pools)
+    and with a stripe dropped in each of the first conv's filters (its stripe conv takes its pool)."""
+    from compress import attach_skeletons, compact
+
+    model = create_model("vgg11", num_classes=10).eval()
+    plain = compact(model, fold_bn=True, fuse_relu=True)
+    attach_skeletons(model)
+    with torch.no_grad():
+        model.features[0].skeleton[:, 0, 0] = 0
+    small = compact(model.eval(), fold_bn=True, fuse_relu=True)
+    assert small.compress_compaction["pool_fused"] == 1 and plain.compress_compaction["pool_fused"] == 0
+    return plain, small
+
+
+def test_a_stripe_conv_that_pools_after_its_conv_counts_that_conv_output():
+    """On the CPU a stripe conv with a fused 2x2 pool writes its full-size conv output, then pools it: the
+    activations count it, so the compact VGG11 shows the dense one's largest and summed activations (it reported
+    half the largest before), and features.0's row holds its 64x32x32 conv output and its 64x16x16 pooled one."""
+    plain, small = _vgg11_with_fused_pools()
+    dense, compact_ = profile(plain, (3, 32, 32), latency=False), profile(small, (3, 32, 32), latency=False)
+    assert compact_.activation_bytes == dense.activation_bytes
+    row = next(r for r in compact_.layers if r.name == "features.0")
+    assert row.activation_bytes == 4 * 64 * (32 * 32 + 16 * 16) and compact_.activation_bytes["max"] == 4 * 64 * 32 * 32
+
+
+@pytest.mark.cuda
+def test_a_stripe_conv_that_pools_in_its_kernel_counts_only_the_pooled_output():
+    """In eager CUDA inference in stripe mode the kernel's epilogue pools even-sized outputs: the full-size conv
+    output is never written, and features.0's row counts the pooled output only."""
+    _, small = _vgg11_with_fused_pools()
+    small.features[0].mode = "stripe"
+    rep = profile(small.cuda(), (3, 32, 32), batch_size=2, device="cuda", repeats=2)
+    assert small.features[0].pools_in_kernel(torch.randn(1, 3, 32, 32, device="cuda"))
+    assert next(r for r in rep.layers if r.name == "features.0").activation_bytes == 4 * 64 * 16 * 16
+
+
 def test_str_gives_the_totals():
     report = profile(create_model("resnet20"), input_size=(3, 32, 32), latency=False)
     text = str(report)
