@@ -402,8 +402,9 @@ class StripeConv2d(nn.Module):
         """Dense mode's output in plain eager inference (grad off; no tracing, compiling, torch.func or forward AD),
         from the (weight, padding) the general path kept for x's layout and the current weight; None elsewhere.
         Why: on a CPU a small layer's own conv takes tens of us, and the general path's checks and cache keys
-        added 14-17 us per call, so a compact model whose layers all chose dense mode ran 0.88x its dense model
-        (a ResNet-20 at batch 1); this path adds about 3 us, as much as an nn.Conv2d's own call."""
+        added 14-17 us per call, so a compact ResNet-20 whose layers all chose dense mode ran 0.84x its dense model
+        at batch 1 (0.95x with this path, benchmarks/results/stripe_dense_mode_eager_cpu_session38.txt); the checks
+        here take about as long as an nn.Conv2d's own call."""
         kept = self._eager_dense
         if (kept is None or torch.is_grad_enabled() or x.dim() != 4 or x.shape[1] != self.in_channels
                 or functorch_active() or forward_ad_active() or tracing_or_compiling()):
@@ -415,8 +416,7 @@ class StripeConv2d(nn.Module):
                 or (fmt is torch.contiguous_format and not x.is_contiguous())):  # (else the general path copies x)
             return None
         conv = conv2d_relu if self.relu else F.conv2d
-        y = conv(x, w, params.get("bias"), self.stride, pad, self.dilation)  # (a layer without bias has none there)
-        return max_pool2x2(y, self.pool_ceil) if self.pool else y
+        return self._pooled(conv(x, w, params.get("bias"), self.stride, pad, self.dilation))  # (no bias: None)
 
     def _gemm_fits(self, x: torch.Tensor) -> bool:
         """Whether gemm mode runs its GEMM on `x`: the unrolled weight fits (`kernels.unrolled.fits`), autograd
