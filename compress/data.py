@@ -188,13 +188,18 @@ def _options(cfg) -> dict[str, Any]:
     return opts
 
 
+_CAN_HOLD = hasattr(signal, "pthread_sigmask")  # (POSIX; Windows has none: its workers start without a fork)
+
+
 def _ignore_sigterm(worker_id: int) -> None:
     """DataLoader workers ignore SIGTERM: a batch system (Slurm) sends it to every process of a job, and a worker
     killed by it fails the training process's next batch (PyTorch's SIGCHLD check), before train.py could write its
     checkpoint at the step it stops after. Workers still end with their loader, or within seconds of the training
     process (PyTorch's watchdog)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # one held since the fork (`_Loader`) is dropped
+    if _CAN_HOLD:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # one held since the fork (`_Loader`) is dropped
+
 
 
 class _Loader(DataLoader):
@@ -203,7 +208,7 @@ class _Loader(DataLoader):
     handler would die of it) is dropped; this process takes one that came meanwhile once `iter()` returns."""
 
     def __iter__(self):
-        if not self.num_workers:
+        if not self.num_workers or not _CAN_HOLD:
             return super().__iter__()
         held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         try:
