@@ -201,7 +201,6 @@ def _ignore_sigterm(worker_id: int) -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # one held since the fork (`_Loader`) is dropped
 
 
-
 class _Loader(DataLoader):
     """A DataLoader that holds (blocks) SIGTERM in this thread while `iter()` forks its workers: each worker starts
     with it blocked until `_ignore_sigterm` has set it ignored, so a signal in between (PyTorch's own worker

@@ -1230,12 +1230,10 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float, began: Ca
         steps, and at the step a SIGTERM stops the run (every rank asks `stop` at the same steps)."""
         if done == len(data.train) or (max_steps is not None and at >= max_steps):
             return
-        saved = bool(every) and at % every == 0
-        if saved:
+        stopping = stop.due()
+        if stopping or (every and at % every == 0):
             save(epoch, done, at, epoch_rng, rng_state(generator), is_best=False, logged=False)
-        if stop.due():
-            if not saved:
-                save(epoch, done, at, epoch_rng, rng_state(generator), is_best=False, logged=False)
+        if stopping:
             raise Terminated(f"last.pt holds step {at} (epoch {epoch + 1}, batch {done} of {len(data.train)}); "
                              "resume=true continues from there")
 

@@ -329,7 +329,7 @@ class StripeConv2d(nn.Module):
         # tensor), the indices' storage; _build_plan (new indices from a state dict) clears the cache. The cache
         # holds the weight it was built from, so that a weight assigned later (`.data =`, a new Parameter) cannot
         # get its freed address and pass for it.
-        key = (fmt, w.data_ptr(), -1 if w.is_inference() else w._version, self.out_index.data_ptr())
+        key = (fmt, w.data_ptr(), _version(w), self.out_index.data_ptr())
         if self._dense_cache is None or self._dense_cache[0] != key:
             with _building_a_cache():
                 self._dense_cache = (key, self.dense_weight(fmt), _sources(w))
@@ -430,7 +430,7 @@ class StripeConv2d(nn.Module):
         """(unrolled weight, bias per output row or None, (Ho, Wo)) for inputs of x's size, dtype and device, kept
         until the weight or the input size changes (`kernels.unrolled`)."""
         key = (tuple(x.shape[2:]), x.dtype, x.device, self.out_index.data_ptr()) + tuple(
-            None if t is None else (t.data_ptr(), -1 if t.is_inference() else t._version)
+            None if t is None else (t.data_ptr(), _version(t))
             for t in (self.weight, self.bias))
         if self._gemm_cache is None or self._gemm_cache[0] != key:
             with torch.no_grad():
@@ -538,8 +538,8 @@ class StripeConv2d(nn.Module):
         key = (
             stripe_triton.input_signature(x),
             w.data_ptr(),
-            -1 if w.is_inference() else w._version,
-            None if b is None else (b.data_ptr(), -1 if b.is_inference() else b._version),
+            _version(w),
+            None if b is None else (b.data_ptr(), _version(b)),
             self.relu,
             self.pool,
             self.pool_ceil,
