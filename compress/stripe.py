@@ -402,7 +402,7 @@ class StripeConv2d(nn.Module):
         """Dense mode's output in plain eager inference (grad off; no tracing, compiling, torch.func or forward AD),
         from the (weight, padding) the general path kept for x's layout and the current weight; None elsewhere.
         Why: on a CPU a small layer's own conv takes tens of us, and the general path's checks and cache keys
-        added 14-17 us per call, so a compact ResNet-20 whose layers all chose dense mode ran 0.84x its dense model
+        added a sizeable share of that per call, so a compact ResNet-20 whose layers all chose dense mode ran 0.84x its dense model
         at batch 1 (0.95x with this path, benchmarks/results/stripe_dense_mode_eager_cpu_session38.txt); the checks
         here take about as long as an nn.Conv2d's own call."""
         kept = self._eager_dense

@@ -580,7 +580,7 @@ def test_triton_kernel_interpreted_on_cpu():
     """The Triton kernel's indexing, its one-hot and gather reductions, its im2col route and its max-pool epilogue,
     run by TRITON_INTERPRET=1 on tiny shapes (CHUNK 8 < the tile's stripes per offset, so a column's stripe may fall
     in a later chunk). The routes and the prepared launches run in two processes at once: the interpreter is
-    single-threaded Python, and together they took 45 s of one core."""
+    single-threaded Python, so two processes use both cores of a 2-core CI machine."""
     import subprocess
     import sys
 
