@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -24,6 +25,7 @@ from kernels._utils import (
     contiguous_input,
     conv2d_relu,
     conv_out_size,
+    eager_inference,
     forward_ad_active,
     functorch_active,
     is_channels_last,
@@ -35,6 +37,8 @@ from kernels.pool import max_pool2x2
 __all__ = ["StripeConv2d", "Conv2dReLU", "conv2d_relu", "conv_padding", "masked_conv", "stripe_counts"]
 
 MODES = ("stripe", "dense", "gemm")
+# the attributes `StripeConv2d._direct_dense` binds: setting one drops the bound call
+_BOUND_BY_DIRECT_DENSE = frozenset({"bias", "stride", "padding", "dilation", "relu", "pool", "pool_ceil"})
 
 
 def _pair(v) -> tuple[int, int]:
@@ -221,7 +225,7 @@ class StripeConv2d(nn.Module):
         self._trim_cache: tuple | None = None  # (the dense weight it was cut from, (cut weight, padding))
         self._launch_cache: tuple | None = None  # (key, launcher or None, relayout): _inference_launch
         self._eager_dense: tuple | None = None  # `_eager_dense_output`'s (layout, weight, its data_ptr and version,
-        # dense weight, padding)
+        # the bound call of `_direct_dense`)
         self._op_trained: set[tuple] = set()  # inputs an eager training step ran the op for
         # (_cuda_training_in_dense_mode)
 
@@ -390,7 +394,7 @@ class StripeConv2d(nn.Module):
             w, pad = self._dense_mode_weight(fmt)
             if self._mode == "dense" and not torch.is_grad_enabled() and not tracing_or_compiling():
                 weight = self.weight
-                self._eager_dense = (fmt, weight, weight.data_ptr(), _version(weight), w, pad)
+                self._eager_dense = (fmt, weight, weight.data_ptr(), _version(weight), self._direct_dense(w, pad))
             return self._pooled(conv(x, w, self.bias, self.stride, pad, self.dilation))
         args, kwargs = self._op_arguments(x)
         y = self._pooled(kernels.stripe_conv2d(*args, **kwargs))
@@ -399,24 +403,49 @@ class StripeConv2d(nn.Module):
         return y
 
     def _eager_dense_output(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Dense mode's output in plain eager inference (grad off; no tracing, compiling, torch.func or forward AD),
-        from the (weight, padding) the general path kept for x's layout and the current weight; None elsewhere.
-        Why: on a CPU a small layer's own conv takes tens of us, and the general path's checks and cache keys
-        added a sizeable share of that per call, so a compact ResNet-20 whose layers all chose dense mode ran 0.84x its dense model
-        at batch 1 (0.95x with this path, benchmarks/results/stripe_dense_mode_eager_cpu_session38.txt); the checks
-        here take about as long as an nn.Conv2d's own call."""
+        """Dense mode's output in plain eager inference (`eager_inference`), through the call `_direct_dense` bound
+        for x's layout and the current weight; None elsewhere (the general path runs).
+        Why: on a CPU a small layer's own conv takes tens of us, and every Python step of a call counts: with the
+        general path's checks and cache keys a compact ResNet-20 whose layers all chose dense mode ran 0.84x its
+        dense model at batch 1, with a first direct path that looked up its arguments and called helpers 0.93-0.95x,
+        with this one 0.98x, and at batch 16 0.94-0.99x -> 1.00-1.02x (1 thread; per-run medians in
+        benchmarks/results/stripe_dense_mode_eager_cpu_session39.txt)."""
         kept = self._eager_dense
-        if (kept is None or torch.is_grad_enabled() or x.dim() != 4 or x.shape[1] != self.in_channels
-                or functorch_active() or forward_ad_active() or tracing_or_compiling()):
+        if kept is None or not eager_inference():
             return None
-        fmt, weight, ptr, version, w, pad = kept
-        params = self._parameters  # (module attribute lookup of a parameter takes ~1 us)
-        now = params["weight"]
-        if (now is not weight or now.data_ptr() != ptr or _version(now) != version or _layout(x) is not fmt
-                or (fmt is torch.contiguous_format and not x.is_contiguous())):  # (else the general path copies x)
+        fmt, weight, ptr, version, call = kept
+        now = self._parameters["weight"]  # (module attribute lookup of a parameter takes ~1 us)
+        if now is not weight or now.data_ptr() != ptr or (version >= 0 and now._version != version):
             return None
-        conv = conv2d_relu if self.relu else F.conv2d
-        return self._pooled(conv(x, w, params.get("bias"), self.stride, pad, self.dilation))  # (no bias: None)
+        if fmt is torch.contiguous_format:
+            if not x.is_contiguous():  # (a contiguous 4-D x is NCHW to `_layout`; else the general path copies x)
+                return None
+        elif _layout(x) is not fmt:
+            return None
+        try:
+            return call(x)
+        except RuntimeError:  # a wrong input: the general path names it (and an unbatched x runs there)
+            return None
+
+    def _direct_dense(self, w: torch.Tensor, pad: tuple[int, int]) -> Callable[[torch.Tensor], torch.Tensor]:
+        """x -> dense mode's output from the kept weight and padding (`_dense_mode_weight`) with every other
+        argument bound now, for `_eager_dense_output`; setting an attribute it binds drops it (`__setattr__`)."""
+        bias, stride, dilation, ceil = self.bias, self.stride, self.dilation, self.pool_ceil
+        if self.relu and w.is_cuda:
+            def conv(x: torch.Tensor) -> torch.Tensor:
+                return conv2d_relu(x, w, bias, stride, pad, dilation)  # cuDNN's fused conv + bias + ReLU
+        elif self.relu:
+            def conv(x: torch.Tensor) -> torch.Tensor:
+                return F.conv2d(x, w, bias, stride, pad, dilation).relu_()  # conv2d_relu off CUDA, a frame less
+        else:
+            def conv(x: torch.Tensor) -> torch.Tensor:
+                return F.conv2d(x, w, bias, stride, pad, dilation)
+        return (lambda x: max_pool2x2(conv(x), ceil)) if self.pool else conv
+
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        if name in _BOUND_BY_DIRECT_DENSE:
+            self.__dict__["_eager_dense"] = None
 
     def _gemm_fits(self, x: torch.Tensor) -> bool:
         """Whether gemm mode runs its GEMM on `x`: the unrolled weight fits (`kernels.unrolled.fits`), autograd

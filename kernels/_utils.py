@@ -144,18 +144,28 @@ def conv2d_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     no tracing, compiling or ONNX export) one cuDNN call, `torch.cudnn_convolution_relu`, with the bias add and
     the ReLU in the conv's epilogue: PyTorch's conv adds a bias in a separate elementwise kernel, and in a
     compact VGG16 at batch 256 those adds and the ReLUs were 30% of the forward on an H200
-    (benchmarks/results/compact_profile_vgg16_real_h200.txt). Elsewhere F.conv2d then ReLU. Under autocast the
-    inputs are cast first, as autocast casts F.conv2d's (the cuDNN call itself is not an autocast op)."""
-    x, weight, bias = autocast_inputs(x, weight, bias)
+    (benchmarks/results/compact_profile_vgg16_real_h200.txt). Under autocast its inputs are cast first, as
+    autocast casts F.conv2d's (the cuDNN call itself is not an autocast op). Elsewhere F.conv2d (which autocast
+    casts itself), then the ReLU in place on the conv's fresh output (no second tensor; autograd records it as
+    after any conv, whose backward does not read its output)."""
     if (
         x.is_cuda
-        and x.dtype in KERNEL_DTYPES
-        and weight.dtype == x.dtype
         and not recording(x, weight, bias)
         and not (tracing_or_compiling() or functorch_active() or forward_ad_active() or torch.onnx.is_in_onnx_export())
     ):
-        return torch.cudnn_convolution_relu(x, weight, bias, pair(stride), pair(padding), pair(dilation), groups)
-    return F.relu(F.conv2d(x, weight, bias, stride, padding, dilation, groups))
+        xc, wc, bc = autocast_inputs(x, weight, bias)
+        if xc.dtype in KERNEL_DTYPES and wc.dtype == xc.dtype:
+            return torch.cudnn_convolution_relu(xc, wc, bc, pair(stride), pair(padding), pair(dilation), groups)
+    return F.conv2d(x, weight, bias, stride, padding, dilation, groups).relu_()
+
+
+def eager_inference() -> bool:
+    """Whether this call runs in plain eager inference: grad mode off, no torch.func transform, no forward-mode AD
+    level, no TorchScript tracing and no torch.compile. The test of a layer's per-call shortcut (`StripeConv2d`'s
+    direct dense path), in one frame of C calls: it runs on every call of a small CPU layer, where each Python
+    call counts. (torch.compile first: dynamo answers it while tracing, and cannot trace the C calls after it.)"""
+    return not (torch.compiler.is_compiling() or torch.is_grad_enabled() or torch._C._are_functorch_transforms_active()
+                or _forward_ad.__dict__.get("_current_level", -1) >= 0 or torch._C._is_tracing())
 
 
 _len_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)

@@ -329,11 +329,13 @@ def test_dense_mode_cache_follows_weight_edits_casts_and_loads():
 
 
 def test_dense_mode_in_eager_inference_runs_its_kept_weight_directly(monkeypatch):
-    """Grad off, dense mode: after its first call a layer runs the kept (weight, padding) after checking only the
-    weight's identity, storage and version and x's layout, so its host time per call is about an nn.Conv2d's (with
-    the general path's checks a compact ResNet-20 whose layers all chose dense mode ran 0.84x its dense model at
-    batch 1 on the CPU host, stripe_dense_mode_eager_cpu_session38.txt). A new weight (`.data =`), an edit, another layout, grad on or a mode
-    change take the general path; every output is checked against the masked conv."""
+    """Grad off, dense mode: after its first call a layer runs a call bound to the kept (weight, padding) after
+    checking only the weight's identity, storage and version and x's layout, so its host time per call is about an
+    nn.Conv2d's (with the general path's checks a compact ResNet-20 whose layers all chose dense mode ran 0.84x its
+    dense model at batch 1 on the CPU host, stripe_dense_mode_eager_cpu_session39.txt). A new weight (`.data =`),
+    an edit, another layout, grad on, a mode change or setting an attribute the call binds (bias, relu) take the
+    general path; an unbatched x runs directly, a wrong one gets the general path's error; every output is
+    checked against the masked conv."""
     gen = torch.Generator().manual_seed(15)
     conv = nn.Conv2d(5, 6, 3, padding=1)
     mask = _random_mask(6, 3, 3, keep=0.5, gen=gen)
@@ -366,8 +368,17 @@ def test_dense_mode_in_eager_inference_runs_its_kept_weight_directly(monkeypatch
         check(x, 6)
         with pytest.raises(ValueError, match=r"expected input \(B, 5, H, W\)"):
             s(torch.randn(2, 4, 7, 7))
-    with torch.enable_grad():
+        check(x[0], 6)  # unbatched, directly
+        s.bias = nn.Parameter(torch.randn(6, generator=gen))  # an attribute the call binds
+        conv.bias.copy_(s.bias)
         check(x, 7)
+        check(x, 7)
+        s.relu = True
+        torch.testing.assert_close(s(x), _masked_reference(conv, mask, x).relu(), rtol=1e-5, atol=1e-5)
+        s.relu = False
+        check(x, 9)
+    with torch.enable_grad():
+        check(x, 10)
 
 
 @pytest.mark.cuda
