@@ -37,8 +37,10 @@ from kernels.pool import max_pool2x2
 __all__ = ["StripeConv2d", "Conv2dReLU", "conv2d_relu", "conv_padding", "masked_conv", "stripe_counts"]
 
 MODES = ("stripe", "dense", "gemm")
-# the attributes `StripeConv2d._direct_dense` binds: setting one drops the bound call
-_BOUND_BY_DIRECT_DENSE = frozenset({"bias", "stride", "padding", "dilation", "relu", "pool", "pool_ceil"})
+# set after construction: the geometry rebuilds what depends on it, the epilogue drops the direct dense call
+# (`StripeConv2d.__setattr__`)
+_GEOMETRY = frozenset({"stride", "padding", "dilation"})
+_EPILOGUE = frozenset({"relu", "pool", "pool_ceil"})
 
 
 def _pair(v) -> tuple[int, int]:
@@ -225,7 +227,7 @@ class StripeConv2d(nn.Module):
         self._trim_cache: tuple | None = None  # (the dense weight it was cut from, (cut weight, padding))
         self._launch_cache: tuple | None = None  # (key, launcher or None, relayout): _inference_launch
         self._eager_dense: tuple | None = None  # `_eager_dense_output`'s (layout, weight, its data_ptr and version,
-        # the bound call of `_direct_dense`)
+        # bias, the call `_direct_dense` bound to them)
         self._op_trained: set[tuple] = set()  # inputs an eager training step ran the op for
         # (_cuda_training_in_dense_mode)
 
@@ -394,7 +396,8 @@ class StripeConv2d(nn.Module):
             w, pad = self._dense_mode_weight(fmt)
             if self._mode == "dense" and not torch.is_grad_enabled() and not tracing_or_compiling():
                 weight = self.weight
-                self._eager_dense = (fmt, weight, weight.data_ptr(), _version(weight), self._direct_dense(w, pad))
+                self._eager_dense = (fmt, weight, weight.data_ptr(), _version(weight), self.bias,
+                                     self._direct_dense(w, pad))
             return self._pooled(conv(x, w, self.bias, self.stride, pad, self.dilation))
         args, kwargs = self._op_arguments(x)
         y = self._pooled(kernels.stripe_conv2d(*args, **kwargs))
@@ -413,9 +416,12 @@ class StripeConv2d(nn.Module):
         kept = self._eager_dense
         if kept is None or not eager_inference():
             return None
-        fmt, weight, ptr, version, call = kept
-        now = self._parameters["weight"]  # (module attribute lookup of a parameter takes ~1 us)
-        if now is not weight or now.data_ptr() != ptr or (version >= 0 and now._version != version):
+        fmt, weight, ptr, version, bias, call = kept
+        params = self._parameters  # (module attribute lookup of a parameter takes ~1 us)
+        # .get: torch.nn.utils.prune and parametrizations take the names out of _parameters
+        now = params.get("weight")
+        if (now is not weight or now.data_ptr() != ptr or (version >= 0 and now._version != version)
+                or params.get("bias") is not bias):  # (a bias swapped in any way: functional_call, parametrized)
             return None
         if fmt is torch.contiguous_format:
             if not x.is_contiguous():  # (a contiguous 4-D x is NCHW to `_layout`; else the general path copies x)
@@ -429,7 +435,8 @@ class StripeConv2d(nn.Module):
 
     def _direct_dense(self, w: torch.Tensor, pad: tuple[int, int]) -> Callable[[torch.Tensor], torch.Tensor]:
         """x -> dense mode's output from the kept weight and padding (`_dense_mode_weight`) with every other
-        argument bound now, for `_eager_dense_output`; setting an attribute it binds drops it (`__setattr__`)."""
+        argument bound now, for `_eager_dense_output` (which checks the bias is still the one bound; setting an
+        attribute of the geometry or the epilogue drops the call, `__setattr__`)."""
         bias, stride, dilation, ceil = self.bias, self.stride, self.dilation, self.pool_ceil
         if self.relu and w.is_cuda:
             def conv(x: torch.Tensor) -> torch.Tensor:
@@ -443,9 +450,25 @@ class StripeConv2d(nn.Module):
         return (lambda x: max_pool2x2(conv(x), ceil)) if self.pool else conv
 
     def __setattr__(self, name: str, value) -> None:
-        super().__setattr__(name, value)
-        if name in _BOUND_BY_DIRECT_DENSE:
-            self.__dict__["_eager_dense"] = None
+        """As nn.Module's; after construction, setting stride, padding or dilation checks the new geometry and
+        rebuilds what depends on it (dense mode's trim, every kept weight and call), and setting relu, pool or
+        pool_ceil drops the direct dense call that bound them."""
+        built = "_op_trained" in self.__dict__  # (__init__ sets it last)
+        if not (built and name in _GEOMETRY):
+            super().__setattr__(name, value)
+            if built and name in _EPILOGUE:
+                self._eager_dense = None
+            return
+        old = self.__dict__[name]
+        super().__setattr__(name, _pair(value))
+        try:
+            _check_geometry(self)
+        except ValueError:
+            super().__setattr__(name, old)
+            raise
+        if self.plan is not None:
+            self._trim = kernels.dense_trim(self.offset, self.kernel_size, self.padding, self.dilation)
+        self._drop_caches()
 
     def _gemm_fits(self, x: torch.Tensor) -> bool:
         """Whether gemm mode runs its GEMM on `x`: the unrolled weight fits (`kernels.unrolled.fits`), autograd

@@ -381,6 +381,75 @@ def test_dense_mode_in_eager_inference_runs_its_kept_weight_directly(monkeypatch
         check(x, 10)
 
 
+def test_dense_mode_direct_path_follows_a_bias_or_weight_swapped_outside_setattr():
+    """The direct dense call binds the bias: one swapped by torch.func.functional_call (for that call only), by
+    register_parameter or by a parametrization takes the general path, as does a weight torch.nn.utils.prune or a
+    parametrization moved out of _parameters (it raised KeyError there); each output against the masked conv."""
+    from torch.func import functional_call
+    from torch.nn.utils import parametrize, prune
+
+    gen = torch.Generator().manual_seed(16)
+    conv = nn.Conv2d(4, 6, 3, padding=1)
+    mask = _random_mask(6, 3, 3, keep=0.5, gen=gen)
+    x = torch.randn(2, 4, 8, 8, generator=gen)
+
+    def expect(s, weight, bias):
+        torch.testing.assert_close(s(x), F.conv2d(x, weight * mask[:, None], bias, 1, 1), rtol=1e-5, atol=1e-5)
+
+    s = StripeConv2d.from_dense(conv, mask, mode="dense").eval()
+    other = torch.randn(6, generator=gen)
+    with torch.no_grad():
+        expect(s, conv.weight, conv.bias)
+        torch.testing.assert_close(functional_call(s, {"bias": other}, (x,)),
+                                   F.conv2d(x, conv.weight * mask[:, None], other, 1, 1), rtol=1e-5, atol=1e-5)
+        expect(s, conv.weight, conv.bias)  # the module's own bias again
+        s.register_parameter("bias", nn.Parameter(other.clone()))
+        expect(s, conv.weight, other)
+        parametrize.register_parametrization(s, "bias", _Doubled())
+        expect(s, conv.weight, 2 * other)
+        expect(s, conv.weight, 2 * other)
+
+    s = StripeConv2d.from_dense(conv, mask, mode="dense").eval()
+    with torch.no_grad():
+        expect(s, conv.weight, conv.bias)
+        prune.l1_unstructured(s, "weight", amount=0.3)  # zeroes 30% of the kept stripes' values
+        pruned = s.dense_weight()
+        torch.testing.assert_close(s(x), F.conv2d(x, pruned, conv.bias, 1, 1), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(s(x), F.conv2d(x, pruned, conv.bias, 1, 1), rtol=1e-5, atol=1e-5)
+
+
+class _Doubled(nn.Module):
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return 2 * t
+
+
+@pytest.mark.parametrize("mode", ["stripe", "dense", "gemm"])
+def test_setting_stride_padding_or_dilation_rebuilds_what_depends_on_them(mode):
+    """After calls with one geometry, a new stride, padding or dilation gives the conv of the new geometry in
+    every mode (dense mode's trim and every kept weight rebuilt; they kept the old ones); a bad value is refused and
+    leaves the layer as it was."""
+    gen = torch.Generator().manual_seed(17)
+    conv = nn.Conv2d(4, 6, 3, padding=1)
+    centre = torch.zeros(6, 3, 3, dtype=torch.bool)
+    centre[:, 1, 1] = True  # dense mode trims this layer to a 1x1 conv
+    centre[2, 0, 1] = True  # and one stripe off centre in one filter
+    x = torch.randn(1, 4, 9, 9, generator=gen)
+    for mask in (centre, _random_mask(6, 3, 3, keep=0.5, gen=gen)):
+        s = StripeConv2d.from_dense(conv, mask, mode=mode).eval()
+        w = conv.weight * mask[:, None]
+        with torch.no_grad():
+            for geometry in ({"padding": 0}, {"stride": 2}, {"dilation": (2, 1), "padding": (2, 1)}, {"padding": 3}):
+                s(x)
+                for name, value in geometry.items():
+                    setattr(s, name, value)
+                ref = F.conv2d(x, w, conv.bias, s.stride, s.padding, s.dilation)
+                torch.testing.assert_close(s(x), ref, rtol=1e-5, atol=1e-5)
+            with pytest.raises(ValueError, match=r"padding=\(-1, -1\)"):
+                s.padding = -1
+            assert s.padding == (3, 3)
+            torch.testing.assert_close(s(x), ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
