@@ -408,11 +408,18 @@ def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
             tensors = {k: f.get_tensor(k).clone() for k in f.keys()}
     except Exception as err:  # safetensors raises its own error types for bad headers and short files
         with open(path, "rb") as f:
-            if f.read(4) == b"PK\x03\x04":  # a zip archive: what torch.save writes
-                raise ValueError(
-                    f"compress.load: {path} is a torch checkpoint (.pt), not a compact model file; a train.py "
-                    f"checkpoint becomes one with: python export.py ckpt={path}"
-                ) from None
+            head = f.read(9)
+        if head[:4] == b"PK\x03\x04":  # a zip archive: what torch.save writes
+            raise ValueError(
+                f"compress.load: {path} is a torch checkpoint (.pt), not a compact model file; a train.py "
+                f"checkpoint becomes one with: python export.py ckpt={path}"
+            ) from None
+        if len(head) == 9 and head[8:] != b"{":  # a safetensors file: 8 bytes of header length, then its JSON
+            raise ValueError(
+                f"compress.load: {path} is not a safetensors file (its first bytes are no safetensors header: a file "
+                "of another kind, such as ONNX, JSON or a pickle, or a corrupt one); give the compact model file, "
+                "model.compact.safetensors in export.py's out directory, or export it again"
+            ) from None
         raise ValueError(
             f"compress.load: {path} is not a readable safetensors file ({err}); it is truncated or "
             "corrupt: export it again with compress.save or export.py"

@@ -500,7 +500,9 @@ def _check_config(cfg: DictConfig, ckpt: dict | None = None) -> None:
         raise ValueError("init and model.weights are both set: a compact model carries its own weights; leave "
                          "model.weights=null")
     if cfg.init is not None and not Path(str(cfg.init)).is_file() and not (ckpt or {}).get("init_recipe"):
-        raise ValueError(f"init={cfg.init}: no such file; give a compact model file written by export.py or compress.save")
+        what = "a directory" if Path(str(cfg.init)).is_dir() else "no such file"
+        raise ValueError(f"init={cfg.init}: {what}; give a compact model file written by export.py or compress.save "
+                         "(export.py writes model.compact.safetensors in its out directory)")
     if cfg.init is not None and cfg.pix.zeta is not None:
         raise ValueError("init and pix.zeta are both set: a compact model already has its PiX blocks; leave pix.zeta=null")
     if cfg.prune.name not in PRUNE_METHODS:

@@ -205,8 +205,11 @@ class StripeConv2d(nn.Module):
         pool_ceil: bool = False,
     ):
         super().__init__()
-        self.relu = bool(relu)
-        self.pool, self.pool_ceil = bool(pool), bool(pool_ceil)
+        flags = {"bias": bias, "relu": relu, "pool": pool, "pool_ceil": pool_ceil}
+        bad = [f"{name}={value!r}" for name, value in flags.items() if not isinstance(value, bool)]
+        if bad:  # (bool() would take "no" as True; a compact file's recipe holds true/false)
+            raise TypeError(f"StripeConv2d: {', '.join(bad)}: must be True or False")
+        self.relu, self.pool, self.pool_ceil = relu, pool, pool_ceil
         self.in_channels, self.out_channels = int(in_channels), int(out_channels)
         self.kernel_size, self.stride = _pair(kernel_size), _pair(stride)
         self.padding, self.dilation = _pair(padding), _pair(dilation)

@@ -297,8 +297,22 @@ def test_bad_header(saved):
     data = bytearray(saved.read_bytes())
     data[8:16] = b"garbage!"
     saved.write_bytes(bytes(data))
-    with pytest.raises(ValueError, match=rf"{saved.name} is not a readable safetensors file"):
+    with pytest.raises(ValueError, match=rf"{saved.name} is not a safetensors file .*no safetensors header"):
         load(saved)
+
+
+@pytest.mark.parametrize("kind", ["json", "pickle", "onnx"])
+def test_a_file_of_another_kind_is_named_so_not_truncated(tmp_path, kind):
+    """export.py's report.json, a pickle or an ONNX file passed to load: the error says it is not a safetensors
+    file and names the file to give (it said "truncated or corrupt: export it again")."""
+    import pickle
+
+    path = tmp_path / f"model.{kind}"
+    data = {"json": json.dumps({"compact": {"macs": 123}}).encode(), "pickle": pickle.dumps({"a": [1, 2, 3]}),
+            "onnx": b"\x08\x08\x12\x07pytorch\x1a\x032.0" + bytes(range(40))}[kind]
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match=rf"{path.name} is not a safetensors file .*model.compact.safetensors"):
+        load(path)
 
 
 def test_missing_tensor(saved):

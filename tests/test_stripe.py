@@ -381,6 +381,14 @@ def test_dense_mode_in_eager_inference_runs_its_kept_weight_directly(monkeypatch
         check(x, 10)
 
 
+@pytest.mark.parametrize("flag", ["bias", "relu", "pool", "pool_ceil"])
+@pytest.mark.parametrize("value", ["no", 1, None])
+def test_on_off_settings_must_be_bools(flag, value):
+    """relu="no" (an edited compact recipe, a typo) ran as relu=True: bool() took it; now a TypeError names it."""
+    with pytest.raises(TypeError, match=rf"StripeConv2d: {flag}={value!r}: must be True or False"):
+        StripeConv2d(4, 6, 3, padding=1, **{flag: value})
+
+
 def test_dense_mode_direct_path_follows_a_bias_or_weight_swapped_outside_setattr():
     """The direct dense call binds the bias: one swapped by torch.func.functional_call (for that call only), by
     register_parameter or by a parametrization takes the general path, as does a weight torch.nn.utils.prune or a

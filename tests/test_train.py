@@ -476,6 +476,17 @@ def test_a_fine_tuning_run_of_stripe_mode_layers_resumes(tmp_path):
     assert run(_compose(*no_model, init, "trainer.max_steps=2", "resume=true"), run_dir=tmp_path / "ft")["steps"] == 2
 
 
+def test_init_naming_a_directory_or_nothing_says_which(tmp_path):
+    """init= naming export.py's out directory says it is a directory and names the file in it (it said "no such
+    file"); a missing file says so."""
+    out = tmp_path / "exported"
+    out.mkdir()
+    with pytest.raises(ValueError, match=r"exported: a directory; give a compact model file.*model.compact.safetensors"):
+        run(_compose(*TINY, f"init={out}"), run_dir=tmp_path / "a")
+    with pytest.raises(ValueError, match=r"missing.safetensors: no such file; give a compact model file"):
+        run(_compose(*TINY, f"init={tmp_path / 'missing.safetensors'}"), run_dir=tmp_path / "b")
+
+
 def test_init_refuses_a_model_from_the_command_line_that_it_would_ignore(tmp_path, monkeypatch):
     """init= sets the architecture: a model= naming another one is refused (it would be ignored, and the run's
     .hydra record would name it); naming the file's own model passes."""
