@@ -30,6 +30,7 @@ from kernels._utils import (
     functorch_active,
     is_channels_last,
     recording,
+    tensor_version,
     tracing_or_compiling,
 )
 from kernels.pool import max_pool2x2
@@ -82,11 +83,6 @@ def _building_a_cache():
     with torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext():
         with torch.no_grad():
             yield
-
-
-def _version(t: torch.Tensor) -> int:
-    """t's version counter, -1 for an inference tensor (which has none)."""
-    return -1 if t.is_inference() else t._version
 
 
 def _layout(x: torch.Tensor) -> torch.memory_format:
@@ -338,7 +334,7 @@ class StripeConv2d(nn.Module):
         # tensor), the indices' storage; _build_plan (new indices from a state dict) clears the cache. The cache
         # holds the weight it was built from, so that a weight assigned later (`.data =`, a new Parameter) cannot
         # get its freed address and pass for it.
-        key = (fmt, w.data_ptr(), _version(w), self.out_index.data_ptr())
+        key = (fmt, w.data_ptr(), tensor_version(w), self.out_index.data_ptr())
         if self._dense_cache is None or self._dense_cache[0] != key:
             with _building_a_cache():
                 self._dense_cache = (key, self.dense_weight(fmt), _sources(w))
@@ -399,7 +395,7 @@ class StripeConv2d(nn.Module):
             w, pad = self._dense_mode_weight(fmt)
             if self._mode == "dense" and not torch.is_grad_enabled() and not tracing_or_compiling():
                 weight = self.weight
-                self._eager_dense = (fmt, weight, weight.data_ptr(), _version(weight), self.bias,
+                self._eager_dense = (fmt, weight, weight.data_ptr(), tensor_version(weight), self.bias,
                                      self._direct_dense(w, pad))
             return self._pooled(conv(x, w, self.bias, self.stride, pad, self.dilation))
         args, kwargs = self._op_arguments(x)
@@ -485,7 +481,7 @@ class StripeConv2d(nn.Module):
         """(unrolled weight, bias per output row or None, (Ho, Wo)) for inputs of x's size, dtype and device, kept
         until the weight or the input size changes (`kernels.unrolled`)."""
         key = (tuple(x.shape[2:]), x.dtype, x.device, self.out_index.data_ptr()) + tuple(
-            None if t is None else (t.data_ptr(), _version(t))
+            None if t is None else (t.data_ptr(), tensor_version(t))
             for t in (self.weight, self.bias))
         if self._gemm_cache is None or self._gemm_cache[0] != key:
             with torch.no_grad():
@@ -593,8 +589,8 @@ class StripeConv2d(nn.Module):
         key = (
             stripe_triton.input_signature(x),
             w.data_ptr(),
-            _version(w),
-            None if b is None else (b.data_ptr(), _version(b)),
+            tensor_version(w),
+            None if b is None else (b.data_ptr(), tensor_version(b)),
             self.relu,
             self.pool,
             self.pool_ceil,

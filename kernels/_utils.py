@@ -207,6 +207,18 @@ def plain_eager(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
             and _len_dispatch_modes() == 0 and _len_function_modes() == 0)
 
 
+def tensor_version(t: torch.Tensor) -> int:
+    """t's version counter, -1 for an inference tensor (which has none): part of a cache key."""
+    return -1 if t.is_inference() else t._version
+
+
+def unobserved() -> bool:
+    """No Python dispatch or function mode (FLOP counters, make_fx, fake tensors) and no torch.profiler recording:
+    only then is a direct C call in place of an op's dispatch invisible. For a layer's per-call shortcut."""
+    return (_len_dispatch_modes is not None and _len_function_modes is not None and _len_dispatch_modes() == 0
+            and _len_function_modes() == 0 and not getattr(torch.autograd.profiler, "_is_profiler_enabled", False))
+
+
 def register_conv_double_backward(backward_op, forward_op) -> None:
     """Autograd for a conv's backward op, so that double backward works as with ``F.conv2d`` (gradient penalties,
     Hessian-vector products). ``backward_op(grad, x, weight, *conf) -> (dx, dw)``, ``forward_op(x, weight, bias,

@@ -28,6 +28,8 @@ PyTorch's amax (the fallback, CUDA reference paths) propagates it; outputs for N
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -312,6 +314,40 @@ def _squeeze_c(x: Tensor, weight: Tensor, zeta: int, tau: float,
           H * W, tau):
         raise MemoryError(f"{SQOP}: out of memory in the CPU kernel")
     return y, pooled
+
+
+def squeeze_cpu_call(weight: Tensor, dtype: torch.dtype, zeta: int, tau: float) -> Callable[[Tensor], Tensor | None] | None:
+    """For a PiX layer's eager CPU inference: ``x -> pix_squeeze(x, weight, zeta, tau)`` through the C++ block,
+    with the predictor in ``dtype`` and every argument bound now, for a non-empty 4-D CPU ``x`` of ``dtype``, of
+    ``weight``'s C channels, contiguous NCHW or channels_last and holding its values (no lazily negated view
+    or ZeroTensor);
+    None for any other x. None instead of the call where the C++ block does not run (float16/bfloat16, no
+    library). The caller makes sure nothing traces, records or observes (``eager_inference``, ``unobserved``)
+    and that ``weight`` has not changed since. Why: a PiX ResNet-50's 16 blocks made their checks and helper
+    calls on every call, which cost a batch-1 CPU forward more than their share of the kernel's time
+    (benchmarks/results/pix_cpu_direct_session39.json)."""
+    if dtype not in _C_DTYPES or _cpu.lib() is None:
+        return None
+    G, C = weight.shape[0], weight.shape[1]
+    w = weight.detach().reshape(G, C).to(dtype).contiguous()  # (weight itself where it already is that)
+    w_ptr, fns = w.data_ptr(), (_C_SQUEEZE[False, dtype], _C_SQUEEZE[True, dtype])
+    cl_format = torch.channels_last
+
+    def call(x: Tensor) -> Tensor | None:
+        if (x.dtype is not dtype or not x.is_cpu or x.dim() != 4 or x.size(1) != C or x.numel() == 0
+                or x.is_neg() or x._is_zerotensor()):
+            return None
+        cl = not x.is_contiguous()
+        if cl and not x.is_contiguous(memory_format=cl_format):
+            return None
+        B, _, H, W = x.shape
+        y = torch.empty((B, G, H, W), dtype=dtype, memory_format=cl_format if cl else torch.contiguous_format)
+        if fns[cl](x.data_ptr(), w_ptr, None, y.data_ptr(), B, C, zeta, H * W, tau):
+            raise MemoryError(f"{SQOP}: out of memory in the CPU kernel")
+        return y
+
+    call.keepalive = w  # (w_ptr points into it)
+    return call
 
 
 class _CFuncs(dict):

@@ -13,6 +13,7 @@ import torchvision
 from randomize import random_bn_
 
 import compress
+import kernels
 from compress.models import create_model
 from compress.pix import PiXBlock, apply_pix, downscale_pix, insert_pix
 from compress.profile import profile
@@ -774,3 +775,73 @@ def test_residual_tail_traces_without_tracer_warnings():
         warnings.simplefilter("error", torch.jit.TracerWarning)
         traced = torch.jit.trace(ResidualReLU(), (out.clone(), identity))
     torch.testing.assert_close(traced(out.clone(), identity), torch.relu(out + identity), rtol=0, atol=0)
+
+
+def test_eager_cpu_inference_calls_the_bound_cpp_block_directly(monkeypatch):
+    """Grad off, nothing tracing or observing: a PiX block calls the C++ block through a call bound to its weight
+    (one bind for repeated calls), bit-identical to the op, near the float64 reference. A weight edited in place or
+    replaced, a float64 x, a new tau and train()/eval() bind again; grad on, a dispatch mode, the profiler, bf16,
+    batch 0 and a sliced x take the op; copies and pickles after a call work."""
+    import copy
+    import pickle
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import compress.pix as pix_module
+
+    binds = []
+    real = pix_module.squeeze_cpu_call
+    monkeypatch.setattr(pix_module, "squeeze_cpu_call", lambda *a: (binds.append(a[1]), real(*a))[1])
+    gen = torch.Generator().manual_seed(3)
+    block = PiXBlock(16, 4).eval()
+    x = torch.randn(2, 16, 5, 6, generator=gen)
+
+    def check(x_in, n_binds, **kw):
+        with torch.no_grad():
+            y = block(x_in)
+        op = kernels.pix_squeeze(x_in, block.weight.detach(), block.zeta, block.tau)  # not a module call: the op path
+        assert torch.equal(y, op) and len(binds) == n_binds, binds
+        ref = _ref_block(block, x_in.double())[0]
+        torch.testing.assert_close(y.double(), ref, rtol=kw.get("rtol", 1e-5), atol=kw.get("atol", 1e-6))
+        assert y.is_contiguous(memory_format=_layout_of(x_in))
+        return y
+
+    check(x, 1)
+    check(x, 1)
+    check(x.contiguous(memory_format=torch.channels_last), 1)
+    with torch.no_grad():
+        block.weight.mul_(-1)  # in place: its version moves
+    check(x, 2)
+    block.weight.data = block.weight.data * 2
+    check(x, 3)
+    check(x.double(), 4)
+    check(x, 5)
+    block.tau = 0.9
+    check(x, 6)
+    block.train().eval()
+    check(x, 7)
+    check(x[:, :, :, ::2], 7)  # neither layout: the op
+    check(x[:0], 7)
+    check(x.bfloat16(), 7, rtol=2e-2, atol=2e-2)
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    names = []
+    with torch.no_grad(), Seen():
+        block(x)
+    assert any("compress.pix_squeeze" in n for n in names), names
+    with torch.no_grad(), torch.profiler.profile() as prof:
+        block(x)
+    assert any("pix_squeeze" in e.name for e in prof.events())
+    x.requires_grad_()
+    block(x).sum().backward()  # grad on: the op's autograd
+    assert x.grad is not None and len(binds) == 7
+    assert torch.equal(copy.deepcopy(block)(x.detach()), pickle.loads(pickle.dumps(block))(x.detach()))
+
+
+def _layout_of(x: torch.Tensor) -> torch.memory_format:
+    return torch.channels_last if (not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)) \
+        else torch.contiguous_format
