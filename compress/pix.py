@@ -124,9 +124,10 @@ class PiXBlock(nn.Module):
         `kernels.pix.squeeze_cpu_call` bound to the current weight (bound again when the weight is another tensor,
         moved or edited in place, or x's dtype changes); None elsewhere. The same C++ function as the op's path,
         so the same bits. Why: the op's path checks its arguments and the calling state in several frames on every
-        call; in a batch-1 PiX ResNet-50 forward on the 2-core CPU host (2 threads, NCHW) this path took the ratio
-        over ResNet-50 from 1.18x to about 1.21x (benchmarks/results/pix_cpu_direct_session39.json)."""
-        if not (eager_inference() and unobserved()):
+        call; in a batch-1 PiX ResNet-50 forward on the 2-core CPU host (2 threads, NCHW) this path lifted the ratio
+        over ResNet-50 by about 0.02 (1.196x -> 1.215x and 1.206x -> 1.226x in two interleaved runs;
+        benchmarks/results/pix_cpu_direct_session39.json)."""
+        if not (x.is_cpu and eager_inference() and unobserved()):
             return None
         weight = self._parameters.get("weight")  # (.get: a parametrization takes it out of _parameters)
         kept = self._direct

@@ -323,9 +323,7 @@ def squeeze_cpu_call(weight: Tensor, dtype: torch.dtype, zeta: int, tau: float) 
     or ZeroTensor);
     None for any other x. None instead of the call where the C++ block does not run (float16/bfloat16, no
     library). The caller makes sure nothing traces, records or observes (``eager_inference``, ``unobserved``)
-    and that ``weight`` has not changed since. Why: a PiX ResNet-50's 16 blocks made their checks and helper
-    calls on every call, which cost a batch-1 CPU forward more than their share of the kernel's time
-    (benchmarks/results/pix_cpu_direct_session39.json)."""
+    and that ``weight`` has not changed since (``compress.pix.PiXBlock._eager_cpu_output``, which says why)."""
     if dtype not in _C_DTYPES or _cpu.lib() is None:
         return None
     G, C = weight.shape[0], weight.shape[1]
