@@ -320,9 +320,8 @@ def squeeze_cpu_call(weight: Tensor, dtype: torch.dtype, zeta: int, tau: float) 
     """For a PiX layer's eager CPU inference: ``x -> pix_squeeze(x, weight, zeta, tau)`` through the C++ block,
     with the predictor in ``dtype`` and every argument bound now, for a non-empty 4-D CPU ``x`` of ``dtype``, of
     ``weight``'s C channels, contiguous NCHW or channels_last and holding its values (no lazily negated view
-    or ZeroTensor);
-    None for any other x. None instead of the call where the C++ block does not run (float16/bfloat16, no
-    library). The caller makes sure nothing traces, records or observes (``eager_inference``, ``unobserved``)
+    or ZeroTensor); None for any other x. None instead of the call where the C++ block does not run
+    (float16/bfloat16, no library). The caller makes sure nothing traces, records or observes (``eager_inference``, ``unobserved``)
     and that ``weight`` has not changed since (``compress.pix.PiXBlock._eager_cpu_output``, which says why)."""
     if dtype not in _C_DTYPES or _cpu.lib() is None:
         return None
