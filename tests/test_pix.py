@@ -788,6 +788,7 @@ def test_eager_cpu_inference_calls_the_bound_cpp_block_directly(monkeypatch):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import compress.pix as pix_module
+    from kernels._utils import memory_format
 
     binds = []
     real = pix_module.squeeze_cpu_call
@@ -803,7 +804,7 @@ def test_eager_cpu_inference_calls_the_bound_cpp_block_directly(monkeypatch):
         assert torch.equal(y, op) and len(binds) == n_binds, binds
         ref = _ref_block(block, x_in.double())[0]
         torch.testing.assert_close(y.double(), ref, rtol=kw.get("rtol", 1e-5), atol=kw.get("atol", 1e-6))
-        assert y.is_contiguous(memory_format=_layout_of(x_in))
+        assert y.is_contiguous(memory_format=memory_format(x_in))
         return y
 
     check(x, 1)
@@ -840,8 +841,3 @@ def test_eager_cpu_inference_calls_the_bound_cpp_block_directly(monkeypatch):
     block(x).sum().backward()  # grad on: the op's autograd
     assert x.grad is not None and len(binds) == 7
     assert torch.equal(copy.deepcopy(block)(x.detach()), pickle.loads(pickle.dumps(block))(x.detach()))
-
-
-def _layout_of(x: torch.Tensor) -> torch.memory_format:
-    return torch.channels_last if (not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)) \
-        else torch.contiguous_format
