@@ -35,7 +35,6 @@ from kernels._utils import (
     forward_ad_active,
     functorch_active,
     plain_eager,
-    tensor_version,
     unobserved,
 )
 from kernels.pix import squeeze_cpu_call
@@ -85,8 +84,7 @@ class PiXBlock(nn.Module):
         super().__init__()
         in_channels = positive_int("PiXBlock", "in_channels", in_channels)
         zeta = _check_factor(f"PiXBlock(in_channels={in_channels})", in_channels, zeta)
-        check_tau("PiXBlock", tau)
-        self.in_channels, self.zeta, self.tau = in_channels, zeta, float(tau)
+        self.in_channels, self.zeta, self.tau = in_channels, zeta, tau  # (tau checked by __setattr__)
         self.out_channels = in_channels // zeta
         self.weight = nn.Parameter(torch.empty(self.out_channels, in_channels, 1, 1))
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Conv2d's default
@@ -121,9 +119,10 @@ class PiXBlock(nn.Module):
 
     def _eager_cpu_output(self, x: torch.Tensor) -> torch.Tensor | None:
         """The block in plain, unobserved eager CPU inference (`eager_inference`, `unobserved`) through the C++ call
-        `kernels.pix.squeeze_cpu_call` bound to the current weight (bound again when the weight is another tensor,
-        moved or edited in place, or x's dtype changes); None elsewhere. The same C++ function as the op's path,
-        so the same bits. Why: the op's path checks its arguments and the calling state in several frames on every
+        `kernels.pix.squeeze_cpu_call` bound to the current weight, whose memory it reads (bound again when the
+        weight is another tensor, at another address or of another shape, or x's dtype changes; a weight of
+        another dtype than x's takes the op); None elsewhere. The same C++ function as the op's path, so the same
+        bits. Why: the op's path checks its arguments and the calling state in several frames on every
         call; in a batch-1 PiX ResNet-50 forward on the 2-core CPU host (2 threads, NCHW) this path lifted the ratio
         over ResNet-50 by about 0.02 (1.196x -> 1.215x and 1.206x -> 1.226x in two interleaved runs;
         benchmarks/results/pix_cpu_direct_session39.json)."""
@@ -131,26 +130,23 @@ class PiXBlock(nn.Module):
             return None
         weight = self._parameters.get("weight")  # (.get: a parametrization takes it out of _parameters)
         kept = self._direct
-        if (kept is None or kept[0] is not weight or weight.data_ptr() != kept[1] or tensor_version(weight) != kept[2]
+        if (kept is None or kept[0] is not weight or weight.data_ptr() != kept[1] or weight.shape != kept[2]
                 or kept[3] is not x.dtype):
             if weight is None or x.dtype not in (torch.float32, torch.float64):
                 return None
             call = squeeze_cpu_call(weight, x.dtype, self.zeta, self.tau)
             if call is None:
                 return None
-            kept = self._direct = (weight, weight.data_ptr(), tensor_version(weight), x.dtype, call)
+            kept = self._direct = (weight, weight.data_ptr(), weight.shape, x.dtype, call)
         return kept[4](x)
 
     def __setattr__(self, name: str, value) -> None:
+        if name == "tau":
+            check_tau("PiXBlock", value)
+            value = float(value)
         super().__setattr__(name, value)
         if name in ("zeta", "tau", "in_channels"):  # (bound in the direct call)
             self.__dict__["_direct"] = None
-
-    def train(self, mode: bool = True) -> PiXBlock:
-        """Also drops the direct call: a write that bypasses the weight's version counter (`.data`, a fused
-        optimizer) shows in the predictor the call converted for float64 x after the next `train()`/`eval()`."""
-        self._direct = None
-        return super().train(mode)
 
     def __getstate__(self) -> dict:
         state = dict(super().__getstate__())

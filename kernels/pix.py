@@ -317,22 +317,26 @@ def _squeeze_c(x: Tensor, weight: Tensor, zeta: int, tau: float,
 
 
 def squeeze_cpu_call(weight: Tensor, dtype: torch.dtype, zeta: int, tau: float) -> Callable[[Tensor], Tensor | None] | None:
-    """For a PiX layer's eager CPU inference: ``x -> pix_squeeze(x, weight, zeta, tau)`` through the C++ block,
-    with the predictor in ``dtype`` and every argument bound now, for a non-empty 4-D CPU ``x`` of ``dtype``, of
-    ``weight``'s C channels, contiguous NCHW or channels_last and holding its values (no lazily negated view
-    or ZeroTensor); None for any other x. None instead of the call where the C++ block does not run
-    (float16/bfloat16, no library). The caller makes sure nothing traces, records or observes (``eager_inference``, ``unobserved``)
-    and that ``weight`` has not changed since (``compress.pix.PiXBlock._eager_cpu_output``, which says why)."""
-    if dtype not in _C_DTYPES or _cpu.lib() is None:
+    """For a PiX layer's eager CPU inference: ``x -> pix_squeeze(x, weight, zeta, tau)`` through the C++ block
+    with every argument bound now, reading ``weight``'s own memory (so edits to it show, whatever way they are
+    made), for a plain (no subclass, strided, no lazily negated view or ZeroTensor), non-empty 4-D CPU ``x`` of
+    ``dtype``, of ``weight``'s C channels, contiguous NCHW or channels_last; None for any other x. None instead
+    of the call where the C++ block does not run (float16/bfloat16, no library) or would need a converted copy
+    of the predictor (``weight`` not contiguous or not of ``dtype``), and where ``weight`` is not the
+    (C // zeta, C, 1, 1) or (C // zeta, C) predictor of ``zeta`` (the op names that error). The caller makes sure
+    nothing traces, records or observes (``eager_inference``, ``unobserved``) and that ``weight`` is the same
+    tensor of the same shape since (``compress.pix.PiXBlock._eager_cpu_output``, which says why)."""
+    if dtype not in _C_DTYPES or weight.dtype != dtype or not weight.is_contiguous() or _cpu.lib() is None:
         return None
     G, C = weight.shape[0], weight.shape[1]
-    w = weight.detach().reshape(G, C).to(dtype).contiguous()  # (weight itself where it already is that)
-    w_ptr, fns = w.data_ptr(), (_C_SQUEEZE[False, dtype], _C_SQUEEZE[True, dtype])
-    cl_format = torch.channels_last
+    if weight.dim() not in (2, 4) or weight.shape[2:] not in ((), (1, 1)) or zeta < 1 or G * zeta != C:
+        return None
+    w_ptr, fns = weight.data_ptr(), (_C_SQUEEZE[False, dtype], _C_SQUEEZE[True, dtype])
+    cl_format, strided, plain = torch.channels_last, torch.strided, torch.Tensor
 
     def call(x: Tensor) -> Tensor | None:
-        if (x.dtype is not dtype or not x.is_cpu or x.dim() != 4 or x.size(1) != C or x.numel() == 0
-                or x.is_neg() or x._is_zerotensor()):
+        if (type(x) is not plain or x.dtype is not dtype or not x.is_cpu or x.layout is not strided or x.dim() != 4
+                or x.size(1) != C or x.numel() == 0 or x.is_neg() or x._is_zerotensor()):
             return None
         cl = not x.is_contiguous()
         if cl and not x.is_contiguous(memory_format=cl_format):
@@ -343,7 +347,7 @@ def squeeze_cpu_call(weight: Tensor, dtype: torch.dtype, zeta: int, tau: float) 
             raise MemoryError(f"{SQOP}: out of memory in the CPU kernel")
         return y
 
-    call.keepalive = w  # (w_ptr points into it)
+    call.keepalive = weight.detach()  # (w_ptr points into its storage)
     return call
 
 

@@ -778,10 +778,11 @@ def test_residual_tail_traces_without_tracer_warnings():
 
 
 def test_eager_cpu_inference_calls_the_bound_cpp_block_directly(monkeypatch):
-    """Grad off, nothing tracing or observing: a PiX block calls the C++ block through a call bound to its weight
-    (one bind for repeated calls), bit-identical to the op, near the float64 reference. A weight edited in place or
-    replaced, a float64 x, a new tau and train()/eval() bind again; grad on, a dispatch mode, the profiler, bf16,
-    batch 0 and a sliced x take the op; copies and pickles after a call work."""
+    """Grad off, nothing tracing or observing: a PiX block calls the C++ block through a call bound to its weight's
+    memory (one bind for repeated calls and for in-place edits, also .data ones), bit-identical to the op, near the
+    float64 reference. A new weight and a new tau bind again; grad on, a dispatch mode, the profiler, bf16, a
+    weight of another dtype than x, batch 0, a sliced x and a tensor subclass take the op; a zeta or weight shape
+    that no longer fit get the op's error (the bound call segfaulted); copies and pickles after a call work."""
     import copy
     import pickle
 
@@ -800,30 +801,34 @@ def test_eager_cpu_inference_calls_the_bound_cpp_block_directly(monkeypatch):
     def check(x_in, n_binds, **kw):
         with torch.no_grad():
             y = block(x_in)
-        op = kernels.pix_squeeze(x_in, block.weight.detach(), block.zeta, block.tau)  # not a module call: the op path
+        w = block.weight.detach().to(x_in.dtype) if x_in.dtype == torch.float64 else block.weight.detach()
+        op = kernels.pix_squeeze(x_in, w, block.zeta, block.tau)  # not a module call: the op path
         assert torch.equal(y, op) and len(binds) == n_binds, binds
         ref = _ref_block(block, x_in.double())[0]
         torch.testing.assert_close(y.double(), ref, rtol=kw.get("rtol", 1e-5), atol=kw.get("atol", 1e-6))
-        assert y.is_contiguous(memory_format=memory_format(x_in))
+        assert y.is_contiguous(memory_format=memory_format(x_in)) and type(y) is type(op)  # (a subclass stays one)
         return y
 
     check(x, 1)
     check(x, 1)
     check(x.contiguous(memory_format=torch.channels_last), 1)
     with torch.no_grad():
-        block.weight.mul_(-1)  # in place: its version moves
+        block.weight.mul_(-1)  # in place: the call reads the weight's memory
+    check(x, 1)
+    block.weight.data.mul_(2)  # past the version counter: the same
+    check(x, 1)
+    block.weight.data = block.weight.data * 2  # a new tensor
     check(x, 2)
-    block.weight.data = block.weight.data * 2
+    check(x.double(), 3)  # float64 x, float32 weight: the op (converting the predictor)
     check(x, 3)
-    check(x.double(), 4)
-    check(x, 5)
     block.tau = 0.9
-    check(x, 6)
-    block.train().eval()
-    check(x, 7)
-    check(x[:, :, :, ::2], 7)  # neither layout: the op
-    check(x[:0], 7)
-    check(x.bfloat16(), 7, rtol=2e-2, atol=2e-2)
+    check(x, 4)
+    check(x[:, :, :, ::2], 4)  # neither layout: the op
+    check(x[:0], 4)
+    check(x.bfloat16(), 4, rtol=2e-2, atol=2e-2)
+    check(x.as_subclass(_Sub), 4)
+    with pytest.raises(ValueError, match="tau=2.0 must be a number in"):
+        block.tau = 2.0
 
     class Seen(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -839,5 +844,19 @@ def test_eager_cpu_inference_calls_the_bound_cpp_block_directly(monkeypatch):
     assert any("pix_squeeze" in e.name for e in prof.events())
     x.requires_grad_()
     block(x).sum().backward()  # grad on: the op's autograd
-    assert x.grad is not None and len(binds) == 7
+    assert x.grad is not None and len(binds) == 4
     assert torch.equal(copy.deepcopy(block)(x.detach()), pickle.loads(pickle.dumps(block))(x.detach()))
+
+    with torch.no_grad():
+        block.zeta = 2  # the weight is still zeta 4's: the op's error, not the C++ block writing past y
+        with pytest.raises(ValueError, match=r"weight' must have shape \(8, 16, 1, 1\)"):
+            block(x)
+        block.zeta = 4
+        block(x)
+        block.weight.data = block.weight.data[:2]  # same address, another shape
+        with pytest.raises(ValueError, match=r"weight' must have shape \(4, 16, 1, 1\)"):
+            block(x)
+
+
+class _Sub(torch.Tensor):
+    pass
