@@ -124,7 +124,7 @@ class PiXBlock(nn.Module):
         another dtype than x's takes the op); None elsewhere. The same C++ function as the op's path, so the same
         bits. Why: the op's path checks its arguments and the calling state in several frames on every
         call; in a batch-1 PiX ResNet-50 forward on the 2-core CPU host (2 threads, NCHW) this path lifted the ratio
-        over ResNet-50 by about 0.02 (1.196x -> 1.215x and 1.206x -> 1.226x in two interleaved runs;
+        over ResNet-50 by about 0.02 (1.196x -> 1.215x, 1.206x -> 1.226x, 1.205x -> 1.222x in three interleaved runs;
         benchmarks/results/pix_cpu_direct_session39.json)."""
         if not (x.is_cpu and eager_inference() and unobserved()):
             return None
