@@ -88,7 +88,7 @@ class PiXBlock(nn.Module):
         self.out_channels = in_channels // zeta
         self.weight = nn.Parameter(torch.empty(self.out_channels, in_channels, 1, 1))
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Conv2d's default
-        self._direct: tuple | None = None  # `_eager_cpu_output`'s (weight, its data_ptr and version, dtype, call)
+        self._direct: tuple | None = None  # `_eager_cpu_output`'s (weight, its data_ptr and shape, x dtype, call)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, C, H, W) -> (B, C // zeta, H, W); an unbatched x (C, H, W) -> (C // zeta, H, W)."""
