@@ -393,7 +393,7 @@ class StripeConv2d(nn.Module):
         if self._mode != "stripe" or self._cuda_training_in_dense_mode(x):
             conv = conv2d_relu if self.relu else F.conv2d
             w, pad = self._dense_mode_weight(fmt)
-            if self._mode == "dense" and not torch.is_grad_enabled() and not tracing_or_compiling():
+            if self._mode == "dense" and eager_inference():  # (the condition `_eager_dense_output` runs under)
                 weight = self.weight
                 self._eager_dense = (fmt, weight, weight.data_ptr(), tensor_version(weight), self.bias,
                                      self._direct_dense(w, pad))
