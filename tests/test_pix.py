@@ -781,7 +781,7 @@ def test_eager_cpu_inference_calls_the_bound_cpp_block_directly(monkeypatch):
     """Grad off, nothing tracing or observing: a PiX block calls the C++ block through a call bound to its weight's
     memory (one bind for repeated calls and for in-place edits, also .data ones), bit-identical to the op, near the
     float64 reference. A new weight and a new tau bind again; grad on, a dispatch mode, the profiler, bf16, a
-    weight of another dtype than x, batch 0, a sliced x and a tensor subclass take the op; a zeta or weight shape
+    weight of another dtype than x or re-strided in place, batch 0, a sliced x and a tensor subclass take the op; a zeta or weight shape
     that no longer fit get the op's error (the bound call segfaulted); copies and pickles after a call work."""
     import copy
     import pickle
@@ -856,6 +856,13 @@ def test_eager_cpu_inference_calls_the_bound_cpp_block_directly(monkeypatch):
         block.weight.data = block.weight.data[:2]  # same address, another shape
         with pytest.raises(ValueError, match=r"weight' must have shape \(4, 16, 1, 1\)"):
             block(x)
+
+    square = PiXBlock(6, 1).eval()  # zeta 1: a square predictor, so its transpose keeps the address and the shape
+    xs = torch.randn(2, 6, 3, 3, generator=gen)
+    with torch.no_grad():
+        square(xs)
+        square.weight.data = square.weight.data.transpose(0, 1)  # another layout: the op (the call read it as before)
+        torch.testing.assert_close(square(xs).double(), _ref_block(square, xs.double())[0], rtol=1e-5, atol=1e-6)
 
 
 class _Sub(torch.Tensor):
