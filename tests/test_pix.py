@@ -781,8 +781,9 @@ def test_eager_cpu_inference_calls_the_bound_cpp_block_directly(monkeypatch):
     """Grad off, nothing tracing or observing: a PiX block calls the C++ block through a call bound to its weight's
     memory (one bind for repeated calls and for in-place edits, also .data ones), bit-identical to the op, near the
     float64 reference. A new weight and a new tau bind again; grad on, a dispatch mode, the profiler, bf16, a
-    weight of another dtype than x or re-strided in place, batch 0, a sliced x and a tensor subclass take the op; a zeta or weight shape
-    that no longer fit get the op's error (the bound call segfaulted); copies and pickles after a call work."""
+    weight of another dtype than x or re-strided in place, batch 0, a sliced x and a tensor subclass take the op;
+    a zeta or weight shape that no longer fit get the op's error (the bound call segfaulted); copies and pickles
+    after a call work."""
     import copy
     import pickle
 
