@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
@@ -157,14 +158,19 @@ class PiXBlock(nn.Module):
         """Real work, 1 add/compare/multiply = 1 MAC: global pool B*C*H*W adds (the 1/HW scale is
         folded into the predictor, not counted), predictor B*C*(C/zeta) multiply-adds, fusion
         B*C*H*W ((zeta - 1) compares or adds plus 1 multiply by p per output element)."""
-        b, c, h, w = inp.shape
-        return b * c * h * w + b * c * self.out_channels + b * c * h * w
+        return pix_macs(inp.shape, self.out_channels)
 
     def config(self) -> dict:
         return {"in_channels": self.in_channels, "zeta": self.zeta, "tau": self.tau}
 
     def extra_repr(self) -> str:
         return f"{self.in_channels} -> {self.out_channels}, zeta={self.zeta}, tau={self.tau}"
+
+
+def pix_macs(x_shape: Sequence[int], groups: int) -> int:
+    """`PiXBlock.macs` for an input of shape x_shape (B, C, H, W) and `groups` = C / zeta output channels."""
+    b, c, h, w = x_shape
+    return b * c * h * w + b * c * groups + b * c * h * w
 
 
 def _bottleneck_types() -> tuple[type, ...]:

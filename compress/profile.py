@@ -4,7 +4,7 @@
     report.to_dict()["macs"]; compress.compare(dense_report, compact_report)
 
 Units: MACs are multiply-adds (1 multiply-add = 1 MAC, FLOPs = 2 MACs). Counted layers are
-convolutions, Linear, and custom modules through their `macs(inp, out)` method (the extension
+convolutions (also our kernels' ``Im2colConv2d`` and ``DepthwiseConv2d``), Linear, and custom modules through their `macs(inp, out)` method (the extension
 protocol of docs/INTERFACES.md: a StripeConv2d counts its kept stripes, a PiX block its real work).
 Everything else (BatchNorm, activations, pooling, residual adds) counts 0 MACs, as in the
 literature totals (ResNet-50: 4.1 GMACs). Extra layer types plug in with `register_macs_handler`.
@@ -22,8 +22,9 @@ Convolutions and matrix products that forward code calls itself (``F.conv2d(x, s
 ``x @ w``, ``F.linear``, ``torch.einsum``, ``F.scaled_dot_product_attention``, ``nn.MultiheadAttention``, whose
 inference fast path is turned off for the count) count too: the count pass watches the dispatcher (a
 ``TorchDispatchMode``, as ``torch.utils.flop_counter`` does) and adds, in both conventions, the MACs of every
-``aten`` convolution, ``mm``/``addmm``/``bmm``/``baddbmm``/``addbmm``/``mv``/``addmv``/``dot`` and fused attention
-that runs outside a counted layer's forward (a layer with a handler or ``macs()`` accounts for its own work) to the
+``aten`` convolution, ``mm``/``addmm``/``bmm``/``baddbmm``/``addbmm``/``mv``/``addmv``/``dot`` and fused attention,
+and of our kernels' ops (``compress::conv2d``, ``depthwise_conv2d`` and ``stripe_conv2d`` as convs of their weight;
+``pix_squeeze`` and ``pix`` as a PiX block's real work), that runs outside a counted layer's forward (a layer with a handler or ``macs()`` accounts for its own work) to the
 row of the innermost module whose forward, or hook, called it (a row with no params of its own if that module has
 no row otherwise); ``ProfileReport.functional_macs`` sums them. Other functional ops (``F.relu``, pooling,
 ``x + y``) add nothing, also in the "paper" convention, and neither do fused recurrent kernels (``nn.LSTM``) or
@@ -52,8 +53,9 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from compress._modes import evaluating
-from compress.pix import ResidualReLU
+from compress.pix import ResidualReLU, pix_macs
 from compress.stripe import Conv2dReLU, StripeConv2d
+from kernels import DepthwiseConv2d, Im2colConv2d
 
 __all__ = ["LayerProfile", "ProfileReport", "profile", "compare", "measure_latencies", "register_macs_handler"]
 
@@ -78,6 +80,8 @@ _MACS_HANDLERS: dict[type[nn.Module], MacsHandler] = {
     nn.Conv1d: _conv_macs,
     nn.Conv2d: _conv_macs,
     nn.Conv3d: _conv_macs,
+    Im2colConv2d: _conv_macs,  # our kernels' nn.Conv2d look-alikes
+    DepthwiseConv2d: lambda m, inp, out: out.numel() * math.prod(m.kernel_size),
     nn.ConvTranspose1d: _conv_transpose_macs,
     nn.ConvTranspose2d: _conv_transpose_macs,
     nn.ConvTranspose3d: _conv_transpose_macs,
@@ -105,7 +109,7 @@ def _stripe_conv_outputs(m: StripeConv2d, inp: torch.Tensor) -> int:
 
 # Extra MACs of the "paper" convention (ptflops style), added to the layer's own count.
 _PAPER_EXTRA: dict[type[nn.Module], MacsHandler] = {
-    nn.Conv1d: _bias, nn.Conv2d: _bias, nn.Conv3d: _bias, nn.Linear: _bias,
+    nn.Conv1d: _bias, nn.Conv2d: _bias, nn.Conv3d: _bias, nn.Linear: _bias, Im2colConv2d: _bias, DepthwiseConv2d: _bias,
     nn.ConvTranspose1d: _bias, nn.ConvTranspose2d: _bias, nn.ConvTranspose3d: _bias,
     nn.BatchNorm1d: _per_output(2), nn.BatchNorm2d: _per_output(2), nn.BatchNorm3d: _per_output(2),
     nn.ReLU: _per_output(1), nn.ReLU6: _per_output(1), nn.LeakyReLU: _per_output(1), nn.PReLU: _per_output(1),
@@ -147,9 +151,23 @@ def _attention_macs(args: tuple, kwargs: dict, out) -> int:
     return q[..., 0].numel() * k.shape[-2] * (q.shape[-1] + v.shape[-1])
 
 
-_aten = torch.ops.aten
-# MACs of the aten ops a forward may call itself, from their arguments and output (`_FunctionalMacs`)
+def _kernel_conv_macs(args: tuple, kwargs: dict, out: torch.Tensor) -> int:
+    """compress::conv2d and compress::depthwise_conv2d: weight (N, C/g, kh, kw) ((C, 1, kh, kw) depthwise)."""
+    return out.numel() * math.prod(args[1].shape[1:])
+
+
+def _kernel_stripe_macs(args: tuple, kwargs: dict, out: torch.Tensor) -> int:
+    """compress::stripe_conv2d, out (B, N, Ho, Wo): each output position costs the kept stripes, weight (S, C)."""
+    return out.shape[0] * out.shape[2] * out.shape[3] * args[1].numel()
+
+
+_aten, _ours = torch.ops.aten, torch.ops.compress
+# MACs of the aten ops (and of our kernels' ops) a forward may call itself, from their arguments and output
+# (`_FunctionalMacs`)
 _FUNCTIONAL_MACS = {
+    _ours.conv2d: _kernel_conv_macs, _ours.depthwise_conv2d: _kernel_conv_macs, _ours.stripe_conv2d: _kernel_stripe_macs,
+    _ours.pix_squeeze: lambda args, kwargs, out: pix_macs(args[0].shape, args[1].shape[0]),  # as PiXBlock.macs
+    _ours.pix: lambda args, kwargs, out: args[0].numel(),  # the fusion alone: pix_macs' third term
     _aten.convolution: _convolution_macs,
     _aten.mm: _product_macs(0), _aten.bmm: _product_macs(0), _aten.mv: _product_macs(0),
     _aten.addmm: _product_macs(1), _aten.baddbmm: _product_macs(1), _aten.addmv: _product_macs(1),

@@ -446,6 +446,47 @@ def test_functional_convs_and_products_count_in_the_row_of_the_module_that_calls
     assert "in ops forward code calls itself" in str(rep)
 
 
+class KernelOps(nn.Module):
+    """Our kernels' conv modules (8 -> 8 depthwise 3x3 with bias, 8 -> 12 3x3 im2col with bias, padding 1) and their
+    ops called functionally: depthwise 3x3 (no bias, padding 1), im2col 12 -> 6 3x3 (no padding), a stripe conv
+    6 -> 4 with 5 kept stripes (3x3, no padding), the PiX block op (zeta 2) and the pix op (zeta 2)."""
+
+    def __init__(self):
+        super().__init__()
+        import kernels
+
+        self.k = kernels
+        self.dw, self.conv = kernels.DepthwiseConv2d(8, 3, padding=1), kernels.Im2colConv2d(8, 12, 3, padding=1)
+        self.w_dw, self.w = nn.Parameter(torch.randn(8, 1, 3, 3)), nn.Parameter(torch.randn(6, 12, 3, 3))
+        self.stripes = nn.Parameter(torch.randn(5, 6))
+        self.register_buffer("out_index", torch.tensor([0, 3, 0, 2, 1]))  # (canonical order: by offset, channel)
+        self.register_buffer("offset", torch.tensor([[0, 0], [0, 2], [1, 1], [1, 1], [2, 0]]))
+        self.pix_w = nn.Parameter(torch.randn(2, 4, 1, 1))
+
+    def forward(self, x):
+        k = self.k
+        x = k.depthwise_conv2d(self.conv(self.dw(x)).narrow(1, 0, 8), self.w_dw, None, 1, 1)
+        y = k.conv2d(torch.cat([x, x[:, :4]], 1), self.w, None, 1, 0)
+        y = k.stripe_conv2d(y, self.stripes, self.out_index, self.offset, None, 4, 3)
+        return k.pix(k.pix_squeeze(y, self.pix_w, 2), torch.rand(y.shape[0], 1, 1, 1), 2)
+
+
+def test_our_kernels_conv_modules_and_ops_count_as_convs_by_hand():
+    """Input (8, 10, 10): the modules count as nn.Conv2d (the paper convention adds their bias), the ops forward
+    code calls itself in the caller's row."""
+    modules = 800 * 9 + 1200 * 72  # depthwise: 8x10x10 outputs x 9; im2col: 12x10x10 outputs x 8*9
+    functional = (800 * 9 + 6 * 8 * 8 * 108  # depthwise again; 12 -> 6 3x3 on 10x10 -> 8x8
+                  + 6 * 6 * 5 * 6  # the stripe conv on 8x8 -> 6x6: 5 stripes of 6 channels per position
+                  + (2 * 4 * 36 + 4 * 2)  # pix_squeeze of (4, 6, 6): pool + fusion 4x36 each, predictor 4 x 2
+                  + 2 * 36)  # pix of (2, 6, 6)
+    for convention, bias in (("layers", 0), ("paper", 1)):  # paper: a bias add per output element
+        rep = profile(KernelOps(), (8, 10, 10), latency=False, convention=convention)
+        rows = {row.name: row for row in rep.layers}
+        assert (rows["dw"].macs, rows["conv"].macs) == (800 * (9 + bias), 1200 * (72 + bias))
+        assert rows[""].macs == rep.functional_macs == functional
+        assert rep.macs == modules + bias * (800 + 1200) + functional
+
+
 class DirectRead(nn.Module):
     """Holds only a conv (3 -> 5, 3x3, no padding) and calls F.conv2d on its weight instead of calling it."""
 
