@@ -346,7 +346,7 @@ def insert_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
     _refuse_compacted("insert_pix", model)
     names = [n for n, m in model.named_modules() if isinstance(m, _bottleneck_types())]
     if not names:
-        raise ValueError(f"insert_pix: {type(model).__name__} has no bottleneck block; {_SUPPORTED}")
+        raise _unsupported(f"insert_pix: {type(model).__name__} has no bottleneck block PiX rebuilds", model)
     widths = [_squeeze_width(name, model.get_submodule(name), zeta) for name in names]
     for name, width in zip(names, widths):
         _squeeze_with_pix(model.get_submodule(name), width, tau)
@@ -399,11 +399,16 @@ def apply_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
     elif any(isinstance(m, (CifarVGG, *imported_classes("torchvision.models", "VGG"), *_basic_block_types())) for m in modules):
         changed = downscale_pix(model, zeta, tau)
     else:
-        blocks = sorted({type(m).__name__ for m in modules
-                         if type(m).__name__.lower().endswith(("neck", "block", "basic"))})  # timm: SelectiveKernelBasic
-        has = f" (its blocks are {', '.join(blocks)}, which PiX does not rebuild)" if blocks else ""
-        raise ValueError(f"apply_pix: unsupported model {type(model).__name__}{has}; {_SUPPORTED}")
+        raise _unsupported(f"apply_pix: unsupported model {type(model).__name__}", model)
     return changed
+
+
+def _unsupported(head: str, model: nn.Module) -> ValueError:
+    """The error for a model PiX cannot take, naming its blocks (timm's SK, ResNeSt and Res2Net bottlenecks)."""
+    blocks = sorted({type(m).__name__ for m in model.modules()
+                     if type(m).__name__.lower().endswith(("neck", "block", "basic"))})  # timm: SelectiveKernelBasic
+    has = f" (its blocks are {', '.join(blocks)}, which PiX does not rebuild)" if blocks else ""
+    return ValueError(f"{head}{has}; {_SUPPORTED}")
 
 
 

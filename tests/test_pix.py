@@ -288,6 +288,9 @@ def test_errors_name_the_layer():
         apply_pix(create_model("timm:skresnet50", num_classes=10, input_size=32), 4)
     with pytest.raises(ValueError, match=r"unsupported model ResNet \(its blocks are SelectiveKernelBasic, which "):
         apply_pix(create_model("timm:skresnet18", num_classes=10, input_size=32), 4)
+    with pytest.raises(ValueError, match=r"insert_pix: ResNet has no bottleneck block PiX rebuilds \(its blocks are "
+                                         r"SelectiveKernelBottleneck, which PiX does not rebuild\)"):
+        insert_pix(create_model("timm:skresnet50", num_classes=10, input_size=32), 4)
     # a numpy tau is a number; a VGG inside a wrapper is a VGG
     import numpy as np
 
