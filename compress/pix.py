@@ -33,12 +33,10 @@ from compress.surgery import imported_classes, replace_module
 from kernels import residual_relu
 from kernels._utils import (
     eager_inference,
-    forward_ad_active,
-    functorch_active,
     plain_eager,
     unobserved,
 )
-from kernels.pix import squeeze_cpu_call
+from kernels.pix import pix_squeeze_ops, squeeze_cpu_call
 
 __all__ = ["PiXBlock", "ResidualReLU", "insert_pix", "use_pix_bottlenecks", "downscale_pix", "apply_pix"]
 
@@ -103,19 +101,11 @@ class PiXBlock(nn.Module):
             )
         if x.dim() == 3:
             return self.forward(x.unsqueeze(0)).squeeze(0)
-        # ONNX export always traces (not plain eager); is_in_onnx_export() itself costs two imports per call,
-        # about 20 us per block in a CPU batch-1 forward, so plain eager calls skip it. torch.func transforms (the
-        # op has no functorch rules) and forward-mode AD (dual tensors) take the same standard ops; there the max's
-        # gradient splits among ties.
-        if not plain_eager(x, self.weight) and (functorch_active() or forward_ad_active()
-                                                or torch.onnx.is_in_onnx_export()):
-            # standard ops; the bias-free 1x1 predictor as a GEMM on the pool, both in float32 (float64 for float64
-            # x) as the op computes them, the output in x's dtype
-            acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-            p = torch.sigmoid(x.to(acc).mean((2, 3)) @ self.weight.flatten(1).t().to(acc))
-            p = p.to(x.dtype).to(acc)[:, :, None, None]  # rounded to x's dtype, as the op's fusion takes it
-            groups = x.unflatten(1, (self.out_channels, self.zeta))
-            return (p * torch.where(p < self.tau, groups.amax(2), groups.to(acc).mean(2))).to(x.dtype)
+        # ONNX export (standard ops) always traces (not plain eager); is_in_onnx_export() itself costs two imports
+        # per call, about 20 us per block in a CPU batch-1 forward, so plain eager calls skip it. (Under torch.func
+        # transforms and forward-mode AD kernels.pix_squeeze takes the same standard ops itself.)
+        if not plain_eager(x, self.weight) and torch.onnx.is_in_onnx_export():
+            return pix_squeeze_ops(x, self.weight, self.zeta, self.tau)
         return kernels.pix_squeeze(x, self.weight, self.zeta, self.tau)
 
     def _eager_cpu_output(self, x: torch.Tensor) -> torch.Tensor | None:

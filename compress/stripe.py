@@ -26,9 +26,8 @@ from kernels._utils import (
     conv2d_relu,
     conv_out_size,
     eager_inference,
-    forward_ad_active,
-    functorch_active,
     is_channels_last,
+    needs_standard_ops,
     recording,
     tensor_version,
     tracing_or_compiling,
@@ -371,8 +370,8 @@ class StripeConv2d(nn.Module):
             raise RuntimeError(f"StripeConv2d: its {self.num_stripes} stripes were never set (a layer built with "
                                "num_stripes=S holds placeholders); fill it with load_state_dict, or build it with "
                                "StripeConv2d.from_dense / from_skeleton")
-        if functorch_active() or forward_ad_active():  # torch.func.grad / vmap / jacrev, dual tensors: the ops below
-            # have no functorch or forward-mode rules
+        if needs_standard_ops():  # torch.func.grad / vmap / jacrev, dual tensors: the ops below have no functorch or
+            # forward-mode rules
             conv = conv2d_relu if self.relu else F.conv2d
             return self._pooled(conv(x, self.dense_weight(), self.bias, self.stride, self.padding, self.dilation))
         x = contiguous_input(x)

@@ -83,6 +83,21 @@ def check_conv_params(op: str, stride, padding, dilation) -> None:
             raise ValueError(f"{op}: {nm} must be two ints >= {lo}, got {list(v)}")
 
 
+def check_conv_output(op: str, x: torch.Tensor, weight: torch.Tensor, stride, padding, dilation) -> tuple[int, int]:
+    """(Ho, Wo) of a conv of x (N, C, H, W) with weight (Co, Cg, kh, kw); a clear error for an empty kernel or an
+    input too small for it."""
+    (H, W), (kh, kw) = x.shape[2:], weight.shape[2:]
+    if kh < 1 or kw < 1:
+        raise ValueError(f"{op}: tensor 'weight' of shape {tuple(weight.shape)} has an empty kernel {(kh, kw)}; "
+                         "a conv needs kh, kw >= 1")
+    ho = conv_out_size(H, kh, stride[0], padding[0], dilation[0])
+    wo = conv_out_size(W, kw, stride[1], padding[1], dilation[1])
+    if ho < 1 or wo < 1:
+        raise ValueError(f"{op}: tensor 'x' of spatial size {(H, W)} is too small for kernel {(kh, kw)} "
+                         f"with padding {list(padding)} and dilation {list(dilation)}")
+    return ho, wo
+
+
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -183,6 +198,13 @@ def forward_ad_active() -> bool:
     """Whether a forward-mode AD level is open (`torch.autograd.forward_ad.dual_level`): inputs may be dual tensors,
     whose tangents a direct kernel call would drop (our ops have no forward-mode formulas)."""
     return _forward_ad.__dict__.get("_current_level", -1) >= 0
+
+
+def needs_standard_ops() -> bool:
+    """Whether a torch.func transform or a forward-mode AD level is active: our ops have no functorch or forward-mode
+    rules (a custom op under torch.func.jvp returns a zero tangent, silently), so the public functions and the
+    modules compute the same function in PyTorch ops then."""
+    return functorch_active() or forward_ad_active()
 
 
 def _plain_values(t: torch.Tensor) -> bool:

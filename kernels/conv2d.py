@@ -17,10 +17,11 @@ from kernels import _ext
 from kernels._utils import (
     autocast_inputs,
     check_4d,
+    check_conv_output,
     check_conv_params,
     check_like,
-    conv_out_size,
     memory_format,
+    needs_standard_ops,
     pair,
     register_conv_double_backward,
     use_kernel,
@@ -38,8 +39,7 @@ def _check(x, weight, bias, stride, padding, dilation, groups, op=OP):
     check_4d(op, "x", x)
     check_4d(op, "weight", weight)
     check_like(op, "weight", weight, x)
-    N, C, H, W = x.shape
-    Co, Cg, kh, kw = weight.shape
+    C, (Co, Cg) = x.shape[1], weight.shape[:2]
     if C == 0:
         raise ValueError(f"{op}: tensor 'x' has no channels (shape {tuple(x.shape)}); a conv needs at least one")
     if groups < 1 or C % groups or Co % groups:
@@ -52,12 +52,7 @@ def _check(x, weight, bias, stride, padding, dilation, groups, op=OP):
         if tuple(bias.shape) != (Co,):
             raise ValueError(f"{op}: tensor 'bias' must have shape ({Co},), got {tuple(bias.shape)}")
     check_conv_params(op, stride, padding, dilation)
-    ho = conv_out_size(H, kh, stride[0], padding[0], dilation[0])
-    wo = conv_out_size(W, kw, stride[1], padding[1], dilation[1])
-    if ho < 1 or wo < 1:
-        raise ValueError(f"{op}: tensor 'x' of spatial size {(H, W)} is too small for kernel {(kh, kw)} "
-                         f"with padding {list(padding)} and dilation {list(dilation)}")
-    return ho, wo
+    return check_conv_output(op, x, weight, stride, padding, dilation)
 
 
 def _cols_fns(x: Tensor, kernel, stride, padding, dilation):
@@ -179,8 +174,11 @@ def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padd
         y: (N, Co, Ho, Wo), channels_last if ``x`` is.
     """
     x, weight, bias = autocast_inputs(x, weight, bias)
-    return _conv_op(x, weight, bias, pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation"),
-                    whole(groups, "conv2d: groups"))
+    args = (pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation"), whole(groups, "conv2d: groups"))
+    if needs_standard_ops():  # torch.func, forward-mode AD: F.conv2d, the same function
+        _check(x, weight, bias, *args)
+        return F.conv2d(x, weight, bias, *args)
+    return _conv_op(x, weight, bias, *args)
 
 
 class Im2colConv2d(nn.Module):

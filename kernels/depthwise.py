@@ -23,10 +23,11 @@ from kernels import _ext
 from kernels._utils import (
     autocast_inputs,
     check_4d,
+    check_conv_output,
     check_conv_params,
     check_like,
-    conv_out_size,
     memory_format,
+    needs_standard_ops,
     pair,
     register_conv_double_backward,
     use_kernel,
@@ -52,14 +53,7 @@ def _check(x: Tensor, weight: Tensor, bias: Tensor | None, stride, padding, dila
         if tuple(bias.shape) != (C,):
             raise ValueError(f"{op}: tensor 'bias' must have shape ({C},), got {tuple(bias.shape)}")
     check_conv_params(op, stride, padding, dilation)
-    H, W = x.shape[2:]
-    kh, kw = weight.shape[2:]
-    ho = conv_out_size(H, kh, stride[0], padding[0], dilation[0])
-    wo = conv_out_size(W, kw, stride[1], padding[1], dilation[1])
-    if ho < 1 or wo < 1:
-        raise ValueError(f"{op}: tensor 'x' of spatial size {(H, W)} is too small for kernel {(kh, kw)} "
-                         f"with padding {list(padding)} and dilation {list(dilation)}")
-    return ho, wo
+    return check_conv_output(op, x, weight, stride, padding, dilation)
 
 
 def _to_cudnn(x: Tensor) -> bool:
@@ -171,7 +165,11 @@ def depthwise_conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stri
         y: (N, C, Ho, Wo), channels_last if ``x`` is.
     """
     x, weight, bias = autocast_inputs(x, weight, bias)
-    return _dw_op(x, weight, bias, pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation"))
+    args = (pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation"))
+    if needs_standard_ops():  # torch.func, forward-mode AD: F.conv2d, the same function
+        _check(x, weight, bias, *args)
+        return F.conv2d(x, weight, bias, *args, groups=x.shape[1])
+    return _dw_op(x, weight, bias, *args)
 
 
 class DepthwiseConv2d(nn.Module):
@@ -191,9 +189,11 @@ class DepthwiseConv2d(nn.Module):
 
     @classmethod
     def from_conv(cls, conv: nn.Conv2d) -> DepthwiseConv2d:
-        if conv.groups != conv.in_channels or conv.out_channels != conv.in_channels or isinstance(conv.padding, str):
-            raise ValueError("DepthwiseConv2d.from_conv needs a conv with groups == in == out channels "
-                             "and numeric padding")
+        if (conv.groups != conv.in_channels or conv.out_channels != conv.in_channels or isinstance(conv.padding, str)
+                or conv.padding_mode != "zeros"):
+            raise ValueError("DepthwiseConv2d.from_conv needs a conv with groups == in == out channels and numeric "
+                             f"zero padding, got groups={conv.groups}, {conv.in_channels} -> {conv.out_channels} "
+                             f"channels, padding={conv.padding!r}, padding_mode={conv.padding_mode!r}")
         m = cls(conv.in_channels, conv.kernel_size, conv.stride, conv.padding, conv.dilation, conv.bias is not None)
         m.weight, m.bias = conv.weight, conv.bias
         return m

@@ -34,7 +34,16 @@ import torch
 from torch import Tensor
 
 from kernels import _cpu, _ext
-from kernels._utils import acc_dtype, check_4d, check_like, memory_format, plain_eager, use_kernel, whole
+from kernels._utils import (
+    acc_dtype,
+    check_4d,
+    check_like,
+    memory_format,
+    needs_standard_ops,
+    plain_eager,
+    use_kernel,
+    whole,
+)
 
 __all__ = ["pix", "pix_squeeze", "pix_reference", "residual_relu"]
 
@@ -247,6 +256,8 @@ def pix(x: Tensor, p: Tensor, zeta: int, tau: float = 0.5) -> Tensor:
     """
     if isinstance(p, torch.Tensor) and isinstance(x, torch.Tensor) and p.dtype != x.dtype and x.dtype.is_floating_point:
         p = p.to(x.dtype)
+    if needs_standard_ops():  # torch.func, forward-mode AD: the same function in PyTorch ops
+        return pix_reference(x, p, whole(zeta, "pix: zeta"), float(tau))
     return _pix_op(x, p, whole(zeta, "pix: zeta"), float(tau))
 
 
@@ -442,11 +453,22 @@ def _squeeze_backward_torch(grad: Tensor, x: Tensor, weight: Tensor, pooled: Ten
     return dx, dweight
 
 
+def _check_pooled(pooled: Tensor, x: Tensor, op: str = SQBOP) -> None:
+    """`pooled`, the forward's second output: mean_hw(x), (B, C) in float32 (float64 for float64 x)."""
+    want = (x.shape[0], x.shape[1])
+    if not isinstance(pooled, Tensor):
+        raise TypeError(f"{op}: 'pooled' must be a Tensor, got {type(pooled).__name__}")
+    if tuple(pooled.shape) != want or pooled.dtype != acc_dtype(x.dtype) or pooled.device != x.device:
+        raise ValueError(f"{op}: tensor 'pooled' must be the forward's pool of x, shape {want} {acc_dtype(x.dtype)} "
+                         f"on {x.device}, got shape {tuple(pooled.shape)} {pooled.dtype} on {pooled.device}")
+
+
 @torch.library.custom_op(SQBOP, mutates_args=(), tags=_FLEXIBLE)
 def _pix_squeeze_backward_op(grad: Tensor, x: Tensor, weight: Tensor, pooled: Tensor, zeta: int,
                              tau: float) -> tuple[Tensor, Tensor]:
     _check_squeeze(x, weight, zeta, SQBOP)
     _check_grad(grad, x, zeta, SQBOP)
+    _check_pooled(pooled, x)
     return _squeeze_backward_torch(grad, x, weight, pooled, zeta, tau, _predict_c if _c_squeeze_ok(x) else None)
 
 
@@ -455,6 +477,7 @@ def _pix_squeeze_backward_cuda(grad: Tensor, x: Tensor, weight: Tensor, pooled: 
                                tau: float) -> tuple[Tensor, Tensor]:
     _check_squeeze(x, weight, zeta, SQBOP)
     _check_grad(grad, x, zeta, SQBOP)
+    _check_pooled(pooled, x)
     ext = _ext.load() if use_kernel(x) else None
     if ext is None or x.numel() == 0:
         return _squeeze_backward_torch(grad, x, weight, pooled, zeta, tau)
@@ -465,6 +488,8 @@ def _pix_squeeze_backward_cuda(grad: Tensor, x: Tensor, weight: Tensor, pooled: 
 def _pix_squeeze_backward_fake(grad: Tensor, x: Tensor, weight: Tensor, pooled: Tensor, zeta: int,
                                tau: float) -> tuple[Tensor, Tensor]:
     _check_squeeze(x, weight, zeta, SQBOP)
+    _check_grad(grad, x, zeta, SQBOP)
+    _check_pooled(pooled, x)
     return torch.empty_like(x, memory_format=memory_format(x)), torch.empty_like(weight)
 
 
@@ -502,7 +527,7 @@ def pix_squeeze(x: Tensor, weight: Tensor, zeta: int, tau: float = 0.5) -> Tenso
     mean that ``residual_relu`` kept on x instead of computing it (see there).
     """
     zeta, tau = whole(zeta, "pix_squeeze: zeta"), float(tau)
-    if plain_eager(x, weight):
+    if weight is not None and plain_eager(x, weight):
         grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
         # under torch.profiler CPU calls take the op, so that its time is attributed to it (the same C++ kernel);
         # CUDA calls stay direct: the op would recompute the mean residual_relu kept, and the kernels show anyway
@@ -516,6 +541,9 @@ def pix_squeeze(x: Tensor, weight: Tensor, zeta: int, tau: float = 0.5) -> Tenso
             if grad:
                 return _PixSqueezeCUDA.apply(x, weight, zeta, tau, pooled)
             return _squeeze_ext(ext, x, weight, zeta, tau, pooled)[0]
+    elif needs_standard_ops():  # torch.func, forward-mode AD: the same function in PyTorch ops
+        _check_squeeze(x, weight, zeta)
+        return pix_squeeze_ops(x, weight, zeta, tau)
     return _pix_squeeze_op(x, weight, zeta, tau)[0]
 
 
@@ -616,7 +644,27 @@ class _ResidualReluCUDA(torch.autograd.Function):
 
 
 def pix_reference(x: Tensor, p: Tensor, zeta: int, tau: float = 0.5) -> Tensor:
-    """The PyTorch-ops path (no custom op), differentiable through autograd; used as the 'torch ops' baseline."""
+    """``pix`` in PyTorch ops (no custom op), the same function: p rounded to x's dtype, then it, the group max and
+    the group mean in float32 (float64 for float64 x), so ``p < tau`` takes the op's branch also where p rounds to
+    tau in 16 bits; the output in x's dtype. Differentiable through autograd, torch.func and forward-mode AD (the
+    max's gradient splits among ties, the op's goes to the first). ``pix`` runs it under torch.func transforms and
+    forward-mode AD; the benchmarks' 'torch ops' baseline."""
     _check(x, p, zeta)
-    xg = x.unflatten(1, (x.shape[1] // zeta, zeta))
-    return p * torch.where(p < tau, xg.amax(2), xg.mean(2))
+    return _pix_ops(x, p, zeta, tau)
+
+
+def _pix_ops(x: Tensor, p: Tensor, zeta: int, tau: float) -> Tensor:
+    """`pix_reference` without its checks (an ONNX export traces this: no shape comparisons)."""
+    acc = acc_dtype(x.dtype)
+    p = p.to(x.dtype).to(acc)
+    groups = x.unflatten(1, (-1, zeta))
+    return (p * torch.where(p < tau, groups.amax(2), groups.to(acc).mean(2))).to(x.dtype)
+
+
+def pix_squeeze_ops(x: Tensor, weight: Tensor, zeta: int, tau: float) -> Tensor:
+    """``pix_squeeze`` in PyTorch ops, unchecked: the pool and the bias-free predictor in float32 (float64 for
+    float64 x), then `pix_reference`'s fusion. ``pix_squeeze`` runs it (after its checks) under torch.func transforms
+    and forward-mode AD, PiXBlock in ONNX export (traced: no shape comparisons)."""
+    acc = acc_dtype(x.dtype)
+    p = torch.sigmoid(x.to(acc).mean((2, 3)) @ weight.flatten(1).t().to(acc))
+    return _pix_ops(x, p[:, :, None, None], zeta, tau)

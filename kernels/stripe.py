@@ -50,6 +50,7 @@ from kernels._utils import (
     conv2d_relu,
     conv_out_size,
     memory_format,
+    needs_standard_ops,
     pair,
     tracing_or_compiling,
     use_kernel,
@@ -336,14 +337,20 @@ def _backward_torch(grad, x, weight, out_index, offset, plan, N, kernel_size, st
 
 
 # ----------------------------------------------------------------------------------------------- ops
+def _check_call(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, bias: Tensor | None, plan,
+                out_channels: int, kernel_size, stride, padding, dilation, dense: Tensor | None) -> None:
+    """A forward call's checks: `_check`, and without a plan the indices (on the host)."""
+    _check(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding, dilation, dense=dense)
+    if plan is None:
+        _validate_indices(OP, out_index, offset, out_channels, kernel_size)
+
+
 @torch.library.custom_op(OP, mutates_args=())
 def _stripe_op(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, bias: Tensor | None,
                plan: Tensor | None, out_channels: int, kernel_size: list[int], stride: list[int],
                padding: list[int], dilation: list[int], relu: bool, dense: Tensor | None = None) -> Tensor:
     # the CPU path does not read `dense` (its GEMM runs on the stripes); it is checked all the same
-    _check(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding, dilation, dense=dense)
-    if plan is None:
-        _validate_indices(OP, out_index, offset, out_channels, kernel_size)
+    _check_call(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding, dilation, dense)
     return _forward_torch(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding,
                           dilation, relu)
 
@@ -351,11 +358,10 @@ def _stripe_op(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, bia
 @_stripe_op.register_kernel("cuda")
 def _stripe_cuda(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding,
                  dilation, relu, dense=None):
-    _check(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding, dilation, dense=dense)
+    _check_call(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding, dilation, dense)
     from kernels import stripe_triton
 
     if plan is None:
-        _validate_indices(OP, out_index, offset, out_channels, kernel_size)
         plan = _plan_torch(out_index, offset, out_channels, kernel_size)
     if stripe_triton.available(x):
         return stripe_triton.forward(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride,
@@ -567,9 +573,13 @@ def stripe_conv2d(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, 
     if isinstance(x, Tensor):
         x = contiguous_input(x)
     x, weight, bias, dense = autocast_inputs(x, weight, bias, dense)
-    return _stripe_op(x, weight, out_index, offset, bias, plan, whole(out_channels, "stripe_conv2d: out_channels"),
-                      pair(kernel_size, "kernel_size"), pair(stride, "stride"), pair(padding, "padding"),
-                      pair(dilation, "dilation"), bool(relu), dense)
+    n, k, geometry = (whole(out_channels, "stripe_conv2d: out_channels"), pair(kernel_size, "kernel_size"),
+                      (pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation")))
+    if needs_standard_ops():  # torch.func, forward-mode AD: F.conv2d on the zero-filled weight, the same function
+        _check_call(x, weight, out_index, offset, bias, plan, n, k, *geometry, dense)
+        y = F.conv2d(x, stripe_to_dense(weight, out_index, offset, n, k), bias, *geometry)
+        return y.relu() if relu else y
+    return _stripe_op(x, weight, out_index, offset, bias, plan, n, k, *geometry, bool(relu), dense)
 
 
 def prepare_stripe_conv2d(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, bias: Tensor | None,

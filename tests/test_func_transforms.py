@@ -195,3 +195,65 @@ def test_forward_mode_ad_through_compact_and_pix_models_cuda(name, zeta):
     assert tangents[1] is not None
     torch.testing.assert_close(tangents[1].double().cpu(), tangents[0], rtol=1e-4,
                                atol=1e-4 * tangents[0].abs().max().item())
+
+
+def _function_case(name: str, gen: torch.Generator):
+    """(our function f(x, w), an independent reference ref(x, w), x, w) in float64 for one public function of kernels."""
+    import kernels
+
+    def rand(*shape):
+        return torch.randn(*shape, dtype=torch.float64, generator=gen)
+
+    if name == "conv2d":
+        return (lambda x, w: kernels.conv2d(x, w, None, 2, 1, 1, 2), lambda x, w: F.conv2d(x, w, None, 2, 1, 1, 2),
+                rand(2, 4, 7, 6), rand(6, 2, 3, 3))
+    if name == "depthwise_conv2d":
+        return (lambda x, w: kernels.depthwise_conv2d(x, w, None, 1, 2, 2),
+                lambda x, w: F.conv2d(x, w, None, 1, 2, 2, groups=4), rand(2, 4, 7, 6), rand(4, 1, 3, 3))
+    if name == "stripe_conv2d":  # 5 kept stripes of a 3 -> 4 3x3 conv, canonical order
+        out_index, offset = torch.tensor([0, 3, 0, 2, 1]), torch.tensor([[0, 0], [0, 2], [1, 1], [1, 1], [2, 0]])
+        place = torch.zeros(4 * 3 * 3, 5, dtype=torch.float64)  # (N*KH*KW, S): where each stripe lands
+        place[(out_index * 9 + offset[:, 0] * 3 + offset[:, 1]), torch.arange(5)] = 1
+
+        def ref(x, w):
+            return F.conv2d(x, (place @ w).view(4, 3, 3, 3).permute(0, 3, 1, 2), None, 1, 1).relu()
+
+        return (lambda x, w: kernels.stripe_conv2d(x, w, out_index, offset, None, 4, 3, 1, 1, relu=True), ref,
+                rand(2, 3, 6, 5), rand(5, 3))
+    p = torch.rand(2, 3, 1, 1, dtype=torch.float64, generator=gen) * 0.8 + 0.1  # (none within 1e-6 of tau)
+
+    def fuse(x, p):  # the definition: p * (max of each group of 2 channels if p < 0.5 else their mean)
+        g = x.unflatten(1, (3, 2))
+        return p * torch.where(p < 0.5, g.amax(2), g.mean(2))
+
+    if name == "pix":
+        return lambda x, w: kernels.pix(x, w, 2), fuse, rand(2, 6, 4, 5), p
+    return (lambda x, w: kernels.pix_squeeze(x, w, 2), lambda x, w: fuse(x, torch.sigmoid(x.mean((2, 3)) @ w.t())[
+        :, :, None, None]), rand(2, 6, 4, 5), rand(3, 6))
+
+
+@pytest.mark.parametrize("name", ["conv2d", "depthwise_conv2d", "stripe_conv2d", "pix", "pix_squeeze"])
+def test_kernels_functions_under_forward_ad_and_torch_func(name):
+    """Our public functions under torch.func.jvp, dual tensors, torch.func.grad and vmap equal an independent reference
+    in float64 (F.conv2d; the PiX definition). Before, jvp and dual tensors gave a zero tangent silently (custom ops
+    have no forward-mode rules) and torch.func.grad raised."""
+    import torch.autograd.forward_ad as fwad
+
+    f, ref, x, w = _function_case(name, torch.Generator().manual_seed(5))
+    gen = torch.Generator().manual_seed(6)
+    tx, tw = torch.randn(x.shape, dtype=x.dtype, generator=gen), torch.randn(w.shape, dtype=w.dtype, generator=gen)
+    y, tangent = torch.func.jvp(f, (x, w), (tx, tw))
+    y_ref, tangent_ref = torch.func.jvp(ref, (x, w), (tx, tw))
+    assert tangent_ref.abs().max() > 0.1
+    torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(tangent, tangent_ref, rtol=1e-10, atol=1e-12)
+    with fwad.dual_level():
+        dual = fwad.unpack_dual(f(fwad.make_dual(x, tx), fwad.make_dual(w, tw))).tangent
+    torch.testing.assert_close(dual, tangent_ref, rtol=1e-10, atol=1e-12)
+    grads = torch.func.grad(lambda x, w: (f(x, w) ** 2).sum(), argnums=(0, 1))(x, w)
+    grads_ref = torch.func.grad(lambda x, w: (ref(x, w) ** 2).sum(), argnums=(0, 1))(x, w)
+    for g, g_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-12)
+    xs = torch.stack([x, x.flip(0)])
+    torch.testing.assert_close(torch.func.vmap(f, (0, None))(xs, w), torch.stack([ref(x, w), ref(x.flip(0), w)]),
+                               rtol=1e-10, atol=1e-12)

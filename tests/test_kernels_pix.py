@@ -122,6 +122,21 @@ def test_p_equal_tau_takes_mean(layout, library, monkeypatch):
     torch.testing.assert_close(y, 0.25 * x.unflatten(1, (2, 4)).mean(2))
 
 
+@pytest.mark.parametrize("dtype,tau", [(torch.bfloat16, 0.7), (torch.float16, 0.1), (torch.float32, 0.3)])
+def test_pix_reference_takes_the_ops_branch_where_p_rounds_onto_tau(dtype, tau):
+    """pix_reference (PyTorch ops) computes the op's function: p = tau rounded to x's dtype compares against tau in
+    float32, as the op and the reference above do (it compared in x's dtype, taking the mean where the op took the
+    max); also off tau and in float32 the two agree to rounding."""
+    x, _ = make()
+    x = x.to(dtype)
+    for p in (torch.full((2, 2, 1, 1), tau), torch.rand(2, 2, 1, 1, generator=torch.Generator().manual_seed(1))):
+        p = p.to(dtype)
+        want = ref_pix(x, p, 4, tau)[0]
+        tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+        torch.testing.assert_close(kernels.pix_reference(x, p, 4, tau).double(), want, **tol)
+        torch.testing.assert_close(kernels.pix(x, p, 4, tau).double(), want, **tol)
+
+
 def test_gradcheck():
     x, p = make(B=2, C=6, H=3, W=4, zeta=3, dtype=torch.float64)
     x.requires_grad_(True)
@@ -315,6 +330,13 @@ def test_pix_squeeze_errors():
         kernels.pix_squeeze(x, w, 2.9)
     with pytest.raises(ValueError, match=r"compress::pix_squeeze: tensor 'weight' is on meta but 'x' is on cpu"):
         kernels.pix_squeeze(x, w.to("meta"), 4)
+    with pytest.raises(TypeError, match=r"compress::pix_squeeze: 'weight' must be a Tensor, got NoneType"):
+        kernels.pix_squeeze(x, None, 4)  # (an AttributeError from the eager shortcut before)
+    backward, dy = torch.ops.compress.pix_squeeze_backward, torch.randn(2, 2, 3, 4)
+    for pooled in (torch.randn(2, 50_000_000), torch.randn(3, 8), torch.randn(16), x.mean((2, 3)).double()):
+        with pytest.raises(ValueError, match=r"pix_squeeze_backward: tensor 'pooled' must be the forward's pool of x, "
+                                             r"shape \(2, 8\) torch.float32"):
+            backward(dy, x, w, pooled, 4, 0.5)  # (the C++ predictor read past the weight: a segfault)
 
 
 @pytest.mark.cuda
