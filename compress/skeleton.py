@@ -183,8 +183,8 @@ def eligible_convs(
     example_input: torch.Tensor | None = None,
 ) -> list[str]:
     """Names of the plain Conv2d modules of `model` that `attach_skeletons` (same arguments) gives a skeleton. A conv
-    registered under several names (tied weights) gets none, with a warning: replacing it under one name would untie
-    it."""
+    registered under several names, or whose weight other modules hold too (tied weights), gets none, with a
+    warning: a skeleton conv in its place would untie it."""
     if isinstance(include, str) or isinstance(exclude, str):
         raise TypeError("attach_skeletons: include/exclude are lists of patterns, e.g. ['layer1.*']")
     if isinstance(min_kernel_size, bool) or not isinstance(min_kernel_size, numbers.Integral) or min_kernel_size < 1:
@@ -227,7 +227,16 @@ def eligible_convs(
     if shared:
         warnings.warn(f"attach_skeletons: {', '.join(' = '.join(n) for n in shared)}: one conv under several names "
                       "(tied weights) gets no skeleton; a skeleton under one name would untie it", stacklevel=3)
-    return [name for name, m in eligible if len(names_of[id(m)]) == 1]
+    eligible = [(name, m) for name, m in eligible if len(names_of[id(m)]) == 1]
+    holders = collections.defaultdict(list)  # id(parameter) -> the names it has in other modules too
+    for name, p in model.named_parameters(remove_duplicate=False):
+        holders[id(p)].append(name)
+    tied = sorted({tuple(holders[id(m.weight)]) for _, m in eligible if len(holders[id(m.weight)]) > 1})
+    if tied:
+        warnings.warn(f"attach_skeletons: {', '.join(' = '.join(n) for n in tied)}: a conv weight that other modules "
+                      "hold too (tied weights) gets no skeleton; a skeleton conv's own copy would untie it",
+                      stacklevel=3)
+    return [name for name, m in eligible if len(holders[id(m.weight)]) == 1]
 
 
 def _read_in_forward(model: nn.Module, x: torch.Tensor | None, names: list[str]) -> set[str]:

@@ -216,6 +216,20 @@ def test_a_conv_shared_under_two_names_gets_no_skeleton_and_stays_tied():
     assert model.enc is model.dec and type(model.enc) is nn.Conv2d and isinstance(model.head, SkeletonConv2d)
 
 
+def test_a_conv_whose_weight_another_module_holds_gets_no_skeleton_and_stays_tied():
+    """One Parameter in two convs, and a conv's weight tied to a ConvTranspose2d decoder: skeleton convs would copy it
+    into weights of their own, trained apart from then on."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1),
+                          nn.ConvTranspose2d(8, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1))
+    model[2].weight = model[1].weight
+    model[3].weight = model[4].weight
+    with pytest.warns(UserWarning, match=r"1.weight = 2.weight, 3.weight = 4.weight: a conv weight that other modules "
+                                         r"hold too \(tied weights\) gets no skeleton"):
+        assert attach_skeletons(model) == ["0"]
+    assert model[1].weight is model[2].weight and model[3].weight is model[4].weight
+    assert [type(m) for m in model[1:]] == [nn.Conv2d, nn.Conv2d, nn.ConvTranspose2d, nn.Conv2d]
+
+
 def test_conv_subclasses_get_no_skeleton_with_a_warning():
     """timm's StdConv2d (weight standardisation in its forward) is not a plain conv: it stays, and the call says so."""
     from timm.layers import StdConv2d
