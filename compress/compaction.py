@@ -58,6 +58,7 @@ from compress.surgery import (
     find_chains,
     fold_constant_inputs,
     get_module,
+    hooked,
     is_batch_norm,
     is_elementwise,
     left_alone,
@@ -204,14 +205,20 @@ def _compact_at(model: nn.Module, threshold: float, fold: bool, multiple: int = 
     pruned = []
     for name, m in list(out.named_modules()):
         if isinstance(m, SkeletonConv2d):
-            replace_module(out, name, masked_conv(m, threshold))
+            _replace_keeping_hooks(out, name, m, masked_conv(m, threshold))
             pruned.append(name)
         elif isinstance(m, StripeConv2d) and not (m.relu or m.pool):
             # a compact model compacted again (one exported with fold_bn=false and fine-tuned with init=): its
             # stripe convs go back to zero-filled convs, so that dead filters, BN folding and ReLU fusion see
             # them, and return as stripe convs below. Ones with an epilogue are final already (no BN after them).
-            replace_module(out, name, m.to_dense())
+            _replace_keeping_hooks(out, name, m, m.to_dense())
             pruned.append(name)
+    kept_dense = sorted(hooked(out) & set(pruned))
+    if kept_dense:
+        warnings.warn(f"compact: {', '.join(kept_dense[:5])}{', ...' if len(kept_dense) > 5 else ''}: layers with "
+                      "hooks of their own keep them and stay nn.Conv2d with the pruned stripes zeroed (surgery leaves "
+                      "hooked modules alone: a hook may read their tensors); remove the hooks to compact them",
+                      stacklevel=3)
     graph = trace(out)
     direct = set() if graph is None else left_alone(graph, out)
     if graph is not None:
@@ -228,6 +235,18 @@ def _compact_at(model: nn.Module, threshold: float, fold: bool, multiple: int = 
         for name in _unread_pix_blocks(out):
             replace_module(out, name, ZeroChannels(get_module(out, name).out_channels))
     return out
+
+
+_MODULE_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+                 "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks", "_is_full_backward_hook")
+
+
+def _replace_keeping_hooks(model: nn.Module, name: str, old: nn.Module, new: nn.Module) -> None:
+    """`replace_module`, with old's forward and backward hooks moved to new (the user's, e.g. feature capture: the
+    masked conv computes what old did, so they see the same values; dropping them changed the model's output)."""
+    for attr in _MODULE_HOOKS:
+        setattr(new, attr, getattr(old, attr))
+    replace_module(model, name, new)
 
 
 def _unread_pix_blocks(model: nn.Module) -> list[str]:

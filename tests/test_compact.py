@@ -733,6 +733,29 @@ def test_convs_with_hooks_of_their_own_get_no_skeleton():
         assert attach_skeletons(model) == ["0"]
 
 
+def test_hooks_added_to_a_skeleton_conv_after_attach_are_kept_and_it_stays_dense():
+    """Hooks a user registers on a SkeletonConv2d (after attach_skeletons) move to its compact layer, which surgery
+    then leaves alone (a dense zero-filled conv: no BN folded into it), with a warning; they were dropped, silently
+    changing the compact model's output."""
+    gen = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8))
+    attach_skeletons(model)
+    random_bn_(model, gen)
+    with torch.no_grad():
+        model[0].skeleton[:, 1, 1] = 0
+        model[2].skeleton[:, 0, 0] = 0
+    calls = []
+    model[2].register_forward_pre_hook(lambda mod, inp: calls.append("pre"))
+    model[2].register_forward_hook(lambda mod, inp, out: out * 2)
+    model.eval()
+    x = torch.randn(2, 3, 8, 8, generator=gen)
+    with pytest.warns(UserWarning, match=r"compact: 2: layers with hooks of their own keep them and stay nn.Conv2d"):
+        small = compact(model, fold_bn=True)
+    assert type(small[0]) is StripeConv2d and type(small[2]) is nn.Conv2d and isinstance(small[3], nn.BatchNorm2d)
+    torch.testing.assert_close(small(x), model(x), rtol=1e-5, atol=1e-5)
+    assert calls == ["pre", "pre"]
+
+
 @compress.register_model
 def _test_weight_norm_net(num_classes=10, in_chans=3):
     return nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Conv2d(in_chans, 8, 3, padding=1)), nn.ReLU(),
