@@ -581,13 +581,16 @@ def _refuse_added_keys(cfg: DictConfig) -> None:
 # another number of processes can keep its global batch: data.EpochSampler gives the same global batches), and the
 # modules imported to register models (a checkpoint's own list is never imported: `_require_model`)
 RESUME_MAY_CHANGE = ("data.root", "data.num_workers", "data.batch_size", "data.eval_batch_size", "imports")
-# keys a resume does not read, whatever the command line says: the run's record keeps the checkpoint's value (a
-# resumed run has its checkpoint's weights, not those of the file a fresh run started from)
-RESUME_IGNORES = ("model.weights",)
+# keys a resume does not read, whatever the command line says, and why: the run's record keeps the checkpoint's
+# value (a note says so)
+RESUME_IGNORES = {
+    "model.weights": "the run goes on from its checkpoint's weights, not the file a fresh run starts from",
+    "trainer.seed": "the run goes on with its checkpoint's random number streams and data order",
+}
 
 
 def _may_change_on_resume(key: str) -> bool:
-    return key.startswith("trainer.") or key in RESUME_MAY_CHANGE
+    return (key.startswith("trainer.") or key in RESUME_MAY_CHANGE) and key not in RESUME_IGNORES
 
 
 def _compared_values(saved: DictConfig, cfg: DictConfig, key: str) -> tuple:
@@ -596,7 +599,7 @@ def _compared_values(saved: DictConfig, cfg: DictConfig, key: str) -> tuple:
     a data group given without a seed without the seed the run derived from trainer.seed."""
     old, new = _plain_value(saved, key), _plain_value(cfg, key)
     if isinstance(old, dict) and isinstance(new, dict):
-        free = {k.partition(".")[2] for k in RESUME_MAY_CHANGE + RESUME_IGNORES if k.startswith(key + ".")}
+        free = {k.partition(".")[2] for k in (*RESUME_MAY_CHANGE, *RESUME_IGNORES) if k.startswith(key + ".")}
         if key == "data" and "seed" not in new:
             free.add("seed")
         old, new = ({k: v for k, v in d.items() if k not in free} for d in (old, new))
@@ -679,6 +682,7 @@ def _resume_config(cfg: DictConfig, run_dir: Path, given: set[str] | None = None
     saved = _with_added_keys(OmegaConf.create(ckpt["config"]))
     if given is None:
         merged = OmegaConf.merge(saved, {"trainer": cfg.trainer, "resume": cfg.resume})
+        merged.trainer.seed = saved.trainer.seed  # (RESUME_IGNORES)
         ignored = [k for k in saved if k not in ("trainer", "resume") and saved.get(k) != cfg.get(k)]
         if ignored:
             say(f"resume: using the checkpoint's settings for {ignored} (a config built in Python changes only "
@@ -704,8 +708,8 @@ def _resume_config(cfg: DictConfig, run_dir: Path, given: set[str] | None = None
     for key in sorted(k for k in given if _may_change_on_resume(k)):
         OmegaConf.update(merged, key, OmegaConf.select(cfg, key), merge=False)
     for key in sorted(k for k in given if k in RESUME_IGNORES and operator.ne(*_compared_values(saved, cfg, k))):
-        say(f"resume: {key}={_plain_value(cfg, key)} is not read (the run goes on from its checkpoint's weights); "
-            f"its record keeps {_plain_value(saved, key)}")
+        say(f"resume: {key}={_plain_value(cfg, key)} is not read ({RESUME_IGNORES[key]}); its record keeps "
+            f"{_plain_value(saved, key)}")
     _require_model(merged, saved, run_dir, ckpt)
     return merged, ckpt
 

@@ -268,10 +268,11 @@ def test_resuming_with_more_epochs_follows_the_longer_schedule(tmp_path, optim):
     assert lrs[0] == pytest.approx(lrs[1], rel=1e-12) and lrs[1] > 0.01
 
 
-def test_resume_takes_trainer_and_data_location_keys_and_refuses_others(tmp_path, monkeypatch):
+def test_resume_takes_trainer_and_data_location_keys_and_refuses_others(tmp_path, monkeypatch, capsys):
     """On the command line of a resume, trainer.*, data.root, data.num_workers and the batch sizes take their new values (a relative
     data.root is stored absolute, so the run resumes from any directory); any other key that differs is refused, one
-    equal to the checkpoint's passes."""
+    equal to the checkpoint's passes. trainer.seed is not read (the checkpoint's RNG streams go on): a note, and
+    the record keeps the run's seed (it recorded the new one, which changed nothing)."""
     from compress.engine import _resume_config
 
     monkeypatch.chdir(tmp_path)
@@ -288,6 +289,13 @@ def test_resume_takes_trainer_and_data_location_keys_and_refuses_others(tmp_path
     assert merged.optim.lr == saved["optim"]["lr"] and merged.trainer.epochs == 2
     with pytest.raises(ValueError, match=r"optim.lr=0.5 \(checkpoint: 0.1\): a resumed run keeps"):
         _resume_config(_compose(*TINY, "resume=true", "optim.lr=0.5"), tmp_path / "run", given)
+    capsys.readouterr()
+    merged, _ = _resume_config(_compose(*TINY, "resume=true", "trainer.seed=3"), tmp_path / "run", {"resume", "trainer.seed"})
+    assert merged.trainer.seed == saved["trainer"]["seed"] == 0
+    assert "resume: trainer.seed=3 is not read (the run goes on with its checkpoint's random number streams" in \
+        capsys.readouterr().out
+    merged, _ = _resume_config(_compose(*TINY, "resume=true", "trainer.seed=3"), tmp_path / "run", None)  # (Python)
+    assert merged.trainer.seed == 0
 
 
 def _check_run_outputs(run_dir: Path, summary: dict) -> None:
