@@ -4,9 +4,19 @@ from __future__ import annotations
 
 import numbers
 
+import torch.nn as nn
+
 
 def positive_int(where: str, key: str, value: int) -> int:
     """value as a Python int (numpy ints too: they would reach a saved config), else a ValueError naming where."""
     if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{where}: {key} must be a positive int, got {value!r}")
     return int(value)
+
+
+def refuse_wrapper(where: str, model: nn.Module, verb: str) -> None:
+    """A ValueError naming the inner model where a torch.compile, DataParallel or DDP wrapper was given (their module
+    tree is the wrapper's, not the model's: compaction could not trace it, and a file would not rebuild it)."""
+    if hasattr(model, "_orig_mod") or isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+        inner = "model._orig_mod (the module torch.compile wraps)" if hasattr(model, "_orig_mod") else "model.module"
+        raise ValueError(f"{where}: {type(model).__name__} is a wrapper; {verb} the model inside it: {inner}")

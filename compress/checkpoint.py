@@ -38,6 +38,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.nn.utils import parametrize
 
+from compress._checks import refuse_wrapper
 from compress._digest import digest
 from compress._files import atomic_write
 from compress.surgery import conv_config, get_module, replace_module
@@ -294,9 +295,7 @@ def build_recipe(model: nn.Module) -> dict:
     Raises ValueError when a changed module's type is not in the allowlist, or when the rebuilt
     structure would not match the model's state_dict (names, shapes, floating point or integer).
     """
-    if hasattr(model, "_orig_mod") or isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-        inner = "model._orig_mod (the module torch.compile wraps)" if hasattr(model, "_orig_mod") else "model.module"
-        raise ValueError(f"compress.save: {type(model).__name__} is a wrapper; save the model inside it: {inner}")
+    refuse_wrapper("compress.save", model, "save")
     arch = _arch(model)
     if arch.get("module") == "__main__":
         warnings.warn(f"compress.save: the model {arch['name']!r} was registered by a script (__main__); only a process "

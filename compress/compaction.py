@@ -42,6 +42,7 @@ import torch.nn as nn
 from torch.nn.modules.utils import _pair
 
 import kernels
+from compress._checks import refuse_wrapper
 from compress._modes import evaluating
 from compress.pix import PiXBlock
 from compress.pooling import MaxPool2d, fast_max_pools
@@ -135,6 +136,7 @@ def compact(
         `compress_compaction = {threshold, fold_bn, target_macs, macs, dense_macs, relu_fused, pool_fused,
         channel_multiple}` (module docstring).
     """
+    refuse_wrapper("compact", model, "compact")
     if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, numbers.Real)
                                   or not threshold >= 0):
         raise ValueError(f"compact: threshold must be a number >= 0 (or None for 0), got {threshold!r}")

@@ -155,12 +155,16 @@ class Chain:
 
 
 class _Tracer(fx.Tracer):
-    """Keeps convs and our extension modules (those with `config()`) as leaves."""
+    """Keeps convs and the extension modules (docs/INTERFACES.md: a `config()` method and a type registered for
+    compact files, as StripeConv2d and PiXBlock) as leaves. A user's module that merely has a method named config is
+    traced through: as a leaf it hid the convs and weight reads inside it."""
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        from compress.checkpoint import _type_key  # (here: compress.checkpoint imports this module)
+
         return (
             isinstance(m, (nn.Conv2d, *batch_norm_types()))  # BN subclasses too (timm's BatchNormAct2d)
-            or callable(getattr(m, "config", None))
+            or (callable(getattr(m, "config", None)) and _type_key(m) is not None)
             or super().is_leaf_module(m, qualname)
         )
 

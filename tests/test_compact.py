@@ -756,6 +756,51 @@ def test_hooks_added_to_a_skeleton_conv_after_attach_are_kept_and_it_stays_dense
     assert calls == ["pre", "pre"]
 
 
+class _HasConfig(nn.Module):
+    """A user's block with a method that happens to be called config, reading its conv's weight functionally too."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+
+    def config(self) -> dict:
+        return {"channels": 8}
+
+    def forward(self, x):
+        return x + F.conv2d(x, self.conv.weight, padding=1) + self.bn(self.conv(x))
+
+
+def test_a_users_module_with_a_config_method_is_traced_through():
+    """Only registered extension types with config() are tracing leaves; a user's block with a config method hid its
+    functional weight read, so its conv got a skeleton and the compact model failed on its first forward."""
+    gen = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), _HasConfig(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(8, 4))
+    random_bn_(model, gen)
+    with pytest.warns(UserWarning, match=r"1.conv: the forward also reads the weight of these convs directly"):
+        assert attach_skeletons(model) == ["0"]
+    with torch.no_grad():
+        model[0].skeleton[:, 0, 0] = 0
+    x = torch.randn(2, 3, 8, 8, generator=gen)
+    small = compact(model.eval(), fold_bn=True)
+    assert type(small[0]) is StripeConv2d and type(small[1].conv) is nn.Conv2d
+    torch.testing.assert_close(small(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_compact_of_a_wrapped_model_names_the_model_inside():
+    """torch.compile and DataParallel wrappers: compact said fx cannot trace OptimizedModule and skipped BN folding
+    and dead filters, or warned of train mode for an eval model inside a DataParallel."""
+    model = create_model("resnet20", num_classes=4)
+    attach_skeletons(model)
+    model.eval()
+    with pytest.raises(ValueError, match=r"compact: OptimizedModule is a wrapper; compact the model inside it: "
+                                         r"model._orig_mod"):
+        compact(torch.compile(model), fold_bn=True)
+    with pytest.raises(ValueError, match=r"compact: DataParallel is a wrapper; compact the model inside it: "
+                                         r"model.module"):
+        compact(nn.DataParallel(model), fold_bn=True)
+
+
 @compress.register_model
 def _test_weight_norm_net(num_classes=10, in_chans=3):
     return nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Conv2d(in_chans, 8, 3, padding=1)), nn.ReLU(),
