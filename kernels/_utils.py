@@ -83,13 +83,13 @@ def check_conv_params(op: str, stride, padding, dilation) -> None:
             raise ValueError(f"{op}: {nm} must be two ints >= {lo}, got {list(v)}")
 
 
-def check_conv_output(op: str, x: torch.Tensor, weight: torch.Tensor, stride, padding, dilation) -> tuple[int, int]:
-    """(Ho, Wo) of a conv of x (N, C, H, W) with weight (Co, Cg, kh, kw); a clear error for an empty kernel or an
-    input too small for it."""
-    (H, W), (kh, kw) = x.shape[2:], weight.shape[2:]
+def check_conv_output(op: str, x: torch.Tensor, kernel_size, stride, padding, dilation) -> tuple[int, int]:
+    """(Ho, Wo) of a conv of x (N, C, H, W) with a (kh, kw) kernel; a clear error for an empty kernel or an input too
+    small for it."""
+    (H, W), (kh, kw) = x.shape[2:], tuple(kernel_size)
     if kh < 1 or kw < 1:
-        raise ValueError(f"{op}: tensor 'weight' of shape {tuple(weight.shape)} has an empty kernel {(kh, kw)}; "
-                         "a conv needs kh, kw >= 1")
+        raise ValueError(f"{op}: the kernel {(kh, kw)} is empty (the weight's last two sizes); a conv needs "
+                         "kh, kw >= 1")
     ho = conv_out_size(H, kh, stride[0], padding[0], dilation[0])
     wo = conv_out_size(W, kw, stride[1], padding[1], dilation[1])
     if ho < 1 or wo < 1:

@@ -52,7 +52,7 @@ def _check(x, weight, bias, stride, padding, dilation, groups, op=OP):
         if tuple(bias.shape) != (Co,):
             raise ValueError(f"{op}: tensor 'bias' must have shape ({Co},), got {tuple(bias.shape)}")
     check_conv_params(op, stride, padding, dilation)
-    return check_conv_output(op, x, weight, stride, padding, dilation)
+    return check_conv_output(op, x, weight.shape[2:], stride, padding, dilation)
 
 
 def _cols_fns(x: Tensor, kernel, stride, padding, dilation):

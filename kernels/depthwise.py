@@ -53,7 +53,7 @@ def _check(x: Tensor, weight: Tensor, bias: Tensor | None, stride, padding, dila
         if tuple(bias.shape) != (C,):
             raise ValueError(f"{op}: tensor 'bias' must have shape ({C},), got {tuple(bias.shape)}")
     check_conv_params(op, stride, padding, dilation)
-    return check_conv_output(op, x, weight, stride, padding, dilation)
+    return check_conv_output(op, x, weight.shape[2:], stride, padding, dilation)
 
 
 def _to_cudnn(x: Tensor) -> bool:

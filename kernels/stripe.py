@@ -44,6 +44,7 @@ from kernels import unrolled
 from kernels._utils import (
     autocast_inputs,
     check_4d,
+    check_conv_output,
     check_conv_params,
     check_like,
     contiguous_input,
@@ -67,7 +68,8 @@ POP = "compress::stripe_plan"
 
 
 # ----------------------------------------------------------------------------------------------- checks
-def _check_index(op: str, out_index: Tensor, offset: Tensor, S: int, device) -> None:
+def _check_index(op: str, out_index: Tensor, offset: Tensor, S: int, device, on: str = "x") -> None:
+    """out_index (S,) and offset (S, 2), int64 tensors on `device`, the device of tensor `on`."""
     for nm, t, shape in (("out_index", out_index, (S,)), ("offset", offset, (S, 2))):
         if not isinstance(t, Tensor):
             raise TypeError(f"{op}: '{nm}' must be a Tensor, got {type(t).__name__}")
@@ -76,7 +78,7 @@ def _check_index(op: str, out_index: Tensor, offset: Tensor, S: int, device) -> 
         if tuple(t.shape) != shape:
             raise ValueError(f"{op}: tensor '{nm}' must have shape {shape}, got {tuple(t.shape)}")
         if t.device != device:
-            raise ValueError(f"{op}: tensor '{nm}' is on {t.device} but 'x' is on {device}")
+            raise ValueError(f"{op}: tensor '{nm}' is on {t.device} but '{on}' is on {device}")
 
 
 def _check(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, bias: Tensor | None, plan,
@@ -109,12 +111,7 @@ def _check(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, bias: T
             raise ValueError(f"{op}: tensor 'plan' counts {int(plan[-1, -1])} stripes but 'weight' has {S}: it "
                              "belongs to other indices; rebuild it with kernels.stripe_plan(out_index, offset, ...)")
     check_conv_params(op, stride, padding, dilation)
-    H, W = x.shape[2:]
-    ho = conv_out_size(H, kernel_size[0], stride[0], padding[0], dilation[0])
-    wo = conv_out_size(W, kernel_size[1], stride[1], padding[1], dilation[1])
-    if ho < 1 or wo < 1:
-        raise ValueError(f"{op}: tensor 'x' of spatial size {(H, W)} is too small for kernel "
-                         f"{tuple(kernel_size)} with padding {list(padding)} and dilation {list(dilation)}")
+    ho, wo = check_conv_output(op, x, kernel_size, stride, padding, dilation)
     if dense is not None:
         _check_dense(dense, weight, out_channels, kernel_size, op)
     return ho, wo
@@ -162,9 +159,10 @@ def stripe_plan(out_index: Tensor, offset: Tensor, out_channels: int, kernel_siz
     return _plan_torch(out_index, offset, out_channels, kernel_size)
 
 
-def _validate_indices(op: str, out_index: Tensor, offset: Tensor, out_channels: int, kernel_size) -> None:
-    """ValueError unless the stripes' output channels and offsets are in range and in canonical order (a host read
-    of the indices: ``stripe_plan`` does it once per layer; the ops do it on calls without a plan)."""
+def _validate_indices(op: str, out_index: Tensor, offset: Tensor, out_channels: int, kernel_size,
+                      order: bool = True) -> None:
+    """ValueError unless the stripes' output channels and offsets are in range and (with `order`) in canonical order
+    (a host read of the indices: ``stripe_plan`` does it once per layer; the ops do it on calls without a plan)."""
     if out_index.shape[0] == 0:
         return
     KH, KW = kernel_size
@@ -175,7 +173,7 @@ def _validate_indices(op: str, out_index: Tensor, offset: Tensor, out_channels: 
     if int(kh.min()) < 0 or int(kh.max()) >= KH or int(kw.min()) < 0 or int(kw.max()) >= KW:
         raise ValueError(f"{op}: 'offset' values must lie in [0, {KH}) x [0, {KW}) for kernel {(KH, KW)}")
     key = (kh * KW + kw) * out_channels + o
-    if len(key) > 1 and not bool((key[1:] > key[:-1]).all()):
+    if order and len(key) > 1 and not bool((key[1:] > key[:-1]).all()):
         raise ValueError(f"{op}: stripes must be in canonical order (sorted by offset kh*KW+kw, then output "
                          "channel) with at most one stripe per (offset, output channel)")
 
@@ -192,12 +190,19 @@ def stripe_to_dense(weight: Tensor, out_index: Tensor, offset: Tensor, out_chann
     """Zero-filled dense weight (N, C, KH, KW) with ``W[o_s, :, kh_s, kw_s] = weight[s]`` (differentiable), laid
     out as ``memory_format``. It is built as (N*KH*KW, C) rows, which is the channels_last layout itself: for
     ``torch.channels_last`` no copy follows (one zero fill and one row scatter; its gradient is one gather).
-    ``rows``: ``stripe_rows(out_index, offset, kernel_size)``, if kept from before."""
+    ``rows``: ``stripe_rows(out_index, offset, kernel_size)``, if kept from before. The indices' ranges are checked on
+    the host where they are plain CPU tensors (elsewhere they must be valid: ``stripe_plan`` checks them once)."""
+    op = "stripe_to_dense"
     if memory_format not in (torch.contiguous_format, torch.channels_last):
-        raise ValueError(f"stripe_to_dense: memory_format={memory_format}; give torch.contiguous_format or "
+        raise ValueError(f"{op}: memory_format={memory_format}; give torch.contiguous_format or "
                          "torch.channels_last (a new weight has no layout to preserve)")
     KH, KW = pair(kernel_size, "kernel_size")
+    if weight.dim() != 2:
+        raise ValueError(f"{op}: tensor 'weight' must have shape (S, C), the kept stripes, got {tuple(weight.shape)}")
     S, C = weight.shape
+    _check_index(op, out_index, offset, S, weight.device, on="weight")
+    if rows is None and out_index.device.type == "cpu" and type(out_index) is Tensor and not tracing_or_compiling():
+        _validate_indices(op, out_index, offset, out_channels, (KH, KW), order=False)  # (any order adds up)
     flat = weight.new_zeros(out_channels * KH * KW, C)
     flat = flat.index_add(0, stripe_rows(out_index, offset, kernel_size) if rows is None else rows, weight)
     dense = flat.view(out_channels, KH, KW, C).permute(0, 3, 1, 2)  # channels_last strides, also for C == 1

@@ -112,11 +112,11 @@ def test_errors():
         kernels.depthwise_conv2d(x[:, :0], w[:0])
     with pytest.raises(ValueError, match=r"compress::depthwise_conv2d_backward: tensor 'grad' must have shape"):
         torch.ops.compress.depthwise_conv2d_backward(torch.randn(2, 3, 2, 2), x, w, [1, 1], [1, 1], [1, 1])
-    with pytest.raises(ValueError, match=r"compress::depthwise_conv2d: tensor 'weight' of shape \(3, 1, 0, 3\) has an "
-                                         r"empty kernel"):  # (oneDNN's error before; fake tensors gave a shape)
+    # an empty kernel (oneDNN's error before; fake tensors gave a shape)
+    with pytest.raises(ValueError, match=r"compress::depthwise_conv2d: the kernel \(0, 3\) is empty"):
         kernels.depthwise_conv2d(x, w[:, :, :0])
     empty = w[:, :, :, :0]
-    with FakeTensorMode() as mode, pytest.raises(ValueError, match=r"has an empty kernel"):
+    with FakeTensorMode() as mode, pytest.raises(ValueError, match=r"the kernel \(3, 0\) is empty"):
         kernels.depthwise_conv2d(mode.from_tensor(x), mode.from_tensor(empty))
     reflect = torch.nn.Conv2d(3, 3, 3, padding=1, groups=3, padding_mode="reflect")
     with pytest.raises(ValueError, match=r"from_conv needs .* numeric zero padding, .*padding_mode='reflect'"):

@@ -164,6 +164,19 @@ def test_stripe_to_dense_places_each_stripe_in_the_layout_asked(fmt):
     with pytest.raises(ValueError, match="memory_format=torch.preserve_format; give torch.contiguous_format or "
                                          "torch.channels_last"):
         stripe_to_dense(w, oi, off, 5, (3, 3), memory_format=torch.preserve_format)
+    # bad indices or weights: errors naming them (PyTorch's index errors, or an unpacking error, before)
+    top = int(oi.max())
+    with pytest.raises(ValueError, match=rf"stripe_to_dense: 'out_index' values must lie in \[0, {top}\)"):
+        stripe_to_dense(w, oi, off, top, (3, 3))  # one channel too few
+    with pytest.raises(ValueError, match=r"stripe_to_dense: 'offset' values must lie in \[0, 2\) x \[0, 2\)"):
+        stripe_to_dense(w, oi, off, 5, (2, 2))
+    with pytest.raises(ValueError, match=r"stripe_to_dense: tensor 'offset' must have shape"):
+        stripe_to_dense(w, oi, off[:, :1], 5, (3, 3))
+    with pytest.raises(ValueError, match=r"stripe_to_dense: tensor 'weight' must have shape \(S, C\)"):
+        stripe_to_dense(w[0], oi, off, 5, (3, 3))
+    with pytest.raises(TypeError, match=r"stripe_to_dense: tensor 'out_index' must be int64, got torch.float32"):
+        stripe_to_dense(w, oi.float(), off, 5, (3, 3))
+    assert torch.equal(stripe_to_dense(w.flip(0), oi.flip(0), off.flip(0), 5, (3, 3)), want)  # any order
 
 
 def test_gradcheck():
