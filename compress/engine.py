@@ -149,8 +149,10 @@ def _finish_distributed(dist: DistInfo) -> None:
 
 
 def _seed_everything(seed: int) -> None:
+    """Python's, numpy's and torch's global RNGs from `seed` (trainer.seed + rank: numpy, which takes 32 bits, gets it
+    modulo 2^32, so the top seeds run under DDP too)."""
     random.seed(seed)
-    np.random.seed(seed)
+    np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
 
 
@@ -707,6 +709,11 @@ def _resume_config(cfg: DictConfig, run_dir: Path, given: set[str] | None = None
                              {"resume": cfg.resume})
     for key in sorted(k for k in given if _may_change_on_resume(k)):
         OmegaConf.update(merged, key, OmegaConf.select(cfg, key), merge=False)
+    workers = _plain_value(saved, "data.num_workers"), _plain_value(merged, "data.num_workers")
+    if "data.num_workers" in given and workers[0] != workers[1]:
+        say(f"resume: data.num_workers {workers[0]} -> {workers[1]}: each loader worker draws its own augmentation "
+            "stream, so from here on the random crops and flips differ from an uninterrupted run's (the data order "
+            "does not)")
     for key in sorted(k for k in given if k in RESUME_IGNORES and operator.ne(*_compared_values(saved, cfg, k))):
         say(f"resume: {key}={_plain_value(cfg, key)} is not read ({RESUME_IGNORES[key]}); its record keeps "
             f"{_plain_value(saved, key)}")

@@ -31,6 +31,19 @@ def _net() -> nn.Sequential:
     return nn.Sequential(conv, nn.Flatten(), nn.Linear(48, 4))
 
 
+def test_the_top_seed_seeds_every_rank():
+    """trainer.seed = 2^32 - 1 (allowed) on rank 1 of a DDP run: numpy refused seed + rank, so every rank but rank 0
+    died with numpy's error."""
+    import numpy as np
+
+    from compress.engine import _seed_everything
+
+    _seed_everything(2**32 - 1 + 1)
+    drawn = np.random.rand(3)
+    _seed_everything(0)
+    assert np.array_equal(drawn, np.random.rand(3))  # numpy: modulo 2^32
+
+
 def test_one_swp_step_is_sgd_with_the_l1_term_on_the_skeletons():
     """train_step with SWP: every parameter moves by -lr * grad, the skeletons by -lr * (grad + alpha * sign(FS))."""
     model = _net()

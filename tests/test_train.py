@@ -272,7 +272,8 @@ def test_resume_takes_trainer_and_data_location_keys_and_refuses_others(tmp_path
     """On the command line of a resume, trainer.*, data.root, data.num_workers and the batch sizes take their new values (a relative
     data.root is stored absolute, so the run resumes from any directory); any other key that differs is refused, one
     equal to the checkpoint's passes. trainer.seed is not read (the checkpoint's RNG streams go on): a note, and
-    the record keeps the run's seed (it recorded the new one, which changed nothing)."""
+    the record keeps the run's seed (it recorded the new one, which changed nothing). Another data.num_workers
+    changes the augmentation streams: a note says so."""
     from compress.engine import _resume_config
 
     monkeypatch.chdir(tmp_path)
@@ -283,8 +284,11 @@ def test_resume_takes_trainer_and_data_location_keys_and_refuses_others(tmp_path
     given = {"resume", "trainer.max_steps", "data.root", "data.num_workers", "data.batch_size", "optim.lr"}
     cfg = _compose(*TINY, "resume=true", "trainer.max_steps=3", "data.root=/elsewhere", "data.num_workers=2",
                    "data.batch_size=16")
+    capsys.readouterr()
     merged, _ = _resume_config(cfg, tmp_path / "run", given)
     assert (merged.trainer.max_steps, merged.data.root, merged.data.num_workers) == (3, "/elsewhere", 2)
+    assert f"resume: data.num_workers {saved['data']['num_workers']} -> 2: each loader worker draws its own " \
+        "augmentation stream" in capsys.readouterr().out
     assert merged.data.batch_size == 16 and saved["data"]["batch_size"] == 8
     assert merged.optim.lr == saved["optim"]["lr"] and merged.trainer.epochs == 2
     with pytest.raises(ValueError, match=r"optim.lr=0.5 \(checkpoint: 0.1\): a resumed run keeps"):
