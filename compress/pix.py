@@ -112,11 +112,11 @@ class PiXBlock(nn.Module):
         """The block in plain, unobserved eager CPU inference (`eager_inference`, `unobserved`) through the C++ call
         `kernels.pix.squeeze_cpu_call` bound to the current weight, whose memory it reads (bound again when the
         weight is another tensor, at another address or of another shape, or x's dtype changes; a weight of
-        another dtype than x's, or not contiguous, takes the op); None elsewhere. The same C++ function as the op's path, so the same
-        bits. Why: the op's path checks its arguments and the calling state in several frames on every
-        call; in a batch-1 PiX ResNet-50 forward on the 2-core CPU host (2 threads, NCHW) this path lifted the ratio
-        over ResNet-50 by about 0.02 (1.196x -> 1.215x, 1.206x -> 1.226x, 1.205x -> 1.222x in three interleaved runs;
-        benchmarks/results/pix_cpu_direct_session39.json)."""
+        another dtype than x's, or not contiguous, takes the op); None elsewhere. The same C++ function as the op's
+        path, so the same bits. Why: the op's path checks its arguments and the calling state in several frames on
+        every call; in a batch-1 PiX ResNet-50 forward on the 2-core CPU host (2 threads, NCHW) this path lifted the
+        ratio over ResNet-50 by about 0.02 (1.196x -> 1.215x, 1.206x -> 1.226x, 1.205x -> 1.222x in three
+        interleaved runs; benchmarks/results/pix_cpu_direct_session39.json)."""
         if not (x.is_cpu and eager_inference() and unobserved()):
             return None
         weight = self._parameters.get("weight")  # (.get: a parametrization takes it out of _parameters)

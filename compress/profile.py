@@ -4,8 +4,9 @@
     report.to_dict()["macs"]; compress.compare(dense_report, compact_report)
 
 Units: MACs are multiply-adds (1 multiply-add = 1 MAC, FLOPs = 2 MACs). Counted layers are
-convolutions (also our kernels' ``Im2colConv2d`` and ``DepthwiseConv2d``), Linear, and custom modules through their `macs(inp, out)` method (the extension
-protocol of docs/INTERFACES.md: a StripeConv2d counts its kept stripes, a PiX block its real work).
+convolutions (also our kernels' ``Im2colConv2d`` and ``DepthwiseConv2d``), Linear, and custom
+modules through their `macs(inp, out)` method (the extension protocol of docs/INTERFACES.md: a
+StripeConv2d counts its kept stripes, a PiX block its real work).
 Everything else (BatchNorm, activations, pooling, residual adds) counts 0 MACs, as in the
 literature totals (ResNet-50: 4.1 GMACs). Extra layer types plug in with `register_macs_handler`.
 
@@ -24,11 +25,11 @@ inference fast path is turned off for the count) count too: the count pass watch
 ``TorchDispatchMode``, as ``torch.utils.flop_counter`` does) and adds, in both conventions, the MACs of every
 ``aten`` convolution, ``mm``/``addmm``/``bmm``/``baddbmm``/``addbmm``/``mv``/``addmv``/``dot`` and fused attention,
 and of our kernels' ops (``compress::conv2d``, ``depthwise_conv2d`` and ``stripe_conv2d`` as convs of their weight;
-``pix_squeeze`` and ``pix`` as a PiX block's real work), that runs outside a counted layer's forward (a layer with a handler or ``macs()`` accounts for its own work) to the
-row of the innermost module whose forward, or hook, called it (a row with no params of its own if that module has
-no row otherwise); ``ProfileReport.functional_macs`` sums them. Other functional ops (``F.relu``, pooling,
-``x + y``) add nothing, also in the "paper" convention, and neither do fused recurrent kernels (``nn.LSTM``) or
-``F.bilinear``.
+``pix_squeeze`` and ``pix`` as a PiX block's real work), that runs outside a counted layer's forward (a layer with
+a handler or ``macs()`` accounts for its own work) to the row of the innermost module whose forward, or hook,
+called it (a row with no params of its own if that module has no row otherwise); ``ProfileReport.functional_macs``
+sums them. Other functional ops (``F.relu``, pooling, ``x + y``) add nothing, also in the "paper" convention, and
+neither do fused recurrent kernels (``nn.LSTM``) or ``F.bilinear``.
 
 Profiled layers are the leaf modules, every module with a `macs` method (whose children are
 then not profiled separately) and every other module that holds parameters or buffers of its own
@@ -165,7 +166,8 @@ _aten, _ours = torch.ops.aten, torch.ops.compress
 # MACs of the aten ops (and of our kernels' ops) a forward may call itself, from their arguments and output
 # (`_FunctionalMacs`)
 _FUNCTIONAL_MACS = {
-    _ours.conv2d: _kernel_conv_macs, _ours.depthwise_conv2d: _kernel_conv_macs, _ours.stripe_conv2d: _kernel_stripe_macs,
+    _ours.conv2d: _kernel_conv_macs, _ours.depthwise_conv2d: _kernel_conv_macs,
+    _ours.stripe_conv2d: _kernel_stripe_macs,
     _ours.pix_squeeze: lambda args, kwargs, out: pix_macs(args[0].shape, args[1].shape[0]),  # as PiXBlock.macs
     _ours.pix: lambda args, kwargs, out: args[0].numel(),  # the fusion alone: pix_macs' third term
     _aten.convolution: _convolution_macs,

@@ -174,7 +174,8 @@ def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padd
         y: (N, Co, Ho, Wo), channels_last if ``x`` is.
     """
     x, weight, bias = autocast_inputs(x, weight, bias)
-    args = (pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation"), whole(groups, "conv2d: groups"))
+    args = (pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation"),
+            whole(groups, "conv2d: groups"))
     if needs_standard_ops():  # torch.func, forward-mode AD: F.conv2d, the same function
         _check(x, weight, bias, *args)
         return F.conv2d(x, weight, bias, *args)

@@ -198,7 +198,7 @@ def test_forward_mode_ad_through_compact_and_pix_models_cuda(name, zeta):
 
 
 def _function_case(name: str, gen: torch.Generator):
-    """(our function f(x, w), an independent reference ref(x, w), x, w) in float64 for one public function of kernels."""
+    """(our function f(x, w), an independent reference ref(x, w), x, w) in float64 for a public function of kernels."""
     import kernels
 
     def rand(*shape):

@@ -294,7 +294,8 @@ def test_resume_takes_trainer_and_data_location_keys_and_refuses_others(tmp_path
     with pytest.raises(ValueError, match=r"optim.lr=0.5 \(checkpoint: 0.1\): a resumed run keeps"):
         _resume_config(_compose(*TINY, "resume=true", "optim.lr=0.5"), tmp_path / "run", given)
     capsys.readouterr()
-    merged, _ = _resume_config(_compose(*TINY, "resume=true", "trainer.seed=3"), tmp_path / "run", {"resume", "trainer.seed"})
+    seeded = _compose(*TINY, "resume=true", "trainer.seed=3")
+    merged, _ = _resume_config(seeded, tmp_path / "run", {"resume", "trainer.seed"})
     assert merged.trainer.seed == saved["trainer"]["seed"] == 0
     assert "resume: trainer.seed=3 is not read (the run goes on with its checkpoint's random number streams" in \
         capsys.readouterr().out
