@@ -412,16 +412,18 @@ def _image_folder(opts: dict):
 
 def _symlink_loop(folder: Path) -> str | None:
     """A symlinked folder under `folder` whose target is a folder the walk is already inside (itself or one above
-    it, also through other links: ImageFolder follows links, so such a loop repeats the images below it until the
-    OS stops the walk), or None."""
+    it, also through other links, or one above `folder`: ImageFolder follows links, so such a loop repeats the images
+    below it until the OS stops the walk), or None. The first such link the walk reaches is named."""
     folder = os.path.abspath(folder)
+    real = os.path.realpath(folder)
     for top, dirs, _ in os.walk(folder, followlinks=True):
         rel = os.path.relpath(top, folder)
         parts = [] if rel == "." else rel.split(os.sep)
         inside = {os.path.realpath(os.path.join(folder, *parts[:i])) for i in range(len(parts) + 1)}
         for d in dirs:
             link = os.path.join(top, d)
-            if os.path.islink(link) and os.path.realpath(link) in inside:
+            target = os.path.realpath(link)
+            if os.path.islink(link) and (target in inside or os.path.commonpath([target, real]) == target):
                 return link
     return None
 

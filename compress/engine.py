@@ -519,7 +519,9 @@ def _check_config(cfg: DictConfig, ckpt: dict | None = None) -> None:
     check_tau("config", cfg.pix.tau, "pix.tau")
     if cfg.prune.name == "swp" and cfg.prune.get("target_flops") is not None:
         check_target_macs(cfg.prune.target_flops, "prune.target_flops")
-    _require_int("trainer.epochs", cfg.trainer.epochs, 1)
+    # trainer.epochs is ${optim.epochs} unless set: name the key the user set
+    _require_int("optim.epochs" if OmegaConf.is_interpolation(cfg.trainer, "epochs") else "trainer.epochs",
+                 cfg.trainer.epochs, 1)
     _require_int("trainer.eval_every", cfg.trainer.eval_every, 1, note="the last epoch is always evaluated")
     _require_int("trainer.checkpoint_every", cfg.trainer.get("checkpoint_every"), 1, null="epoch ends only")
     _require_int("trainer.max_steps", cfg.trainer.max_steps, 1, null="no step limit")
@@ -855,7 +857,7 @@ def _check_input_size(raw: nn.Module, data, device: torch.device) -> None:
         with evaluating(raw), torch.no_grad():
             logits = raw(x)
     except (RuntimeError, ValueError, AssertionError) as err:
-        first = (str(err).splitlines() or [type(err).__name__])[0]
+        first = (str(err).splitlines() or [type(err).__name__])[0].rstrip(".")  # (the messages below add their own)
         channels = re.search(r"to have (\d+) channels, but got (\d+) channels", first)
         if channels and int(channels[2]) == data.in_chans:  # PyTorch's conv error: the stem takes other channels
             raise ValueError(

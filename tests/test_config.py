@@ -81,6 +81,8 @@ def test_cifar_configs_keep_the_paper_recipe():
         (["optim=sgd_cosine", "optim.schedule=multistep"], ValueError,
          r"optim.schedule=multistep needs optim.milestones and optim.gamma, .* use optim=sgd_multistep"),
         (["model=vgg11_bn"], ValueError, r"the model cannot take a 3x8x8 input \(data.input_size=8\)"),
+        (["model=timm", "model.name=vit_tiny_patch16_224"], ValueError,  # (timm's message ends with a full stop)
+         r"cannot take a 3x8x8 input \(data.input_size=8\): .*\(224\)\. Use a data.input_size the model allows"),
         (["trainer.eval_every=0"], ValueError, "trainer.eval_every=0 must be an int >= 1"),
         (["trainer.max_steps=0"], ValueError, r"trainer.max_steps=0 must be an int >= 1, or null \(no step limit\)"),
         (["trainer.max_steps=2.5"], ValueError, "trainer.max_steps=2.5 must be an int >= 1"),
@@ -101,6 +103,7 @@ def test_cifar_configs_keep_the_paper_recipe():
         (["prune=swp", "prune.threshold=1"], ValueError, "prune.threshold=1 zeroes every stripe"),
         (["trainer.checkpoint_every=0"], ValueError, "trainer.checkpoint_every=0 must be an int >= 1"),
         (["trainer.epochs=0"], ValueError, "trainer.epochs=0 must be an int >= 1"),
+        (["optim.epochs=1.5"], ValueError, "optim.epochs=1.5 must be an int >= 1"),  # (trainer.epochs takes it)
         (["optim.weight_decay=nan"], ValueError, r"optim.weight_decay=nan must be a finite number >= 0"),
         (["optim.skeleton_weight_decay=abc"], ValueError, r"optim.skeleton_weight_decay='abc' must be a finite number"),
         (["optim.skeleton_weight_decay=true"], ValueError, r"optim.skeleton_weight_decay=True must be a finite number"),

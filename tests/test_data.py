@@ -693,6 +693,10 @@ def test_image_folders_refuse_symlink_loops_and_float_or_32_bit_images(tmp_path)
                                          "that contains it"):
         build_data({"name": "imagefolder", "root": str(root), "input_size": 8})
     (root / "train" / "a" / "loop").unlink()
+    (root / "train" / "a" / "up").symlink_to("../..")  # above the walked folder: named as made, not one lap on
+    with pytest.raises(ValueError, match=rf"imagefolder: {root / 'train' / 'a' / 'up'} is a symlink"):
+        build_data({"name": "imagefolder", "root": str(root), "input_size": 8})
+    (root / "train" / "a" / "up").unlink()
     (root / "train" / "a" / "x").symlink_to("../b")  # a loop through two links: a/x -> b, b/y -> a
     (root / "train" / "b" / "y").symlink_to("../a")
     with pytest.raises(ValueError, match=r"is a symlink to a folder that contains it"):
