@@ -2,7 +2,10 @@
 
 - `sigterm_raises()`: SIGTERM raises `Terminated` (train.py, around the whole run).
 - `StepStop`: within the training loop the first SIGTERM is only noted; the loop asks `due()` after each step and,
-  once it says so, writes last.pt at that step and raises `Terminated` itself. A second SIGTERM raises at once.
+  once it says so, writes last.pt at that step and raises `Terminated` itself. A second SIGTERM raises at once,
+  unless it comes within `REPEAT_S` of the first: that is the same stop delivered twice (a batch system that signals
+  every process of a job, as Slurm does, reaches each rank directly and through torchrun, which passes on the
+  SIGTERM it gets, milliseconds apart; stopping at once lost every step since the last checkpoint).
   Under DDP every rank must stop at the same step (the checkpoint write is collective), though the signal reaches
   the ranks at different steps, or only one of them: each step's flags are summed over the ranks in the background
   (one gloo all-reduce of an int per step, waited for at the next step, so no device sync and no wait in the
@@ -19,12 +22,15 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as torch_dist
 
 __all__ = ["Terminated", "sigterm_raises", "StepStop"]
+
+REPEAT_S = 3.0  # a SIGTERM this soon after the first is the same stop delivered again (StepStop)
 
 
 class Terminated(SystemExit):
@@ -79,14 +85,17 @@ class StepStop:
     def __init__(self, group=None) -> None:
         self.group = group
         self.requested = False  # this process saw SIGTERM
+        self._first = 0.0  # when (time.monotonic())
         self._flag = torch.zeros(1, dtype=torch.int32)
         self._pending = None  # the all-reduce of the last call's flags
         self._handler = None
 
     def _note(self) -> None:
-        if self.requested:  # the second SIGTERM: stop now
+        now = time.monotonic()
+        if self.requested and now - self._first > REPEAT_S:  # a second SIGTERM, not the first one again: stop now
             raise Terminated()
-        self.requested = True
+        if not self.requested:
+            self.requested, self._first = True, now
 
     def __enter__(self) -> StepStop:
         self._handler = _on_sigterm(self._note)

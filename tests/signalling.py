@@ -3,7 +3,8 @@
 from pathlib import Path
 
 # SIGTERM during the forward of training step $COMPRESS_TEST_SIGTERM, counted in this process (on rank 0 only;
-# "K:2" sends it twice; "K:1:children" first to the DataLoader workers, from another process)
+# "K:2" sends it twice, back to back; "K:2::S" S seconds apart; "K:1:children" first to the DataLoader workers, from
+# another process)
 MODULE = """
 import os
 import signal
@@ -26,7 +27,7 @@ class Net(nn.Module):
     def forward(self, x):
         if self.training and torch.is_grad_enabled():
             self.steps += 1
-            at, times, children = (os.environ.get("COMPRESS_TEST_SIGTERM", "0") + "::").split(":")[:3]
+            at, times, children, gap = (os.environ.get("COMPRESS_TEST_SIGTERM", "0") + ":::").split(":")[:4]
             if self.steps == int(at) and os.environ.get("RANK", "0") == "0":
                 if children:  # as Slurm signals every process of a job: the DataLoader workers too, from outside
                     with open(f"/proc/{os.getpid()}/task/{os.getpid()}/children") as f:
@@ -35,7 +36,8 @@ class Net(nn.Module):
                     assert workers
                     subprocess.run(["kill", "-TERM", *workers], check=True)
                     time.sleep(0.5)  # they would be gone by now
-                for _ in range(int(times or 1)):
+                for i in range(int(times or 1)):
+                    time.sleep(float(gap or 0) if i else 0)
                     os.kill(os.getpid(), signal.SIGTERM)
         return self.head(self.body(x).mean((2, 3)))
 

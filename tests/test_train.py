@@ -20,6 +20,7 @@ from hydra import compose, initialize_config_dir
 from signalling import signalling_model
 
 from compress._logging import format_summary
+from compress._stop import REPEAT_S
 from compress.engine import run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -354,8 +355,9 @@ def sigterm_caught():
 def test_sigterm_during_training_saves_the_step_and_stops_with_status_143(tmp_path, monkeypatch, sigterm_caught):
     """A batch system's SIGTERM mid-epoch: train.py finishes the step it is in, writes last.pt at that step (no
     trainer.checkpoint_every here), says so in train.log and exits with the signal's status (143); resume=true goes
-    on from that step; also when the DataLoader workers get the signal too. A second SIGTERM stops at once, inside
-    the step; one in an epoch's last step stops after the epoch's evaluation and checkpoint."""
+    on from that step; also when the DataLoader workers get the signal too, and when it comes twice at once (Slurm
+    and torchrun's copy). A second SIGTERM seconds later stops at once, inside the step; one in an epoch's last step
+    stops after the epoch's evaluation and checkpoint."""
     args = signalling_model(tmp_path / "launch", "sigterm_net_a")
     monkeypatch.setenv("COMPRESS_TEST_SIGTERM", "3")
     r = run_script("train.py", *args, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path / "launch")
@@ -381,7 +383,14 @@ def test_sigterm_during_training_saves_the_step_and_stops_with_status_143(tmp_pa
     assert r.returncode == 143 and not sigterm_caught, r.stderr[-3000:]
     assert torch.load(tmp_path / "workers" / "checkpoints" / "last.pt", weights_only=True)["step"] == 3
 
+    # twice at once, as each rank of a torchrun job gets it when the batch system signals every process (the
+    # launcher passes on its own): one stop at the step (it stopped at once, losing the steps since the last checkpoint)
     monkeypatch.setenv("COMPRESS_TEST_SIGTERM", "3:2")
+    r = run_script("train.py", *args, f"hydra.run.dir={tmp_path / 'copies'}", cwd=tmp_path / "launch")
+    assert r.returncode == 143 and not sigterm_caught, r.stderr[-3000:]
+    assert torch.load(tmp_path / "copies" / "checkpoints" / "last.pt", weights_only=True)["step"] == 3
+
+    monkeypatch.setenv("COMPRESS_TEST_SIGTERM", f"3:2::{REPEAT_S + 0.5}")  # a second one later: stop at once
     args = signalling_model(tmp_path / "launch", "sigterm_net_b")
     r = run_script("train.py", *args, f"hydra.run.dir={tmp_path / 'twice'}", cwd=tmp_path / "launch")
     assert r.returncode == 143 and not sigterm_caught
