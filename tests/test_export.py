@@ -487,6 +487,16 @@ def test_export_script(training_checkpoint, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+def test_exports_started_in_one_second_get_run_dirs_of_their_own():
+    """The default out dir is named to the microsecond: named to the second, two exports started together wrote one
+    dir, the second's files over the first's."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        dirs = [compose(config_name="export", return_hydra_config=True).hydra.run.dir for _ in range(2)]
+    assert dirs[0] != dirs[1] and all(d.startswith("outputs/export/") for d in dirs), dirs
+
+
 def _export_deployed(training_checkpoint, tmp_path, device: str, cuda_graphs: bool) -> dict:
     """export in bf16 channels_last (and through CUDA graphs): the report says how the models ran, the file keeps
     float32 weights computing the skeleton model's function."""
