@@ -833,6 +833,25 @@ def test_a_run_trained_at_another_input_size_is_reported_at_it(training_checkpoi
     assert (tmp_path / "out" / FILES[0]).read_bytes() == init_file
 
 
+def test_a_budgeted_compact_model_fine_tuned_at_another_size_records_both_counts_at_that_size(training_checkpoint,
+                                                                                             tmp_path):
+    """A compact model exported with a MAC budget at 32 pixels, fine-tuned (init=) at 16 and exported again: its record
+    counts the compact and the dense MACs at 16 (it kept the dense count of 32 beside a compact count of 16)."""
+    path, _ = training_checkpoint
+    export_checkpoint(path, tmp_path / "a", target_macs=0.5, onnx=False, latency=False, choose_stripe_modes=False)
+    first = load(tmp_path / "a" / FILES[0]).compress_compaction
+    (tmp_path / "tuned").mkdir()
+    tuned = _export_with_config(path, tmp_path / "tuned", "data", "input_size", 16,
+                                model=load(tmp_path / "a" / FILES[0]).state_dict(),
+                                config={**torch.load(path, weights_only=True)["config"],
+                                        "data": {"name": "digits", "input_size": 16, "batch_size": 64},
+                                        "init": str(tmp_path / "a" / FILES[0])})
+    record = load(tmp_path / "tuned" / "out" / FILES[0]).compress_compaction
+    assert (first["input_size"], record["input_size"], record["target_macs"]) == (32, 16, 0.5)
+    assert record["macs"] == tuned["compact"]["macs"] < record["dense_macs"] == tuned["dense"]["macs"]
+    assert record["dense_macs"] < first["dense_macs"]
+
+
 def test_an_output_folder_spelled_otherwise_still_never_overwrites_the_input(training_checkpoint, tmp_path):
     path, _ = training_checkpoint
     export_checkpoint(path, tmp_path / "a", onnx=False, latency=False, choose_stripe_modes=False)
