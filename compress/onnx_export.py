@@ -256,10 +256,13 @@ def check_onnx(path: str | os.PathLike, model: nn.Module, x: torch.Tensor) -> fl
         want = model(x).float().cpu()
     spread = (want - want.mean(0)).abs().max()
     if want.isfinite().all() and not spread > FLAT_OUTPUT * want.abs().max():
+        empty = [n for n, m in model.named_modules() if isinstance(m, StripeConv2d) and m.num_stripes == 0]
+        why = (f"; its stripe convs {', '.join(empty[:5])}{', ...' if len(empty) > 5 else ''} kept no stripe (their "
+               "output is their bias alone, whatever the input): a lower threshold or a larger target_macs keeps "
+               "some" if empty else " (an untrained model?)")
         warnings.warn(f"check_onnx: the model gives (nearly) the same output for each of the {x.shape[0]} check inputs "
                       f"(batch spread {float(spread):.1e} against outputs up to {float(want.abs().max()):.1e}), so the "
-                      "check compares little more than its biases; check the model's weights (an untrained model?)",
-                      stacklevel=2)
+                      f"check compares little more than its biases; check the model's weights{why}", stacklevel=2)
     centred = (got - got.mean(0) - (want - want.mean(0))).abs().max()
     scale = torch.maximum(spread, CENTRED_FLOOR * want.abs().max()).clamp_min(1e-12)
     return max(_rel_error(got, want), float(centred / scale))

@@ -26,7 +26,7 @@ from compress.models import create_model
 from compress.onnx_export import FixedAdaptiveAvgPool2d, ShiftAddConv2d, check_onnx, export_onnx
 from compress.pix import PiXBlock, apply_pix
 from compress.profile import profile
-from compress.skeleton import attach_skeletons
+from compress.skeleton import SkeletonConv2d, attach_skeletons
 from compress.stripe import StripeConv2d
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,6 +82,17 @@ def test_check_onnx_warns_when_the_output_ignores_the_input(tmp_path):
     path = export_onnx(model, tmp_path / "flat.onnx", (3, 8, 8))
     with pytest.warns(UserWarning, match=r"check_onnx: the model gives \(nearly\) the same output for each of the 3"):
         assert check_onnx(path, model, torch.randn(3, 3, 8, 8, generator=torch.Generator().manual_seed(0))) <= 1e-4
+    # a compact model whose budget left a layer on the only path without stripes: the warning names it (and the layer
+    # before, whose filters all became dead)
+    skeleton = nn.Sequential(SkeletonConv2d(3, 4, 3), nn.ReLU(), SkeletonConv2d(4, 4, 3, bias=True), nn.ReLU(),
+                             nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 5)).eval()
+    with torch.no_grad():
+        skeleton[2].skeleton.zero_()
+    small = compact(skeleton)
+    cut = export_onnx(small, tmp_path / "cut.onnx", (3, 8, 8))
+    with pytest.warns(UserWarning, match=r"check_onnx: the model gives \(nearly\) the same output .* its stripe convs 0, 2 "
+                                         r"kept no stripe \(their output is their bias alone"):
+        check_onnx(cut, small, torch.randn(3, 3, 8, 8, generator=torch.Generator().manual_seed(2)))
     with torch.no_grad():
         model[0].weight.normal_()
     live = export_onnx(model, tmp_path / "live.onnx", (3, 8, 8))
