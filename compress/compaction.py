@@ -404,6 +404,7 @@ def choose_modes(model: nn.Module, x: torch.Tensor, repeats: int = 5, timing: st
     graphs or compiled), "eager" the wall time of an eager call, launch overhead included (the default on CPU;
     choose it on CUDA for a model that will run eagerly). `report`, if given, receives each layer's
     measurement: {name: kernels.stripe_route's dict}."""
+    refuse_wrapper("choose_modes", model, "choose the modes of")  # (a compiled graph would skip the input hooks)
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"choose_modes: repeats must be an int >= 1, got {repeats!r}")
     layers = {n: m for n, m in model.named_modules() if isinstance(m, StripeConv2d) and m.num_stripes}

@@ -430,6 +430,10 @@ def test_target_macs_meets_budget_with_smallest_threshold():
         profile(model, 32, latency=False)
     with pytest.raises(ValueError, match="repeats must be an int >= 1"):
         compress.choose_modes(out, torch.randn(1, *size), repeats=0)
+    # a compiled model: its graph runs without the hooks that record each layer's input (it chose nothing, silently)
+    with pytest.raises(ValueError, match=r"choose_modes: OptimizedModule is a wrapper; choose the modes of the model "
+                                         r"inside it: model._orig_mod"):
+        compress.choose_modes(torch.compile(out, backend="eager"), torch.randn(1, *size))
 
 
 class _Untraceable(nn.Module):
