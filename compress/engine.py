@@ -1289,6 +1289,10 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float, began: Ca
                         test = {"loss": float("nan"), "accuracy": float("nan")}  # these weights were not evaluated
                         save(epoch, done, step, epoch_rng, rng or rng_state(generator), is_best=False, logged=False)
                     raise
+                if dist.is_main and not math.isfinite(float(test["loss"])):  # (finite weights: checked at each save)
+                    say(f"note: the test loss after epoch {epoch + 1} is not finite: the eval-mode outputs overflow "
+                        "(weights or BatchNorm statistics grown too large), so the run is diverging; lower optim.lr "
+                        f"(it is {cfg.optim.lr:g})" + (f" or prune.alpha (it is {swp[0]:g})" if swp else ""))
             lr = optimizer.param_groups[0]["lr"]
             if not partial:
                 scheduler.step()

@@ -141,6 +141,41 @@ def test_an_unregistered_model_names_the_module_to_import():
         create_model("never_registered")
 
 
+OVERFLOW = """
+import torch.nn as nn
+import compress
+
+
+class Overflowing(nn.Module):
+    # finite weights, eval-mode logits that overflow to inf (as a diverging run's BatchNorm statistics make them)
+    def __init__(self, num_classes, in_chans):
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(in_chans, 4, 3, padding=1), nn.Linear(4, num_classes)
+
+    def forward(self, x):
+        y = self.head(self.conv(x).mean((2, 3)))
+        return y if self.training else y * 1e38 * 1e38
+
+
+@compress.register_model
+def {name}(num_classes=10, in_chans=3):
+    return Overflowing(num_classes, in_chans)
+"""
+
+
+def test_a_test_loss_that_is_not_finite_is_noted(tmp_path, monkeypatch, capsys):
+    """Eval outputs that overflow with finite weights (the run diverging): the epoch says so and what to lower; the
+    run went on silently, its summary.json's test_loss null."""
+    monkeypatch.chdir(tmp_path)
+    n = next(_serial)
+    module, name = f"overflow_nets_{n}", f"overflow_net_{n}"
+    (tmp_path / f"{module}.py").write_text(OVERFLOW.replace("{name}", name))
+    summary = run(_compose(*TINY, f"imports=[{module}]", f"model.name={name}", "trainer.max_steps=1"),
+                  run_dir=tmp_path / "run")
+    assert summary["steps"] == 1 and summary["test_loss"] != summary["test_loss"]  # NaN (null in summary.json)
+    assert "note: the test loss after epoch 1 is not finite: the eval-mode outputs overflow" in capsys.readouterr().out
+
+
 def test_own_model_trains_exports_and_resumes_only_with_its_imports(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the launch directory: imports are searched there
     module, model_name = _user_module(tmp_path)
