@@ -140,14 +140,7 @@ def _forward_torch(x: Tensor, p: Tensor, zeta: int, tau: float) -> Tensor:
     y = _forward_fast(x, p, zeta, tau)
     if y is not None:
         return y
-    B, C, H, W = x.shape
-    acc = acc_dtype(x.dtype)
-    xg = x.unflatten(1, (C // zeta, zeta))
-    mx = xg.amax(2).to(acc)
-    mean = xg.sum(2, dtype=acc) / zeta
-    pf = p.to(acc)
-    y = pf * torch.where(pf < tau, mx, mean)
-    return y.to(x.dtype).contiguous(memory_format=memory_format(x))
+    return _pix_ops(x, p, zeta, tau).contiguous(memory_format=memory_format(x))
 
 
 def _backward_torch(grad: Tensor, x: Tensor, p: Tensor, zeta: int, tau: float) -> tuple[Tensor, Tensor]:
@@ -256,9 +249,10 @@ def pix(x: Tensor, p: Tensor, zeta: int, tau: float = 0.5) -> Tensor:
     """
     if isinstance(p, torch.Tensor) and isinstance(x, torch.Tensor) and p.dtype != x.dtype and x.dtype.is_floating_point:
         p = p.to(x.dtype)
+    zeta, tau = whole(zeta, "pix: zeta"), float(tau)
     if needs_standard_ops():  # torch.func, forward-mode AD: the same function in PyTorch ops
-        return pix_reference(x, p, whole(zeta, "pix: zeta"), float(tau))
-    return _pix_op(x, p, whole(zeta, "pix: zeta"), float(tau))
+        return pix_reference(x, p, zeta, tau)
+    return _pix_op(x, p, zeta, tau)
 
 
 # ------------------------------------------------------------------------------------------ pix_squeeze
@@ -654,7 +648,8 @@ def pix_reference(x: Tensor, p: Tensor, zeta: int, tau: float = 0.5) -> Tensor:
 
 
 def _pix_ops(x: Tensor, p: Tensor, zeta: int, tau: float) -> Tensor:
-    """`pix_reference` without its checks (an ONNX export traces this: no shape comparisons)."""
+    """`pix_reference` without its checks (an ONNX export traces this: no shape comparisons); also the op's own
+    PyTorch path where `_forward_fast` does not apply."""
     acc = acc_dtype(x.dtype)
     p = p.to(x.dtype).to(acc)
     groups = x.unflatten(1, (-1, zeta))
