@@ -686,7 +686,8 @@ def _resume_config(cfg: DictConfig, run_dir: Path, given: set[str] | None = None
     saved = _with_added_keys(OmegaConf.create(ckpt["config"]))
     if given is None:
         merged = OmegaConf.merge(saved, {"trainer": cfg.trainer, "resume": cfg.resume})
-        merged.trainer.seed = saved.trainer.seed  # (RESUME_IGNORES)
+        for key in (k for k in RESUME_IGNORES if k.startswith("trainer.")):  # the checkpoint's, as on the command line
+            OmegaConf.update(merged, key, OmegaConf.select(saved, key), merge=False)
         ignored = [k for k in saved if k not in ("trainer", "resume") and saved.get(k) != cfg.get(k)]
         if ignored:
             say(f"resume: using the checkpoint's settings for {ignored} (a config built in Python changes only "
