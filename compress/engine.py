@@ -439,13 +439,14 @@ _OPTIM_RANGES = {
     "gamma": ("in (0, 1] (the factor each milestone multiplies the learning rate by)", lambda v: 0 < v <= 1),
     "skeleton_weight_decay": (">= 0, or null (the same as optim.weight_decay)", lambda v: 0 <= v < math.inf),
 }
-_OPTIONAL = ("gamma", "skeleton_weight_decay")  # null/absent allowed (gamma: cosine schedules have none)
 
 
-def check_optim(optim: DictConfig, epochs: int | None = None) -> None:
+def check_optim(optim: DictConfig, epochs: int | None = None, resume: bool = False) -> None:
     """ValueError naming the key unless `optim` (the optim config group) is usable: SGD, a known schedule, finite
-    numbers in range, nesterov with momentum; with `epochs` (the run's length) also the warmup and the milestones.
-    `train.py` checks it before building any data; build_optimizer and build_scheduler check it again."""
+    numbers in range, nesterov with momentum; with `epochs` (the run's length) also that the warmup and the
+    milestones fall inside the run (`resume`: the run keeps its checkpoint's optim settings, so the messages name
+    only trainer.epochs as the fix). `train.py` checks it before building any data; build_optimizer and
+    build_scheduler check it again."""
     if optim.get("name") != "sgd":
         raise ValueError(f"optim.name={optim.get('name')!r} is not supported; use optim=sgd_multistep, "
                          "optim=sgd_cosine or optim=sgd_digits")
@@ -454,9 +455,10 @@ def check_optim(optim: DictConfig, epochs: int | None = None) -> None:
     if optim.schedule == "multistep" and "milestones" not in optim:
         raise ValueError("optim.schedule=multistep needs optim.milestones and optim.gamma, which this optim group "
                          "does not have; use optim=sgd_multistep (its optim.milestones and optim.gamma set the steps)")
+    optional = ("skeleton_weight_decay",) + (("gamma",) if optim.schedule == "cosine" else ())  # null/absent allowed
     for key, (rule, ok) in _OPTIM_RANGES.items():
         value = optim.get(key)
-        if value is None and key in _OPTIONAL:
+        if value is None and key in optional:
             continue
         if not _is_number(value) or not ok(value):
             raise ValueError(f"optim.{key}={value!r} must be a finite number {rule}")
@@ -464,30 +466,41 @@ def check_optim(optim: DictConfig, epochs: int | None = None) -> None:
         raise ValueError("optim.nesterov=true needs optim.momentum > 0 (Nesterov momentum); set optim.nesterov=false "
                          "for plain SGD")
     _require_int("optim.warmup_epochs", optim.get("warmup_epochs", 0), 0, null="none")
+    warmup = optim.get("warmup_epochs", 0) or 0
+    values = _check_milestones(optim.get("milestones")) if optim.schedule == "multistep" else None
     if epochs is None:
         return
-    warmup = optim.get("warmup_epochs", 0) or 0
+    longer = "pass trainer.epochs > {} (a resumed run keeps its checkpoint's optim settings)"
     if warmup and warmup >= epochs:
-        raise ValueError(f"optim.warmup_epochs={warmup} must be smaller than the {epochs} epochs; set "
-                         "optim.warmup_epochs=0 for runs this short")
-    if optim.schedule == "multistep":
-        _check_milestones(optim.get("milestones"), epochs)
+        raise ValueError(f"optim.warmup_epochs={warmup} must be smaller than the {epochs} epochs; "
+                         + (longer.format(warmup) if resume else "set optim.warmup_epochs=0 for runs this short"))
+    if optim.schedule == "multistep" and not 0 < values[0] <= values[-1] < epochs:
+        example = (f"e.g. optim.milestones=[{epochs // 2},{3 * epochs // 4}]" if epochs >= 4
+                   else "or optim=sgd_cosine" if epochs < 2 else "e.g. optim.milestones=[1]")
+        where = f"only at epochs 1..{epochs - 1}" if epochs >= 2 else "at no epoch boundary (it has none)"
+        fix = (longer.format(values[-1]) if resume else f"set milestones inside the run ({example}) or run past "
+               f"epoch {values[-1]} (trainer.epochs, which is optim.epochs unless set)")
+        raise ValueError(f"optim.milestones={values}: a multistep run of {epochs} epoch{'s' * (epochs != 1)} lowers the "
+                         f"learning rate {where}; {fix}")
 
 
-def _check_milestones(milestones, epochs) -> None:
-    """ValueError unless the multistep schedule's milestones are increasing epochs inside the run (1..epochs-1):
-    one at or past the last epoch never lowers the learning rate."""
+def _check_milestones(milestones) -> list[int]:
+    """The multistep schedule's milestones as a list; ValueError unless they are increasing epoch numbers."""
     values = list(milestones) if isinstance(milestones, Sequence) and not isinstance(milestones, str) else None
     if not values or not all(isinstance(m, int) and not isinstance(m, bool) for m in values) or values != sorted(set(values)):
         raise ValueError(f"optim.milestones={milestones!r} must be a list of increasing epoch numbers, e.g. "
                          "optim.milestones=[80,120]")
-    if isinstance(epochs, int) and not 0 < values[0] <= values[-1] < epochs:
-        example = (f"e.g. optim.milestones=[{epochs // 2},{3 * epochs // 4}]" if epochs >= 4
-                   else "or optim=sgd_cosine" if epochs < 2 else "e.g. optim.milestones=[1]")
-        where = f"only at epochs 1..{epochs - 1}" if epochs >= 2 else "at no epoch boundary (it has none)"
-        raise ValueError(f"optim.milestones={values}: a multistep run of {epochs} epoch{'s' * (epochs != 1)} lowers the "
-                         f"learning rate {where}; set milestones inside the run ({example}) or run past "
-                         f"epoch {values[-1]} (trainer.epochs, which is optim.epochs unless set)")
+    return values
+
+
+def _check_warmup_milestones(optim: DictConfig) -> None:
+    """ValueError if a multistep milestone falls inside the warmup: the learning rate would drop before it reaches
+    optim.lr. Checked when a run starts (a resumed one keeps the settings it started with)."""
+    warmup = optim.get("warmup_epochs", 0) or 0
+    if optim.schedule == "multistep" and warmup and optim.milestones[0] <= warmup:
+        raise ValueError(f"optim.milestones={list(optim.milestones)}: the first milestone must come after the "
+                         f"optim.warmup_epochs={warmup} warmup epochs, or the learning rate drops before it reaches "
+                         f"optim.lr; set milestones after epoch {warmup}, or a shorter warmup")
 
 
 # on/off settings (data.download and data.pin_memory are checked by build_data)
@@ -527,7 +540,9 @@ def _check_config(cfg: DictConfig, ckpt: dict | None = None) -> None:
     _require_int("trainer.max_steps", cfg.trainer.max_steps, 1, null="no step limit")
     _require_int("trainer.log_every", cfg.trainer.log_every, 1)
     _require_int("trainer.seed", cfg.trainer.seed, 0, most=MAX_SEED)
-    check_optim(cfg.optim, cfg.trainer.epochs)
+    check_optim(cfg.optim, cfg.trainer.epochs, resume=ckpt is not None)
+    if ckpt is None:
+        _check_warmup_milestones(cfg.optim)
     if cfg.optim.schedule == "cosine" and ("milestones" in cfg.optim or "gamma" in cfg.optim):
         warnings.warn("optim.milestones and optim.gamma have no effect with optim.schedule=cosine (the cosine "
                       "schedule has no steps); use optim=sgd_cosine, or optim.schedule=multistep", stacklevel=2)
@@ -1110,6 +1125,11 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float, began: Ca
     if "pix.tau" in (given or ()) and cfg.pix.zeta is None and dist.is_main:
         say(f"note: pix.tau={cfg.pix.tau} has no effect without pix.zeta (no PiX blocks"
             + (f" are added; init={cfg.init} keeps its own)" if cfg.init is not None else ")"))
+    if "optim.skeleton_weight_decay" in (given or ()) and (cfg.prune.name != "swp" or cfg.init is not None) \
+            and dist.is_main:
+        say(f"note: optim.skeleton_weight_decay={cfg.optim.skeleton_weight_decay} has no effect: this run has no "
+            "skeletons (" + (f"init={cfg.init} fine-tunes a compact model)" if cfg.init is not None else
+                             f"prune={cfg.prune.name}; prune=swp attaches them)"))
     if cfg.init is not None and ckpt is None and dist.is_main and (getattr(raw, "compress_compaction", None) or {}).get("fold_bn"):
         say(
             f"note: init={cfg.init} has its BatchNorms folded into its convs (export's default fold_bn=true), so it "

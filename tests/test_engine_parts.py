@@ -80,6 +80,18 @@ def test_optimizer_and_schedule_take_their_settings():
         engine.check_optim(_optim(milestones=[0, 1]), epochs=2)
 
 
+def test_a_resumed_runs_optim_errors_name_only_trainer_epochs():
+    """A resumed run keeps its checkpoint's optim settings, so a too-short trainer.epochs is fixed by a longer one,
+    not by the optim change the fresh-run message suggests (which resume refuses)."""
+    fix = r"pass trainer.epochs > {} \(a resumed run keeps its checkpoint's optim settings\)"
+    with pytest.raises(ValueError, match=r"warmup_epochs=2 must be smaller than the 2 epochs; " + fix.format(2)):
+        engine.check_optim(_optim(milestones=[3], warmup_epochs=2), epochs=2, resume=True)
+    with pytest.raises(ValueError, match=r"lowers the learning rate only at epochs 1..2; " + fix.format(3)):
+        engine.check_optim(_optim(milestones=[2, 3]), epochs=3, resume=True)
+    with pytest.raises(ValueError, match=r"set optim.warmup_epochs=0 for runs this short"):
+        engine.check_optim(_optim(milestones=[3], warmup_epochs=2), epochs=2)
+
+
 def test_an_epochs_metrics_weigh_each_batch_by_its_images():
     """Batches of 8 and 3 images (lr 0: nothing changes): the epoch's loss and accuracy are those of all 11."""
     torch.manual_seed(1)

@@ -757,12 +757,17 @@ def test_a_run_interrupted_before_it_wrote_anything_leaves_no_run_dir(tmp_path, 
     assert not (tmp_path / "run").exists()
 
 
-def test_train_py_notes_a_pix_tau_without_pix_zeta(tmp_path):
-    """pix.tau on the command line without pix.zeta adds no PiX block: the run says so instead of ignoring it.
-    (Set with Hydra's ++, which only sets an existing key: not refused as an added one.)"""
-    proc = run_script("train.py", *TINY, "trainer.max_steps=1", "++pix.tau=0.3", f"hydra.run.dir={tmp_path}")
+def test_train_py_notes_settings_that_have_no_effect(tmp_path):
+    """pix.tau on the command line without pix.zeta adds no PiX block, optim.skeleton_weight_decay without prune=swp
+    has no skeleton to decay: the run says so instead of ignoring them. (pix.tau set with Hydra's ++, which only sets
+    an existing key: not refused as an added one.)"""
+    dense = [o for o in TINY if not o.startswith("prune")]
+    proc = run_script("train.py", *dense, "trainer.max_steps=1", "++pix.tau=0.3", "prune=none",
+                      "optim.skeleton_weight_decay=0", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "note: pix.tau=0.3 has no effect without pix.zeta (no PiX blocks)" in proc.stdout
+    assert "note: optim.skeleton_weight_decay=0 has no effect: this run has no skeletons (prune=none; prune=swp " \
+        "attaches them)" in proc.stdout
 
 
 def test_a_ranks_own_hydra_dir_is_removed_only_when_it_holds_nothing_else(tmp_path):
