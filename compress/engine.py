@@ -283,17 +283,27 @@ def _then(first, second):
 
 
 def train_one_epoch(s: _Step, loader, step: int, max_steps: int | None, log, show: bool, skip: int = 0,
-                    after_skip=None, on_step=None) -> tuple[dict, int, int]:
+                    after_skip=None, on_step=None, before: Sequence[float] | None = None) -> tuple[dict, int, int]:
     """One pass over `loader`, stopping right after optimizer step `max_steps` (no further batch is loaded).
 
     `skip`: the first `skip` batches were trained before (a run stopped in this epoch): they are loaded and
-    dropped, then `after_skip()` runs (see `_skipping`). `on_step(step, batches done)` runs after each step. Returns ({loss, accuracy, images_per_s} over all ranks
-    and this call's batches, new step, batches of the epoch done, skipped ones included). Metrics stay on the
-    device (no host sync per step); `log(step, loss, batch_images)` runs after every step and returns the loss
-    as a float on the steps it logs, else None.
+    dropped, then `after_skip()` runs (see `_skipping`). `before`: (loss * images, correct, images) of the epoch's
+    batches trained before this call, summed over all ranks (a resumed epoch; the checkpoint's `epoch_sums`).
+    `on_step(step, batches done, sums)` runs after each step; `sums()` gives the epoch's (loss * images, correct,
+    images) so far, `before` included, summed over all ranks (a collective: every rank calls it at the same step).
+    Returns ({loss, accuracy} over the epoch's batches on all ranks, `before` included, and images_per_s over this
+    call's, new step, batches of the epoch done, skipped ones included). Metrics stay on the device (no host sync
+    per step); `log(step, loss, batch_images)` runs after every step and returns the loss as a float on the steps
+    it logs, else None.
     """
     s.model.train()
     sums = torch.zeros(3, dtype=torch.float64, device=s.device)  # loss * n, correct, n
+
+    def with_before(here: list[float]) -> list[float]:
+        return [a + b for a, b in zip(here, before or (0.0, 0.0, 0.0))]
+
+    def epoch_sums() -> list[float]:
+        return with_before(_all_reduce_sum(sums.clone()))
     start = time.perf_counter()
     done = skip
 
@@ -317,16 +327,17 @@ def train_one_epoch(s: _Step, loader, step: int, max_steps: int | None, log, sho
             if logged is not None:
                 bar.set_postfix(loss=f"{logged:.3f}")
             if on_step is not None:
-                on_step(step, done)
+                on_step(step, done, epoch_sums)
             if max_steps is not None and step >= max_steps:
                 if done == len(loader):  # end the pass as an uninterrupted run does: the sampler draws its
                     next(batches, None)  # last random numbers when it runs out (no batch is loaded)
                 break
-    loss_sum, correct, seen = _all_reduce_sum(sums)
-    if not seen:  # no batch: a max_steps stop before it, or a resumed epoch with nothing left (EpochSampler)
+    here = _all_reduce_sum(sums)
+    if not here[2]:  # no batch: a max_steps stop before it, or a resumed epoch with nothing left (EpochSampler)
         return {"loss": float("nan"), "accuracy": float("nan"), "images_per_s": float("nan")}, step, done
-    rate = seen / (time.perf_counter() - start)
-    metrics = {"loss": loss_sum / seen, "accuracy": correct / seen, "images_per_s": rate}
+    rate = here[2] / (time.perf_counter() - start)
+    total = with_before(here)
+    metrics = {"loss": total[0] / total[2], "accuracy": total[1] / total[2], "images_per_s": rate, "sums": total}
     return metrics, step, done
 
 
@@ -1176,7 +1187,7 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float, began: Ca
     seconds_before, train = 0.0, {"images_per_s": float("nan")}  # of the processes before a resume
     # a run stopped mid-epoch: its first epoch starts at sample `first_sample` of the epoch's order, and its first
     # `skip` batches from there were trained before (see _resume_mid_epoch)
-    first_sample, skip, after_skip = 0, 0, None
+    first_sample, skip, after_skip, before = 0, 0, None, None
     if ckpt is not None:
         check_weight_kinds(raw, ckpt["model"], f"resume: {_resume_path(cfg, run_dir)}")
         try:
@@ -1195,6 +1206,9 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float, began: Ca
         seconds_before = float(ckpt.get("seconds", 0.0))  # checkpoints before these keys: this process only
         train = {"images_per_s": float("nan") if ckpt.get("images_per_s") is None else ckpt["images_per_s"]}
         first_sample, skip, after_skip = _resume_mid_epoch(ckpt, generator, dist, int(cfg.trainer.seed), data.train)
+        # the metric sums of the epoch's batches trained before (checkpoints before this key: none, the epoch's
+        # line then counts this run's batches only)
+        before = ckpt.get("epoch_sums") if int(ckpt.get("epoch_batches", 0)) else None
 
     ckpt_dir = run_dir / "checkpoints"
     if dist.is_main:  # temporary files of checkpoint writes that a killed run left behind (atomic_save)
@@ -1209,10 +1223,13 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float, began: Ca
     max_steps = cfg.trainer.max_steps
     log_step = _StepLog(logger, optimizer, int(cfg.trainer.log_every), dist.world_size)
 
-    def save(epoch: int, done: int, at: int, epoch_rng: dict, rng: dict, is_best: bool, logged: bool = True) -> None:
+    def save(epoch: int, done: int, at: int, epoch_rng: dict, rng: dict, is_best: bool, logged: bool = True,
+             sums: list[float] | None = None) -> None:
         """Write last.pt (and best.pt) at step `at`, after `done` batches of `epoch` (all: the epoch is over), with
         this rank's RNG streams `rng` (see the loop) and those of the epoch's start `epoch_rng`; `logged`: the
-        epoch's line and metrics were logged at `at` (not so for trainer.checkpoint_every's saves)."""
+        epoch's line and metrics were logged at `at` (not so for trainer.checkpoint_every's saves); `sums`: the
+        epoch's (loss * images, correct, images) so far over all ranks (see train_one_epoch), kept for a resume
+        inside it."""
         partial = done < len(data.train)
         batch = data.train.batch_size  # per process (the loader's: data.batch_size=null means its default)
         epoch_start = data.train.sampler.start  # the sample of the epoch's order this run started it at
@@ -1226,6 +1243,7 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float, began: Ca
             # a partial epoch: where this run started it in its order, and how many of its order are trained
             "epoch_start_sample": epoch_start if partial else 0,
             "epoch_samples": epoch_start + done * batch * dist.world_size if partial else 0,
+            "epoch_sums": sums if partial else None,  # the partial epoch's metric sums: a resume counts them in
             "batch_size": batch,
             "train_size": len(data.train.dataset),
             "data_classes": data.classes,  # label order: a resume on other class folders is refused
@@ -1261,14 +1279,14 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float, began: Ca
 
     every = cfg.trainer.get("checkpoint_every")
 
-    def on_step(at: int, done: int) -> None:
+    def on_step(at: int, done: int, sums: Callable[[], list[float]]) -> None:
         """Inside an epoch (the epoch's end and a max_steps stop save anyway): last.pt every trainer.checkpoint_every
         steps, and at the step a SIGTERM stops the run (every rank asks `stop` at the same steps)."""
         if done == len(data.train) or (max_steps is not None and at >= max_steps):
             return
         stopping = stop.due()
         if stopping or (every and at % every == 0):
-            save(epoch, done, at, epoch_rng, rng_state(generator), is_best=False, logged=False)
+            save(epoch, done, at, epoch_rng, rng_state(generator), is_best=False, logged=False, sums=sums())
         if stopping:
             raise Terminated(f"last.pt holds step {at} (epoch {epoch + 1}, batch {done} of {len(data.train)}); "
                              "resume=true continues from there")
@@ -1286,8 +1304,8 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float, began: Ca
             if skip:  # the step log's rate, too, starts after the dropped batches
                 after_skip = _then(after_skip, log_step.restart)
             train, step, done = train_one_epoch(s, data.train, step, max_steps, log_step, dist.is_main, skip, after_skip,
-                                                on_step)
-            first_sample, skip, after_skip, epochs_trained = 0, 0, None, epoch + 1
+                                                on_step, before)
+            first_sample, skip, after_skip, before, epochs_trained = 0, 0, None, None, epoch + 1
             partial = done < len(data.train)  # stopped by max_steps inside the epoch: resume goes on from batch `done`
             # inside an epoch, the streams right after the last step (an uninterrupted run loads the next batch from
             # there); evaluating would move them (a DataLoader draws its iterator's seed from the global RNG)
@@ -1308,7 +1326,8 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float, began: Ca
                         if not partial:
                             scheduler.step()
                         test = {"loss": float("nan"), "accuracy": float("nan")}  # these weights were not evaluated
-                        save(epoch, done, step, epoch_rng, rng or rng_state(generator), is_best=False, logged=False)
+                        save(epoch, done, step, epoch_rng, rng or rng_state(generator), is_best=False, logged=False,
+                             sums=train.get("sums"))
                     raise
                 if dist.is_main and not math.isfinite(float(test["loss"])):  # (finite weights: checked at each save)
                     say(f"note: the test loss after epoch {epoch + 1} is not finite: the eval-mode outputs overflow "
@@ -1339,7 +1358,7 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float, began: Ca
                     + (f" | stripes kept {kept:.1%}" if stats["stripes_total"] else ""),
                     epoch_bar.write,
                 )
-            save(epoch, done, step, epoch_rng, rng or rng_state(generator), is_best)
+            save(epoch, done, step, epoch_rng, rng or rng_state(generator), is_best, sums=train.get("sums"))
             if stopping:
                 break
             if epoch + 1 < epochs and stop.due(now=True):  # a SIGTERM during the epoch's last step or evaluation

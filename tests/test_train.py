@@ -56,6 +56,17 @@ def _weights(run_dir: Path) -> dict:
     return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
 
 
+def _epoch_metrics(run_dir: Path, at: int | None = None) -> dict[tuple[int, str], float]:
+    """{(step, tag): value} of train/loss and train/accuracy, a run's epoch lines (those at step `at` where given),
+    from its TensorBoard events."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    return {(e.step, tag): e.value for tag in ("train/loss", "train/accuracy") for e in events.Scalars(tag)
+            if at is None or e.step == at}
+
+
 def test_resume_gives_the_same_weights_as_an_uninterrupted_run(tmp_path):
     full = run(_compose(*TINY), run_dir=tmp_path / "full")
     stopped = run(_compose(*TINY, "trainer.max_steps=4"), run_dir=tmp_path / "parts")
@@ -90,7 +101,8 @@ def test_resume_gives_the_same_weights_as_an_uninterrupted_run(tmp_path):
 def test_a_run_stopped_inside_an_epoch_resumes_where_it_stopped(tmp_path, workers):
     """max_steps=5 stops inside epoch 2 (4 batches of digits each): the checkpoint says so, the LR schedule does not
     advance, and resume trains batches 2.. of the same shuffled order and shifts (drawn in the main process, or in 2 loader
-    workers seeded from the loader's generator), ending with an uninterrupted run's weights."""
+    workers seeded from the loader's generator), ending with an uninterrupted run's weights. Epoch 2's train loss and
+    accuracy count its batch trained before the stop (they were this run's batches only)."""
     digits = [*DIGITS, f"data.num_workers={workers}"]
     full = run(_compose(*digits), run_dir=tmp_path / "full")
     run(_compose(*digits, "trainer.max_steps=5"), run_dir=tmp_path / "parts")
@@ -102,6 +114,7 @@ def test_a_run_stopped_inside_an_epoch_resumes_where_it_stopped(tmp_path, worker
     a, b = _weights(tmp_path / "full"), _weights(tmp_path / "parts")
     for key in a:
         assert torch.equal(a[key], b[key]), key
+    assert _epoch_metrics(tmp_path / "parts", 8) == pytest.approx(_epoch_metrics(tmp_path / "full", 8), rel=1e-6)
 
 
 def test_a_checkpoint_without_its_epoch_position_resumes_with_the_epochs_remaining_samples(tmp_path, capsys):
@@ -642,6 +655,7 @@ def test_checkpoint_every_lets_a_crashed_run_resume_inside_an_epoch(tmp_path, mo
     a, b = _weights(tmp_path / "full"), _weights(tmp_path / "parts")
     for key in a:
         assert torch.equal(a[key], b[key]), key
+    assert _epoch_metrics(tmp_path / "parts") == pytest.approx(_epoch_metrics(tmp_path / "full"), rel=1e-6)
 
 
 def test_resume_auto_starts_afresh_until_a_checkpoint_exists_then_continues_it(tmp_path, monkeypatch, capsys):
