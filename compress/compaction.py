@@ -12,7 +12,8 @@
   StripeConv2d with 0 stripes, which outputs its bias without reading its input, and the branch's
   earlier convs shrink to one zero channel: only the shortcut path does work; a PiX block whose output
   reaches only such convs becomes a `ZeroChannels` of its shape (its pool, predictor and fusion would be
-  work for nothing);
+  work for nothing), and a conv whose output reaches only those a StripeConv2d with no stripe, up the branch
+  (`_drop_unread_work`; channel removal does not reach through PiX blocks);
 - optionally BN is folded into the preceding conv, and a MAC budget picks the threshold;
 - a StripeConv2d already in `model` (a compact model fine-tuned and compacted again) is treated like a
   skeleton conv whose kept stripes are its stripes, so its BN folds and its dead filters go too;
@@ -234,8 +235,7 @@ def _compact_at(model: nn.Module, threshold: float, fold: bool, multiple: int = 
                 replace_module(out, bn_name, bn_remainder(bn))
     _to_stripe_convs(out, pruned, direct)
     if graph is not None:
-        for name in _unread_pix_blocks(out):
-            replace_module(out, name, ZeroChannels(get_module(out, name).out_channels))
+        _drop_unread_work(out, direct)
     return out
 
 
@@ -251,26 +251,48 @@ def _replace_keeping_hooks(model: nn.Module, name: str, old: nn.Module, new: nn.
     replace_module(model, name, new)
 
 
-def _unread_pix_blocks(model: nn.Module) -> list[str]:
-    """The PiX blocks of `model` whose every call's output reaches, through elementwise steps only, convs with no
-    stripe (`_reads_only_shape`)."""
-    graph = trace(model, "PiX blocks that feed only convs with no stripe left keep running")
-    if graph is None:
-        return []
-    calls: dict[str, list[bool]] = {}
-    for node in graph.nodes:
-        if node.op == "call_module" and isinstance(get_module(model, node.target), PiXBlock):
-            calls.setdefault(node.target, []).append(_reads_only_shape(model, node))
-    return [name for name, unread in calls.items() if all(unread)]
+def _drop_unread_work(model: nn.Module, direct: set[str]) -> None:
+    """In place: each PiX block whose every call's output reaches only layers that read nothing of it but its shape
+    (`_reads_only_shape`) becomes a `ZeroChannels` of its shape, and each such groups-1 conv a StripeConv2d with no
+    stripe (its bias, from the input's shape alone); repeated, as each makes the layer before it unread too (in a
+    PiX model a fully pruned branch's earlier convs and PiX blocks, which channel removal cannot reach through the
+    blocks). Convs surgery leaves alone (`direct`) keep their work."""
+    while True:
+        graph = trace(model, "layers whose output only convs with no stripe left read keep running")
+        if graph is None:
+            return
+        calls: dict[str, list[bool]] = {}
+        for node in graph.nodes:
+            if node.op != "call_module" or node.target in direct:
+                continue
+            m = get_module(model, node.target)
+            if isinstance(m, PiXBlock) or (type(m) is nn.Conv2d and m.groups == 1 and stripe_padding_ok(m)) \
+                    or (isinstance(m, StripeConv2d) and m.num_stripes > 0 and not (m.relu or m.pool)):
+                calls.setdefault(node.target, []).append(_reads_only_shape(model, node))
+        unread = [name for name, uses in calls.items() if all(uses)]
+        convs = []
+        for name in unread:
+            m = get_module(model, name)
+            if isinstance(m, PiXBlock):
+                replace_module(model, name, ZeroChannels(m.out_channels))
+                continue
+            conv = m.to_dense() if isinstance(m, StripeConv2d) else m
+            with torch.no_grad():
+                conv.weight.zero_()
+            replace_module(model, name, conv)
+            convs.append(name)
+        _to_stripe_convs(model, convs, direct)
+        if not unread:
+            return
 
 
 def _reads_only_shape(model: nn.Module, node) -> bool:
     """Whether every use of `node`'s value is a StripeConv2d with no stripe (its first argument; it outputs its
-    bias from the input's shape alone) or an elementwise step whose own uses are such."""
+    bias from the input's shape alone), a ZeroChannels, or an elementwise step whose own uses are such."""
     for user in node.users:
         if user.op == "call_module" and user.args[:1] == (node,) and not user.kwargs and len(user.args) == 1:
             m = get_module(model, user.target)
-            if isinstance(m, StripeConv2d) and m.num_stripes == 0:
+            if (isinstance(m, StripeConv2d) and m.num_stripes == 0) or isinstance(m, ZeroChannels):
                 continue
         if not (is_elementwise(model, user) and user.args[0] is node and _reads_only_shape(model, user)):
             return False

@@ -413,11 +413,15 @@ def test_swp_pix_torchvision_resnet50_compacts_fused_and_reloads(tmp_path):
 
 @pytest.mark.parametrize("arch, zeta, dead, replaced", [
     ("resnet20", 2, ("layer1.1.conv1.1", "layer1.1.conv2.1"), ["layer1.1.conv1.0", "layer1.1.conv2.0"]),  # downscaling
+    # the branch's last conv alone: its first conv's output is read by nothing but the ZeroChannels, so it keeps no
+    # stripe, and the PiX block before it goes too (channel removal cannot reach through PiX blocks)
+    ("resnet20", 2, ("layer1.1.conv2.1",), ["layer1.1.conv1.0", "layer1.1.conv2.0"]),
     ("resnet29_bottleneck", 4, ("layer1.1.conv2",), ["layer1.1.conv1"]),  # channel squeezing
     ("resnet50", 4, ("layer1.2.conv2",), ["layer1.2.conv1"]),  # torchvision's Bottleneck (PiXBottleneck)
 ])
 def test_compaction_drops_the_pix_work_of_a_branch_with_no_stripe_left(tmp_path, arch, zeta, dead, replaced):
-    """A PiX block whose output reaches only convs with no stripe left becomes a ZeroChannels (no MACs): the
+    """A PiX block whose output reaches only convs with no stripe left becomes a ZeroChannels (no MACs), a conv
+    whose output reaches only those a StripeConv2d with no stripe, and so on up the branch: the
     compact model stays exact (float64, NCHW and channels_last, whose layout it keeps), no layer of that block
     counts MACs, and it saves and loads into the same function. (BN biases and statistics are random, so the dead
     branch adds a constant of either sign and the block's last ReLU matters: a torchvision block loaded without
