@@ -364,6 +364,8 @@ def test_swp_compaction_save_load_and_onnx_keep_pix(tmp_path):
     apply_pix(model, 8)  # thin: widths rebuilt, conv2 of layer2.0 reads 128 / 8 = 16 channels
     skeletons = compress.attach_skeletons(model)
     assert len(skeletons) == 10  # stem + the 9 bottlenecks' 3x3 convs
+    # a trained model's BNs: at init each block's last BN scales by 0, so every branch would compact to nothing
+    random_bn_(model, torch.Generator().manual_seed(0))
     with torch.no_grad():  # prune about half of the stripes
         for n in skeletons:
             sk = model.get_submodule(n).skeleton
@@ -380,7 +382,7 @@ def test_swp_compaction_save_load_and_onnx_keep_pix(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         export_onnx(small, tmp_path / "pix.onnx", (3, 32, 32))
-    assert check_onnx(tmp_path / "pix.onnx", small, x) < 1e-5
+    assert check_onnx(tmp_path / "pix.onnx", small, x) < 1e-4  # float32 rounding (the other ONNX tests' bound)
 
 
 def test_swp_pix_torchvision_resnet50_compacts_fused_and_reloads(tmp_path):
