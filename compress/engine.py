@@ -948,8 +948,8 @@ def _build_model(cfg: DictConfig, data, ckpt: dict | None = None, announce: bool
 @torch.no_grad()
 def _start_from_weights(raw: nn.Module, cfg: DictConfig, announce: bool) -> nn.Module:
     """`raw` (PiX applied where `pix.zeta` says) with the weights of the `model.weights` file: a PiX model's own
-    weights, or a plain model's loaded before PiX replaces its squeeze convs (and, at other widths, rebuilds
-    layers), which the run then counts and names."""
+    weights, or a plain model's loaded before PiX goes in (rebuilding the layers whose width it changes), whose
+    tensors PiX replaced the run then counts and names."""
     path, zeta = cfg.model.weights, cfg.pix.zeta
     state = read_weights(path)
     plain = copy.deepcopy(raw) if zeta is not None else None
@@ -963,11 +963,11 @@ def _start_from_weights(raw: nn.Module, cfg: DictConfig, announce: bool) -> nn.M
         except ValueError as err:
             raise ValueError(f"{err} (with pix.zeta={zeta} the file may also hold the weights of a PiX model of that "
                              "zeta; a PiX model's file of another zeta fits neither)") from None
-        before = {k: v.clone() for k, v in raw.state_dict().items() if k in state}
+        before = {k: v for k, v in raw.state_dict(keep_vars=True).items() if k in state and k not in fresh}
         apply_pix(raw, zeta, float(cfg.pix.tau))
-        after = raw.state_dict()
-        replaced = sorted(k for k, v in before.items()
-                          if k not in fresh and not (k in after and after[k].shape == v.shape and torch.equal(after[k], v)))
+        # the file's tensors the PiX model still holds (some under new names: downscaling wraps convs), by identity
+        held = {id(t) for t in [*raw.parameters(), *raw.buffers()]}
+        replaced = sorted(k for k, v in before.items() if id(v) not in held)
     else:
         fresh = load_weights(raw, path, state)
     modules = sorted({k.rpartition(".")[0] for k in replaced})
@@ -976,8 +976,9 @@ def _start_from_weights(raw: nn.Module, cfg: DictConfig, announce: bool) -> nn.M
             + (f"; {', '.join(fresh)} kept as initialised (the file's classifier has another shape, or none)"
                if fresh else "")
             + (f"; pix.zeta={zeta} replaced {len(replaced)} of its {len(state)} tensors, in {len(modules)} modules "
-               f"({', '.join(modules[:4])}{', ...' if len(modules) > 4 else ''}): PiX takes the squeeze convs' place "
-               "and builds the layers whose width it changes anew" if replaced else ""))
+               f"({', '.join(modules[:4])}{', ...' if len(modules) > 4 else ''}): the layers whose width PiX changes "
+               "are built anew (in bottleneck models PiX takes the squeeze convs' place; in basic-block ResNets and "
+               "VGGs the 3x3 convs after the first read 1/zeta of their inputs)" if replaced else ""))
     return raw
 
 

@@ -175,8 +175,10 @@ def _basic_block_types() -> tuple[type, ...]:
 
 def _check_resizable(module: nn.Module, where: str) -> None:
     if type(module) not in (nn.Conv2d, nn.BatchNorm2d):
+        fix = ("; apply PiX to the model before compress.attach_skeletons (train.py does: pix.zeta with prune=swp)"
+               if hasattr(module, "skeleton") else "")
         raise ValueError(
-            f"{where}: expected a plain Conv2d or BatchNorm2d to resize, got {type(module).__name__}"
+            f"{where}: expected a plain Conv2d or BatchNorm2d to resize, got {type(module).__name__}{fix}"
         )
 
 
@@ -347,8 +349,9 @@ def insert_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
 
 def downscale_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
     """Network downscaling mode, in place: every 3x3 Conv2d after the network's first conv becomes
-    Sequential(PiXBlock(in, zeta), the conv with in / zeta inputs, freshly initialised). Every conv is checked
-    before any changes; records PiX in `model.compress_arch`. Returns the names of the replaced convs."""
+    Sequential(PiXBlock(in, zeta), the conv with in / zeta inputs, freshly initialised; at zeta 1 the conv itself,
+    whose weights still fit). Every conv is checked before any changes; records PiX in `model.compress_arch`.
+    Returns the names of the replaced convs."""
     zeta = _check_zeta("downscale_pix", zeta)
     check_tau("downscale_pix", tau)
     _refuse_compacted("downscale_pix", model)
@@ -366,7 +369,7 @@ def downscale_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
         _check_factor(where, conv.in_channels, zeta)
         _check_resizable(conv, where)
     for name, conv in targets:
-        new_conv = _resized(conv, conv.in_channels // zeta, conv.out_channels)
+        new_conv = conv if zeta == 1 else _resized(conv, conv.in_channels // zeta, conv.out_channels)
         replace_module(model, name, _like(nn.Sequential(PiXBlock(conv.in_channels, zeta, tau), new_conv), conv))
     _record(model, zeta, tau)
     return [n for n, _ in targets]

@@ -742,6 +742,15 @@ def test_pix_twice_is_refused_and_numpy_ints_are_zetas():
         insert_pix(model, 4)
 
 
+@pytest.mark.parametrize("name, zeta", [("resnet20", 2), ("resnet29_bottleneck", 8)])
+def test_pix_after_skeletons_is_refused_with_the_order_to_use(name, zeta):
+    """PiX resizes plain convs: a model with skeletons attached first is refused, saying to apply PiX before."""
+    model = create_model(name, num_classes=3)
+    compress.attach_skeletons(model)
+    with pytest.raises(ValueError, match=r"got SkeletonConv2d; apply PiX to the model before compress.attach_skeletons"):
+        apply_pix(model, zeta)
+
+
 def test_pix_into_a_compacted_model_is_refused_with_the_order_to_use():
     """After compaction the widths are the pruning's (here stage 1 lost stem channels): no zeta fits, and the error
     says to insert PiX first instead of suggesting another zeta; the model is unchanged."""

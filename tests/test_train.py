@@ -1209,6 +1209,27 @@ def test_model_weights_with_pix_loads_a_plain_or_a_pix_models_file_and_names_wha
             torch.testing.assert_close(trained[key], value, rtol=0, atol=1e-6)
 
 
+def test_model_weights_with_downscaling_pix_keeps_the_convs_whose_width_stays(tmp_path, capsys):
+    """Downscaling (a basic-block ResNet): pix.zeta=2 rebuilds every 3x3 conv after the first (the run names them
+    as replaced); at pix.zeta=1 every conv keeps its width, so the file's weights stay, under the names of the
+    wrapped convs (they were all re-initialised, and called replaced)."""
+    from compress.models import create_model
+
+    torch.manual_seed(3)
+    plain = create_model("resnet20", num_classes=3, input_size=8)
+    torch.save(plain.state_dict(), tmp_path / "plain.pth")
+    common = [*TINY, "optim.lr=1e-9", "trainer.max_steps=1", f"model.weights={tmp_path / 'plain.pth'}"]
+    run(_compose(*common, "pix.zeta=1"), run_dir=tmp_path / "one")
+    assert "replaced" not in capsys.readouterr().out
+    trained = _weights(tmp_path / "one")
+    torch.testing.assert_close(trained["layer2.1.conv2.1.weight"], plain.state_dict()["layer2.1.conv2.weight"],
+                               rtol=0, atol=1e-6)
+    run(_compose(*common, "pix.zeta=2"), run_dir=tmp_path / "two")
+    said = capsys.readouterr().out
+    assert re.search(r"pix.zeta=2 replaced 18 of its \d+ tensors, in 18 modules \(layer1.0.conv1, layer1.0.conv2, "
+                     r".*the 3x3 convs after the first read 1/zeta of their inputs", said), said
+
+
 def test_the_summary_counts_the_compact_models_macs_as_export_does(tmp_path, capsys):
     """summary.json's macs_compact is the MACs of the model export makes (dead filters take the next layers' input
     channels with them, which the per-layer estimate does not count), and the summary lines print it."""
