@@ -333,10 +333,11 @@ def train_one_epoch(s: _Step, loader, step: int, max_steps: int | None, log, sho
                     next(batches, None)  # last random numbers when it runs out (no batch is loaded)
                 break
     here = _all_reduce_sum(sums)
-    if not here[2]:  # no batch: a max_steps stop before it, or a resumed epoch with nothing left (EpochSampler)
-        return {"loss": float("nan"), "accuracy": float("nan"), "images_per_s": float("nan")}, step, done
-    rate = here[2] / (time.perf_counter() - start)
+    # no batch here: a max_steps stop before it, or a resumed epoch with nothing left (EpochSampler)
+    rate = here[2] / (time.perf_counter() - start) if here[2] else float("nan")
     total = with_before(here)
+    if not total[2]:  # nor before
+        return {"loss": float("nan"), "accuracy": float("nan"), "images_per_s": rate}, step, done
     metrics = {"loss": total[0] / total[2], "accuracy": total[1] / total[2], "images_per_s": rate, "sums": total}
     return metrics, step, done
 
@@ -1312,10 +1313,11 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float, began: Ca
             # there); evaluating would move them (a DataLoader draws its iterator's seed from the global RNG)
             rng = rng_state(generator) if partial else None
             stopping = max_steps is not None and step >= max_steps
-            # the rate is NaN only where no batch ran (a resumed epoch with none left, EpochSampler); a NaN loss is not
-            trained = not np.isnan(train["images_per_s"])
+            # the rate is NaN only where no batch ran here (a resumed epoch with none left, EpochSampler); the loss
+            # and accuracy are those of the epoch's batches, any trained before a resume included (a NaN loss is not)
+            ran, trained = not np.isnan(train["images_per_s"]), "sums" in train
             # such an epoch at the step whose epoch line the checkpoint's run logged: those weights were evaluated there
-            logged_before = not trained and ckpt is not None and step == ckpt.get("logged_step")
+            logged_before = not ran and ckpt is not None and step == ckpt.get("logged_step")
             evaluated = ((epoch + 1) % cfg.trainer.eval_every == 0 or epoch + 1 == epochs or stopping) and not logged_before
             if evaluated:
                 try:
@@ -1336,13 +1338,15 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float, began: Ca
                         f"(it is {cfg.optim.lr:g})" + (f" or prune.alpha (it is {swp[0]:g})" if swp else ""))
             lr = optimizer.param_groups[0]["lr"]
             if not partial:
-                scheduler.step()
+                with warnings.catch_warnings():  # an epoch whose batches all ran before a resume: no step here
+                    warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler.step\(\)` before", UserWarning)
+                    scheduler.step()
             stats = skeleton_stats(raw, threshold)
             macs_dense, macs_pruned = estimate_macs(raw, input_shape, threshold)
             if not logged_before:  # each step once in TensorBoard; no NaN train metrics of an epoch with no batch
                 logger.scalars(
-                    ({"train/loss": train["loss"], "train/accuracy": train["accuracy"],
-                      "epoch/images_per_s": train["images_per_s"]} if trained else {})
+                    ({"train/loss": train["loss"], "train/accuracy": train["accuracy"]} if trained else {})
+                    | ({"epoch/images_per_s": train["images_per_s"]} if ran else {})
                     | {"epoch/lr": lr, "macs/pruned_estimate": macs_pruned}
                     | _peak_gpu_memory(dist.device)
                     | ({"test/loss": test["loss"], "test/accuracy": test["accuracy"]} if evaluated else {}),

@@ -633,6 +633,35 @@ def _crash_in_step_4(monkeypatch, cfg, run_dir) -> None:
     monkeypatch.setattr(engine, "train_step", real_step)
 
 
+def test_an_epoch_with_no_batch_left_after_a_resume_logs_the_batches_trained_before(tmp_path, monkeypatch, capsys):
+    """A checkpoint_every save inside epoch 1 (step 3), resumed where the epoch's rest is a batch of one image,
+    which is dropped: the epoch trains no step here, but its line and TensorBoard give the loss and accuracy of
+    the 24 images trained before (they said NaN, and TensorBoard had none), no images/s, and no warning of a
+    scheduler step before an optimizer step."""
+    options = [*TINY, "trainer.checkpoint_every=3"]
+    _crash_in_step_4(monkeypatch, _compose(*options), tmp_path)
+    path = tmp_path / "checkpoints" / "last.pt"
+    loss_sum, correct, seen = torch.load(path, weights_only=True)["epoch_sums"]
+    assert seen == 24
+    _edit_checkpoint(path, epoch_samples=31, batch_size=4)  # as if 31 of the 32 images were trained at batch 4
+    capsys.readouterr()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        summary = run(_compose(*options, "resume=true"), run_dir=tmp_path)
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
+    assert summary["steps"] == 3 + 4
+    metrics = _epoch_metrics(tmp_path)
+    assert metrics[(3, "train/loss")] == pytest.approx(loss_sum / seen, rel=1e-6)
+    assert metrics[(3, "train/accuracy")] == pytest.approx(correct / seen, rel=1e-6)
+    assert sorted(step for step, _ in metrics) == [3, 3, 7, 7]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("epoch/images_per_s")] == [7]
+    assert f"epoch 1/2 step 3 lr 0.1 train loss {loss_sum / seen:.4f}" in capsys.readouterr().out
+
+
 def test_checkpoint_every_lets_a_crashed_run_resume_inside_an_epoch(tmp_path, monkeypatch):
     """trainer.checkpoint_every=3 writes last.pt after step 3, inside epoch 1; a run that crashes in step 4
     resumes from there and ends with an uninterrupted run's weights."""
