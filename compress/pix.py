@@ -17,7 +17,6 @@ their class and forward, so checkpoints, torch.fx surgery and skeletons see ordi
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Sequence
 
 import torch
@@ -32,6 +31,7 @@ from compress.models.cifar_vgg import CifarVGG
 from compress.surgery import imported_classes, replace_module
 from kernels import residual_relu
 from kernels._utils import (
+    check_tau,
     eager_inference,
     plain_eager,
     unobserved,
@@ -52,13 +52,6 @@ def _refuse_compacted(where: str, model: nn.Module) -> None:
         raise ValueError(f"{where}: the model is compacted already (compress.compact, or a compact file), its widths "
                          "fixed by the pruning; insert PiX into the dense model, then train with SWP and compact "
                          "(train.py: pix.zeta=4 prune=swp)")
-
-
-def check_tau(where: str, tau: float, key: str = "tau") -> None:
-    """ValueError naming `where` and `key` (the argument, or pix.tau in a config) unless tau is a number in [0, 1]."""
-    # p = sigmoid(...) lies in [0, 1] once rounded: tau 0 always mixes; tau 1 picks unless p rounds to 1
-    if isinstance(tau, bool) or not isinstance(tau, numbers.Real) or not 0.0 <= tau <= 1.0:
-        raise ValueError(f"{where}: {key}={tau!r} must be a number in [0, 1] (pix.tau; the paper uses 0.5)")
 
 
 def _check_factor(where: str, channels: int, zeta: int) -> int:

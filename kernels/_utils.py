@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import operator
 from collections.abc import Sequence
 
@@ -22,6 +23,15 @@ def whole(v, name: str) -> int:
         except TypeError:
             pass
     raise TypeError(f"{name} must be an int, got {v!r}")
+
+
+def check_tau(where: str, tau, key: str = "tau") -> float:
+    """``tau`` as a float; ValueError naming ``where`` and ``key`` (the argument, or pix.tau in a config) unless it is
+    a number in [0, 1] (NaN would take the mean everywhere without a word)."""
+    # p = sigmoid(...) lies in [0, 1] once rounded: tau 0 always mixes; tau 1 picks unless p rounds to 1
+    if isinstance(tau, bool) or not isinstance(tau, numbers.Real) or not 0.0 <= tau <= 1.0:
+        raise ValueError(f"{where}: {key}={tau!r} must be a number in [0, 1] (pix.tau; the paper uses 0.5)")
+    return float(tau)
 
 
 def pair(v, name: str = "value") -> list[int]:

@@ -38,6 +38,7 @@ from kernels._utils import (
     acc_dtype,
     check_4d,
     check_like,
+    check_tau,
     memory_format,
     needs_standard_ops,
     plain_eager,
@@ -249,7 +250,7 @@ def pix(x: Tensor, p: Tensor, zeta: int, tau: float = 0.5) -> Tensor:
     """
     if isinstance(p, torch.Tensor) and isinstance(x, torch.Tensor) and p.dtype != x.dtype and x.dtype.is_floating_point:
         p = p.to(x.dtype)
-    zeta, tau = whole(zeta, "pix: zeta"), float(tau)
+    zeta, tau = whole(zeta, "pix: zeta"), check_tau("pix", tau)
     if needs_standard_ops():  # torch.func, forward-mode AD: the same function in PyTorch ops
         return pix_reference(x, p, zeta, tau)
     return _pix_op(x, p, zeta, tau)
@@ -520,7 +521,7 @@ def pix_squeeze(x: Tensor, weight: Tensor, zeta: int, tau: float = 0.5) -> Tenso
     CUDA calls the op's C++ functions, through ``_PixSqueezeCUDA`` when autograd records, and takes the channel
     mean that ``residual_relu`` kept on x instead of computing it (see there).
     """
-    zeta, tau = whole(zeta, "pix_squeeze: zeta"), float(tau)
+    zeta, tau = whole(zeta, "pix_squeeze: zeta"), check_tau("pix_squeeze", tau)
     if weight is not None and plain_eager(x, weight):
         grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
         # under torch.profiler CPU calls take the op, so that its time is attributed to it (the same C++ kernel);
@@ -585,6 +586,8 @@ def residual_relu(out: Tensor, identity: Tensor) -> Tensor:
     plain = (plain_eager(out, identity) and out.dtype == identity.dtype and out.shape == identity.shape
              and out.device == identity.device and type(identity) is torch.Tensor)
     recording = torch.is_grad_enabled() and (out.requires_grad or identity.requires_grad)
+    if recording and out.requires_grad and out.is_leaf:  # a leaf cannot be overwritten in a recorded graph
+        return torch.relu(out + identity)
     if plain and out.device.type == "cpu" and out.dtype in (torch.float32, torch.float64) and not recording:
         return torch.ops.aten._add_relu_(out, identity)
     if (plain and out.is_cuda and out.dtype in (torch.float32, torch.float16, torch.bfloat16) and out.dim() == 4

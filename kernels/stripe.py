@@ -738,6 +738,8 @@ def stripe_route(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, b
     ``StripeConv2d`` runs it in inference: with the dense weight kept (``dense``) where its route reads it, and on
     CUDA through ``prepare_stripe_conv2d``'s launcher.
     """
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        raise ValueError(f"stripe_route: repeats must be an int >= 1 (timed calls per path), got {repeats!r}")
     if timing == "auto":
         timing = "graph" if x.is_cuda else "eager"
     if timing not in ("graph", "eager"):

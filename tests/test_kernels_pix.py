@@ -172,6 +172,20 @@ def test_errors():
         torch.ops.compress.pix_backward(torch.randn(2, 2, 1, 1), x, p, 4, 0.5)  # would broadcast
     with pytest.raises(ValueError, match=r"residual_relu: 'identity' must have the shape of 'out' \(2, 8, 5, 6\)"):
         kernels.residual_relu(x.clone(), x[:, :, :, :1])  # would broadcast
+    for tau in (float("nan"), -0.1, 1.5, True, "0.5"):  # NaN took the mean everywhere without a word
+        with pytest.raises(ValueError, match=rf"pix: tau={tau!r} must be a number in \[0, 1\]"):
+            kernels.pix(x, p, 4, tau)
+
+
+def test_residual_relu_of_a_leaf_that_requires_grad():
+    """A leaf cannot be overwritten while autograd records: residual_relu computes relu(out + identity) anew
+    (PyTorch's in-place error before), with the same values and gradients as the float64 reference."""
+    out, identity = torch.randn(2, 8, 5, 6, requires_grad=True), torch.randn(2, 8, 5, 6)
+    y = kernels.residual_relu(out, identity)
+    ref = torch.relu(out.detach().double() + identity.double())
+    torch.testing.assert_close(y.double(), ref, rtol=1e-6, atol=1e-6)
+    y.sum().backward()
+    torch.testing.assert_close(out.grad, (ref > 0).float())
 
 
 def test_opcheck_cpu():
@@ -328,6 +342,8 @@ def test_pix_squeeze_errors():
         kernels.pix_squeeze(x, w, 3)
     with pytest.raises(TypeError, match=r"pix_squeeze: zeta must be an int, got 2.9"):
         kernels.pix_squeeze(x, w, 2.9)
+    with pytest.raises(ValueError, match=r"pix_squeeze: tau=nan must be a number in \[0, 1\]"):
+        kernels.pix_squeeze(x, w, 4, float("nan"))
     with pytest.raises(ValueError, match=r"compress::pix_squeeze: tensor 'weight' is on meta but 'x' is on cpu"):
         kernels.pix_squeeze(x, w.to("meta"), 4)
     with pytest.raises(TypeError, match=r"compress::pix_squeeze: 'weight' must be a Tensor, got NoneType"):

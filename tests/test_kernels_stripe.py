@@ -406,6 +406,9 @@ def test_route_helpers():
         kernels.stripe_route(x, w, oi, off, None, 8, 3, 1, 1, 1, repeats=1, timing="graph")
     with pytest.raises(ValueError, match="timing must be 'auto', 'graph' or 'eager'"):
         kernels.stripe_route(x, w, oi, off, None, 8, 3, 1, 1, 1, repeats=1, timing="fast")
+    for repeats in (0, -1, 2.0):  # (an IndexError from the median of no timing)
+        with pytest.raises(ValueError, match=rf"stripe_route: repeats must be an int >= 1 .*got {repeats}"):
+            kernels.stripe_route(x, w, oi, off, None, 8, 3, 1, 1, 1, repeats=repeats)
     lo = kernels.stripe_cost(256, 256, int(0.1 * 256 * 9), 3)
     hi = kernels.stripe_cost(256, 256, int(0.9 * 256 * 9), 3)
     assert lo < 1 < hi

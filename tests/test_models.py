@@ -58,6 +58,10 @@ def test_registry_lists_all_families():
         "resnet164_bottleneck",
     } <= names
     assert {"vgg11", "vgg13", "vgg16", "vgg19"} <= names
+    assert list_models(module="cifar_vgg") == ["vgg11", "vgg13", "vgg16", "vgg19"]
+    with pytest.raises(ValueError, match=r"list_models: no registered model comes from module 'cifar_vg'; the "
+                                         r"families are \['cifar_resnet', 'cifar_vgg', "):
+        list_models(module="cifar_vg")  # (a typo listed nothing)
     assert {"resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "mobilenet_v2"} <= names
     assert {"vgg11_bn", "vgg13_bn", "vgg16_bn", "vgg19_bn"} <= names
     assert list_models("resnet1*", module="cifar_resnet") == ["resnet110", "resnet164_bottleneck"]

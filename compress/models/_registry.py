@@ -106,6 +106,10 @@ def list_models(pattern: str = "*", module: str | None = None) -> list[str]:
     """Sorted registered names matching the shell-style `pattern`, optionally only those of one family
     file (`module`, e.g. "cifar_resnet", "cifar_vgg", "external"). timm models are not listed: any
     `timm:<name>` that timm knows is accepted by `create_model`."""
+    families = {fn.__module__.rpartition(".")[2] for fn in _entrypoints.values()}
+    if module is not None and module not in families:
+        raise ValueError(f"list_models: no registered model comes from module {module!r}; the families are "
+                         f"{sorted(families)}")
     return sorted(
         name
         for name, fn in _entrypoints.items()
