@@ -1,6 +1,9 @@
 """compress: stripe-wise pruning (Filter Skeletons), PiX and compact-model export for ConvNets.
 
-The public surface, imported explicitly (submodules stay importable under their own names):
+The public surface, imported explicitly. One name is both: `compress.profile` is the function, which hides its
+module as an attribute, so `import compress.profile as P` binds the function; reach the module's other names with
+`from compress.profile import register_macs_handler, ProfileReport, measure_latencies` (the import system finds
+the module). Every other submodule is importable under its own name:
 
     create_model, list_models, register_model                         compress.models
     build_data                         compress.data

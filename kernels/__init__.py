@@ -11,6 +11,9 @@ Public functions (thin wrappers over ``torch.ops.compress.*``) and modules:
 Each op has a CPU path (vectorised PyTorch; C++ for PiX, the PiX block and the NCHW max-pool), a CUDA path
 (``csrc/``, compiled on first use, see ``_ext``), a fake kernel and autograd (the backward is its own op).
 ``python -m kernels build`` prebuilds the extension.
+
+``kernels.pix`` and ``kernels.conv2d`` are the functions, which hide their modules as attributes (``import
+kernels.pix as kp`` binds the function); ``from kernels.pix import pix_squeeze_ops`` reaches a module's other names.
 """
 
 from kernels.conv2d import Im2colConv2d, conv2d
