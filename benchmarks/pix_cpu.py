@@ -221,6 +221,7 @@ def main() -> None:
         "bn_folded": fold,
         "compiled": "torch.compile, inductor freezing" if args.compile else False,
         "malloc": args.malloc,
+        "thp_mem_alloc_enable": os.environ.get("THP_MEM_ALLOC_ENABLE"),  # PyTorch CPU allocator: 2 MiB huge pages
         "repeats": args.repeats,
         "statistic": "median (and min) ms per forward over the repeats, models interleaved; *_cpu_ms: median "
         "CPU time of the calling thread (1 thread only); *_faults: median minor page faults of the process per forward",
