@@ -1,4 +1,6 @@
-"""``python -m kernels build``: compile (and cache) the CUDA extension now.
+"""``python -m kernels build``: compile (and cache) the C++ CPU kernels and, where a GPU and nvcc are present, the
+CUDA extension now (e.g. while building a container image whose cache is read-only at run time); exits 0 when all
+that this machine can build is built (the CUDA extension is skipped, with its warning, without a GPU).
 ``python -m kernels check-compile``: compile every source in kernels/csrc to an object file with nvcc, in
 parallel, without a GPU (CI runs it where nvcc exists); exits non-zero on the first error."""
 
@@ -93,16 +95,40 @@ def check_compile(jobs: int | None = None) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kernels")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    build = sub.add_parser("build", help="compile and cache the CUDA extension (needs a GPU and nvcc)")
-    build.add_argument("-v", "--verbose", action="store_true", help="show the compiler's commands and output")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="command")
+    build = sub.add_parser("build", help="compile and cache the C++ CPU kernels and the CUDA extension (the latter "
+                                         "needs a GPU and nvcc)")
+    build.add_argument("-v", "--verbose", action="store_true", help="show the CUDA compiler's commands and output")
     sub.add_parser("check-compile", help="compile the CUDA sources to object files with nvcc only (no GPU)")
     args = ap.parse_args(argv)
     if args.cmd == "build":
-        mod = _ext.load(verbose=args.verbose)
-        print("build:", "ok" if mod is not None else "unavailable (see the warning above)")
-        return 0 if mod is not None else 1
+        return build_all(args.verbose)
     return check_compile()
+
+
+def build_all(verbose: bool = False) -> int:
+    """`build`: 0 when the CPU library (unless COMPRESS_KERNELS_NO_CPU) and, on a machine with a CUDA GPU (unless
+    COMPRESS_KERNELS_NO_CUDA), the CUDA extension are built and load; 1 otherwise (the warnings say why)."""
+    import torch
+
+    from kernels import _cpu
+
+    rc = 0
+    if _cpu.env_flag("COMPRESS_KERNELS_NO_CPU"):
+        print("build: C++ CPU kernels skipped (COMPRESS_KERNELS_NO_CPU is set)")
+    else:
+        ok = _cpu.lib() is not None
+        print("build: C++ CPU kernels", "ok" if ok else "unavailable (see the warning above)")
+        rc |= not ok
+    gpu = torch.cuda.is_available() and torch.version.cuda is not None
+    if not gpu or _ext.env_flag("COMPRESS_KERNELS_NO_CUDA"):
+        print("build: CUDA extension skipped (" + ("COMPRESS_KERNELS_NO_CUDA is set" if gpu
+                                                     else "no CUDA GPU or a CPU-only PyTorch build") + ")")
+    else:
+        ok = _ext.load(verbose=verbose) is not None
+        print("build: CUDA extension", "ok" if ok else "unavailable (see the warning above)")
+        rc |= not ok
+    return int(rc)
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ import threading
 import time
 import warnings
 
-__all__ = ["lib", "reset_for_tests", "SOURCE"]
+__all__ = ["lib", "reset_for_tests", "SOURCE", "cache_root", "env_flag"]
 
 SOURCE = r"""
 #include <stdint.h>
@@ -710,15 +710,35 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
-def _compiler() -> str | None:
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def env_flag(name: str) -> bool:
+    """Whether the on/off environment variable `name` is set: 1/true/yes/on, or unset/empty/0/false/no/off (any
+    case); ValueError naming it for another value (``=false`` turned the kernels off)."""
+    value = os.environ.get(name, "").strip().lower()
+    if value not in _TRUE + _FALSE:
+        raise ValueError(f"{name}={os.environ[name]!r}: give 1 (or true, yes, on) to set it, 0 or nothing to leave it "
+                         "unset")
+    return value in _TRUE
+
+
+def cache_root() -> str:
+    """The kernels' cache folder: ``$COMPRESS_KERNELS_CACHE`` (``~`` expanded) or ``~/.cache/compress_kernels``."""
+    root = os.environ.get("COMPRESS_KERNELS_CACHE") or os.path.join("~", ".cache", "compress_kernels")
+    return os.path.expanduser(root)
+
+
+def _compiler() -> tuple[str | None, str]:
+    """(the compiler's path, or None; why there is none, for the warning)."""
     cxx = os.environ.get("CXX")
+    found = next((shutil.which(c) for c in (cxx, "c++", "g++", "clang++") if c and shutil.which(c)), None)
     if cxx and not shutil.which(cxx):
-        warnings.warn(f"compress kernels: CXX={cxx!r} is not an executable compiler; trying c++, g++ and clang++",
+        if found is None:
+            return None, f"CXX={cxx!r} is not an executable compiler, and no c++, g++ or clang++ is on PATH"
+        warnings.warn(f"compress kernels: CXX={cxx!r} is not an executable compiler; using {found}",
                       RuntimeWarning, stacklevel=4)
-    for cand in (cxx, "c++", "g++", "clang++"):
-        if cand and shutil.which(cand):
-            return shutil.which(cand)
-    return None
+    return found, "no C++ compiler found (c++, g++ or clang++ on PATH); set CXX"
 
 
 def _warn(why: str) -> None:
@@ -733,21 +753,29 @@ class _CompileError(RuntimeError):
 def _path(cxx: str, flags: list[str]) -> str:
     """The cached library's path: named by a hash of the source, the compiler, the flags and the machine."""
     tag = hashlib.sha256("\0".join([SOURCE, cxx, *flags, platform.machine(), platform.system()]).encode())
-    root = os.environ.get("COMPRESS_KERNELS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
-                                                                     "compress_kernels")
-    return os.path.join(root, "cpu", f"compress_cpu_{tag.hexdigest()[:16]}.so")
+    return os.path.join(cache_root(), "cpu", f"compress_cpu_{tag.hexdigest()[:16]}.so")
+
+
+def _digest(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
 
 
 def _intact(path: str) -> bool:
-    """Whether `path` is a whole ELF file (its program and section header tables inside it). A library truncated on
-    disk makes dlopen crash the process (SIGBUS), past any Python error handling. Only checked on Linux."""
-    if platform.system() != "Linux":
-        return True
+    """Whether `path` is the library as built: its SHA-256 as recorded beside it (``.sha256``, written with it),
+    and on Linux a whole ELF file (its program and section header tables inside it). A library damaged on disk
+    (truncated, or a zeroed tail) makes dlopen crash the process (SIGBUS, SIGSEGV), past any Python error
+    handling."""
     try:
+        with open(path + ".sha256") as f:
+            if f.read().strip() != _digest(path):
+                return False
         with open(path, "rb") as f:
             head, size = f.read(64), os.fstat(f.fileno()).st_size
-    except OSError:
+    except OSError:  # (a library without its digest: built by a version before it)
         return False
+    if platform.system() != "Linux":
+        return True
     if len(head) < 52 or head[:4] != b"\x7fELF" or head[4] not in (1, 2) or head[5] not in (1, 2):
         return False
     order = "<" if head[5] == 1 else ">"
@@ -787,16 +815,21 @@ def _build(cxx: str, flags: list[str]) -> str:
         src, out = os.path.join(tmp, "kernels.cpp"), os.path.join(tmp, "kernels.so")
         with open(src, "w") as f:
             f.write(SOURCE)
-        print(f"compress kernels: compiling the C++ CPU kernels into {d} (first use only, a few seconds) ...",
-              file=sys.stderr, flush=True)
+        kind = "" if "-fopenmp" in flags else " without OpenMP"
+        print(f"compress kernels: compiling the C++ CPU kernels{kind} with {cxx} into {d} (first use only, a few "
+              "seconds) ...", file=sys.stderr, flush=True)
         r = subprocess.run([cxx, *flags, "-o", out, src], capture_output=True, text=True, timeout=300)
-        if r.returncode != 0:
-            lines = (r.stderr or r.stdout or f"exit status {r.returncode}").strip().splitlines()
+        if r.returncode != 0 or not os.path.isfile(out):
+            lines = (r.stderr or r.stdout or f"exit status {r.returncode}, no library written").strip().splitlines()
             killed = r.returncode < 0 or any("Killed" in ln for ln in lines)  # gcc's and clang's words: no fault of the flags
             raise (RuntimeError if killed else _CompileError)(
-                next((ln for ln in lines if "error" in ln), lines[-1])[:300])
+                f"{cxx} failed: " + next((ln for ln in lines if "error" in ln), lines[-1])[:300])
         with open(out, "rb") as f:
             os.fsync(f.fileno())  # on disk before it gets its name: a crash leaves no truncated library behind
+        with open(so + ".sha256", "w") as f:  # (parallel builds: a mismatch later only means one more build)
+            f.write(_digest(out))
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(out, so)
     return so
 
@@ -836,16 +869,15 @@ def lib() -> ctypes.CDLL | None:
         if "lib" in _state:
             return _state["lib"]  # type: ignore[return-value]
         handle = None
-        if os.environ.get("COMPRESS_KERNELS_NO_CPU", "") not in ("", "0"):
-            pass  # asked for the PyTorch path: no warning
-        elif (cxx := _compiler()) is None:
-            _warn("no C++ compiler found; set CXX")
-        else:
-            try:
-                handle = _load_any(cxx)
-            except Exception as e:  # noqa: BLE001 - any build or load failure means: fall back, with one warning
-                _warn(f"{type(e).__name__}: {e}")
-                handle = None
+        if not env_flag("COMPRESS_KERNELS_NO_CPU"):  # set: the PyTorch path, no warning
+            cxx, why = _compiler()
+            if cxx is None:
+                _warn(why)
+            else:
+                try:
+                    handle = _load_any(cxx)
+                except Exception as e:  # noqa: BLE001 - any build or load failure means: fall back, with one warning
+                    _warn(f"{type(e).__name__}: {e}")
         _state["lib"] = handle
         return handle
 

@@ -18,6 +18,8 @@ import warnings
 
 import torch
 
+from kernels._cpu import cache_root, env_flag
+
 __all__ = ["CSRC", "SOURCES", "cuda_home", "load", "available", "build_dir"]
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
@@ -53,9 +55,7 @@ def cuda_home() -> str | None:
 
 
 def build_dir(name: str = EXT_NAME) -> str:
-    root = os.environ.get("COMPRESS_KERNELS_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "compress_kernels"
-    )
+    root = cache_root()
     tag = f"{torch.__version__}-cu{torch.version.cuda}".replace("+", "_")
     d = os.path.join(root, tag, name)
     os.makedirs(d, exist_ok=True)
@@ -81,7 +81,7 @@ def load(name: str = EXT_NAME, sources: list[str] | None = None, extra_cuda_cfla
         if name in _cache:
             return _cache[name]
         mod = None
-        if os.environ.get("COMPRESS_KERNELS_NO_CUDA", "") not in ("", "0"):
+        if env_flag("COMPRESS_KERNELS_NO_CUDA"):
             _warn_once(name, "COMPRESS_KERNELS_NO_CUDA is set")
         elif not torch.cuda.is_available() or torch.version.cuda is None:
             _warn_once(name, "no CUDA GPU or a CPU-only PyTorch build")

@@ -72,6 +72,23 @@ def test_torch_export_keeps_the_ops():
     torch.testing.assert_close(ep.module()(x, p), m(x, p))
 
 
+def test_cli_build_builds_the_cpu_kernels_without_a_gpu(monkeypatch, capsys):
+    """`python -m kernels build` on a machine without a GPU builds the C++ CPU kernels (it built nothing and exited
+    1, so an image could not prebuild them) and skips the CUDA extension, exit 0; a CPU library that cannot be
+    built is a failure."""
+    from kernels import __main__ as cli
+    from kernels import _cpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(cli._ext, "load", lambda verbose=False: pytest.fail("no GPU: the CUDA build is skipped"))
+    monkeypatch.setattr(_cpu, "lib", lambda: object())
+    assert cli.main(["build"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "build: C++ CPU kernels ok", "build: CUDA extension skipped (no CUDA GPU or a CPU-only PyTorch build)"]
+    monkeypatch.setattr(_cpu, "lib", lambda: None)
+    assert cli.main(["build"]) == 1
+
+
 def test_cli_build_takes_verbose_and_arch_list_is_checked(monkeypatch):
     """`python -m kernels build -v` parses (it was refused by argparse); TORCH_CUDA_ARCH_LIST must name compute
     capabilities (empty: the default 9.0)."""
@@ -79,6 +96,8 @@ def test_cli_build_takes_verbose_and_arch_list_is_checked(monkeypatch):
 
     seen = {}
     monkeypatch.setattr(cli._ext, "load", lambda verbose=False: seen.setdefault("verbose", verbose))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
     assert cli.main(["build", "-v"]) == 0 and seen == {"verbose": True}
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0a;9.0+PTX")
     assert cli._arch_flags() == ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90a,code=sm_90a",

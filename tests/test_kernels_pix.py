@@ -561,7 +561,7 @@ def test_cpu_library_falls_back_to_a_serial_build(monkeypatch, tmp_path, capfd):
     the failed build is remembered, not retried by the next process."""
     from kernels import _cpu
 
-    if _cpu._compiler() is None:
+    if _cpu._compiler()[0] is None:
         pytest.skip("no C++ compiler")
     monkeypatch.setenv("COMPRESS_KERNELS_CACHE", str(tmp_path))
     monkeypatch.setattr(_cpu, "SERIAL_FLAGS", ["-O0", "-shared", "-fPIC"])  # -O0: 2 s to build, not 15
@@ -586,14 +586,15 @@ def test_cpu_library_falls_back_to_a_serial_build(monkeypatch, tmp_path, capfd):
 
 
 def test_cpu_library_rebuilds_a_damaged_cache_and_forgets_a_killed_compiler(monkeypatch, tmp_path, capfd):
-    """A cached library truncated on disk (dlopen would crash the process with SIGBUS) or empty is built again, with
+    """A cached library damaged on disk (truncated: dlopen would crash the process with SIGBUS; its tail zeroed:
+    SIGSEGV), empty, or without its recorded digest (built by an older version) is built again, with
     OpenMP, not loaded and not replaced by the serial build; a compiler killed by a signal (the OOM killer) falls
     back to the serial build for this process without remembering the OpenMP build as failed."""
     import subprocess
 
     from kernels import _cpu
 
-    if _cpu._compiler() is None:
+    if _cpu._compiler()[0] is None:
         pytest.skip("no C++ compiler")
     monkeypatch.setenv("COMPRESS_KERNELS_CACHE", str(tmp_path))
     monkeypatch.setattr(_cpu, "SERIAL_FLAGS", ["-O0", "-shared", "-fPIC"])  # -O0: 2 s to build, not 15
@@ -603,7 +604,11 @@ def test_cpu_library_rebuilds_a_damaged_cache_and_forgets_a_killed_compiler(monk
     (so,) = (tmp_path / "cpu").glob("*.so")
     assert _cpu._intact(str(so))
     whole = so.read_bytes()
-    for damaged in (whole[: len(whole) // 2], b""):
+    half = len(whole) // 2
+    for damaged in (whole[:half], whole[:half] + bytes(len(whole) - half), b"", None):
+        if damaged is None:  # whole, but without its digest
+            damaged = whole
+            (tmp_path / "cpu" / f"{so.name}.sha256").unlink()
         (tmp_path / "damaged").write_bytes(damaged)
         os.replace(tmp_path / "damaged", so)  # (writing into `so` itself would break this process's mapping of it)
         assert not _cpu._intact(str(so))
@@ -629,18 +634,46 @@ def test_cpu_library_rebuilds_a_damaged_cache_and_forgets_a_killed_compiler(monk
 
 
 def test_cpu_library_warns_about_an_unusable_cxx(monkeypatch):
+    """A CXX that is not an executable: one warning naming the compiler used instead; with none on PATH either,
+    one warning (not a second one saying to set CXX)."""
     from kernels import _cpu
 
     monkeypatch.setenv("CXX", "/nonexistent/g++")
-    with pytest.warns(RuntimeWarning, match=r"CXX='/nonexistent/g\+\+' is not an executable compiler; trying c\+\+"):
-        _cpu._compiler()
+    monkeypatch.setattr(_cpu.shutil, "which", lambda c: "/usr/bin/g++" if c == "g++" else None)
+    with pytest.warns(RuntimeWarning, match=r"CXX='/nonexistent/g\+\+' is not an executable compiler; using /usr/bin/g"):
+        assert _cpu._compiler()[0] == "/usr/bin/g++"
+    monkeypatch.setattr(_cpu.shutil, "which", lambda c: None)
+    monkeypatch.setattr(_cpu, "_state", {})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert _cpu.lib() is None
+    assert [str(w.message) for w in caught] == [
+        "compress kernels: the C++ CPU kernels are unavailable (CXX='/nonexistent/g++' is not an executable compiler, "
+        "and no c++, g++ or clang++ is on PATH); CPU tensors use the slower PyTorch path."]
+
+
+def test_kernel_settings_read_on_off_values_and_expand_the_cache_path(monkeypatch):
+    """COMPRESS_KERNELS_NO_CPU=false (or no, off, 0, empty) leaves the kernels on (any value but 0 turned them off);
+    another word is refused naming the variable; a quoted ~ in COMPRESS_KERNELS_CACHE is the home folder (it made
+    a folder named ~ in the working directory)."""
+    from kernels import _cpu
+
+    for value, on in (("1", True), ("YES", True), (" true ", True), ("on", True), ("false", False), ("no", False),
+                      ("OFF", False), ("0", False), ("", False)):
+        monkeypatch.setenv("COMPRESS_KERNELS_NO_CPU", value)
+        assert _cpu.env_flag("COMPRESS_KERNELS_NO_CPU") is on, value
+    monkeypatch.setenv("COMPRESS_KERNELS_NO_CPU", "maybe")
+    with pytest.raises(ValueError, match=r"COMPRESS_KERNELS_NO_CPU='maybe': give 1 \(or true, yes, on\) to set it"):
+        _cpu.env_flag("COMPRESS_KERNELS_NO_CPU")
+    monkeypatch.setenv("COMPRESS_KERNELS_CACHE", "~/kernel-cache")
+    assert _cpu.cache_root() == os.path.join(os.path.expanduser("~"), "kernel-cache")
 
 
 def test_cpu_library_missing_compiler_warns_once(monkeypatch):
     from kernels import _cpu
 
     monkeypatch.setattr(_cpu, "_state", {})
-    monkeypatch.setattr(_cpu, "_compiler", lambda: None)
+    monkeypatch.setattr(_cpu, "_compiler", lambda: (None, "no C++ compiler found"))
     with pytest.warns(RuntimeWarning, match="C\\+\\+ CPU kernels are unavailable"):
         assert _cpu.lib() is None
     assert _cpu.lib() is None  # cached, no second warning
