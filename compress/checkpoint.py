@@ -486,11 +486,26 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> nn.Modu
     except (RuntimeError, ValueError, TypeError) as err:  # ValueError/TypeError: indices StripeConv2d rejects
         detail = " ".join(str(err).split())
         raise ValueError(f"{where}: the tensors do not fit the recipe's model: {detail}") from None
+    _cast_unsaved_buffers(model, {t.dtype for t in tensors.values() if t.is_floating_point()})
     infinite = [k for k, t in tensors.items() if t.is_floating_point() and not bool(t.isfinite().all())]
     if infinite:
         warnings.warn(f"{where}: tensors hold NaN or inf values: {', '.join(infinite[:5])}"
                       + (", ..." if len(infinite) > 5 else ""), stacklevel=2)
     return model.to(device).eval()
+
+
+def _cast_unsaved_buffers(model: nn.Module, file_dtypes: set[torch.dtype]) -> None:
+    """In place: the float buffers a module keeps out of its state dict (``persistent=False``, e.g. timm's
+    BlurPool2d filter), which the file does not hold and the rebuilt model made in float32, take the file's float
+    dtype where it has one (a bf16 model's file loaded into a model whose forward mixed bf16 and float32)."""
+    if len(file_dtypes) != 1:
+        return
+    (dtype,) = file_dtypes
+    for module in model.modules():
+        for name in module._non_persistent_buffers_set:
+            buf = module._buffers.get(name)
+            if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
+                module._buffers[name] = buf.to(dtype)
 
 
 def rebuild_for(recipe: dict | str, tensors: dict[str, torch.Tensor], where: str) -> nn.Module:

@@ -186,6 +186,17 @@ def test_16_bit_models_round_trip_in_their_dtypes(tmp_path, dtype):
             torch.testing.assert_close(loaded(x), small(x), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_buffers_kept_out_of_the_file_take_its_dtype(tmp_path, dtype):
+    """timm's BlurPool2d keeps its filter out of the state dict (persistent=False): rebuilt in float32, it made a
+    loaded bfloat16 / float64 model fail in its first forward (a conv of x and a float32 weight)."""
+    model = create_model("timm:resnetblur18", num_classes=3, input_size=32).eval().to(dtype)
+    loaded = load(save(model, tmp_path / "blur.safetensors"))
+    x = torch.randn(2, 3, 32, 32, dtype=dtype)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+
+
 def test_removed_block_round_trip(tmp_path):
     model = _randomise(create_model("resnet18", input_size=32))
     del model.layer3[1]  # a whole residual block removed
