@@ -297,7 +297,9 @@ def export_checkpoint(
     if before is not None and threshold is not None:
         warnings.warn(f"export: threshold={threshold} is ignored: {ckpt} holds a compact model, whose stripes were "
                       f"chosen when it was compacted (threshold {before.get('threshold')})", stacklevel=2)
-    has_skeletons = any(isinstance(m, SkeletonConv2d) for m in model.modules())
+    # the layers the run gave skeletons (its prune.min_kernel_size, include, exclude): the report's stripe table
+    skeleton_layers = [name for name, m in model.named_modules() if isinstance(m, SkeletonConv2d)]
+    has_skeletons = bool(skeleton_layers)
     if before is None and not has_skeletons:  # a training checkpoint of a run without SWP (prune=none)
         trained = f"{ckpt} was trained without skeletons (prune={prune.get('name', 'none')})"
         if target_macs is not None:
@@ -379,7 +381,7 @@ def export_checkpoint(
                               stacklevel=2)
             onnx_info = {"file": FILES[1], "stripe_mode": stripe_mode, "opset": opset, "max_rel_error": err,
                          "dtype": str(next(onnx_model.parameters()).dtype).removeprefix("torch.")}
-        stripes = compact_stripes_per_layer(small, arch_model)
+        stripes = compact_stripes_per_layer(small, arch_model, skeleton_layers or None)
         dense, small = deployed(dense), deployed(small)
         common = {"batch_size": batch_size, "device": device, "latency": latency, "repeats": repeats,
                   "memory_format": memory_format}

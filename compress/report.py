@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch.nn as nn
@@ -33,13 +34,15 @@ def stripes_per_layer(model: nn.Module, threshold: float = 0.0) -> dict[str, dic
     return stripes
 
 
-def compact_stripes_per_layer(compact: nn.Module, dense: nn.Module) -> dict[str, dict]:
-    """{layer: {"kept", "total"}} for a compact model without its training model (a compact file): over the
-    convs of `dense` (the uncompacted architecture) that SWP gives a skeleton by default, total = the dense conv's
-    out_channels * kh * kw and kept = the compact layer's stripes (a StripeConv2d's, or every stripe of the
-    filters a plain conv kept; 0 where the layer is gone); a StripeConv2d's entry also has its "mode"."""
+def compact_stripes_per_layer(compact: nn.Module, dense: nn.Module,
+                              layers: Sequence[str] | None = None) -> dict[str, dict]:
+    """{layer: {"kept", "total"}} of a compact model: over `layers` (the convs that had skeletons, where the training
+    model says; else, for a compact file, the convs of `dense`, the uncompacted architecture, that SWP gives a
+    skeleton by default), total = the dense conv's out_channels * kh * kw and kept = the compact layer's stripes (a
+    StripeConv2d's, or every stripe of the filters a plain conv kept; 0 where the layer is gone); a StripeConv2d's
+    entry also has its "mode"."""
     stripes = {}
-    for name in eligible_convs(dense):
+    for name in eligible_convs(dense) if layers is None else layers:
         conv = dense.get_submodule(name)
         try:
             layer = compact.get_submodule(name)

@@ -630,6 +630,31 @@ def test_report_counts_the_stripes_of_the_exported_model(training_checkpoint, tm
     assert size < report["compact"]["weight_bytes"]  # stripe indices stored narrow (int8/int16), held as int64
 
 
+def test_report_counts_the_stripes_of_the_layers_the_run_gave_skeletons(tmp_path):
+    """A run with prune.min_kernel_size=1 and prune.exclude: the report's stripe table covers the convs that had
+    skeletons (1x1 ones included, the excluded one not), not those SWP would pick by default."""
+    g = torch.Generator().manual_seed(0)
+    model = create_model("resnet29_bottleneck", num_classes=10, input_size=32)
+    names = attach_skeletons(model, min_kernel_size=1, exclude=["layer1.0.conv2"])
+    with torch.no_grad():
+        for name in names:
+            sk = model.get_submodule(name).skeleton
+            sk.copy_((torch.rand(sk.shape, generator=g) < 0.6).float())
+    random_bn_(model, g).eval()
+    config = {"model": {"name": "resnet29_bottleneck", "kwargs": {}},
+              "data": {"name": "fake", "input_size": 32, "num_classes": 10, "batch_size": 64},
+              "prune": {"name": "swp", "alpha": 1e-5, "threshold": 0.01, "target_flops": None, "min_kernel_size": 1,
+                        "exclude": ["layer1.0.conv2"]}}
+    path = tmp_path / "last.pt"
+    torch.save({"model": model.state_dict(), "config": config, "epoch": 1, "step": 10}, path)
+    report = export_checkpoint(path, tmp_path / "out", onnx=False, latency=False, choose_stripe_modes=False)
+    assert sorted(report["stripes"]) == sorted(names)
+    assert "layer1.0.conv1" in report["stripes"] and "layer1.0.conv2" not in report["stripes"]
+    convs = {name: model.get_submodule(name) for name in names}
+    assert sum(s["total"] for s in report["stripes"].values()) == sum(
+        c.out_channels * c.kernel_size[0] * c.kernel_size[1] for c in convs.values())
+
+
 def test_report_names_each_stripe_convs_mode(training_checkpoint, tmp_path, monkeypatch):
     """report.json gives each stripe conv's mode (here as a stubbed choose_modes picks them) and report.md shows it
     per layer, counts the modes and says what a dense-mode layer executes."""
