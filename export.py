@@ -13,7 +13,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from compress._files import launch_path, remove_if_only_hydra
-from compress._overrides import adding_overrides, command_line_overrides, typed
+from compress._overrides import adding_overrides, command_line_overrides, require_sections, typed
 from compress.export import FILES, export_checkpoint
 from compress.models import import_modules
 from compress.report import render_markdown
@@ -46,6 +46,7 @@ def _refuse_added_keys(cfg: DictConfig) -> None:
 
 def export(cfg: DictConfig, out: Path) -> None:
     """Run the export of `cfg` into `out` and print the dense-vs-compact table."""
+    require_sections(cfg, {"onnx": ("enabled", bool), "profile": ("latency", bool)}, "export")
     _refuse_added_keys(cfg)
     if OmegaConf.is_missing(cfg, "ckpt"):
         raise ValueError("export: give ckpt=<a train.py checkpoint (<run dir>/checkpoints/last.pt or best.pt) or a "

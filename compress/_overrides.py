@@ -55,3 +55,17 @@ def has_key(cfg: DictConfig, key: str) -> bool:
 def typed(override) -> str:
     """The override's key as typed: '+prune.alpah' or '++prune.alpah'."""
     return ("++" if override.is_force_add() else "+") + override.key_or_group
+
+
+def require_sections(cfg: DictConfig, examples: dict[str, tuple[str, type]], app: str) -> None:
+    """ValueError where a section of settings (a node of keys; `examples` maps each to one of its keys and that key's
+    type) was given a plain value on the command line (``pix=4``, ``onnx=false``), which Hydra takes as replacing the
+    whole node: every setting read from it then failed with an AttributeError. The message names the key to set."""
+    for section, (key, kind) in examples.items():
+        if section in cfg and not isinstance(cfg[section], DictConfig):
+            value = OmegaConf.to_container(cfg, resolve=False)[section]
+            shown = str(value).lower() if isinstance(value, bool) else value
+            fits = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+            raise ValueError(f"{app}: {section}={shown} sets the whole {section} section, which holds settings of its "
+                             f"own; set one of them instead, e.g. {section}.{key}={shown if fits else '<value>'} "
+                             f"(conf/{app}.yaml lists them)")

@@ -48,7 +48,7 @@ from compress._files import atomic_write, json_text, launch_path, lock_file, rem
 from compress._logging import RunLogger, format_summary, log_failure, progress, say, warnings_in_log_files
 from compress._macs import estimate_macs
 from compress._modes import evaluating
-from compress._overrides import adding_overrides, command_line_overrides, typed
+from compress._overrides import adding_overrides, command_line_overrides, require_sections, typed
 from compress._stop import StepStop, Terminated
 from compress._trainstate import atomic_save, check_weight_kinds, load_checkpoint, rng_state, set_rng_state
 from compress.checkpoint import build_recipe, rebuild_for, unregistered_module
@@ -1007,6 +1007,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
 
     `run_dir` defaults to Hydra's output directory. Returns the summary dict (see README).
     """
+    require_sections(cfg, {"trainer": ("max_steps", int), "pix": ("zeta", int)}, "train")
     start = time.perf_counter()
     dist = setup_distributed(cfg.trainer.device)
     run_dir = _shared_run_dir(Path(run_dir) if run_dir is not None else _hydra_run_dir(), dist)

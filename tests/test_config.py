@@ -152,6 +152,9 @@ def test_cifar_configs_keep_the_paper_recipe():
         (["+model.kwargs.width=2"], ValueError, r"model.kwargs=\{'width': 2\}: resnet56 does not take them"),
         (["data=cifar10", "data.root="], ValueError, r"data.root='' is empty \(an unset shell variable\?\): give a path"),
         (["init="], ValueError, r"init='' is empty"),
+        (["pix=4"], ValueError, r"train: pix=4 sets the whole pix section, which holds settings of its own; set one of "
+                                r"them instead, e.g. pix.zeta=4"),  # (AttributeError: 'int' object has no attribute)
+        (["trainer=false"], ValueError, r"train: trainer=false sets the whole trainer section.* trainer.max_steps=<value>"),
     ],
 )
 def test_bad_settings_give_clear_errors(tmp_path, overrides, error, match):

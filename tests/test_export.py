@@ -492,6 +492,9 @@ def test_export_script(training_checkpoint, tmp_path):
     assert added.returncode != 0 and "export: +profile.batchsize is not an export setting" in added.stderr
     forced = run_script("export.py", f"ckpt={path}", "++profile.batchsize=64", cwd=tmp_path)  # forced in: refused too
     assert forced.returncode != 0 and "export: ++profile.batchsize is not an export setting" in forced.stderr
+    section = run_script("export.py", f"ckpt={path}", "onnx=false", cwd=tmp_path)  # (an AttributeError before)
+    assert section.returncode != 0 and "export: onnx=false sets the whole onnx section, which holds settings of its " \
+        "own; set one of them instead, e.g. onnx.enabled=false" in section.stderr
     top = run_script("export.py", f"ckpt={path}", "+thresh=1", cwd=tmp_path)  # the list of settings leaves it out
     assert top.returncode != 0 and "export: +thresh is not an export setting" in top.stderr
     assert re.search(r"settings: [^)]*target_macs, threshold;", top.stderr) and ", thresh," not in top.stderr
