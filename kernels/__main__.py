@@ -121,7 +121,7 @@ def build_all(verbose: bool = False) -> int:
         print("build: C++ CPU kernels", "ok" if ok else "unavailable (see the warning above)")
         rc |= not ok
     gpu = torch.cuda.is_available() and torch.version.cuda is not None
-    if not gpu or _ext.env_flag("COMPRESS_KERNELS_NO_CUDA"):
+    if not gpu or _cpu.env_flag("COMPRESS_KERNELS_NO_CUDA"):
         print("build: CUDA extension skipped (" + ("COMPRESS_KERNELS_NO_CUDA is set" if gpu
                                                      else "no CUDA GPU or a CPU-only PyTorch build") + ")")
     else:
