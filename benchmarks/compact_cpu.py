@@ -25,7 +25,7 @@ import torch.nn as nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]  # the repo (compress, kernels) and benchmarks/ (_masks)
-from _host import cpu_model  # noqa: E402
+from _host import cpu_kernels, cpu_model, positive  # noqa: E402
 from _masks import swp_like  # noqa: E402
 
 import compress  # noqa: E402
@@ -50,6 +50,7 @@ def timed(model: nn.Module, x: torch.Tensor) -> float:
 def machine() -> dict:
     return {
         "cpu": cpu_model(),
+        "cpu_kernels": cpu_kernels(),  # C++ (kernels/_cpu.py) or PyTorch
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "load_average_1m_before": Path("/proc/loadavg").read_text().split()[0],
@@ -110,7 +111,7 @@ def bench(name: str, batch: int, repeats: int, seed: int, fuse_relu: bool) -> di
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--repeats", type=positive(), default=15)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fuse-relu", action="store_true", help="compact both with fuse_relu=True, as export does")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "compact_cpu.json"))

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
-from _host import cpu_model  # noqa: E402
+from _host import cpu_kernels, cpu_model, positive  # noqa: E402
 
 from kernels.pool import max_pool2d  # noqa: E402
 
@@ -38,10 +38,13 @@ SHAPES = [  # (name, input shape, kernel, stride, padding)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--threads", type=positive(), default=2)
+    ap.add_argument("--repeats", type=positive(), default=50)
     ap.add_argument("--out", default=str(Path(HERE) / "results" / "max_pool_cpu.json"))
     args = ap.parse_args()
+    if cpu_kernels() != "C++":  # "ours" would be F.max_pool2d itself, checked against itself
+        sys.exit("max_pool_cpu.py times the C++ max-pool, which is off here (COMPRESS_KERNELS_NO_CPU, or the library "
+                 "did not build: see the warning above)")
     torch.set_num_threads(args.threads)
     rows = []
     with torch.inference_mode():
@@ -69,6 +72,7 @@ def main() -> None:
     result = {"benchmark": "CPU max-pool, fp32 inference", "threads": torch.get_num_threads(), "cpu": cpu_model(),
               "torch": torch.__version__, "repeats": args.repeats,
               "statistic": "median ms per call, the three calls interleaved", "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
 

@@ -53,7 +53,7 @@ from torch.nn.utils.fusion import fuse_conv_bn_eval
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).parent)]  # the repo and benchmarks/
 
-from _host import cpu_model  # noqa: E402
+from _host import cpu_kernels, cpu_model, positive  # noqa: E402
 
 from compress.pix import insert_pix  # noqa: E402
 from compress.pooling import fast_max_pools  # noqa: E402
@@ -157,7 +157,7 @@ def _row(channels_last: bool, max_pool: str, batch: int, ms: dict, best: dict, c
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--repeats", type=positive(), default=15)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--size", type=int, default=224)
     ap.add_argument(
@@ -228,6 +228,7 @@ def main() -> None:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cpu": cpu_model(),
+        "cpu_kernels": cpu_kernels(),  # PiX and the max-pool: C++ (kernels/_cpu.py) or PyTorch
         "cpu_count": os.cpu_count(),
         "loadavg_before": [round(v, 2) for v in load_before],
         "loadavg_after": [round(v, 2) for v in os.getloadavg()],

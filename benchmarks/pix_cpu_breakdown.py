@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _host import cpu_model  # noqa: E402
+from _host import cpu_kernels, cpu_model, positive  # noqa: E402
 from pix_cpu import build  # noqa: E402
 
 from compress.pix import PiXBlock  # noqa: E402
@@ -51,13 +51,14 @@ def time_modules(model: nn.Module, store: dict[str, list[float]]) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--threads", type=int, default=2)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=positive(), default=2)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--layout", choices=("nchw", "channels_last"), default="nchw")
-    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--repeats", type=positive(), default=20)
     ap.add_argument("--max-pools", choices=("compress", "torch"), default="compress")
-    ap.add_argument("--size", type=int, default=224, help="input height and width (small sizes: a quick check)")
+    ap.add_argument("--size", type=positive(), default=224,
+                    help="input height and width (another size than 224: a check, written only with --out)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -106,6 +107,7 @@ def main() -> None:
                   "parts (residual tails, head, Python); parts timed with wrappers, totals without, interleaved",
         "torch": torch.__version__, "threads": torch.get_num_threads(), "batch": args.batch,
         "layout": args.layout, "size": args.size, "repeats": args.repeats, "max_pool": args.max_pools, "cpu": cpu_model(),
+        "cpu_kernels": cpu_kernels(),
         "cpu_count": os.cpu_count(), "rows": rows,
         "speedup": round(r["total_ms"] / p["total_ms"], 3),
         "speedup_without_maxpool": round((r["total_ms"] - r["maxpool_ms"]) / (p["total_ms"] - p["maxpool_ms"]), 3),
@@ -119,6 +121,8 @@ def main() -> None:
     for n in shared:
         by_kind[n.rsplit(".", 1)[-1] if "downsample" not in n else "downsample"] += med["pix_resnet50"][n] - med["resnet50"][n]
     print("shared convs, PiX ResNet-50 minus ResNet-50 (ms): " + "  ".join(f"{k} {v:+.2f}" for k, v in by_kind.items()))
+    if args.out is None and args.size != 224:  # a check: never over a committed result of the default size
+        return
     out = Path(args.out) if args.out else (Path(__file__).parent / "results"
                                            / f"pix_cpu_breakdown_{args.layout}_{args.threads}threads_b{args.batch}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -45,6 +45,7 @@ def main() -> None:
                 row["error_vs_paper"] = round(row["gmacs_paper"] / paper - 1, 4)
             rows.append(row)
             print(row, flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"benchmark": "PiX ResNet MACs and params (compress.profile)",
                                           "torch": torch.__version__, "rows": rows}, indent=2) + "\n")
 

@@ -1,9 +1,11 @@
 """CPU benchmark of ``kernels.stripe_conv2d`` against ``F.conv2d`` (oneDNN) with the zero-filled dense weight.
 
 CIFAR ResNet-56 and VGG16 3x3 layer shapes at batch 64, float32, random stripe masks at keep 0.5/0.3/0.15,
-NCHW and channels_last; median of repeated runs after warm-up. Writes benchmarks/results/stripe_cpu.json.
+NCHW and channels_last; median of repeated runs after warm-up. Writes benchmarks/results/stripe_cpu.json (or --out).
 
-    python benchmarks/stripe_cpu.py [--repeats 7] [--quick]
+    python benchmarks/stripe_cpu.py [--repeats 7] [--batch 64] [--threads 0] [--quick] [--out PATH]
+
+--quick (three shapes, channels_last) is a check: it writes JSON only where --out says.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # this checkout's kernels
-from _host import cpu_model  # noqa: E402
+from _host import cpu_model, positive  # noqa: E402
 
 import kernels  # noqa: E402
 
@@ -50,12 +52,13 @@ def median_ms(fn, repeats):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--repeats", type=int, default=7)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=positive(), default=7)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
-    ap.add_argument("--quick", action="store_true", help="first three shapes, channels_last only")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "stripe_cpu.json"))
+    ap.add_argument("--quick", action="store_true", help="first three shapes, channels_last only (a check: written "
+                    "only with --out)")
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/stripe_cpu.json (not with --quick)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -92,10 +95,13 @@ def main():
                       flush=True)
     meta = dict(device=cpu_model(), threads=torch.get_num_threads(),
                 torch=torch.__version__, dtype="float32", repeats=args.repeats)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    print("wrote", args.out)
+    if args.out is None and not args.quick:  # --quick is a check: never written over the committed full run
+        args.out = os.path.join(os.path.dirname(__file__), "results", "stripe_cpu.json")
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        print("wrote", args.out)
     wrong = [f"{r['net']} {r['layout']} keep {r['keep']}" for r in rows if not r["rel_err"] <= TOLERANCE]
     if wrong:
         raise SystemExit(f"stripe_cpu.py: the stripe op differs from F.conv2d by more than {TOLERANCE} in {wrong}")

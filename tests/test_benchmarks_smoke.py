@@ -187,3 +187,25 @@ def test_pix_cpu_breakdown_runs(tmp_path):
     assert r50["own_convs_ms"] > 0 and r50["pix_blocks_ms"] == 0 and pix["pix_blocks_ms"] > 0 and pix["own_convs_ms"] == 0
     assert all(row["shared_convs_ms"] > 0 and row["maxpool_ms"] > 0 and row["total_ms"] > 0 for row in (r50, pix))
     assert len(result["shared_conv_ms"]) == 37
+    from kernels import _cpu
+
+    assert result["cpu_kernels"] == ("C++" if _cpu.lib() is not None else "PyTorch")  # which path "ours" took
+
+
+def test_check_runs_leave_the_committed_results_alone(tmp_path):
+    """stripe_cpu.py --quick and pix_cpu_breakdown.py at another --size are checks: without --out they write no
+    JSON (they overwrote benchmarks/results/stripe_cpu.json and pix_cpu_breakdown_nchw_1threads_b1.json); a repeat
+    count of 0 is refused by the parser (it failed after the models were built)."""
+    import subprocess
+
+    results = BENCH / "results"
+    before = {p.name: p.stat().st_mtime_ns for p in results.iterdir()}
+    for cmd in (["stripe_cpu.py", "--quick", "--batch", "2", "--repeats", "1", "--threads", "1"],
+                ["pix_cpu_breakdown.py", "--threads", "1", "--repeats", "1", "--size", "32"]):
+        r = subprocess.run([sys.executable, str(BENCH / cmd[0]), *cmd[1:]], capture_output=True, text=True,
+                           timeout=300, cwd=tmp_path)
+        assert r.returncode == 0 and "wrote" not in r.stdout, r.stdout + r.stderr
+    assert {p.name: p.stat().st_mtime_ns for p in results.iterdir()} == before
+    r = subprocess.run([sys.executable, str(BENCH / "max_pool_cpu.py"), "--repeats", "0"], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2 and "argument --repeats: invalid positive int value: '0'" in r.stderr
