@@ -6,7 +6,9 @@ The file holds the model's state_dict (parameters and persistent buffers, e.g. S
     {"format": "compress.compact", "version": 1,
      "arch": {"name": "resnet56", "kwargs": {...}},          # model.compress_arch (create_model)
      "replacements": [{"name": "layer1.0.conv1", "type": "StripeConv2d", "config": {...}}, ...],
-     "removed": ["layer3.8.conv2", ...]}
+     "removed": ["layer3.8.conv2", ...],
+     "buffer_dtypes": {"layer2.0.conv1.aa.filt": "bfloat16"}}   # only where a module keeps float buffers out of
+                                                               # its state dict (persistent=False)
 
 Loading rebuilds `create_model(arch)`, replaces the listed modules (parents before children) with
 types from an allowlist table of type keys, deletes removed modules, and loads the tensors with
@@ -333,6 +335,11 @@ def build_recipe(model: nn.Module) -> dict:
             "a module changed in a way its config() does not describe"
         )
     recipe = {"format": FORMAT, "version": VERSION, "arch": arch, "replacements": replacements, "removed": removed}
+    unsaved = {f"{name}.{b}".lstrip("."): str(module._buffers[b].dtype).removeprefix("torch.")
+               for name, module in model.named_modules() for b in module._non_persistent_buffers_set
+               if module._buffers.get(b) is not None and module._buffers[b].is_floating_point()}
+    if unsaved:  # buffers kept out of the state dict (timm's BlurPool2d filter): the file keeps their dtypes
+        recipe["buffer_dtypes"] = unsaved
     compaction = getattr(model, "compress_compaction", None)
     if isinstance(compaction, dict):  # how compress.compact made it (threshold, BN folding, MAC budget): kept as is
         recipe["compaction"] = json.loads(json.dumps(compaction))
@@ -486,7 +493,8 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> nn.Modu
     except (RuntimeError, ValueError, TypeError) as err:  # ValueError/TypeError: indices StripeConv2d rejects
         detail = " ".join(str(err).split())
         raise ValueError(f"{where}: the tensors do not fit the recipe's model: {detail}") from None
-    _cast_unsaved_buffers(model, {t.dtype for t in tensors.values() if t.is_floating_point()})
+    _cast_unsaved_buffers(model, recipe.get("buffer_dtypes"), {t.dtype for t in tensors.values() if t.is_floating_point()},
+                          where)
     infinite = [k for k, t in tensors.items() if t.is_floating_point() and not bool(t.isfinite().all())]
     if infinite:
         warnings.warn(f"{where}: tensors hold NaN or inf values: {', '.join(infinite[:5])}"
@@ -494,18 +502,32 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> nn.Modu
     return model.to(device).eval()
 
 
-def _cast_unsaved_buffers(model: nn.Module, file_dtypes: set[torch.dtype]) -> None:
+_FLOATS = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+
+
+def _cast_unsaved_buffers(model: nn.Module, recorded: dict | None, file_dtypes: set[torch.dtype], where: str) -> None:
     """In place: the float buffers a module keeps out of its state dict (``persistent=False``, e.g. timm's
-    BlurPool2d filter), which the file does not hold and the rebuilt model made in float32, take the file's float
-    dtype where it has one (a bf16 model's file loaded into a model whose forward mixed bf16 and float32)."""
-    if len(file_dtypes) != 1:
-        return
-    (dtype,) = file_dtypes
-    for module in model.modules():
+    BlurPool2d filter), which the file does not hold and the rebuilt model made in float32, take the dtypes the
+    recipe recorded (`recorded`, `build_recipe`'s ``buffer_dtypes``); for a file written before that record, the
+    file's float dtype where it has one. (A bf16 model loaded with a float32 filter failed in its first forward.)"""
+    if recorded is not None and not isinstance(recorded, dict):
+        raise ValueError(f"{where}: the recipe is incomplete or malformed (buffer_dtypes is {recorded!r})")
+    for module_name, module in model.named_modules():
         for name in module._non_persistent_buffers_set:
             buf = module._buffers.get(name)
-            if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
-                module._buffers[name] = buf.to(dtype)
+            if buf is None or not buf.is_floating_point():
+                continue
+            key = f"{module_name}.{name}".lstrip(".")
+            if recorded is not None:
+                if recorded.get(key, "float32") not in _FLOATS:
+                    raise ValueError(f"{where}: the recipe gives buffer {key} the dtype {recorded[key]!r}, not a float "
+                                     "dtype (a tampered file?)")
+                dtype = _FLOATS[recorded.get(key, "float32")]
+            elif len(file_dtypes) == 1:
+                (dtype,) = file_dtypes
+            else:
+                continue
+            module._buffers[name] = buf.to(dtype)
 
 
 def rebuild_for(recipe: dict | str, tensors: dict[str, torch.Tensor], where: str) -> nn.Module:

@@ -186,15 +186,28 @@ def test_16_bit_models_round_trip_in_their_dtypes(tmp_path, dtype):
             torch.testing.assert_close(loaded(x), small(x), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
-def test_buffers_kept_out_of_the_file_take_its_dtype(tmp_path, dtype):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64, "mixed"])
+def test_buffers_kept_out_of_the_file_keep_their_dtype(tmp_path, dtype):
     """timm's BlurPool2d keeps its filter out of the state dict (persistent=False): rebuilt in float32, it made a
-    loaded bfloat16 / float64 model fail in its first forward (a conv of x and a float32 weight)."""
-    model = create_model("timm:resnetblur18", num_classes=3, input_size=32).eval().to(dtype)
-    loaded = load(save(model, tmp_path / "blur.safetensors"))
-    x = torch.randn(2, 3, 32, 32, dtype=dtype)
+    loaded bfloat16 / float64 model fail in its first forward (a conv of x and a float32 weight). The recipe
+    records such buffers' dtypes, so a model of mixed dtypes (bf16 with float32 BatchNorms) loads as it ran; a
+    file without that record (an older version's) takes its one float dtype."""
+    model = create_model("timm:resnetblur18", num_classes=3, input_size=32).eval()
+    model.to(torch.bfloat16 if dtype == "mixed" else dtype)
+    if dtype == "mixed":
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.float()
+    path = save(model, tmp_path / "blur.safetensors")
+    loaded = load(path)
+    x = torch.randn(2, 3, 32, 32, dtype=torch.bfloat16 if dtype == "mixed" else dtype)
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+    assert "buffer_dtypes" in json.loads(safe_open(str(path), framework="pt").metadata()["compress.recipe"])
+    if dtype != "mixed":  # as written before the record (no digests: rewritten)
+        _rewrite(path, edit_recipe=lambda r: r.pop("buffer_dtypes"))
+        with torch.no_grad():
+            torch.testing.assert_close(load(path)(x), model(x), rtol=0, atol=0)
 
 
 def test_removed_block_round_trip(tmp_path):
