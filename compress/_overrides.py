@@ -64,7 +64,7 @@ def require_sections(cfg: DictConfig, examples: dict[str, tuple[str, type]], app
     for section, (key, kind) in examples.items():
         if section in cfg and not isinstance(cfg[section], DictConfig):
             value = OmegaConf.to_container(cfg, resolve=False)[section]
-            shown = str(value).lower() if isinstance(value, bool) else value
+            shown = "null" if value is None else str(value).lower() if isinstance(value, bool) else value
             fits = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
             raise ValueError(f"{app}: {section}={shown} sets the whole {section} section, which holds settings of its "
                              f"own; set one of them instead, e.g. {section}.{key}={shown if fits else '<value>'} "

@@ -24,7 +24,7 @@
 
 The chosen threshold and MAC counts are recorded in `compact_model.compress_compaction` (a dict:
 threshold, fold_bn, target_macs, macs, dense_macs, relu_fused and pool_fused (how many ReLUs and max-pools went
-into convs), channel_multiple; MACs are None when no budget was given; threshold is None
+into convs), channel_multiple, skeleton_layers (the convs that had skeletons); MACs are None when no budget was given; threshold is None
 for a model without skeletons; fold_bn says whether BatchNorms were folded: false where the model has none or
 could not be traced). A compact model compacted again keeps the record of what chose its stripes
 (threshold, target_macs, dense_macs) and takes the new layout's (`_carried_record`).
@@ -135,7 +135,7 @@ def compact(
     Returns:
         The compact model (same training mode, device and dtype, `compress_arch` kept) with
         `compress_compaction = {threshold, fold_bn, target_macs, macs, dense_macs, relu_fused, pool_fused,
-        channel_multiple}` (module docstring).
+        channel_multiple, skeleton_layers}` (module docstring).
     """
     refuse_wrapper("compact", model, "compact")
     if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, numbers.Real)
@@ -180,6 +180,8 @@ def compact(
         "target_macs": target_macs,
         "macs": macs,
         "dense_macs": dense,
+        # the convs whose stripes were chosen (export's stripe table; a compact model's: its first compaction's)
+        "skeleton_layers": [name for name, m in model.named_modules() if isinstance(m, SkeletonConv2d)],
     }
     out.compress_compaction = _carried_record(before, record) if isinstance(before, dict) else record
     return out
@@ -195,7 +197,7 @@ def _carried_record(before: dict, after: dict) -> dict:
     (fold_bn, fusions, channel multiple) and its MACs (counted again by `compact` when the first pass had a
     budget) are the new model's, fusions counted over both passes."""
     record = dict(after)
-    for key in ("threshold", "target_macs", "dense_macs"):
+    for key in ("threshold", "target_macs", "dense_macs", "skeleton_layers"):
         if key in before:
             record[key] = before[key]
     record["fold_bn"] = bool(before.get("fold_bn")) or after["fold_bn"]
@@ -268,7 +270,7 @@ def _drop_unread_work(model: nn.Module, direct: set[str]) -> None:
             m = get_module(model, node.target)
             if isinstance(m, PiXBlock) or (type(m) is nn.Conv2d and m.groups == 1 and stripe_padding_ok(m)) \
                     or (isinstance(m, StripeConv2d) and m.num_stripes > 0 and not (m.relu or m.pool)):
-                calls.setdefault(node.target, []).append(_reads_only_shape(model, node))
+                calls.setdefault(node.target, []).append(_reads_only_shape(model, node, direct))
         unread = [name for name, uses in calls.items() if all(uses)]
         convs = []
         for name in unread:
@@ -286,15 +288,18 @@ def _drop_unread_work(model: nn.Module, direct: set[str]) -> None:
             return
 
 
-def _reads_only_shape(model: nn.Module, node) -> bool:
+def _reads_only_shape(model: nn.Module, node, direct: set[str]) -> bool:
     """Whether every use of `node`'s value is a StripeConv2d with no stripe (its first argument; it outputs its
-    bias from the input's shape alone), a ZeroChannels, or an elementwise step whose own uses are such."""
+    bias from the input's shape alone), a ZeroChannels, or an elementwise step whose own uses are such; never
+    through a module surgery leaves alone (`direct`: a hook of its own may read the values)."""
     for user in node.users:
+        if user.op == "call_module" and user.target in direct:
+            return False
         if user.op == "call_module" and user.args[:1] == (node,) and not user.kwargs and len(user.args) == 1:
             m = get_module(model, user.target)
             if (isinstance(m, StripeConv2d) and m.num_stripes == 0) or isinstance(m, ZeroChannels):
                 continue
-        if not (is_elementwise(model, user) and user.args[0] is node and _reads_only_shape(model, user)):
+        if not (is_elementwise(model, user) and user.args[0] is node and _reads_only_shape(model, user, direct)):
             return False
     return bool(node.users)
 

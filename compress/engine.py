@@ -473,7 +473,7 @@ def check_optim(optim: DictConfig, epochs: int | None = None, resume: bool = Fal
         if value is None and key in optional:
             continue
         if not _is_number(value) or not ok(value):
-            raise ValueError(f"optim.{key}={value!r} must be a finite number {rule}")
+            raise ValueError(f"optim.{key}={'null' if value is None else repr(value)} must be a finite number {rule}")
     if optim.get("nesterov") is True and optim.momentum == 0:
         raise ValueError("optim.nesterov=true needs optim.momentum > 0 (Nesterov momentum); set optim.nesterov=false "
                          "for plain SGD")

@@ -381,7 +381,8 @@ def export_checkpoint(
                               stacklevel=2)
             onnx_info = {"file": FILES[1], "stripe_mode": stripe_mode, "opset": opset, "max_rel_error": err,
                          "dtype": str(next(onnx_model.parameters()).dtype).removeprefix("torch.")}
-        stripes = compact_stripes_per_layer(small, arch_model, skeleton_layers or None)
+        # a compact file's: those its first compaction recorded (files before that record: SWP's default picks)
+        stripes = compact_stripes_per_layer(small, arch_model, skeleton_layers or record.get("skeleton_layers"))
         dense, small = deployed(dense), deployed(small)
         common = {"batch_size": batch_size, "device": device, "latency": latency, "repeats": repeats,
                   "memory_format": memory_format}

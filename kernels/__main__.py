@@ -120,8 +120,9 @@ def build_all(verbose: bool = False) -> int:
         ok = _cpu.lib() is not None
         print("build: C++ CPU kernels", "ok" if ok else "unavailable (see the warning above)")
         rc |= not ok
+    no_cuda = _cpu.env_flag("COMPRESS_KERNELS_NO_CUDA")  # (its value checked on any machine)
     gpu = torch.cuda.is_available() and torch.version.cuda is not None
-    if not gpu or _cpu.env_flag("COMPRESS_KERNELS_NO_CUDA"):
+    if not gpu or no_cuda:
         print("build: CUDA extension skipped (" + ("COMPRESS_KERNELS_NO_CUDA is set" if gpu
                                                      else "no CUDA GPU or a CPU-only PyTorch build") + ")")
     else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import decimal
 import numbers
 import operator
 from collections.abc import Sequence
@@ -29,8 +30,11 @@ def check_tau(where: str, tau, key: str = "tau") -> float:
     """``tau`` as a float; ValueError naming ``where`` and ``key`` (the argument, or pix.tau in a config) unless it is
     a number in [0, 1] (NaN would take the mean everywhere without a word)."""
     # p = sigmoid(...) lies in [0, 1] once rounded: tau 0 always mixes; tau 1 picks unless p rounds to 1
-    if isinstance(tau, bool) or not isinstance(tau, numbers.Real) or not 0.0 <= tau <= 1.0:
-        raise ValueError(f"{where}: {key}={tau!r} must be a number in [0, 1] (pix.tau; the paper uses 0.5)")
+    number = (isinstance(tau, (numbers.Real, decimal.Decimal)) and not isinstance(tau, bool)) or (
+        isinstance(tau, torch.Tensor) and tau.numel() == 1 and tau.dtype != torch.bool and not tau.is_complex())
+    if not number or not 0.0 <= float(tau) <= 1.0:
+        shown = "null" if tau is None else repr(tau)
+        raise ValueError(f"{where}: {key}={shown} must be a number in [0, 1] (pix.tau; the paper uses 0.5)")
     return float(tau)
 
 

@@ -586,8 +586,8 @@ def residual_relu(out: Tensor, identity: Tensor) -> Tensor:
     plain = (plain_eager(out, identity) and out.dtype == identity.dtype and out.shape == identity.shape
              and out.device == identity.device and type(identity) is torch.Tensor)
     recording = torch.is_grad_enabled() and (out.requires_grad or identity.requires_grad)
-    if recording and out.requires_grad and out.is_leaf:  # a leaf cannot be overwritten in a recorded graph
-        return torch.relu(out + identity)
+    if recording and out.requires_grad and (out.is_leaf or out._is_view()):  # a leaf (or a view of one) cannot be
+        return torch.relu(out + identity)  # overwritten in a recorded graph
     if plain and out.device.type == "cpu" and out.dtype in (torch.float32, torch.float64) and not recording:
         return torch.ops.aten._add_relu_(out, identity)
     if (plain and out.is_cuda and out.dtype in (torch.float32, torch.float16, torch.bfloat16) and out.dim() == 4

@@ -207,6 +207,38 @@ def test_dead_filter_removal_keeps_the_function_of_odd_chains(variant, fold):
         assert out.conv1.out_channels == 6  # removed, their constants folded into conv2
 
 
+def test_a_hooked_layer_before_a_dead_conv_keeps_what_it_sees():
+    """conv a -> BN -> hooked ReLU -> conv b with no stripe left (+ a parallel conv): b reads only its input's shape,
+    but the hook records the ReLU's values, so a keeps its work (it became a StripeConv2d with no stripe, and the
+    hook saw other features); the model's output is the masked model's either way."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.bna, self.relu = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()
+            self.b, self.p = nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(3, 8, 1)
+
+        def forward(self, x):
+            return self.b(self.relu(self.bna(self.a(x)))) + self.p(x)
+
+    torch.manual_seed(0)
+    model = Net()
+    attach_skeletons(model)
+    random_bn_(model, torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model.b.skeleton.zero_()
+    model.double().eval()
+    seen = []
+    model.relu.register_forward_hook(lambda module, inputs, out: seen.append(out.clone()))
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    small = compact(model, fold_bn=True)
+    assert_same_output(model, small, x)
+    seen.clear()
+    with torch.no_grad():
+        model(x), small(x)
+    torch.testing.assert_close(seen[1], seen[0], rtol=1e-12, atol=1e-12)
+    assert not isinstance(small.a, StripeConv2d) or small.a.num_stripes > 0
+
+
 def test_compaction_keeps_frozen_parameters_frozen():
     """A frozen model compacts frozen: the biases BN folding and dead-filter removal add do not train."""
     model = _DeadFilterNet("leaky_relu(0.2)").requires_grad_(False)

@@ -143,7 +143,7 @@ def test_cifar_configs_keep_the_paper_recipe():
          r"optim.milestones='abc' must be a list of increasing epoch numbers"),
         (["optim=sgd_multistep", "optim.milestones=[120,80]"], ValueError, "must be a list of increasing epoch numbers"),
         (["optim=sgd_multistep", "optim.gamma=null"], ValueError,  # crashed at the first milestone, after training
-         r"optim.gamma=None must be a finite number in \(0, 1\]"),
+         r"optim.gamma=null must be a finite number in \(0, 1\]"),
         (["optim=sgd_multistep", "optim.epochs=5", "optim.milestones=[1,3]", "++optim.warmup_epochs=2"], ValueError,
          r"optim.milestones=\[1, 3\]: the first milestone must come after the optim.warmup_epochs=2 warmup epochs"),
         (["optim=sgd_multistep", "optim.epochs=5", "optim.milestones=[2]", "++optim.warmup_epochs=2"], ValueError,

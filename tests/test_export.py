@@ -635,7 +635,8 @@ def test_report_counts_the_stripes_of_the_exported_model(training_checkpoint, tm
 
 def test_report_counts_the_stripes_of_the_layers_the_run_gave_skeletons(tmp_path):
     """A run with prune.min_kernel_size=1 and prune.exclude: the report's stripe table covers the convs that had
-    skeletons (1x1 ones included, the excluded one not), not those SWP would pick by default."""
+    skeletons (1x1 ones included, the excluded one not), not those SWP would pick by default; so does the export of
+    its compact file (whose compaction record names them)."""
     g = torch.Generator().manual_seed(0)
     model = create_model("resnet29_bottleneck", num_classes=10, input_size=32)
     names = attach_skeletons(model, min_kernel_size=1, exclude=["layer1.0.conv2"])
@@ -656,6 +657,9 @@ def test_report_counts_the_stripes_of_the_layers_the_run_gave_skeletons(tmp_path
     convs = {name: model.get_submodule(name) for name in names}
     assert sum(s["total"] for s in report["stripes"].values()) == sum(
         c.out_channels * c.kernel_size[0] * c.kernel_size[1] for c in convs.values())
+    again = export_checkpoint(tmp_path / "out" / FILES[0], tmp_path / "again", onnx=False, latency=False,
+                              choose_stripe_modes=False)  # the compact file: the same layers (its record keeps them)
+    assert again["stripes"] == report["stripes"]
 
 
 def test_report_names_each_stripe_convs_mode(training_checkpoint, tmp_path, monkeypatch):

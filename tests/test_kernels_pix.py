@@ -2,7 +2,9 @@
 
 import os
 import warnings
+from decimal import Decimal
 
+import numpy as np
 import pytest
 import torch
 
@@ -175,6 +177,8 @@ def test_errors():
     for tau in (float("nan"), -0.1, 1.5, True, "0.5"):  # NaN took the mean everywhere without a word
         with pytest.raises(ValueError, match=rf"pix: tau={tau!r} must be a number in \[0, 1\]"):
             kernels.pix(x, p, 4, tau)
+    for tau in (torch.tensor(0.3), np.float32(0.3), Decimal("0.3")):  # numbers of other kinds: as float(tau)
+        assert torch.equal(kernels.pix(x, p, 4, tau), kernels.pix(x, p, 4, float(tau)))
 
 
 def test_residual_relu_of_a_leaf_that_requires_grad():
@@ -186,6 +190,11 @@ def test_residual_relu_of_a_leaf_that_requires_grad():
     torch.testing.assert_close(y.double(), ref, rtol=1e-6, atol=1e-6)
     y.sum().backward()
     torch.testing.assert_close(out.grad, (ref > 0).float())
+    big = torch.randn(2, 16, 5, 6, requires_grad=True)  # a view of a leaf: likewise
+    y = kernels.residual_relu(big[:, :8], identity)
+    torch.testing.assert_close(y.double(), torch.relu(big[:, :8].detach().double() + identity.double()))
+    y.sum().backward()
+    assert big.grad[:, 8:].abs().sum() == 0 and big.grad[:, :8].sum() > 0
 
 
 def test_opcheck_cpu():

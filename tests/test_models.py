@@ -59,6 +59,7 @@ def test_registry_lists_all_families():
     } <= names
     assert {"vgg11", "vgg13", "vgg16", "vgg19"} <= names
     assert list_models(module="cifar_vgg") == ["vgg11", "vgg13", "vgg16", "vgg19"]
+    assert list_models(module="compress.models.cifar_vgg") == list_models(module="cifar_vgg")  # the dotted name too
     with pytest.raises(ValueError, match=r"list_models: no registered model comes from module 'cifar_vg'; the "
                                          r"families are \['cifar_resnet', 'cifar_vgg', "):
         list_models(module="cifar_vg")  # (a typo listed nothing)

@@ -104,17 +104,18 @@ def registering_module(name: str) -> str | None:
 
 def list_models(pattern: str = "*", module: str | None = None) -> list[str]:
     """Sorted registered names matching the shell-style `pattern`, optionally only those of one family
-    file (`module`, e.g. "cifar_resnet", "cifar_vgg", "external"). timm models are not listed: any
-    `timm:<name>` that timm knows is accepted by `create_model`."""
-    families = {fn.__module__.rpartition(".")[2] for fn in _entrypoints.values()}
-    if module is not None and module not in families:
+    file (`module`, e.g. "cifar_resnet", "cifar_vgg", "external", or your module's dotted name). timm models are
+    not listed: any `timm:<name>` that timm knows is accepted by `create_model`."""
+
+    def comes_from(fn) -> bool:  # the module's last name ("cifar_vgg") or its whole dotted name ("pkg.nets")
+        return module in (fn.__module__, fn.__module__.rpartition(".")[2])
+
+    if module is not None and not any(comes_from(fn) for fn in _entrypoints.values()):
+        families = sorted({fn.__module__.rpartition(".")[2] for fn in _entrypoints.values()})
         raise ValueError(f"list_models: no registered model comes from module {module!r}; the families are "
-                         f"{sorted(families)}")
-    return sorted(
-        name
-        for name, fn in _entrypoints.items()
-        if fnmatch.fnmatchcase(name, pattern) and (module is None or fn.__module__.rpartition(".")[2] == module)
-    )
+                         f"{families}")
+    return sorted(name for name, fn in _entrypoints.items()
+                  if fnmatch.fnmatchcase(name, pattern) and (module is None or comes_from(fn)))
 
 
 # constructor arguments of timm/torchvision that name weights to load (a file, a download): refused by create_model
