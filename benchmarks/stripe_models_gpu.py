@@ -134,6 +134,7 @@ def build_skeleton(name: str, variant: str, seed: int, kwargs: dict, stripe_grou
         "run": meta.get("run"),
         "threshold": meta.get("threshold"),
         "summary": meta.get("summary"),
+        "trained_input_size": (meta.get("model_kwargs") or {}).get("input_size"),  # what trained_compact_macs counts at
     }
     return model, info
 
@@ -495,10 +496,13 @@ def print_table(results: list[dict]) -> None:
             ((r["masks"].get("run") or {}).get("trained_compact_macs")) if r["variant"] == "real" else None
         )
         if trained:
+            size, trained_size = r["input_size"][-1], r["masks"].get("trained_input_size")
+            why = (f"counted at {trained_size} px, this row at {size} px: not comparable" if trained_size not in
+                   (None, size) else "its dead filters' BN holds tiny nonzero values that compaction keeps where the "
+                   "next conv pads")
             print(
                 f"{r['model']}/real: masks of {r['masks']['file']} on a fresh model: {r['compact_macs'] / 1e6:.2f} M "
-                f"MACs; the trained checkpoint's own compaction: {trained / 1e6:.2f} M (its dead filters' BN holds "
-                "tiny nonzero values that compaction keeps where the next conv pads)"
+                f"MACs; the trained checkpoint's own compaction: {trained / 1e6:.2f} M ({why})"
             )
     for r in results:
         if r["model"] not in TARGETS:
