@@ -335,9 +335,7 @@ def build_recipe(model: nn.Module) -> dict:
             "a module changed in a way its config() does not describe"
         )
     recipe = {"format": FORMAT, "version": VERSION, "arch": arch, "replacements": replacements, "removed": removed}
-    unsaved = {f"{name}.{b}".lstrip("."): str(module._buffers[b].dtype).removeprefix("torch.")
-               for name, module in model.named_modules() for b in module._non_persistent_buffers_set
-               if module._buffers.get(b) is not None and module._buffers[b].is_floating_point()}
+    unsaved = {key: str(buf.dtype).removeprefix("torch.") for key, _, _, buf in _unsaved_float_buffers(model)}
     if unsaved:  # buffers kept out of the state dict (timm's BlurPool2d filter): the file keeps their dtypes
         recipe["buffer_dtypes"] = unsaved
     compaction = getattr(model, "compress_compaction", None)
@@ -512,22 +510,27 @@ def _cast_unsaved_buffers(model: nn.Module, recorded: dict | None, file_dtypes: 
     file's float dtype where it has one. (A bf16 model loaded with a float32 filter failed in its first forward.)"""
     if recorded is not None and not isinstance(recorded, dict):
         raise ValueError(f"{where}: the recipe is incomplete or malformed (buffer_dtypes is {recorded!r})")
+    for key, module, name, buf in list(_unsaved_float_buffers(model)):
+        if recorded is not None:
+            if recorded.get(key, "float32") not in _FLOATS:
+                raise ValueError(f"{where}: the recipe gives buffer {key} the dtype {recorded[key]!r}, not a float "
+                                 "dtype (a tampered file?)")
+            dtype = _FLOATS[recorded.get(key, "float32")]
+        elif len(file_dtypes) == 1:
+            (dtype,) = file_dtypes
+        else:
+            continue
+        module._buffers[name] = buf.to(dtype)
+
+
+def _unsaved_float_buffers(model: nn.Module):
+    """(state-dict-style key, module, buffer name, buffer) of each float buffer a module keeps out of its state dict
+    (``persistent=False``)."""
     for module_name, module in model.named_modules():
         for name in module._non_persistent_buffers_set:
             buf = module._buffers.get(name)
-            if buf is None or not buf.is_floating_point():
-                continue
-            key = f"{module_name}.{name}".lstrip(".")
-            if recorded is not None:
-                if recorded.get(key, "float32") not in _FLOATS:
-                    raise ValueError(f"{where}: the recipe gives buffer {key} the dtype {recorded[key]!r}, not a float "
-                                     "dtype (a tampered file?)")
-                dtype = _FLOATS[recorded.get(key, "float32")]
-            elif len(file_dtypes) == 1:
-                (dtype,) = file_dtypes
-            else:
-                continue
-            module._buffers[name] = buf.to(dtype)
+            if buf is not None and buf.is_floating_point():
+                yield f"{module_name}.{name}".lstrip("."), module, name, buf
 
 
 def rebuild_for(recipe: dict | str, tensors: dict[str, torch.Tensor], where: str) -> nn.Module:

@@ -1328,7 +1328,7 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float, began: Ca
                         # keep what the epoch trained (an unreadable test image would otherwise cost it on every
                         # attempt): last.pt as at an epoch end without an evaluation, then stop
                         if not partial:
-                            scheduler.step()
+                            _step_schedule(scheduler)
                         test = {"loss": float("nan"), "accuracy": float("nan")}  # these weights were not evaluated
                         save(epoch, done, step, epoch_rng, rng or rng_state(generator), is_best=False, logged=False,
                              sums=train.get("sums"))
@@ -1339,9 +1339,7 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float, began: Ca
                         f"(it is {cfg.optim.lr:g})" + (f" or prune.alpha (it is {swp[0]:g})" if swp else ""))
             lr = optimizer.param_groups[0]["lr"]
             if not partial:
-                with warnings.catch_warnings():  # an epoch whose batches all ran before a resume: no step here
-                    warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler.step\(\)` before", UserWarning)
-                    scheduler.step()
+                _step_schedule(scheduler)
             stats = skeleton_stats(raw, threshold)
             macs_dense, macs_pruned = estimate_macs(raw, input_shape, threshold)
             if not logged_before:  # each step once in TensorBoard; no NaN train metrics of an epoch with no batch
@@ -1519,11 +1517,17 @@ def _resumed_scheduler(scheduler, optimizer: torch.optim.Optimizer, optim_cfg: D
     for group in optimizer.param_groups:  # back to the base LR, then the new schedule's steps up to the epoch
         group["lr"] = group["initial_lr"]
     fresh = build_scheduler(optimizer, optim_cfg, epochs)
-    with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": no training step is meant
-        warnings.simplefilter("ignore", UserWarning)
-        for _ in range(int(ckpt["epoch"])):
-            fresh.step()
+    _step_schedule(fresh, int(ckpt["epoch"]))
     return fresh
+
+
+def _step_schedule(scheduler, times: int = 1) -> None:
+    """`scheduler.step()` `times` times without PyTorch's warning that no optimizer step came first: none is meant
+    (a schedule replayed on resume; an epoch whose batches all ran before a resume)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler.step\(\)` before", UserWarning)
+        for _ in range(times):
+            scheduler.step()
 
 
 def _say_if_nothing_to_train(first_epoch: int, epochs: int, step: int, max_steps: int | None, dist: DistInfo) -> None:
