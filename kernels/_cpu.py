@@ -1,7 +1,7 @@
 """Small C++ CPU kernels, compiled on first use with the system C++ compiler and called through ctypes.
 
 No PyTorch headers: one source (``SOURCE``), one ``c++ -O3 -fopenmp -shared`` call (15-50 s on 2 cores, once;
-the compiler is ``$CXX`` if set, else the first of c++, g++, clang++), cached as a shared library in
+the compiler is ``$CXX`` if set, split as a shell would (``CXX="ccache g++"``), else the first of c++, g++, clang++), cached as a shared library in
 ``$COMPRESS_KERNELS_CACHE/cpu`` (default ``~/.cache/compress_kernels/cpu``), named by a hash of the source, the
 compiler, the flags and the machine. A cached file that is not a whole library (truncated on disk: dlopen would
 crash the process) is rebuilt. With GCC on x86-64 the float32 workers are ``target_clones``
@@ -50,6 +50,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import struct
 import subprocess
@@ -729,16 +730,21 @@ def cache_root() -> str:
     return os.path.expanduser(root)
 
 
-def _compiler() -> tuple[str | None, str]:
-    """(the compiler's path, or None; why there is none, for the warning)."""
-    cxx = os.environ.get("CXX")
-    found = next((shutil.which(c) for c in (cxx, "c++", "g++", "clang++") if c and shutil.which(c)), None)
-    if cxx and not shutil.which(cxx):
+def _compiler() -> tuple[list[str] | None, str]:
+    """(the compiler's command: its path, then any words after it in ``$CXX`` such as ``ccache g++``'s compiler;
+    or None, and why there is none, for the warning)."""
+    words = shlex.split(os.environ.get("CXX", ""))
+    given = shutil.which(words[0]) if words else None
+    if given:
+        return [given, *words[1:]], ""
+    found = next((shutil.which(c) for c in ("c++", "g++", "clang++") if shutil.which(c)), None)
+    if words:
+        cxx = os.environ["CXX"]
         if found is None:
             return None, f"CXX={cxx!r} is not an executable compiler, and no c++, g++ or clang++ is on PATH"
         warnings.warn(f"compress kernels: CXX={cxx!r} is not an executable compiler; using {found}",
                       RuntimeWarning, stacklevel=4)
-    return found, "no C++ compiler found (c++, g++ or clang++ on PATH); set CXX"
+    return ([found] if found else None), "no C++ compiler found (c++, g++ or clang++ on PATH); set CXX"
 
 
 def _warn(why: str) -> None:
@@ -750,9 +756,9 @@ class _CompileError(RuntimeError):
     pass
 
 
-def _path(cxx: str, flags: list[str]) -> str:
-    """The cached library's path: named by a hash of the source, the compiler, the flags and the machine."""
-    tag = hashlib.sha256("\0".join([SOURCE, cxx, *flags, platform.machine(), platform.system()]).encode())
+def _path(cxx: list[str], flags: list[str]) -> str:
+    """The cached library's path: named by a hash of the source, the compiler command, the flags and the machine."""
+    tag = hashlib.sha256("\0".join([SOURCE, *cxx, *flags, platform.machine(), platform.system()]).encode())
     return os.path.join(cache_root(), "cpu", f"compress_cpu_{tag.hexdigest()[:16]}.so")
 
 
@@ -798,7 +804,7 @@ def _sweep_stale_builds(d: str, age_s: float = 3600) -> None:
                 shutil.rmtree(entry.path, ignore_errors=True)
 
 
-def _build(cxx: str, flags: list[str]) -> str:
+def _build(cxx: list[str], flags: list[str]) -> str:
     so = _path(cxx, flags)
     d = os.path.dirname(so)
     os.makedirs(d, exist_ok=True)
@@ -816,14 +822,14 @@ def _build(cxx: str, flags: list[str]) -> str:
         with open(src, "w") as f:
             f.write(SOURCE)
         kind = "" if "-fopenmp" in flags else " without OpenMP"
-        print(f"compress kernels: compiling the C++ CPU kernels{kind} with {cxx} into {d} (first use only, a few "
+        print(f"compress kernels: compiling the C++ CPU kernels{kind} with {shlex.join(cxx)} into {d} (first use only, a few "
               "seconds) ...", file=sys.stderr, flush=True)
-        r = subprocess.run([cxx, *flags, "-o", out, src], capture_output=True, text=True, timeout=300)
+        r = subprocess.run([*cxx, *flags, "-o", out, src], capture_output=True, text=True, timeout=300)
         if r.returncode != 0 or not os.path.isfile(out):
             lines = (r.stderr or r.stdout or f"exit status {r.returncode}, no library written").strip().splitlines()
             killed = r.returncode < 0 or any("Killed" in ln for ln in lines)  # gcc's and clang's words: no fault of the flags
             raise (RuntimeError if killed else _CompileError)(
-                f"{cxx} failed: " + next((ln for ln in lines if "error" in ln), lines[-1])[:300])
+                f"{shlex.join(cxx)} failed: " + next((ln for ln in lines if "error" in ln), lines[-1])[:300])
         with open(out, "rb") as f:
             os.fsync(f.fileno())  # on disk before it gets its name: a crash leaves no truncated library behind
         with open(so + ".sha256", "w") as f:  # (parallel builds: a mismatch later only means one more build)
@@ -834,7 +840,7 @@ def _build(cxx: str, flags: list[str]) -> str:
     return so
 
 
-def _load(cxx: str, flags: list[str]) -> ctypes.CDLL:
+def _load(cxx: list[str], flags: list[str]) -> ctypes.CDLL:
     handle = ctypes.CDLL(_build(cxx, flags))
     for name, args in SIGNATURES.items():
         fn = getattr(handle, name)
@@ -842,7 +848,7 @@ def _load(cxx: str, flags: list[str]) -> ctypes.CDLL:
     return handle
 
 
-def _load_any(cxx: str) -> ctypes.CDLL:
+def _load_any(cxx: list[str]) -> ctypes.CDLL:
     """The OpenMP build, else (one warning: single-threaded kernels) the serial one; raises if neither works."""
     try:
         return _load(cxx, FLAGS)

@@ -1,6 +1,8 @@
 """compress::pix against a float64 reference written from the definition (DESIGN.md, seed 003)."""
 
 import os
+import shutil
+import subprocess
 import warnings
 from decimal import Decimal
 
@@ -650,7 +652,7 @@ def test_cpu_library_warns_about_an_unusable_cxx(monkeypatch):
     monkeypatch.setenv("CXX", "/nonexistent/g++")
     monkeypatch.setattr(_cpu.shutil, "which", lambda c: "/usr/bin/g++" if c == "g++" else None)
     with pytest.warns(RuntimeWarning, match=r"CXX='/nonexistent/g\+\+' is not an executable compiler; using /usr/bin/g"):
-        assert _cpu._compiler()[0] == "/usr/bin/g++"
+        assert _cpu._compiler()[0] == ["/usr/bin/g++"]
     monkeypatch.setattr(_cpu.shutil, "which", lambda c: None)
     monkeypatch.setattr(_cpu, "_state", {})
     with warnings.catch_warnings(record=True) as caught:
@@ -659,6 +661,27 @@ def test_cpu_library_warns_about_an_unusable_cxx(monkeypatch):
     assert [str(w.message) for w in caught] == [
         "compress kernels: the C++ CPU kernels are unavailable (CXX='/nonexistent/g++' is not an executable compiler, "
         "and no c++, g++ or clang++ is on PATH); CPU tensors use the slower PyTorch path."]
+
+
+def test_cpu_library_takes_a_cxx_of_several_words(monkeypatch, tmp_path):
+    """CXX="ccache g++" (a launcher, then the compiler) is split as a shell would: it was taken as one missing
+    executable's name, with a warning, and the build used another compiler."""
+    from kernels import _cpu
+
+    monkeypatch.setenv("CXX", "env 'g++'")
+    monkeypatch.setenv("COMPRESS_KERNELS_CACHE", str(tmp_path))
+    env = shutil.which("env")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cxx, _ = _cpu._compiler()
+    assert cxx == [env, "g++"]
+    calls = []
+    monkeypatch.setattr(_cpu.subprocess, "run", lambda argv, **kw: calls.append(argv) or
+                        subprocess.CompletedProcess(argv, 1, "", "g++: error: stopped here"))
+    with pytest.raises(_cpu._CompileError, match=f"^{env} g\\+\\+ failed: g\\+\\+: error: stopped here"):
+        _cpu._build(cxx, _cpu.SERIAL_FLAGS)
+    assert calls[0][:3] == [env, "g++", _cpu.SERIAL_FLAGS[0]]
+    assert _cpu._path(cxx, _cpu.FLAGS) != _cpu._path([env], _cpu.FLAGS)
 
 
 def test_kernel_settings_read_on_off_values_and_expand_the_cache_path(monkeypatch):
