@@ -378,7 +378,7 @@ class StripeConv2d(nn.Module):
         kept = self._inference_launch(x)
         if kept is not None:  # eager CUDA inference in stripe mode: checked first, the path whose host time counts
             launch, relayout = kept[1], kept[2]
-            y = launch(x)  # pooled by the launcher
+            y = launch.run(x)  # pooled by the launcher; x has its signature (the key)
             return y.contiguous(memory_format=torch.channels_last) if relayout else y
         fmt = _layout(x)
         if self._no_stripe() and self._constant_applies(x):

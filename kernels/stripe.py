@@ -593,7 +593,8 @@ def prepare_stripe_conv2d(x: Tensor, weight: Tensor, out_index: Tensor, offset: 
                           pool_ceil: bool = False, tile_keep: dict[int, float] | None = None):
     """An inference launcher of ``stripe_conv2d`` for inputs like ``x``: ``launch = prepare_stripe_conv2d(x, ...)``,
     then ``launch(x2)`` == ``stripe_conv2d(x2, ...)`` for any x2 with ``launch.signature ==
-    kernels.stripe_triton.input_signature(x2)``. Arguments as ``stripe_conv2d``, checked here once; the tensors are
+    kernels.stripe_triton.input_signature(x2)`` (another input is refused with a ValueError; ``launch.run(x2)``
+    skips that check, for callers that keyed the launcher by the signature). Arguments as ``stripe_conv2d``, checked here once; the tensors are
     held, so in-place changes to them show in later calls (a new ``dense`` needs a new launcher). ``pool``: the
     launcher returns ``F.max_pool2d(y, 2, ceil_mode=pool_ceil)`` instead, pooled in the kernel's epilogue for even
     output sizes (``kernels.stripe_triton.pool_fusable``), else after it. ``tile_keep``: ``stripe_tile_keep(plan,

@@ -714,6 +714,20 @@ class Launch:
         self._compiled = None  # Triton's compiled kernel bound to the grid, after the first call
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer's output on ``x``, which must have this launch's ``signature`` (an input of another shape gave
+        an output of the prepared shape, and a smaller batch made the kernel read past x's end)."""
+        if input_signature(x) != self.signature:
+            shape, dtype, device, strides, aligned = input_signature(x)
+            raise ValueError(
+                f"stripe conv launcher: prepared for inputs of shape {self.signature[0]}, {self.signature[1]} on "
+                f"{self.signature[2]}, strides {self.signature[3]}, 16-byte aligned {self.signature[4]}; got shape "
+                f"{shape}, {dtype} on {device}, strides {strides}, aligned {aligned}. Prepare a launcher for this input "
+                "(kernels.prepare_stripe_conv2d), or call kernels.stripe_conv2d")
+        return self.run(x)
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        """``self(x)`` without the signature check, for callers that matched ``input_signature(x)`` already
+        (``StripeConv2d`` keys its launcher by it)."""
         y = x.new_empty_strided(self._y_shape, self._y_strides)
         if self._M:
             self._run(x, y)

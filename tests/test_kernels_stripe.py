@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -558,9 +559,9 @@ plan = kernels.stripe_plan(oi, off, 20, (3, 3))
 x1, x2 = (torch.randn(2, 16, 6, 5, generator=gen) for _ in range(2))
 launch = stripe_triton.prepare(x1, w, oi, off, None, plan, 20, [3, 3], [1, 1], [1, 1], [1, 1], False, cfg)
 assert launch.signature == stripe_triton.input_signature(x2)
-for xi in (x1, x2):
+for xi, call in ((x1, launch), (x2, launch.run)):  # run: the same launch without the signature check
     yr = _ref(xi.double(), w.double(), oi, off, None, 20, (3, 3), (1, 1), (1, 1), (1, 1))
-    y = launch(xi)
+    y = call(xi)
     assert ((y.double() - yr).norm() / yr.norm()).item() < 1e-3
 # the 2x2 max-pool epilogue (pool=True) on every route and layout, tiles of 4 windows (BLOCK_M 16) over 2x2 (a
 # tile spans images: every route), 8x8 and 6x10 (a tile's windows span rows: the routes split between them, both
@@ -612,6 +613,23 @@ def test_triton_kernel_interpreted_on_cpu():
     finally:
         for proc in procs:
             proc.kill()
+
+
+def test_prepared_launcher_refuses_an_input_of_another_signature():
+    """A launcher called on an input it was not prepared for (another batch, size, dtype or layout) is refused,
+    naming both inputs: it returned an output of the prepared shape, and a smaller batch made the kernel read past
+    the input's end (NaN on CPU under the interpreter, an illegal access on a GPU). Nothing launches here."""
+    from kernels import stripe_triton
+
+    gen = torch.Generator().manual_seed(3)
+    w, oi, off = random_layer(8, 6, (3, 3), 0.5, gen, dtype=torch.float32)
+    plan = kernels.stripe_plan(oi, off, 8, (3, 3))
+    x = torch.randn(4, 6, 5, 5, generator=gen)
+    launch = stripe_triton.prepare(x, w, oi, off, None, plan, 8, [3, 3], [1, 1], [1, 1], [1, 1], False)
+    for other in (x[:1], torch.randn(4, 6, 7, 7), x.half(), x.contiguous(memory_format=torch.channels_last)):
+        with pytest.raises(ValueError, match=r"prepared for inputs of shape \(4, 6, 5, 5\), torch.float32 on cpu, "
+                                             r"strides \(150, 25, 5, 1\).* got shape " + re.escape(str(tuple(other.shape)))):
+            launch(other)
 
 
 # ----------------------------------------------------------------------------------------------- CUDA
