@@ -3,10 +3,13 @@ holds nothing else; lock files."""
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import math
 import os
 import shutil
+import stat
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -18,16 +21,23 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path
     """Call `write(tmp)` to fill a temporary file next to `path`, flush it to disk (fsync), give it the permissions a
     new file gets under the umask, then rename it onto `path` and fsync the folder: a reader sees the old file or the
     whole new one, also after a crash or power loss. A failed write (a full disk) leaves `path` as it was and raises
-    OSError naming it."""
+    OSError naming it. A symbolic link is written through (its target is replaced, the link stays); a path that is
+    not a regular file (a device such as /dev/null, a FIFO) is refused. Temporary files of `path` that killed
+    processes left (``.<name>.tmp<pid>``) are removed."""
     from safetensors import SafetensorError
 
-    path = Path(path)
+    given = Path(path)
+    path = Path(os.path.realpath(given))  # through symbolic links: os.replace would replace the link itself
     if path.is_dir():
-        raise IsADirectoryError(f"could not write {path}: it is a directory; give a file path")
+        raise IsADirectoryError(f"could not write {given}: it is a directory; give a file path")
+    if path.exists() and not stat.S_ISREG(path.stat().st_mode):
+        raise OSError(f"could not write {given}: it is not a regular file (a device, FIFO or socket), which a "
+                      "write by rename would replace; give a file path")
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
+            _remove_stale_temporaries(path)
             write(tmp)
             fd = os.open(tmp, os.O_RDONLY)
             try:
@@ -37,16 +47,27 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path
         # torch.save reports a full disk as a RuntimeError, safetensors as its SafetensorError
         except (OSError, RuntimeError, SafetensorError) as err:
             detail = " ".join(str(err).split())[:300]
-            raise OSError(f"could not write {path} ({type(err).__name__}: {detail}); check that its folder is "
-                          f"writable and the disk has room. The previous {path.name}, if any, is unchanged") from err
+            raise OSError(f"could not write {given} ({type(err).__name__}: {detail}); check that its folder is "
+                          f"writable and the disk has room. The previous {given.name}, if any, is unchanged") from err
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # safetensors creates its files owner-only
         os.replace(tmp, path)
         _fsync_dir(path.parent)
     finally:
-        tmp.unlink(missing_ok=True)
-    return path
+        with contextlib.suppress(OSError):  # (a folder that is a file: the error above says so, not this one)
+            tmp.unlink(missing_ok=True)
+    return given
+
+
+def _remove_stale_temporaries(path: Path) -> None:
+    """Remove ``.<name>.tmp<pid>`` files beside `path` whose process no longer runs (killed while writing)."""
+    prefix = f".{path.name}.tmp"
+    for entry in path.parent.glob(glob.escape(prefix) + "*"):
+        pid = entry.name[len(prefix):]
+        if pid.isdigit() and int(pid) != os.getpid() and not process_alive(int(pid)):
+            with contextlib.suppress(OSError):
+                entry.unlink()
 
 
 def json_text(value) -> str:

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save as safetensors_bytes
 from torch.nn.utils import parametrize
 
 from compress._checks import refuse_wrapper
@@ -358,7 +358,9 @@ def save(model: nn.Module, path: str | os.PathLike) -> Path:
                       + (", ..." if len(hooked) > 5 else "") + "); the loaded model runs without them", stacklevel=2)
     text = json.dumps(recipe)
     metadata = {_META_KEY: text, _RECIPE_DIGEST_KEY: hashlib.sha256(text.encode()).hexdigest(), _DIGEST_KEY: digest(tensors)}
-    return atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+    # the file's bytes are made in memory and written to atomic_write's temporary file: safetensors' save_file
+    # writes its own randomly named temporary file first, which a killed process left behind in the user's folder
+    return atomic_write(path, lambda tmp: tmp.write_bytes(safetensors_bytes(tensors, metadata=metadata)))
 
 
 def _check_dtypes(tensors: dict[str, torch.Tensor], where: str, fix: str) -> None:

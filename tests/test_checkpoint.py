@@ -664,6 +664,42 @@ def test_paths_that_are_no_regular_file_are_clear_errors(tmp_path):
         launch_path(tmp_path / "loop")
 
 
+def test_atomic_write_goes_through_links_refuses_special_files_and_removes_dead_writers_temporaries(tmp_path):
+    """A symbolic link is written through (os.replace replaced the link and left its target old); a FIFO or device
+    is refused (as root, compress.save(m, "/dev/null") replaced the device node with a file); a folder that is a
+    file gets the "could not write" error (the temporary file's cleanup raised NotADirectoryError over it); a
+    killed writer's temporary file (.<name>.tmp<pid>) is removed by the next write of that path, a live one's
+    kept; safetensors writes no temporary file of its own beside the target."""
+    import os
+
+    m = create_model("resnet20")
+    (tmp_path / "disk").mkdir()
+    target, link = tmp_path / "disk" / "real.safetensors", tmp_path / "link.safetensors"
+    save(m, target)
+    link.symlink_to(target)
+    with torch.no_grad():
+        m.fc.bias.add_(torch.randn(m.fc.bias.shape))
+    assert save(m, link) == link and link.is_symlink()
+    torch.testing.assert_close(load(link).fc.bias, m.fc.bias, rtol=0, atol=0)
+    torch.testing.assert_close(load(target).fc.bias, m.fc.bias, rtol=0, atol=0)
+
+    fifo = tmp_path / "pipe.safetensors"
+    os.mkfifo(fifo)
+    with pytest.raises(OSError, match=r"could not write .*pipe.safetensors: it is not a regular file"):
+        save(m, fifo)
+    with pytest.raises(OSError, match=r"could not write .*real.safetensors/x.safetensors \(FileExistsError"):
+        save(m, target / "x.safetensors")
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / "disk" / f".real.safetensors.tmp{dead.pid}"
+    live = tmp_path / "disk" / f".real.safetensors.tmp{os.getppid()}"
+    stale.write_bytes(b"half a model")
+    live.write_bytes(b"another process writing")
+    save(m, target)
+    assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == [live.name, "real.safetensors"]
+
+
 def test_json_text_writes_non_finite_numbers_as_null():
     """summary.json and report.json: a NaN test loss (BN statistics overflowing after one step) or an ONNX error of
     NaN is written null, so that strict JSON readers accept the file (json.dumps writes a bare NaN)."""

@@ -436,3 +436,7 @@ def test_load_weights_takes_a_state_dict_file_and_keeps_a_classifier_of_other_cl
         load_weights(create_model("resnet20"), tmp_path / "compact.safetensors")
     with pytest.raises(FileNotFoundError, match="no file at .*nothing is downloaded"):
         load_weights(create_model("resnet18"), tmp_path / "absent.pth")
+    whole = (tmp_path / "t.safetensors").read_bytes()  # cut short (a broken copy): safetensors' own error type
+    (tmp_path / "half.safetensors").write_bytes(whole[:len(whole) // 2])
+    with pytest.raises(ValueError, match=r"half.safetensors is a damaged .safetensors file \(.*incomplete .*copy "):
+        load_weights(create_model("resnet18"), tmp_path / "half.safetensors")

@@ -32,11 +32,16 @@ def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"model.weights: no file at {path}; give a local state dict file (.pth, .pt or "
                                 ".safetensors; nothing is downloaded)")
     if _is_safetensors(path):
-        with safe_open(str(path), framework="pt") as f:
-            if _META_KEY in (f.metadata() or {}):
-                raise ValueError(f"model.weights: {path} is a compact model file (export.py / compress.save); "
-                                 f"fine-tune it with init={path} instead")
-            state = {k: f.get_tensor(k) for k in f.keys()}
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                compact = _META_KEY in (f.metadata() or {})
+                state = {} if compact else {k: f.get_tensor(k) for k in f.keys()}
+        except Exception as err:  # noqa: BLE001 - safetensors raises its own error types for bad headers, short files
+            raise ValueError(f"model.weights: {path} is a damaged .safetensors file ({' '.join(str(err).split())[:200]}"
+                             "); it is truncated or was not fully written: copy or download it again") from None
+        if compact:
+            raise ValueError(f"model.weights: {path} is a compact model file (export.py / compress.save); "
+                             f"fine-tune it with init={path} instead")
     else:
         state = _torch_file(path)
     # train.py's own checkpoints (another script's {"model", "optimizer", "config"} file is unwrapped below)
