@@ -110,7 +110,7 @@ def skeleton_heatmap(conv: SkeletonConv2d, threshold: float, scale: int = 4) -> 
     wide and high (H = out_channels * scale, W = kh * kw * scale).
     """
     fs = conv.stripe_scale().float().abs().flatten(1).cpu()  # a grouped skeleton's rows repeated per filter
-    fs = fs * (fs > threshold)
+    fs = fs * conv.stripe_mask(threshold).flatten(1).cpu()
     img = fs / fs.max().clamp_min(1e-12)
     return img.repeat_interleave(scale, 0).repeat_interleave(scale, 1)
 

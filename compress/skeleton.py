@@ -100,8 +100,10 @@ class SkeletonConv2d(nn.Conv2d):
         return self.per_filter(self.skeleton.detach())
 
     def stripe_mask(self, threshold: float) -> torch.Tensor:
-        """Bool (N, kh, kw): True where the stripe is kept, i.e. |skeleton| > threshold."""
-        return self.stripe_scale().abs() > threshold
+        """Bool (N, kh, kw): True where the stripe is kept, i.e. |skeleton| > threshold, compared in float64 (a
+        float32 skeleton compared with the threshold rounded to float32 dropped values above it that round alike,
+        so a model and its .double() kept different stripes)."""
+        return self.stripe_scale().abs().double() > float(threshold)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (f", stripe_group={self.stripe_group}" if self.stripe_group > 1 else "")

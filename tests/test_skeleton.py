@@ -76,6 +76,12 @@ def test_stripe_mask_threshold_is_strict():
         sk.skeleton.copy_(torch.tensor([[[0.5, -0.01], [0.02, 0.0]], [[-0.3, 0.01], [0.011, -0.2]]]))
     expected = torch.tensor([[[True, False], [True, False]], [[True, False], [True, True]]])
     assert torch.equal(sk.stripe_mask(0.01), expected)
+    # a float32 value above the threshold that the threshold rounds to in float32: kept, as in float64
+    t = 0.99826
+    with torch.no_grad():
+        sk.skeleton.fill_(t)
+    assert sk.skeleton[0, 0, 0].item() > t and sk.stripe_mask(t).all()
+    assert sk.double().stripe_mask(t).all()
 
 
 def _net_with_bn():
