@@ -32,6 +32,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
+from compress._checks import unwrapped
 from compress.surgery import (
     conv_bn_pairs,
     conv_config,
@@ -282,7 +283,7 @@ def swp_update(model: nn.Module, alpha: float, threshold: float, bn_pairs: dict[
 
     For each skeleton FS: FS.grad += alpha * sign(FS) (not for a frozen one, requires_grad=False: it gets no
     gradient); entries with |FS| <= threshold get value and gradient zeroed. Filters without a kept stripe have weight, bias and their gradients of the
-    paired BatchNorm channel zeroed. `bn_pairs` ({conv name: BN name}): `compress.surgery.conv_bn_pairs(model)`,
+    paired BatchNorm channel zeroed. `model` may be wrapped (DataParallel, DDP, torch.compile). `bn_pairs` ({conv name: BN name}): `compress.surgery.conv_bn_pairs(model)`,
     which traces the model, so a training loop finds it once and passes it to every step; None finds it here.
 
     All layers at once with torch._foreach_* ops (a few multi-tensor kernels instead of ~8 per layer,
@@ -290,6 +291,7 @@ def swp_update(model: nn.Module, alpha: float, threshold: float, bn_pairs: dict[
     |FS| - threshold), 0) is 1 exactly where |FS| > threshold, and value and gradient are multiplied by it.
     """
     check_nonnegative(alpha=alpha, threshold=threshold)
+    model = unwrapped(model)  # (DataParallel, DDP, torch.compile: the BN pairs are traced in the model inside)
     convs = _skeleton_convs(model)
     if not convs:
         return

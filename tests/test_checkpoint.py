@@ -600,6 +600,8 @@ def test_save_refuses_wrappers_and_warns_of_hooks(tmp_path):
         save(torch.compile(model), tmp_path / "m.safetensors")
     with pytest.raises(ValueError, match=r"DataParallel is a wrapper; save the model inside it: model.module"):
         save(nn.DataParallel(model), tmp_path / "m.safetensors")
+    with pytest.raises(ValueError, match=r"CUDAGraphModel is a wrapper; save the model inside it: model.model"):
+        save(compress.CUDAGraphModel(model), tmp_path / "m.safetensors")
     model.layer1.register_forward_hook(lambda m, i, o: o * 2)
     with pytest.warns(UserWarning, match=r"forward hooks are not saved \(on layer1\)"):
         save(model, tmp_path / "m.safetensors")

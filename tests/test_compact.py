@@ -835,6 +835,9 @@ def test_compact_of_a_wrapped_model_names_the_model_inside():
     with pytest.raises(ValueError, match=r"compact: DataParallel is a wrapper; compact the model inside it: "
                                          r"model.module"):
         compact(nn.DataParallel(model), fold_bn=True)
+    with pytest.raises(ValueError, match=r"compact: CUDAGraphModel is a wrapper; compact the model inside it: "
+                                         r"model.model"):
+        compact(compress.CUDAGraphModel(model), fold_bn=True)
 
 
 @compress.register_model

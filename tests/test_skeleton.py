@@ -1,6 +1,7 @@
 """Filter Skeleton: conv semantics vs F.conv2d, the SWP update rule, BN zeroing, attach and stats."""
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -128,6 +129,21 @@ def test_swp_update_after_real_backward_and_stats():
     stats = skeleton_stats(net, threshold=0.005)
     assert stats["layers"]["0"] == {"stripes_total": 8, "stripes_kept": 4, "filters_total": 2, "filters_dead": 1}
     assert (stats["stripes_total"], stats["stripes_kept"], stats["filters_dead"]) == (8, 4, 1)
+
+
+def test_swp_update_through_a_wrapper_zeroes_the_bn_of_dead_filters():
+    """swp_update(DataParallel(net)) (as a training loop holds it) traced the wrapper, which fx cannot: it warned
+    and left the dead filters' BN channels alive; it works on the model inside now."""
+    net = _net_with_bn()
+    dp = nn.DataParallel(net)
+    attach_skeletons(dp)
+    with torch.no_grad():
+        net[0].skeleton[1] = 0.004
+    dp(torch.randn(4, 2, 5, 5)).square().mean().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        swp_update(dp, alpha=1e-3, threshold=0.005)
+    assert float(net[1].weight[1]) == 0.0 and float(net[1].bias[1]) == 0.0 and float(net[1].weight[0]) != 0.0
 
 
 def test_attach_skeletons_to_a_bare_conv_is_a_clear_error():
