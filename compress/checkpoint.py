@@ -349,6 +349,14 @@ def save(model: nn.Module, path: str | os.PathLike) -> Path:
     saved (a warning names the modules that have them)."""
     if str(path).endswith(("/", os.sep)) or Path(path).is_dir():
         raise ValueError(f"compress.save: {path} is a directory; give a file path, e.g. {Path(path) / 'model.safetensors'}")
+    from compress.stripe import StripeConv2d
+
+    for name, module in model.named_modules():
+        if isinstance(module, StripeConv2d) and module.num_stripes:
+            try:
+                module.check_indices()
+            except ValueError as err:
+                raise ValueError(f"compress.save: layer {name}: {err}") from None
     recipe = build_recipe(model)
     tensors = {k: _narrowest(v.detach().to("cpu")).clone().contiguous() for k, v in model.state_dict().items()}
     _check_dtypes(tensors, "compress.save", "convert those to a float dtype first (e.g. model.float())")

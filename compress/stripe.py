@@ -727,6 +727,26 @@ class StripeConv2d(nn.Module):
         self._trim = kernels.dense_trim(self.offset, self.kernel_size, self.padding, self.dilation)
         self._drop_caches()
 
+    def check_indices(self) -> None:
+        """ValueError unless `out_index` and `offset` are still the indices the layer's plan was built from (a
+        state dict write that bypasses loading, such as an EMA that averages integer buffers, changes them; the
+        forward keeps reading the plan, a saved file would hold the changed indices)."""
+        if self.plan is None:
+            raise ValueError(f"its {self.num_stripes} stripes were never set (a layer built with num_stripes=S holds "
+                             "placeholders); fill it with load_state_dict, or build it with StripeConv2d.from_dense")
+        try:
+            same = torch.equal(
+                kernels.stripe_plan(self.out_index, self.offset, self.out_channels, self.kernel_size).cpu(),
+                self.plan.cpu())
+        except ValueError:
+            same = False
+        if not same:
+            raise ValueError(
+                "its stripe indices (out_index, offset) were changed after it was built: an EMA or averaging tool "
+                "that averages integer buffers too (timm's ModelEmaV2, AveragedModel(use_buffers=True)) corrupts "
+                "them; average only floating-point tensors (timm's ModelEmaV3, AveragedModel(use_buffers=False)), "
+                "or load a state dict with load_state_dict")
+
     def extra_repr(self) -> str:
         total = self.out_channels * self.kernel_size[0] * self.kernel_size[1]
         s = (

@@ -702,6 +702,31 @@ def test_atomic_write_goes_through_links_refuses_special_files_and_removes_dead_
     assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == [live.name, "real.safetensors"]
 
 
+def test_save_refuses_stripe_indices_changed_after_the_layer_was_built(tmp_path):
+    """timm's ModelEmaV2 averages every state dict entry, int64 index buffers too: the forward kept reading the
+    layer's plan (right outputs), compress.save wrote the truncated indices and compress.load refused the file.
+    save names the layer and the cause now; a placeholder layer (stripes never set) is named as such."""
+    model = create_model("resnet20")
+    attach_skeletons(model)
+    with torch.no_grad():
+        model.layer1[0].conv1.skeleton.mul_(torch.rand(model.layer1[0].conv1.skeleton.shape) > 0.5)
+    compact_model = compact(model.eval())
+    ema = compact(model.eval())
+    with torch.no_grad():  # ModelEmaV2's update: ema = decay * ema + (1 - decay) * model, on every entry
+        for e, m in zip(ema.state_dict().values(), compact_model.state_dict().values()):
+            e.copy_(e * 0.9 + (1 - 0.9) * m)
+    layer = ema.layer1[0].conv1
+    assert not torch.equal(layer.out_index, compact_model.layer1[0].conv1.out_index)
+    with pytest.raises(ValueError, match=r"compress.save: layer layer1.0.conv1: its stripe indices .* were changed "
+                                         r"after it was built: an EMA .*ModelEmaV3"):
+        save(ema, tmp_path / "ema.safetensors")
+    assert not (tmp_path / "ema.safetensors").exists()
+    save(compact_model, tmp_path / "ok.safetensors")  # untouched indices: saved
+    placeholder = StripeConv2d(3, 4, 3, num_stripes=5)
+    with pytest.raises(ValueError, match=r"its 5 stripes were never set"):
+        placeholder.check_indices()
+
+
 def test_json_text_writes_non_finite_numbers_as_null():
     """summary.json and report.json: a NaN test loss (BN statistics overflowing after one step) or an ONNX error of
     NaN is written null, so that strict JSON readers accept the file (json.dumps writes a bare NaN)."""
