@@ -151,6 +151,9 @@ def attach_skeletons(
     forward also reads itself (``F.conv2d(x, conv.weight)``) gets none either, with a warning: it is found in the
     torch.fx graph, or, for a forward fx cannot trace, in one forward of `example_input` (a (B, C, H, W) batch
     the model takes; without it such reads go unseen).
+
+    Build the optimizer after this call: the skeletons are new parameters, and each replaced conv's weight and
+    bias are copied into its SkeletonConv2d, so an optimizer built before holds neither.
     """
     stripe_group = check_stripe_group(stripe_group)
     if type(model) is nn.Conv2d:
