@@ -74,6 +74,16 @@ from kernels._utils import memory_format
 __all__ = ["compact", "choose_modes", "ZeroChannels"]
 
 
+def zero_channels(x: torch.Tensor, channels: int) -> torch.Tensor:
+    """Zeros (B, channels, H, W) for x (B, C, H, W) (or unbatched), in x's dtype, device and layout."""
+    fmt = memory_format(x) if x.dim() == 4 else torch.contiguous_format
+    shape = (*x.shape[:-3], channels, *x.shape[-2:])
+    return torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=fmt).zero_()
+
+
+torch.fx.wrap("zero_channels")  # a leaf in torch.fx graphs (it reads x's layout)
+
+
 class ZeroChannels(nn.Module):
     """(B, C, H, W) -> zeros (B, channels, H, W) in x's dtype, device and layout (NCHW or channels_last); an
     unbatched (C, H, W) -> (channels, H, W), as the PiX block it replaces.
@@ -86,9 +96,7 @@ class ZeroChannels(nn.Module):
         self.channels = int(channels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fmt = memory_format(x) if x.dim() == 4 else torch.contiguous_format
-        shape = (*x.shape[:-3], self.channels, *x.shape[-2:])
-        return torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=fmt).zero_()
+        return zero_channels(x, self.channels)
 
     def config(self) -> dict:
         return {"channels": self.channels}

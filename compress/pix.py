@@ -33,6 +33,7 @@ from kernels import residual_relu
 from kernels._utils import (
     check_tau,
     eager_inference,
+    fx_tracing,
     plain_eager,
     unobserved,
 )
@@ -83,7 +84,10 @@ class PiXBlock(nn.Module):
         self._direct: tuple | None = None  # `_eager_cpu_output`'s (weight, its data_ptr and shape, x dtype, call)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (B, C, H, W) -> (B, C // zeta, H, W); an unbatched x (C, H, W) -> (C // zeta, H, W)."""
+        """x (B, C, H, W) -> (B, C // zeta, H, W); an unbatched x (C, H, W) -> (C // zeta, H, W). Under torch.fx
+        symbolic tracing: one `compress::pix_squeeze` op call (batched x)."""
+        if fx_tracing():
+            return torch.ops.compress.pix_squeeze(x, self.weight, self.zeta, self.tau)[0]
         y = self._eager_cpu_output(x)
         if y is not None:
             return y

@@ -43,6 +43,7 @@ from compress.surgery import (
     replace_module,
     trace,
 )
+from kernels._utils import fx_tracing
 
 __all__ = ["SkeletonConv2d", "attach_skeletons", "swp_update", "skeleton_stats"]
 
@@ -84,7 +85,8 @@ class SkeletonConv2d(nn.Conv2d):
         multiply plus a cast, and the same for its backward. torch.compile fuses it into one kernel.
         """
         weight, skeleton = self.weight, self.skeleton
-        if torch.is_autocast_enabled(x.device.type) and weight.dtype == torch.float32:  # autocast casts float32 only
+        # (autocast casts float32 only; under torch.fx tracing x is a Proxy, and F.conv2d casts at run time)
+        if not fx_tracing() and weight.dtype == torch.float32 and torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)
             weight, skeleton = weight.to(dtype), skeleton.to(dtype)
         return self._conv_forward(x, weight * self.per_filter(skeleton)[:, None], self.bias)

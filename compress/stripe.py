@@ -26,6 +26,7 @@ from kernels._utils import (
     conv2d_relu,
     conv_out_size,
     eager_inference,
+    fx_tracing,
     is_channels_last,
     needs_standard_ops,
     recording,
@@ -33,6 +34,9 @@ from kernels._utils import (
     tracing_or_compiling,
 )
 from kernels.pool import max_pool2x2
+
+torch.fx.wrap("conv2d_relu")  # leaves in torch.fx graphs: their fast paths branch on the tensors
+torch.fx.wrap("max_pool2x2")
 
 __all__ = ["StripeConv2d", "Conv2dReLU", "conv2d_relu", "conv_padding", "masked_conv", "stripe_counts"]
 
@@ -356,7 +360,16 @@ class StripeConv2d(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, C, H, W) -> (B, N, Ho, Wo), in x's layout (see `_layout`); an unbatched x (C, H, W) -> (N, Ho, Wo),
         as nn.Conv2d. Any strides: an x that is neither contiguous NCHW nor channels_last (a channel slice) is
-        copied first."""
+        copied first.
+
+        Under torch.fx symbolic tracing (torchvision's create_feature_extractor) the layer records one
+        `compress::stripe_conv2d` op call (the kernel on CUDA, the stripe GEMM on CPU), not the mode chosen per
+        call here, whose choice reads the input."""
+        if fx_tracing():
+            y = torch.ops.compress.stripe_conv2d(x, self.weight, self.out_index, self.offset, self.bias, self.plan,
+                                                 self.out_channels, list(self.kernel_size), list(self.stride),
+                                                 list(self.padding), list(self.dilation), self.relu)
+            return max_pool2x2(y, self.pool_ceil) if self.pool else y
         y = self._eager_dense_output(x)
         if y is not None:
             return y

@@ -154,6 +154,17 @@ def autocast_inputs(*ts):
                  else t for t in ts)
 
 
+# (is_fx_symbolic_tracing is newer; is_fx_tracing, which also answers True under torch.export, warns there)
+_fx_symbolic_tracing = (getattr(torch.fx._symbolic_trace, "is_fx_symbolic_tracing", None)
+                        or torch.fx._symbolic_trace.is_fx_tracing)
+
+
+def fx_tracing() -> bool:
+    """Whether torch.fx symbolically traces this call (inputs are Proxies: a module then records one op call and
+    no branch on them)."""
+    return _fx_symbolic_tracing()
+
+
 def tracing_or_compiling() -> bool:
     """Whether TorchScript traces or torch.compile compiles this call (the op, not an eager shortcut, must run)."""
     return torch.jit.is_tracing() or torch.compiler.is_compiling()

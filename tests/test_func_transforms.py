@@ -257,3 +257,55 @@ def test_kernels_functions_under_forward_ad_and_torch_func(name):
     xs = torch.stack([x, x.flip(0)])
     torch.testing.assert_close(torch.func.vmap(f, (0, None))(xs, w), torch.stack([ref(x, w), ref(x.flip(0), w)]),
                                rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name,zeta", [("resnet20", None), ("vgg11", None), ("resnet29_bottleneck", 4)])
+def test_torch_fx_traces_skeleton_compact_and_pix_models(name, zeta):
+    _check_fx_tracing(name, zeta, "cpu", torch.float64, 1e-12)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name,zeta", [("vgg11", None), ("resnet29_bottleneck", 4)])
+def test_torch_fx_traces_skeleton_compact_and_pix_models_cuda(name, zeta):
+    _check_fx_tracing(name, zeta, "cuda", torch.float32, 1e-3)
+
+
+def _check_fx_tracing(name: str, zeta: int | None, device: str, dtype: torch.dtype, rtol: float) -> None:
+    """torch.fx.symbolic_trace and torchvision's create_feature_extractor (a detection backbone's usual way in)
+    on skeleton, compact and PiX models: SkeletonConv2d read autocast state off a Proxy (RuntimeError), and
+    StripeConv2d, PiXBlock and ZeroChannels branched on the input (TraceError). Traced, the layers are op calls;
+    the graph module equals the model, and a ZeroChannels (a fully pruned PiX branch) is a leaf call."""
+    from torchvision.models.feature_extraction import create_feature_extractor
+
+    from compress.compaction import ZeroChannels
+
+    torch.manual_seed(0)
+    skeleton = compress.create_model(name, num_classes=5, input_size=8)
+    if zeta is not None:
+        compress.apply_pix(skeleton, zeta)
+    compress.attach_skeletons(skeleton)
+    random_bn_(skeleton, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for module in skeleton.modules():
+            if hasattr(module, "skeleton"):
+                module.skeleton.copy_(torch.rand_like(module.skeleton))
+        if zeta is not None:  # the first block's branch fully pruned: its PiX block becomes a ZeroChannels
+            skeleton.layer1[1].conv2.skeleton.zero_()
+    skeleton = skeleton.to(device, dtype).eval()
+    small = compress.compact(copy.deepcopy(skeleton), threshold=0.5, fold_bn=True, fuse_relu=True)
+    assert (zeta is not None) == any(isinstance(m, ZeroChannels) for m in small.modules())
+    x = torch.randn(2, 3, 8, 8, dtype=dtype, generator=torch.Generator().manual_seed(3)).to(device)
+    for model in (skeleton, small):
+        graph = torch.fx.symbolic_trace(model)
+        _assert_close({"y": graph(x)}, {"y": model(x)}, rtol)
+        targets = {str(node.target) for node in graph.graph.nodes if node.op == "call_function"}
+        if model is small:
+            assert "compress.stripe_conv2d" in targets, targets
+        if zeta is not None:
+            assert "compress.pix_squeeze" in targets, targets
+        stage = "features.3" if name == "vgg11" else "layer2"
+        seen = {}
+        hook = model.get_submodule(stage).register_forward_hook(lambda m, i, o, seen=seen: seen.update(out=o))
+        model(x)
+        hook.remove()
+        _assert_close(create_feature_extractor(model, return_nodes={stage: "out"})(x), seen, rtol)
