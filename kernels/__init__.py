@@ -16,6 +16,7 @@ Each op has a CPU path (vectorised PyTorch; C++ for PiX, the PiX block and the N
 kernels.pix as kp`` binds the function); ``from kernels.pix import pix_squeeze_ops`` reaches a module's other names.
 """
 
+import kernels._flops  # noqa: F401 - FlopCounterMode formulas of the ops (it imports their modules)
 from kernels.conv2d import Im2colConv2d, conv2d
 from kernels.depthwise import DepthwiseConv2d, depthwise_conv2d
 from kernels.pix import pix, pix_reference, pix_squeeze, residual_relu

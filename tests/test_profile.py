@@ -590,3 +590,41 @@ def test_profile_leaves_each_modules_own_mode():
     model[1].eval()  # a frozen BN
     profile(model, (3, 6, 6), batch_size=2, repeats=1, warmup=0)
     assert model.training and not model[1].training
+
+
+def test_flop_counter_mode_counts_the_compress_ops():
+    """torch.utils.flop_counter.FlopCounterMode saw 0 FLOPs in the custom ops (a stripe-mode layer, a PiX block,
+    the custom convs): their formulas count what aten's count for the same products (2 per multiply-add), and
+    their backward ops each gradient's products."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import kernels
+
+    def flops(fn, *tensors):
+        for t in tensors:
+            t.grad = None
+        with FlopCounterMode(display=False) as counter:
+            out = fn()
+            out.backward(torch.randn_like(out))
+        return counter.get_total_flops()
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 6, 7, 9, generator=gen, requires_grad=True)
+    w = torch.randn(5, 6, 3, 3, generator=gen, requires_grad=True)
+    aten = flops(lambda: F.conv2d(x, w, None, 2, 1), x, w)  # forward + grad_x + grad_weight
+    assert aten == 3 * 2 * (2 * 5 * 4 * 5) * (6 * 9)
+    assert flops(lambda: kernels.conv2d(x, w, None, 2, 1), x, w) == aten
+    wd = torch.randn(6, 1, 3, 3, generator=gen, requires_grad=True)
+    with FlopCounterMode(display=False) as counter:
+        F.conv2d(x, wd, None, 1, 1, 1, 6)  # (aten's grouped grad_x formula counts C times the products: forward only)
+    assert flops(lambda: kernels.depthwise_conv2d(x, wd, None, 1, 1), x, wd) == 3 * counter.get_total_flops()
+
+    keep = torch.rand(5, 3, 3, generator=gen) < 0.4  # stripes (filter, offset) in canonical order
+    out_index, offset = keep.permute(1, 2, 0).nonzero()[:, 2], keep.permute(1, 2, 0).nonzero()[:, :2]
+    ws = torch.randn(len(out_index), 6, generator=gen, requires_grad=True)
+    stripe = flops(lambda: kernels.stripe_conv2d(x, ws, out_index, offset, None, 5, 3, 2, 1), x, ws)
+    assert stripe == 3 * 2 * (2 * 4 * 5) * len(out_index) * 6  # each kept stripe: a 6-long product per pixel
+
+    wp = torch.randn(3, 6, 1, 1, generator=gen, requires_grad=True)  # zeta 2
+    pooled_product = flops(lambda: torch.sigmoid(x.mean((2, 3)) @ wp.flatten(1).t()), x, wp)
+    assert flops(lambda: kernels.pix_squeeze(x, wp, 2), x, wp) == pooled_product == 3 * 2 * 2 * 6 * 3
