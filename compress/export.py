@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
+import json
 import math
 import os
 import shutil
@@ -379,7 +381,8 @@ def export_checkpoint(
                               f"onnxruntime, above {ONNX_TOLERANCE:g}; check it before deploying "
                               + ("" if stripe_mode == "dense" else "(onnx.stripe_mode=dense is the plainest export)"),
                               stacklevel=2)
-            onnx_info = {"file": FILES[1], "stripe_mode": stripe_mode, "opset": opset, "max_rel_error": err,
+            onnx_info = {"file": FILES[1], "sha256": _file_sha256(stage / FILES[1]), "stripe_mode": stripe_mode,
+                         "opset": opset, "max_rel_error": err,
                          "dtype": str(next(onnx_model.parameters()).dtype).removeprefix("torch.")}
         # a compact file's: those its first compaction recorded (files before that record: SWP's default picks)
         stripes = compact_stripes_per_layer(small, arch_model, skeleton_layers or record.get("skeleton_layers"))
@@ -402,12 +405,34 @@ def export_checkpoint(
     return report
 
 
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _written_by_earlier_export(onnx_file: Path, report_file: Path) -> bool:
+    """Whether `onnx_file` is the model.onnx the export that wrote `report_file` (beside it) made, unchanged: its
+    SHA-256 as that report records it (reports before the digest: its byte count)."""
+    try:
+        report = json.loads(report_file.read_text())
+        onnx = report.get("onnx") or {}
+        if "sha256" in onnx:
+            return onnx["sha256"] == _file_sha256(onnx_file)
+        return bool(onnx) and report["file_bytes"][FILES[1]] == onnx_file.stat().st_size
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # no report, or not an export's
+        return False
+
+
 class _staging:
     """`with _staging(out) as stage:` the export's files are written into `stage`, a fresh directory inside `out`
     (created if missing), and moved into `out` only when the block succeeds; any failure leaves `out` as it was
     (the folders the export created for `out` are removed again, each if empty: what another writer put there
-    meanwhile stays). A model.onnx in `out` that this export does not write (onnx off) is removed with a warning:
-    it would describe another model. The stage is named by the process id (.export-<pid>-*): the stages of exports
+    meanwhile stays). A model.onnx in `out` that this export does not write (onnx off) is removed with a warning
+    where an earlier export wrote it (its report beside it records the file's SHA-256): it would describe another
+    model; any other model.onnx stays, with a warning. The stage is named by the process id (.export-<pid>-*): the stages of exports
     killed on this host, whose process is gone, are removed."""
 
     def __init__(self, out: Path):
@@ -442,9 +467,14 @@ class _staging:
                 if (self.stage / name).exists():
                     os.replace(self.stage / name, self.out / name)
                 elif name == FILES[1] and (self.out / name).is_file():
-                    (self.out / name).unlink()
-                    warnings.warn(f"export: removed {self.out / name}, written by an earlier export into {self.out} "
-                                  "(onnx is off now)", stacklevel=3)
+                    if _written_by_earlier_export(self.out / name, self.out / FILES[2]):
+                        (self.out / name).unlink()
+                        warnings.warn(f"export: removed {self.out / name}, written by an earlier export into "
+                                      f"{self.out} (onnx is off now)", stacklevel=3)
+                    else:
+                        warnings.warn(f"export: {self.out / name} was not written by an earlier export into "
+                                      f"{self.out} (or changed since): left as it is, though it does not describe "
+                                      "this export's model (onnx is off)", stacklevel=3)
         shutil.rmtree(self.stage, ignore_errors=True)
         if kind is not None:
             self._remove_made()

@@ -366,6 +366,11 @@ def test_export_flow(training_checkpoint, tmp_path):
     with pytest.warns(UserWarning, match="removed .*model.onnx, written by an earlier export"):
         export_checkpoint(path, tmp_path, onnx=False, latency=False, choose_stripe_modes=False)
     assert not (tmp_path / FILES[1]).exists()
+    # a model.onnx of the user's own (not the one the report beside it records) is never deleted
+    (tmp_path / FILES[1]).write_bytes(b"the user's own file")
+    with pytest.warns(UserWarning, match="model.onnx was not written by an earlier export .*left as it is"):
+        export_checkpoint(path, tmp_path, onnx=False, latency=False, choose_stripe_modes=False)
+    assert (tmp_path / FILES[1]).read_bytes() == b"the user's own file"
 
 
 def test_export_warns_when_onnxruntime_disagrees(training_checkpoint, tmp_path, monkeypatch):
