@@ -424,9 +424,18 @@ def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         with open(path, "rb") as f:
             head = f.read(9)
         if head[:4] == b"PK\x03\x04":  # a zip archive: what torch.save writes
+            from compress._trainstate import load_checkpoint
+
+            try:
+                load_checkpoint(path)  # weights_only: no pickled code runs
+            except (ValueError, OSError) as why:  # a state dict of torch.save, another zip, a damaged file
+                raise ValueError(
+                    f"compress.load: {path} is a zip archive but no compact model file (a safetensors file written "
+                    f"by export.py or compress.save), nor a train.py checkpoint that export.py would take ({why})"
+                ) from None
             raise ValueError(
-                f"compress.load: {path} is a torch checkpoint (.pt), not a compact model file; a train.py "
-                f"checkpoint becomes one with: python export.py ckpt={path}"
+                f"compress.load: {path} is a train.py checkpoint (.pt), not a compact model file; it becomes one "
+                f"with: python export.py ckpt={path}"
             ) from None
         if len(head) == 9 and head[8:] != b"{":  # a safetensors file: 8 bytes of header length, then its JSON
             raise ValueError(

@@ -381,8 +381,20 @@ def test_a_torch_checkpoint_is_named_as_such(tmp_path):
     """init= / compress.load given a train.py checkpoint: the error says to export it first."""
     path = tmp_path / "last.pt"
     torch.save({"model": {}, "config": {}}, path)
-    with pytest.raises(ValueError, match="is a torch checkpoint .* python export.py ckpt="):
+    with pytest.raises(ValueError, match=r"is a train.py checkpoint \(.pt\), not a compact model file; .* python "
+                                         r"export.py ckpt="):
         load(path)
+    # a plain state dict, or a zip of something else: not sent to export.py, which refuses them
+    import zipfile
+
+    torch.save(create_model("resnet20").state_dict(), tmp_path / "weights.pt")
+    with zipfile.ZipFile(tmp_path / "other.zip", "w") as z:
+        z.writestr("readme.txt", "not a model")
+    for name in ("weights.pt", "other.zip"):
+        with pytest.raises(ValueError, match=rf"{name} is a zip archive but no compact model file .*nor a train.py "
+                                             r"checkpoint") as info:
+            load(tmp_path / name)
+        assert "python export.py" not in str(info.value)
 
 
 def test_atomic_write_keeps_the_old_file_on_a_failed_write_and_sets_umask_permissions(tmp_path):
