@@ -679,6 +679,12 @@ def _refuse_to_overwrite_a_run(cfg: DictConfig, run_dir: Path) -> None:
         return
     _restore_run_record(run_dir)
     what = "a fresh run" if cfg.resume in (None, False) else f"resume={cfg.resume} (another checkpoint)"
+    try:
+        load_checkpoint(existing)
+    except ValueError as err:  # resume=true cannot continue it either: say what can
+        raise ValueError(f"{run_dir} already holds a run whose checkpoints/last.pt is unreadable ({err}); {what} "
+                         "would overwrite its checkpoints. Continue from another checkpoint in a new run dir: "
+                         f"resume=<file> hydra.run.dir=<a new folder>") from None
     raise ValueError(
         f"{run_dir} already holds a run (checkpoints/last.pt); {what} would overwrite its checkpoints. Pass "
         "resume=true to continue that run, or another hydra.run.dir (or delete the old run) to start anew"
@@ -706,9 +712,14 @@ def _resume_config(cfg: DictConfig, run_dir: Path, given: set[str] | None = None
     path = _resume_path(cfg, run_dir)
     try:
         ckpt = load_checkpoint(path, keys=RESUME_KEYS)
-    except (ValueError, FileNotFoundError):
-        if path.resolve() == (run_dir / "checkpoints" / "last.pt").resolve():
-            _restore_run_record(run_dir)  # the run's record back from best.pt, not the refused command's
+    except (ValueError, FileNotFoundError) as err:
+        if path.resolve() != (run_dir / "checkpoints" / "last.pt").resolve():
+            raise
+        _restore_run_record(run_dir)  # the run's record back from best.pt, not the refused command's
+        best = run_dir / "checkpoints" / "best.pt"
+        if isinstance(err, ValueError) and best.is_file():  # (a new run dir: this one's files stay as they are)
+            raise ValueError(f"{err}. To continue from this run's best.pt, start a new run dir from it: "
+                             f"resume={best} hydra.run.dir=<a new folder>") from None
         raise
     saved = _with_added_keys(OmegaConf.create(ckpt["config"]))
     if given is None:

@@ -256,11 +256,16 @@ def test_train_py_resume_keeps_the_checkpoints_trainer_settings(tmp_path):
     intact = last.read_bytes()
     last.write_bytes(intact[:1000])
     proc = run_script("train.py", *TINY, f"hydra.run.dir={tmp_path}")
-    assert proc.returncode != 0 and "already holds a run" in proc.stderr, proc.stderr[-2000:]
+    # (it does not send the user to resume=true, which cannot read last.pt either)
+    assert proc.returncode != 0 and re.search(r"already holds a run whose checkpoints/last.pt is unreadable .*a fresh "
+                                              r"run would .*resume=<file> hydra.run.dir=<a new folder>",
+                                              proc.stderr), proc.stderr[-2000:]
     assert {name: (tmp_path / ".hydra" / name).read_text() for name in record} == record
     assert yaml.safe_load((tmp_path / ".hydra" / "config.yaml").read_text())["trainer"]["max_steps"] == 3
     proc = run_script("train.py", "resume=true", f"hydra.run.dir={tmp_path}")  # resuming it: refused, same record
+    best = tmp_path / "checkpoints" / "best.pt"
     assert proc.returncode != 0 and "cannot be read as a torch checkpoint" in proc.stderr, proc.stderr[-2000:]
+    assert f"resume={best} hydra.run.dir=<a new folder>" in " ".join(proc.stderr.split()), proc.stderr[-2000:]
     assert {name: (tmp_path / ".hydra" / name).read_text() for name in record} == record
     last.write_bytes(intact)
     _, resumed = train("resume=true", "trainer.max_steps=null")
