@@ -395,6 +395,7 @@ class _StepLog:
     def restart(self) -> None:
         """Start a new rate window (at each epoch's start: evaluation and checkpoint writes stay out of the rate)."""
         self.images, self.since = 0, time.perf_counter()
+        self.last = (-1, 0.0)  # (step, loss) of the last logged step
 
     def __call__(self, step: int, loss: torch.Tensor, batch_images: int) -> float | None:
         self.images += batch_images * self.world_size
@@ -405,6 +406,7 @@ class _StepLog:
         total, images = _all_reduce_sum(torch.stack([loss.double() * batch_images, loss.new_tensor(batch_images,
                                                                                                    dtype=torch.float64)]))
         value = total / images
+        self.last = (step, value)
         now = time.perf_counter()
         rate = self.images / max(now - self.since, 1e-9)
         self.images, self.since = 0, now
@@ -1277,13 +1279,7 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float, began: Ca
             "images_per_s": None if np.isnan(train["images_per_s"]) else train["images_per_s"],  # the last epoch's
         }
         if not _finite_weights(raw):  # never write a diverged model over the checkpoints (every rank stops alike)
-            raise FloatingPointError(
-                f"train: the model's weights are not finite at step {at} (epoch {epoch + 1}): the run diverged. "
-                + (f"{ckpt_dir} keeps the checkpoint written before" if (ckpt_dir / "last.pt").is_file()
-                   else "No checkpoint was written")
-                + f". Lower optim.lr (it is {cfg.optim.lr:g})" + (f" or prune.alpha (it is {swp[0]:g})" if swp else "")
-                + (", or train with trainer.amp=false" if amp_dtype is not None else "")
-            )
+            raise diverged(at, epoch)
         if dist.is_main:  # best.pt first: a run killed between the two writes still has its best weights
             if is_best:
                 atomic_save(state, ckpt_dir / "best.pt")
@@ -1291,11 +1287,27 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float, began: Ca
         if dist.world_size > 1:
             torch_dist.barrier()  # the checkpoint is on disk before any rank goes on
 
+    def diverged(at: int, epoch: int) -> FloatingPointError:
+        return FloatingPointError(
+            f"train: the model's weights are not finite at step {at} (epoch {epoch + 1}): the run diverged. "
+            + (f"{ckpt_dir} keeps the checkpoint written before" if (ckpt_dir / "last.pt").is_file()
+               else "No checkpoint was written")
+            + f". Start a new run (another hydra.run.dir; a resume keeps the checkpoint's optim settings) with a lower "
+            f"optim.lr (it is {cfg.optim.lr:g})" + (f" or prune.alpha (it is {swp[0]:g})" if swp else "")
+            + (", or train with trainer.amp=false" if amp_dtype is not None else "")
+        )
+
     every = cfg.trainer.get("checkpoint_every")
 
     def on_step(at: int, done: int, sums: Callable[[], list[float]]) -> None:
-        """Inside an epoch (the epoch's end and a max_steps stop save anyway): last.pt every trainer.checkpoint_every
-        steps, and at the step a SIGTERM stops the run (every rank asks `stop` at the same steps)."""
+        """After each step: at a logged step whose loss is not finite, a stop if the weights are not finite either
+        (a diverged run stops there, not at the epoch's end; a loss that overflowed in a step GradScaler skipped
+        is no divergence). Inside an epoch (the epoch's end and a max_steps stop save anyway): last.pt every
+        trainer.checkpoint_every steps, and at the step a SIGTERM stops the run (every rank asks `stop` at the same
+        steps). The logged loss is all-reduced, the weights are DDP's: every rank decides alike."""
+        logged_at, loss = log_step.last
+        if logged_at == at and not math.isfinite(loss) and not _finite_weights(raw):
+            raise diverged(at, epoch)
         if done == len(data.train) or (max_steps is not None and at >= max_steps):
             return
         stopping = stop.due()
@@ -1331,6 +1343,8 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float, began: Ca
             # such an epoch at the step whose epoch line the checkpoint's run logged: those weights were evaluated there
             logged_before = not ran and ckpt is not None and step == ckpt.get("logged_step")
             evaluated = ((epoch + 1) % cfg.trainer.eval_every == 0 or epoch + 1 == epochs or stopping) and not logged_before
+            if ran and not math.isfinite(train["loss"]) and not _finite_weights(raw):
+                raise diverged(step, epoch)  # before evaluating and logging weights that are not numbers
             if evaluated:
                 try:
                     test = evaluate(s, data.test, dist.is_main)
@@ -1346,8 +1360,8 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float, began: Ca
                     raise
                 if dist.is_main and not math.isfinite(float(test["loss"])):  # (finite weights: checked at each save)
                     say(f"note: the test loss after epoch {epoch + 1} is not finite: the eval-mode outputs overflow "
-                        "(weights or BatchNorm statistics grown too large), so the run is diverging; lower optim.lr "
-                        f"(it is {cfg.optim.lr:g})" + (f" or prune.alpha (it is {swp[0]:g})" if swp else ""))
+                        "(weights or BatchNorm statistics grown too large), so the run is diverging; a new run with a lower "
+                        f"optim.lr (it is {cfg.optim.lr:g})" + (f" or prune.alpha (it is {swp[0]:g})" if swp else ""))
             lr = optimizer.param_groups[0]["lr"]
             if not partial:
                 _step_schedule(scheduler)

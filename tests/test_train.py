@@ -876,11 +876,23 @@ def test_a_diverged_run_stops_without_writing_over_its_checkpoints(tmp_path, mon
         return out
 
     monkeypatch.setattr(engine, "train_step", poisoned)
-    with pytest.raises(FloatingPointError, match=r"weights are not finite at step 8 \(epoch 2\): the run diverged. "
-                       r".*checkpoints keeps the checkpoint written before. Lower optim.lr \(it is 0.1\)"):
-        run(_compose(*TINY), run_dir=tmp_path)
-    saved = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
+    evaluations = []
+    real_evaluate = engine.evaluate
+    monkeypatch.setattr(engine, "evaluate", lambda *a: evaluations.append(1) or real_evaluate(*a))
+    # (a new run: a resume keeps optim.lr)
+    message = (r"weights are not finite at step {} \(epoch 2\): the run diverged. .*checkpoints keeps the checkpoint "
+               r"written before. Start a new run \(another hydra.run.dir; a resume keeps the checkpoint's optim "
+               r"settings\) with a lower optim.lr \(it is 0.1\)")
+    with pytest.raises(FloatingPointError, match=message.format(8)):
+        run(_compose(*TINY), run_dir=tmp_path / "a")
+    assert evaluations == [1]  # epoch 1's: epoch 2's NaN weights were not evaluated (nor logged)
+    saved = torch.load(tmp_path / "a" / "checkpoints" / "last.pt", weights_only=True)
     assert saved["step"] == 4 and all(v.isfinite().all() for v in saved["model"].values() if v.is_floating_point())
+    # a logged step's NaN loss stops the run there, not at the epoch's end
+    steps.clear()
+    with pytest.raises(FloatingPointError, match=message.format(7)):
+        run(_compose(*TINY, "trainer.log_every=1"), run_dir=tmp_path / "b")
+    assert len(steps) == 7
 
 
 def test_train_log_holds_the_runs_warnings_and_the_error_that_stopped_it(tmp_path):
