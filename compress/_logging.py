@@ -116,37 +116,58 @@ def skeleton_heatmap(conv: SkeletonConv2d, threshold: float, scale: int = 4) -> 
 
 
 class RunLogger:
-    """TensorBoard writer at `log_dir` (created lazily, rank 0 only)."""
+    """TensorBoard writer at `log_dir` (created lazily, rank 0 only). A write that fails (a full disk, a folder made
+    read-only) stops the logging with one warning naming the folder, not the run: the checkpoints, written
+    separately, are what a run must not lose."""
 
     def __init__(self, log_dir: str | Path, enabled: bool, purge_step: int | None = None):
         """`purge_step`: on resume, the first step not in the checkpoint; TensorBoard hides events from that step on
         that earlier processes wrote (a killed run's steps after its last checkpoint, which the resumed run logs
         again)."""
-        self.writer = None
+        self.writer, self.log_dir = None, Path(log_dir)
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(log_dir), purge_step=purge_step)
 
+    def _write(self, write: Callable) -> None:
+        if self.writer is None:
+            return
+        try:
+            write(self.writer)
+        except OSError as err:
+            writer, self.writer = self.writer, None
+            with contextlib.suppress(Exception):
+                writer.close()
+            warnings.warn(f"TensorBoard logging stopped: could not write into {self.log_dir} ({err}); the run goes on "
+                          "without it (its checkpoints and train.log are written as before)", RuntimeWarning,
+                          stacklevel=3)
+
     def scalars(self, values: dict[str, float], step: int) -> None:
-        if self.writer is not None:
+        def write(writer):
             for key, value in values.items():
-                self.writer.add_scalar(key, value, step)
+                writer.add_scalar(key, value, step)
+
+        self._write(write)
 
     def skeletons(self, model: nn.Module, stats: dict, threshold: float, step: int) -> None:
         """Per-layer stripes kept (fraction), the total, and one heatmap image per skeleton layer."""
-        if self.writer is None or not stats["layers"]:
+        if not stats["layers"]:
             return
-        for name, layer in stats["layers"].items():
-            self.writer.add_scalar(f"stripes_kept/{name}", layer["stripes_kept"] / layer["stripes_total"], step)
-            conv = model.get_submodule(name)
-            self.writer.add_image(f"skeleton/{name}", skeleton_heatmap(conv, threshold), step, dataformats="HW")
-        self.writer.add_scalar("stripes_kept/total", stats["stripes_kept"] / stats["stripes_total"], step)
-        self.writer.add_scalar("stripes_kept/count", stats["stripes_kept"], step)
+
+        def write(writer):
+            for name, layer in stats["layers"].items():
+                writer.add_scalar(f"stripes_kept/{name}", layer["stripes_kept"] / layer["stripes_total"], step)
+                conv = model.get_submodule(name)
+                writer.add_image(f"skeleton/{name}", skeleton_heatmap(conv, threshold), step, dataformats="HW")
+            writer.add_scalar("stripes_kept/total", stats["stripes_kept"] / stats["stripes_total"], step)
+            writer.add_scalar("stripes_kept/count", stats["stripes_kept"], step)
+
+        self._write(write)
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        self._write(lambda writer: writer.close())
+        self.writer = None
 
 
 def _fraction(v: float | None) -> str:

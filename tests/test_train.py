@@ -1420,3 +1420,29 @@ def test_a_run_dir_in_use_by_another_process_is_refused(tmp_path):
     with pytest.raises(ValueError, match="optim.lr=nan"):  # a refused config leaves no run dir the lock created
         run(_compose(*TINY, "optim.lr=nan"), run_dir=tmp_path / "new")
     assert not (tmp_path / "new").exists()
+
+
+def test_a_tensorboard_folder_that_fills_up_stops_the_logging_not_the_run(tmp_path, monkeypatch):
+    """A full disk under tensorboard/ raised OSError from RunLogger before the epoch's checkpoint was written (the
+    epoch's training lost, the run stopped with a bare error): one warning naming the folder, and the run trains
+    to its end with its checkpoints and summary."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    calls = []
+    real_add_image = SummaryWriter.add_image
+
+    def full_disk(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) > 3:
+            raise OSError(28, "No space left on device")
+        return real_add_image(self, *args, **kwargs)
+
+    monkeypatch.setattr(SummaryWriter, "add_image", full_disk)
+    with pytest.warns(RuntimeWarning, match=r"TensorBoard logging stopped: could not write into .*tensorboard "
+                                            r"\(\[Errno 28\] No space left on device\); the run goes on") as caught:
+        run(_compose(*TINY, "optim.epochs=2"), run_dir=tmp_path)
+    assert sum("TensorBoard logging stopped" in str(w.message) for w in caught) == 1
+    assert len(calls) == 4  # none after the failure
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    saved = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
+    assert summary["epochs"] == 2 and saved["step"] == summary["steps"] == 8
