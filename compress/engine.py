@@ -1315,12 +1315,12 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float, began: Ca
             save(epoch, done, at, epoch_rng, rng_state(generator), is_best=False, logged=False, sums=sums())
         if stopping:
             raise Terminated(f"last.pt holds step {at} (epoch {epoch + 1}, batch {done} of {len(data.train)}); "
-                             "resume=true continues from there")
+                             "resume=true continues from there", stop.signum)
 
     epochs_trained = first_epoch + (1 if skip or first_sample else 0)  # the last epoch trained in (finished or not), 1-based
     _say_if_nothing_to_train(first_epoch, epochs, step, max_steps, dist)
     epoch_bar = progress(range(first_epoch, epochs), dist.is_main, desc="epochs")
-    with StepStop(_stop_group(dist)) as stop:  # SIGTERM: the run stops after a step (see on_step), not inside it
+    with StepStop(_stop_group(dist)) as stop:  # SIGTERM, Ctrl-C: the run stops after a step (see on_step), not inside it
         for epoch in epoch_bar:
             if max_steps is not None and step >= max_steps:
                 break
@@ -1392,7 +1392,7 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float, began: Ca
                 break
             if epoch + 1 < epochs and stop.due(now=True):  # a SIGTERM during the epoch's last step or evaluation
                 raise Terminated(f"last.pt holds step {step}, the end of epoch {epoch + 1}; resume=true continues "
-                                 "from there")
+                                 "from there", stop.signum)
     logger.close()
     if cfg.trainer.dump_rank_state:  # debug/tests: every rank's final weights, skeletons and buffers
         atomic_save({"model": raw.state_dict(), "step": step}, run_dir / f"rank{dist.rank}_state.pt")

@@ -4,7 +4,7 @@ from pathlib import Path
 
 # SIGTERM during the forward of training step $COMPRESS_TEST_SIGTERM, counted in this process (on rank 0 only;
 # "K:2" sends it twice, back to back; "K:2::S" S seconds apart; "K:1:children" first to the DataLoader workers, from
-# another process)
+# another process; "K:1:::INT" sends SIGINT, as Ctrl-C does, instead)
 MODULE = """
 import os
 import signal
@@ -27,7 +27,7 @@ class Net(nn.Module):
     def forward(self, x):
         if self.training and torch.is_grad_enabled():
             self.steps += 1
-            at, times, children, gap = (os.environ.get("COMPRESS_TEST_SIGTERM", "0") + ":::").split(":")[:4]
+            at, times, children, gap, name = (os.environ.get("COMPRESS_TEST_SIGTERM", "0") + "::::").split(":")[:5]
             if self.steps == int(at) and os.environ.get("RANK", "0") == "0":
                 if children:  # as Slurm signals every process of a job: the DataLoader workers too, from outside
                     with open(f"/proc/{os.getpid()}/task/{os.getpid()}/children") as f:
@@ -38,7 +38,7 @@ class Net(nn.Module):
                     time.sleep(0.5)  # they would be gone by now
                 for i in range(int(times or 1)):
                     time.sleep(float(gap or 0) if i else 0)
-                    os.kill(os.getpid(), signal.SIGTERM)
+                    os.kill(os.getpid(), getattr(signal, "SIG" + (name or "TERM")))
         return self.head(self.body(x).mean((2, 3)))
 
 

@@ -370,6 +370,31 @@ def sigterm_caught():
     signal.signal(signal.SIGTERM, previous)
 
 
+def test_ctrl_c_during_training_saves_the_step_and_a_second_one_stops_at_once(tmp_path, monkeypatch):
+    """Ctrl-C (SIGINT) mid-epoch raised KeyboardInterrupt inside the step: every step since the last checkpoint was
+    lost, with a long traceback. As SIGTERM now: the step ends, last.pt is written there, status 130; a second
+    Ctrl-C stops at once (nothing saved at the step)."""
+    def train(*args):  # (in this process: a KeyboardInterrupt that escapes must fail the test, not end the session)
+        try:
+            return run_script("train.py", *args, cwd=tmp_path / "launch")
+        except KeyboardInterrupt:
+            pytest.fail("Ctrl-C escaped train.py as a KeyboardInterrupt")
+
+    args = signalling_model(tmp_path / "launch", "sigint_net_a")
+    monkeypatch.setenv("COMPRESS_TEST_SIGTERM", "3:1:::INT")
+    r = train(*args, f"hydra.run.dir={tmp_path / 'run'}")
+    assert r.returncode == 130, r.stderr[-3000:]
+    assert "Ctrl-C: the run stops after this step and writes last.pt there" in r.stderr
+    assert "train.py stopped: SIGINT; last.pt holds step 3 (epoch 1, batch 3 of 8)" in r.stderr
+    assert torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)["step"] == 3
+    monkeypatch.setenv("COMPRESS_TEST_SIGTERM", "3:2:::INT")
+    args = signalling_model(tmp_path / "launch", "sigint_net_b")
+    r = train(*args, f"hydra.run.dir={tmp_path / 'twice'}")
+    assert r.returncode == 130, r.stderr[-3000:]
+    assert "train.py stopped: SIGINT; resume=true continues from the run's last checkpoint" in r.stderr
+    assert not (tmp_path / "twice" / "checkpoints" / "last.pt").exists()
+
+
 def test_sigterm_during_training_saves_the_step_and_stops_with_status_143(tmp_path, monkeypatch, sigterm_caught):
     """A batch system's SIGTERM mid-epoch: train.py finishes the step it is in, writes last.pt at that step (no
     trainer.checkpoint_every here), says so in train.log and exits with the signal's status (143); resume=true goes
