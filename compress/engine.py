@@ -645,16 +645,25 @@ def _plain_value(cfg: DictConfig, key: str):
     return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 
+def _run_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint a run dir's run continues from: checkpoints/last.pt, else its best.pt (written first, so a run
+    that failed or was killed writing last.pt after it has only that one), else None."""
+    for name in ("last.pt", "best.pt"):
+        if (run_dir / "checkpoints" / name).is_file():
+            return run_dir / "checkpoints" / name
+    return None
+
+
 def _resolve_auto_resume(cfg: DictConfig, run_dir: Path, dist: DistInfo) -> None:
-    """`resume=auto` (for requeued jobs): becomes `resume=true` when `run_dir` holds checkpoints/last.pt, else
-    `resume=false` (a fresh run), in place, saying which."""
+    """`resume=auto` (for requeued jobs): becomes `resume=true` when `run_dir` holds a checkpoint
+    (`_run_checkpoint`), else `resume=false` (a fresh run), in place, saying which."""
     if not isinstance(cfg.resume, str) or cfg.resume != "auto":
         return
-    found = (run_dir / "checkpoints" / "last.pt").is_file()
+    found = _run_checkpoint(run_dir)
     if dist.is_main:
-        say(f"resume=auto: {'continuing' if found else 'no checkpoints/last.pt in'} {run_dir}"
-            + ("/checkpoints/last.pt" if found else "; starting a fresh run"))
-    cfg.resume = found
+        say(f"resume=auto: continuing {found}" if found else
+            f"resume=auto: no checkpoints/last.pt in {run_dir}; starting a fresh run")
+    cfg.resume = found is not None
 
 
 def _restore_run_record(run_dir: Path) -> None:
@@ -670,12 +679,12 @@ def _restore_run_record(run_dir: Path) -> None:
 
 
 def _refuse_to_overwrite_a_run(cfg: DictConfig, run_dir: Path) -> None:
-    """ValueError when `run_dir` holds a run (checkpoints/last.pt) that this command does not continue: a fresh run,
+    """ValueError when `run_dir` holds a run (`_run_checkpoint`) that this command does not continue: a fresh run,
     or `resume=<file>` of another checkpoint (its best.pt included), would overwrite its checkpoints and summary.
     The refused command's config is taken out of the run's .hydra/ again (the run's own comes from last.pt, or from
     best.pt where last.pt is unreadable)."""
-    existing = run_dir / "checkpoints" / "last.pt"
-    if not existing.exists():
+    existing = _run_checkpoint(run_dir)
+    if existing is None:
         return
     if cfg.resume is True or (cfg.resume not in (None, False) and Path(str(cfg.resume)).resolve() == existing.resolve()):
         return
@@ -684,19 +693,22 @@ def _refuse_to_overwrite_a_run(cfg: DictConfig, run_dir: Path) -> None:
     try:
         load_checkpoint(existing)
     except ValueError as err:  # resume=true cannot continue it either: say what can
-        raise ValueError(f"{run_dir} already holds a run whose checkpoints/last.pt is unreadable ({err}); {what} "
+        raise ValueError(f"{run_dir} already holds a run whose checkpoints/{existing.name} is unreadable ({err}); {what} "
                          "would overwrite its checkpoints. Continue from another checkpoint in a new run dir: "
                          f"resume=<file> hydra.run.dir=<a new folder>") from None
     raise ValueError(
-        f"{run_dir} already holds a run (checkpoints/last.pt); {what} would overwrite its checkpoints. Pass "
+        f"{run_dir} already holds a run (checkpoints/{existing.name}); {what} would overwrite its checkpoints. Pass "
         "resume=true to continue that run, or another hydra.run.dir (or delete the old run) to start anew"
         + ("; resume=<file> continues a file in a new run dir" if cfg.resume not in (None, False) else "")
     )
 
 
 def _resume_path(cfg: DictConfig, run_dir: Path) -> Path:
-    """The checkpoint a resume reads: the run dir's checkpoints/last.pt for resume=true, else the file given."""
-    return run_dir / "checkpoints" / "last.pt" if cfg.resume is True else Path(str(cfg.resume))
+    """The checkpoint a resume reads: for resume=true the run dir's (`_run_checkpoint`; checkpoints/last.pt, named in
+    the error, where it has none), else the file given."""
+    if cfg.resume is True:
+        return _run_checkpoint(run_dir) or run_dir / "checkpoints" / "last.pt"
+    return Path(str(cfg.resume))
 
 
 def _resume_config(cfg: DictConfig, run_dir: Path, given: set[str] | None = None) -> tuple[DictConfig, dict | None]:
@@ -723,6 +735,9 @@ def _resume_config(cfg: DictConfig, run_dir: Path, given: set[str] | None = None
             raise ValueError(f"{err}. To continue from this run's best.pt, start a new run dir from it: "
                              f"resume={best} hydra.run.dir=<a new folder>") from None
         raise
+    if cfg.resume is True and path.name == "best.pt":
+        warnings.warn(f"resume: {run_dir} has no checkpoints/last.pt (its write failed or was cut short after "
+                      f"best.pt's): continuing from best.pt, step {ckpt.get('step')}", stacklevel=2)
     saved = _with_added_keys(OmegaConf.create(ckpt["config"]))
     if given is None:
         merged = OmegaConf.merge(saved, {"trainer": cfg.trainer, "resume": cfg.resume})

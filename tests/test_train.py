@@ -1471,3 +1471,19 @@ def test_a_tensorboard_folder_that_fills_up_stops_the_logging_not_the_run(tmp_pa
     summary = json.loads((tmp_path / "summary.json").read_text())
     saved = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
     assert summary["epochs"] == 2 and saved["step"] == summary["steps"] == 8
+
+
+def test_a_run_dir_with_only_its_best_pt_is_continued_not_overwritten(tmp_path):
+    """best.pt is written before last.pt so that a run whose last.pt write failed (a full disk) or was killed keeps
+    its best weights and full state; but resume=auto then started a fresh run over it and a fresh run overwrote
+    best.pt without a word. The run dir's checkpoint is its last.pt, else its best.pt."""
+    run(_compose(*TINY, "trainer.max_steps=4"), run_dir=tmp_path)
+    best, last = tmp_path / "checkpoints" / "best.pt", tmp_path / "checkpoints" / "last.pt"
+    last.unlink()  # as a failed or killed last.pt write leaves the run
+    kept = best.read_bytes()
+    with pytest.raises(ValueError, match=r"already holds a run \(checkpoints/best.pt\); a fresh run would overwrite"):
+        run(_compose(*TINY, "trainer.max_steps=4"), run_dir=tmp_path)
+    assert best.read_bytes() == kept
+    with pytest.warns(UserWarning, match=r"has no checkpoints/last.pt .*continuing from best.pt, step 4"):
+        run(_compose(*TINY, "resume=auto", "trainer.max_steps=6"), run_dir=tmp_path)
+    assert torch.load(last, weights_only=True)["step"] == 6
