@@ -121,9 +121,9 @@ class RunLogger:
     separately, are what a run must not lose."""
 
     def __init__(self, log_dir: str | Path, enabled: bool, purge_step: int | None = None):
-        """`purge_step`: on resume, the first step not in the checkpoint; TensorBoard hides events from that step on
-        that earlier processes wrote (a killed run's steps after its last checkpoint, which the resumed run logs
-        again)."""
+        """`purge_step`: the first step this run logs (on resume, the first not in the checkpoint); TensorBoard hides
+        events from that step on that earlier processes wrote (a killed run's steps after its last checkpoint, or
+        before its first, which this run logs again)."""
         self.writer, self.log_dir = None, Path(log_dir)
         if enabled:
             from torch.utils.tensorboard import SummaryWriter

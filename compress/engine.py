@@ -1247,8 +1247,9 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float, began: Ca
             stale.unlink(missing_ok=True)
         if ckpt is not None and cfg.resume is not True and best >= 0:
             _carry_best_checkpoint(Path(str(cfg.resume)), best, ckpt_dir)
-    # on resume, events a killed process logged after its checkpoint are dropped: the resumed run logs them again
-    logger = RunLogger(run_dir / "tensorboard", dist.is_main, purge_step=step + 1 if ckpt is not None else None)
+    # events a killed process logged after its checkpoint (or, starting afresh, before its first) are dropped: this
+    # run logs those steps again
+    logger = RunLogger(run_dir / "tensorboard", dist.is_main, purge_step=step + 1)
     began()
     input_shape = (data.in_chans, data.input_size, data.input_size)
     max_steps = cfg.trainer.max_steps

@@ -1487,3 +1487,19 @@ def test_a_run_dir_with_only_its_best_pt_is_continued_not_overwritten(tmp_path):
     with pytest.warns(UserWarning, match=r"has no checkpoints/last.pt .*continuing from best.pt, step 4"):
         run(_compose(*TINY, "resume=auto", "trainer.max_steps=6"), run_dir=tmp_path)
     assert torch.load(last, weights_only=True)["step"] == 6
+
+
+def test_a_fresh_start_after_a_run_killed_before_its_first_checkpoint_logs_each_step_once(tmp_path):
+    """resume=auto after a kill -9 before the first checkpoint starts afresh in the same run dir: TensorBoard showed
+    the killed process's steps and the new run's both (the purge of a killed run's steps applied to resumes only)."""
+    run(_compose(*TINY, "trainer.max_steps=3", "trainer.log_every=1"), run_dir=tmp_path)
+    shutil.rmtree(tmp_path / "checkpoints")  # as a process killed before its first checkpoint leaves the run dir
+    (tmp_path / "summary.json").unlink()
+    time.sleep(1.1)  # (event files are named by the second)
+    run(_compose(*TINY, "resume=auto", "trainer.max_steps=2", "trainer.log_every=1"), run_dir=tmp_path)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))) == 2
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss_step")] == [1, 2]
