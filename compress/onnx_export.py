@@ -252,8 +252,9 @@ def check_onnx(path: str | os.PathLike, model: nn.Module, x: torch.Tensor) -> fl
     dtype = {"tensor(float16)": torch.float16}.get(session.get_inputs()[0].type, torch.float32)  # the graph's
     (got,) = session.run(None, {"input": x.detach().cpu().to(dtype).numpy()})
     got = torch.from_numpy(got).float()
+    weights = next((t.dtype for t in model.parameters() if t.is_floating_point()), x.dtype)
     with evaluating(model), torch.no_grad():
-        want = model(x).float().cpu()
+        want = model(x.to(weights)).float().cpu()  # (in the model's dtype: a float16 model took float32 x)
     spread = (want - want.mean(0)).abs().max()
     if want.isfinite().all() and not spread > FLAT_OUTPUT * want.abs().max():
         empty = [n for n, m in model.named_modules() if isinstance(m, StripeConv2d) and m.num_stripes == 0]

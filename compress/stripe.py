@@ -383,8 +383,9 @@ class StripeConv2d(nn.Module):
             raise RuntimeError(f"StripeConv2d: its {self.num_stripes} stripes were never set (a layer built with "
                                "num_stripes=S holds placeholders); fill it with load_state_dict, or build it with "
                                "StripeConv2d.from_dense / from_skeleton")
-        if needs_standard_ops():  # torch.func.grad / vmap / jacrev, dual tensors: the ops below have no functorch or
-            # forward-mode rules
+        # torch.func.grad / vmap / jacrev, dual tensors: the ops below have no functorch or forward-mode rules; a
+        # plain torch.onnx.export (either exporter): ONNX has no stripe conv (compress.onnx_export has more choices)
+        if needs_standard_ops() or (tracing_or_compiling() and torch.onnx.is_in_onnx_export()):
             conv = conv2d_relu if self.relu else F.conv2d
             return self._pooled(conv(x, self.dense_weight(), self.bias, self.stride, self.padding, self.dilation))
         x = contiguous_input(x)

@@ -950,3 +950,37 @@ def test_export_py_passes_every_setting(tmp_path, monkeypatch):
     proc = run_script("export.py", f"ckpt={tmp_path / 'x.pt'}", f"out={tmp_path / 'out'}", *args, cwd=tmp_path)
     assert proc.returncode != 0 and "recorded" in proc.stderr
     assert got == {**settings, "ckpt": tmp_path / "x.pt"}
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_plain_torch_onnx_export_of_a_compact_model_in_stripe_mode(tmp_path, dynamo):
+    """torch.onnx.export (either exporter) of a compact model whose layers run stripe mode failed (ONNX has no
+    compress::stripe_conv2d), so a user's export worked or not with the modes choose_modes picked: under ONNX
+    export a stripe conv is the standard conv of its dense weight."""
+    import onnxruntime as ort
+
+    small = compact(_skeleton_model("resnet20", 0.4, input_size=16), fold_bn=True, fuse_relu=True)
+    stripe = [m for m in small.modules() if isinstance(m, StripeConv2d) and m.num_stripes]
+    for m in stripe:
+        m.mode = "stripe"
+    assert stripe
+    x = torch.randn(3, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    torch.onnx.export(small, (x,), str(tmp_path / "m.onnx"), dynamo=dynamo, input_names=["input"])
+    session = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    with torch.no_grad():
+        _assert_same_function(torch.from_numpy(got), small(x))
+
+
+def test_a_float16_compact_file_exports_a_float32_onnx_model(training_checkpoint, tmp_path):
+    """export.py on a float16 compact file crashed in its ONNX check (the float16 model was called on float32
+    inputs): it exports a float32 copy, as for bfloat16 and float64 files, checked at float32's tolerance."""
+    path, _ = training_checkpoint
+    export_checkpoint(path, tmp_path / "a", onnx=False, latency=False, choose_stripe_modes=False)
+    held = tmp_path / "half.safetensors"
+    compress.save(load(tmp_path / "a" / FILES[0]).half(), held)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        report = export_checkpoint(held, tmp_path / "b", latency=False, choose_stripe_modes=False)
+    assert report["onnx"]["dtype"] == "float32" and 0 < report["onnx"]["max_rel_error"] < 1e-4
+    assert next(load(tmp_path / "b" / FILES[0]).parameters()).dtype == torch.float16
