@@ -279,10 +279,12 @@ def _squeeze_width(name: str, block: nn.Module, zeta: int) -> int:
             f"(= output channels {out_ch} / zeta {zeta}); PiX can only squeeze, choose a larger zeta"
         )
     if (conv2.in_channels, conv2.out_channels) != (width, width):
-        aa = getattr(block, "aa", None)
-        if aa is not None and not isinstance(aa, nn.Identity):
+        aa = getattr(block, "aa", None)  # timm's anti-aliasing after conv2: AvgPool2d takes any width as it is
+        if aa is not None and (any(True for _ in aa.parameters()) or any(True for _ in aa.buffers())):
             raise ValueError(
-                f"{where}: cannot change the width with anti-aliasing ({type(aa).__name__}); use zeta=4"
+                f"{where}: cannot change the width with anti-aliasing that holds per-channel tensors "
+                f"({type(aa).__name__}); only zeta={out_ch // conv2.out_channels} keeps this block's width "
+                f"{conv2.out_channels}"
             )
         if width % conv2.groups:
             raise ValueError(f"{where}: new width {width} is not divisible by conv2's groups={conv2.groups}")

@@ -618,10 +618,17 @@ def test_squeezes_pix_cannot_take_are_refused_naming_the_layer_and_tau_bounds_ar
     with pytest.raises(ValueError, match=r"layer 'layer2.0'.*conv1 must be the squeeze, a plain stride-1 1x1"):
         insert_pix(model, 4)
     assert not any(isinstance(m, PiXBlock) for m in model.modules())
-    model = create_model("timm:resnetaa50d", num_classes=10, input_size=32)
-    with pytest.raises(ValueError, match=r"cannot change the width with anti-aliasing \(\w+\); use zeta=4"):
+    model = create_model("timm:resnetblur50", num_classes=10, input_size=32)
+    with pytest.raises(ValueError, match=r"layer 'layer2.0' .*cannot change the width with anti-aliasing that holds "
+                                         r"per-channel tensors \(BlurPool2d\); only zeta=4 keeps this block's width 128"):
         insert_pix(model, 8)
     assert not any(isinstance(m, PiXBlock) for m in model.modules())
+    # AvgPool2d anti-aliasing (resnetaa50d) holds nothing per channel: any width (it was refused, advising the zeta
+    # just refused)
+    model = create_model("timm:resnetaa50d", num_classes=10, input_size=32).eval()
+    insert_pix(model, 8)
+    assert model.layer2[0].conv2.out_channels == 64 and type(model.layer2[0].aa) is nn.AvgPool2d
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
     assert [PiXBlock(8, 2, tau).tau for tau in (0, 0.0, 1, 1.0)] == [0.0, 0.0, 1.0, 1.0]
 
 
