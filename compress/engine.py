@@ -902,11 +902,11 @@ def _model_name(model_cfg: DictConfig) -> str:
     return name
 
 
-def _check_input_size(raw: nn.Module, data, device: torch.device) -> None:
+def _check_input_size(raw: nn.Module, data, device: torch.device, name: str) -> None:
     """One eval forward of a random image of the data's size, so that a model that cannot take it fails here with
     the data key named (not at the first training step with a bare shape error), and one whose logits are not the
     data's classes or whose stem takes other channels (a builder of your own that ignores num_classes or in_chans) is
-    refused."""
+    refused. Another error in the forward (not about sizes) is named as the model `name`'s."""
     gen = torch.Generator().manual_seed(0)  # a private generator: the check never moves the training RNG streams
     x = torch.randn(1, data.in_chans, data.input_size, data.input_size, generator=gen).to(device)
     try:
@@ -920,8 +920,12 @@ def _check_input_size(raw: nn.Module, data, device: torch.device) -> None:
                 f"the model's first layer takes {channels[1]} input channels and the data gives {data.in_chans} "
                 f"(data.in_chans={data.in_chans}): {first}. A model builder must use its in_chans argument"
             ) from err
+        size = f"{data.in_chans}x{data.input_size}x{data.input_size}"
+        if not re.search(r"size|shape|dimension|channel|match|mat1|mat2|kernel|stride|padding", first, re.IGNORECASE):
+            raise ValueError(f"the model {name}'s forward failed on one {size} image: {type(err).__name__}: "
+                             f"{first}") from err
         raise ValueError(
-            f"the model cannot take a {data.in_chans}x{data.input_size}x{data.input_size} input (data.input_size="
+            f"the model cannot take a {size} input (data.input_size="
             f"{data.input_size}): {first}. Use a data.input_size the model allows (timm models with a fixed size take "
             f"+model.kwargs.img_size=<size>)"
         ) from err
@@ -1203,7 +1207,7 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float, began: Ca
     channels_last = bool(cfg.trainer.channels_last) and dist.device.type == "cuda"
     raw.to(dist.device, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     if ckpt is None:  # a resumed model ran on this input size before (a rebuilt init= model holds no stripes yet)
-        _check_input_size(raw, data, dist.device)
+        _check_input_size(raw, data, dist.device, arch["name"])
     model = _training_model(raw, cfg, dist)
 
     epochs = int(cfg.trainer.epochs)

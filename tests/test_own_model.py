@@ -176,6 +176,39 @@ def test_a_test_loss_that_is_not_finite_is_noted(tmp_path, monkeypatch, capsys):
     assert "note: the test loss after epoch 1 is not finite: the eval-mode outputs overflow" in capsys.readouterr().out
 
 
+FAILING = """
+import torch.nn as nn
+
+import compress
+
+
+class Failing(nn.Module):
+    def __init__(self, num_classes, in_chans):
+        super().__init__()
+        self.conv = nn.Conv2d(in_chans, num_classes, 3)
+
+    def forward(self, x):
+        raise RuntimeError("boom in the user's forward")
+
+
+@compress.register_model
+def {name}(num_classes=10, in_chans=3):
+    return Failing(num_classes, in_chans)
+"""
+
+
+def test_an_error_in_a_registered_models_forward_names_the_model_not_the_input_size(tmp_path, monkeypatch):
+    """The first forward's error of a model of your own was reported as an input size it cannot take, with advice
+    about data.input_size; an error that is not about sizes names the model and its own message."""
+    monkeypatch.chdir(tmp_path)
+    n = next(_serial)
+    module, name = f"failing_nets_{n}", f"failing_net_{n}"
+    (tmp_path / f"{module}.py").write_text(FAILING.replace("{name}", name))
+    with pytest.raises(ValueError, match=rf"^the model {name}'s forward failed on one 3x8x8 image: RuntimeError: boom "
+                                         r"in the user's forward$"):
+        run(_compose(*TINY, f"imports=[{module}]", f"model.name={name}"), run_dir=tmp_path / "run")
+
+
 def test_own_model_trains_exports_and_resumes_only_with_its_imports(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the launch directory: imports are searched there
     module, model_name = _user_module(tmp_path)
