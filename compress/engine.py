@@ -695,10 +695,10 @@ def _refuse_to_overwrite_a_run(cfg: DictConfig, run_dir: Path) -> None:
     except ValueError as err:  # resume=true cannot continue it either: say what can
         raise ValueError(f"{run_dir} already holds a run whose checkpoints/{existing.name} is unreadable ({err}); {what} "
                          "would overwrite its checkpoints. Continue from another checkpoint in a new run dir: "
-                         f"resume=<file> hydra.run.dir=<a new folder>") from None
+                         f"resume=<file> {_dir_key()}=<a new folder>") from None
     raise ValueError(
         f"{run_dir} already holds a run (checkpoints/{existing.name}); {what} would overwrite its checkpoints. Pass "
-        "resume=true to continue that run, or another hydra.run.dir (or delete the old run) to start anew"
+        f"resume=true to continue that run, or another {_dir_key()} (or delete the old run) to start anew"
         + ("; resume=<file> continues a file in a new run dir" if cfg.resume not in (None, False) else "")
     )
 
@@ -733,7 +733,7 @@ def _resume_config(cfg: DictConfig, run_dir: Path, given: set[str] | None = None
         best = run_dir / "checkpoints" / "best.pt"
         if isinstance(err, ValueError) and best.is_file():  # (a new run dir: this one's files stay as they are)
             raise ValueError(f"{err}. To continue from this run's best.pt, start a new run dir from it: "
-                             f"resume={best} hydra.run.dir=<a new folder>") from None
+                             f"resume={best} {_dir_key()}=<a new folder>") from None
         raise
     if cfg.resume is True and path.name == "best.pt":
         warnings.warn(f"resume: {run_dir} has no checkpoints/last.pt (its write failed or was cut short after "
@@ -760,7 +760,7 @@ def _resume_config(cfg: DictConfig, run_dir: Path, given: set[str] | None = None
         raise ValueError(
             f"resume: {shown}: a resumed run keeps its checkpoint's model, data, prune, optim and pix settings; only "
             f"trainer.* and {', '.join(RESUME_MAY_CHANGE)} may change. Drop those overrides, or start a new run in "
-            "another hydra.run.dir (init=<compact model file> fine-tunes an exported model)"
+            f"another {_dir_key()} (init=<compact model file> fine-tunes an exported model)"
         )
     # keys the checkpoint lacks (written by an older version) take the current defaults
     merged = OmegaConf.merge(saved, {"trainer": OmegaConf.merge(cfg.trainer, saved.get("trainer", {}))},
@@ -835,6 +835,16 @@ def _hydra_record(run_dir: Path, names: tuple[str, ...] = HYDRA_RECORD) -> dict[
     if folder is None:
         return None
     return {name: (folder / name).read_text() for name in names if (folder / name).is_file()}
+
+
+def _dir_key() -> str:
+    """The setting that places the run dir, for messages: hydra.sweep.dir for a multirun's job (its dir is a numbered
+    folder of the sweep's, and hydra.run.dir has no effect there), else hydra.run.dir."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    return "hydra.sweep.dir" if multirun else "hydra.run.dir"
 
 
 def _hydra_run_dir() -> Path:
@@ -1087,7 +1097,7 @@ def _run_lock(run_dir: Path, dist: DistInfo):
             refused = _take_run_lock(run_dir)
         except OSError as err:  # the other ranks must learn it too, or they would wait in the broadcast below
             _release_run_lock(run_dir)  # if it was taken before the error
-            refused, error = f"{run_dir}: cannot lock {RUN_LOCK} there ({err}); give a writable hydra.run.dir", err
+            refused, error = f"{run_dir}: cannot lock {RUN_LOCK} there ({err}); give a writable {_dir_key()}", err
     if dist.world_size > 1:
         shared = [refused]
         torch_dist.broadcast_object_list(shared, src=0)
@@ -1122,7 +1132,7 @@ def _take_run_lock(run_dir: Path) -> str | None:
             for name, saved in (holder.get("hydra") or {}).items():
                 (folder / name).write_text(saved)  # the running run's record, not this command's
         return (f"{run_dir} is in use by another train.py process{who}: two runs in one directory would overwrite "
-                "each other's checkpoints, logs and .hydra record. Give this run another hydra.run.dir, or wait for "
+                f"each other's checkpoints, logs and .hydra record. Give this run another {_dir_key()}, or wait for "
                 "that one to end (resume=true continues it)")
     _run_locks[run_dir] = fd  # released by _release_run_lock whatever happens next
     os.ftruncate(fd, 0)  # a killed run's file: its lock went with its process
@@ -1312,7 +1322,7 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float, began: Ca
             f"train: the model's weights are not finite at step {at} (epoch {epoch + 1}): the run diverged. "
             + (f"{ckpt_dir} keeps the checkpoint written before" if (ckpt_dir / "last.pt").is_file()
                else "No checkpoint was written")
-            + f". Start a new run (another hydra.run.dir; a resume keeps the checkpoint's optim settings) with a lower "
+            + f". Start a new run (another {_dir_key()}; a resume keeps the checkpoint's optim settings) with a lower "
             f"optim.lr (it is {cfg.optim.lr:g})" + (f" or prune.alpha (it is {swp[0]:g})" if swp else "")
             + (", or train with trainer.amp=false" if amp_dtype is not None else "")
         )

@@ -1503,3 +1503,20 @@ def test_a_fresh_start_after_a_run_killed_before_its_first_checkpoint_logs_each_
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     assert [e.step for e in events.Scalars("train/loss_step")] == [1, 2]
+
+
+def test_a_sweep_names_hydra_sweep_dir_and_reports_every_failed_job(tmp_path):
+    """train.py -m: Hydra raises the first failed job's error once the sweep has run, so a second refused job left no
+    trace; each job's error is printed as it fails. A sweep's run-dir messages named hydra.run.dir, which a sweep
+    ignores (its jobs' dirs are hydra.sweep.dir's numbered folders)."""
+    sweep = tmp_path / "S"
+    r = run_script("train.py", "-m", *TINY, "trainer.max_steps=1", "optim.lr=-1,-2", f"hydra.sweep.dir={sweep}")
+    assert r.returncode == 1
+    for job, lr in ((0, -1), (1, -2)):
+        assert re.search(rf"train.py job {job} \(.*optim.lr={lr}.*\) failed: ValueError: optim.lr={lr} must be",
+                         r.stderr), r.stderr[-3000:]
+    r = run_script("train.py", "-m", *TINY, "trainer.max_steps=1", f"hydra.sweep.dir={sweep}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_script("train.py", "-m", *TINY, "trainer.max_steps=1", "prune.alpha=5e-4", f"hydra.sweep.dir={sweep}")
+    assert r.returncode == 1 and "already holds a run (checkpoints/last.pt); a fresh run would overwrite" in r.stderr
+    assert "or another hydra.sweep.dir (or delete the old run)" in r.stderr and "hydra.run.dir" not in r.stderr
