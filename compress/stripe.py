@@ -35,8 +35,23 @@ from kernels._utils import (
 )
 from kernels.pool import max_pool2x2
 
-torch.fx.wrap("conv2d_relu")  # leaves in torch.fx graphs: their fast paths branch on the tensors
-torch.fx.wrap("max_pool2x2")
+
+def traced_stripe_conv2d(x: torch.Tensor, weight: torch.Tensor, out_index: torch.Tensor, offset: torch.Tensor,
+                         bias: torch.Tensor | None, plan: torch.Tensor | None, out_channels: int, kernel_size, stride,
+                         padding, dilation, relu: bool, pool: bool, pool_ceil: bool) -> torch.Tensor:
+    """A StripeConv2d's forward as a torch.fx graph records it (arguments as the module's): `kernels.stripe_conv2d`
+    (which casts under autocast, as the module's forward does) on a batched or unbatched x, then the 2x2 max-pool
+    where `pool` is set."""
+    if x.dim() == 3:
+        return traced_stripe_conv2d(x.unsqueeze(0), weight, out_index, offset, bias, plan, out_channels, kernel_size,
+                                    stride, padding, dilation, relu, pool, pool_ceil).squeeze(0)
+    y = kernels.stripe_conv2d(x, weight, out_index, offset, bias, out_channels, kernel_size, stride, padding,
+                              dilation, relu=relu, plan=plan)
+    return max_pool2x2(y, pool_ceil) if pool else y
+
+
+torch.fx.wrap("traced_stripe_conv2d")  # leaves in torch.fx graphs: they branch on the tensors
+torch.fx.wrap("conv2d_relu")
 
 __all__ = ["StripeConv2d", "Conv2dReLU", "conv2d_relu", "conv_padding", "masked_conv", "stripe_counts"]
 
@@ -363,13 +378,12 @@ class StripeConv2d(nn.Module):
         copied first.
 
         Under torch.fx symbolic tracing (torchvision's create_feature_extractor) the layer records one
-        `compress::stripe_conv2d` op call (the kernel on CUDA, the stripe GEMM on CPU), not the mode chosen per
-        call here, whose choice reads the input."""
+        `traced_stripe_conv2d` call (the kernel on CUDA, the stripe GEMM on CPU), not the mode chosen per call here,
+        whose choice reads the input."""
         if fx_tracing():
-            y = torch.ops.compress.stripe_conv2d(x, self.weight, self.out_index, self.offset, self.bias, self.plan,
-                                                 self.out_channels, list(self.kernel_size), list(self.stride),
-                                                 list(self.padding), list(self.dilation), self.relu)
-            return max_pool2x2(y, self.pool_ceil) if self.pool else y
+            return traced_stripe_conv2d(x, self.weight, self.out_index, self.offset, self.bias, self.plan,
+                                        self.out_channels, self.kernel_size, self.stride, self.padding, self.dilation,
+                                        self.relu, self.pool, self.pool_ceil)
         y = self._eager_dense_output(x)
         if y is not None:
             return y
