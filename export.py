@@ -74,7 +74,8 @@ def export(cfg: DictConfig, out: Path) -> None:
         cuda_graphs=cfg.profile.cuda_graphs,
     )
     print(render_markdown(report).split("\n## Per layer")[0])
-    print(f"wrote {', '.join(name for name in FILES if (out / name).is_file())} to {out}")
+    written = [name for name in FILES if (out / name).is_file() and (name != "model.onnx" or report["onnx"])]
+    print(f"wrote {', '.join(written)} to {out}")  # (a model.onnx of the user's own, with onnx off, stays unnamed)
 
 
 if __name__ == "__main__":

@@ -984,3 +984,17 @@ def test_a_float16_compact_file_exports_a_float32_onnx_model(training_checkpoint
         report = export_checkpoint(held, tmp_path / "b", latency=False, choose_stripe_modes=False)
     assert report["onnx"]["dtype"] == "float32" and 0 < report["onnx"]["max_rel_error"] < 1e-4
     assert next(load(tmp_path / "b" / FILES[0]).parameters()).dtype == torch.float16
+
+
+def test_export_py_names_only_the_files_it_wrote(training_checkpoint, tmp_path):
+    """With onnx off, a model.onnx of the user's own in out stays (with a warning) and the closing line no longer
+    lists it among the files written."""
+    path, _ = training_checkpoint
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.onnx").write_text("mine")
+    r = run_script("export.py", f"ckpt={path}", f"out={out}", "onnx.enabled=false", "profile.latency=false",
+                   "choose_modes=false", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert re.search(r"wrote model.compact.safetensors, report.json, report.md, stripes.png to ", r.stdout), r.stdout
+    assert (out / "model.onnx").read_text() == "mine"
