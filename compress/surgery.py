@@ -14,6 +14,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from compress._checks import unwrapped
 from compress._modes import evaluating
 
 __all__ = [
@@ -88,7 +89,9 @@ def conv_bn_pairs(model: nn.Module) -> dict[str, str]:
     its output, by data flow: the conv's only user in the model's torch.fx graph is that BN, each called once
     (`conv_bn_pairs_traced(..., foldable=False)`). Registration order is not enough: Res2Net keeps its convs and BNs
     in two ModuleLists, and a pre-activation ResNet's next BN reads the residual sum. {} (with a warning) for a
-    model torch.fx cannot trace."""
+    model torch.fx cannot trace. A torch.compile, DataParallel or DDP wrapper is looked through (names as in the
+    model inside, as `swp_update` uses them)."""
+    model = unwrapped(model)
     graph = trace(model, "no BatchNorm channel is zeroed with its dead filter")
     return {} if graph is None else conv_bn_pairs_traced(model, graph, foldable=False)
 

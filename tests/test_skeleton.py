@@ -11,6 +11,7 @@ import torchvision
 
 from compress.models import create_model
 from compress.skeleton import SkeletonConv2d, attach_skeletons, skeleton_stats, swp_update
+from compress.surgery import conv_bn_pairs
 
 
 @pytest.mark.parametrize(
@@ -142,7 +143,9 @@ def test_swp_update_through_a_wrapper_zeroes_the_bn_of_dead_filters():
     dp(torch.randn(4, 2, 5, 5)).square().mean().backward()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        swp_update(dp, alpha=1e-3, threshold=0.005)
+        pairs = conv_bn_pairs(dp)  # (once, as a training loop passes it to every step: it traced the wrapper too)
+        swp_update(dp, alpha=1e-3, threshold=0.005, bn_pairs=pairs)
+    assert pairs == {"0": "1"}
     assert float(net[1].weight[1]) == 0.0 and float(net[1].bias[1]) == 0.0 and float(net[1].weight[0]) != 0.0
 
 
