@@ -733,7 +733,10 @@ def cache_root() -> str:
 def _compiler() -> tuple[list[str] | None, str]:
     """(the compiler's command: its path, then any words after it in ``$CXX`` such as ``ccache g++``'s compiler;
     or None, and why there is none, for the warning)."""
-    words = shlex.split(os.environ.get("CXX", ""))
+    try:
+        words = shlex.split(os.environ.get("CXX", ""))
+    except ValueError:  # an unclosed quote: no command, as a CXX that names no executable
+        words = [os.environ["CXX"]]
     given = shutil.which(words[0]) if words else None
     if given:
         return [given, *words[1:]], ""

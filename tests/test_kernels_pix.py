@@ -682,6 +682,9 @@ def test_cpu_library_takes_a_cxx_of_several_words(monkeypatch, tmp_path):
         _cpu._build(cxx, _cpu.SERIAL_FLAGS)
     assert calls[0][:3] == [env, "g++", _cpu.SERIAL_FLAGS[0]]
     assert _cpu._path(cxx, _cpu.FLAGS) != _cpu._path([env], _cpu.FLAGS)
+    monkeypatch.setenv("CXX", "g++ 'oops")  # an unclosed quote: a CXX that is no command (shlex's error before)
+    with pytest.warns(RuntimeWarning, match=r"CXX=\"g\+\+ 'oops\" is not an executable compiler; using "):
+        assert _cpu._compiler()[0] is not None
 
 
 def test_kernel_settings_read_on_off_values_and_expand_the_cache_path(monkeypatch):
