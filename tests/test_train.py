@@ -1520,3 +1520,15 @@ def test_a_sweep_names_hydra_sweep_dir_and_reports_every_failed_job(tmp_path):
     r = run_script("train.py", "-m", *TINY, "trainer.max_steps=1", "prune.alpha=5e-4", f"hydra.sweep.dir={sweep}")
     assert r.returncode == 1 and "already holds a run (checkpoints/last.pt); a fresh run would overwrite" in r.stderr
     assert "or another hydra.sweep.dir (or delete the old run)" in r.stderr and "hydra.run.dir" not in r.stderr
+
+
+def test_hydras_other_job_logging_options_replace_train_py_s(tmp_path):
+    """train.py's logging is an option of hydra/job_logging (conf/hydra/job_logging/train.yaml); as edits of Hydra's
+    default it left a console handler without a class in hydra/job_logging=disabled, which crashed at start."""
+    for option in ("disabled", "stdout"):
+        r = run_script("train.py", *TINY, "trainer.max_steps=1", f"hydra/job_logging={option}",
+                       f"hydra.run.dir={tmp_path / option}")
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert not (tmp_path / option / "train.log").exists()
+    r = run_script("train.py", *TINY, "trainer.max_steps=1", f"hydra.run.dir={tmp_path / 'default'}")
+    assert re.match(r"\[\d{4}-\d\d-\d\d [\d:,]+\]\[INFO\] epoch 1/", (tmp_path / "default" / "train.log").read_text())
