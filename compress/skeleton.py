@@ -284,7 +284,9 @@ def _skeleton_convs(model: nn.Module) -> list[tuple[str, SkeletonConv2d]]:
 
 @torch.no_grad()
 def swp_update(model: nn.Module, alpha: float, threshold: float, bn_pairs: dict[str, str] | None = None) -> None:
-    """The SWP step between backward (and the DDP gradient all-reduce) and optimizer.step().
+    """The SWP step between backward (and the DDP gradient all-reduce; under torch.amp.GradScaler,
+    scaler.unscale_(optimizer): on scaled gradients the L1 term would shrink by the scale) and optimizer.step(), once
+    per optimizer step.
 
     For each skeleton FS: FS.grad += alpha * sign(FS) (not for a frozen one, requires_grad=False: it gets no
     gradient); entries with |FS| <= threshold get value and gradient zeroed. Filters without a kept stripe have weight, bias and their gradients of the
@@ -302,6 +304,9 @@ def swp_update(model: nn.Module, alpha: float, threshold: float, bn_pairs: dict[
         return
     fss = [conv.skeleton for _, conv in convs]
     trained = [fs for fs in fss if fs.requires_grad]  # a frozen skeleton gets no gradient: an optimizer would step it
+    if trained and all(fs.grad is None for fs in trained):
+        warnings.warn("swp_update: no skeleton has a gradient; call it after loss.backward() (under GradScaler, after "
+                      "scaler.unscale_(optimizer)) and before optimizer.step(), once per optimizer step", stacklevel=2)
     for fs in trained:
         if fs.grad is None:
             fs.grad = torch.zeros_like(fs)

@@ -175,6 +175,20 @@ def test_swp_update_gives_a_frozen_skeleton_no_gradient():
     assert torch.equal(net[0].skeleton.detach(), frozen)
 
 
+def test_swp_update_before_backward_warns():
+    """Called before backward (or with none), swp_update set the gradients to alpha * sign(FS) and zeroed the pruned
+    entries, which the backward then revived, without a word."""
+    net = _net_with_bn()
+    attach_skeletons(net)
+    with pytest.warns(UserWarning, match=r"no skeleton has a gradient; call it after loss.backward\(\) .*"
+                                         r"scaler.unscale_\(optimizer\).* before optimizer.step\(\)"):
+        swp_update(net, alpha=1e-3, threshold=0.005)
+    net(torch.randn(4, 2, 5, 5)).square().mean().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        swp_update(net, alpha=1e-3, threshold=0.005)  # after backward: no warning
+
+
 @pytest.mark.parametrize("alpha,threshold,key", [(-1e-5, 0.01, "alpha"), (1e-5, -0.1, "threshold"),
                                                  (1e-5, float("nan"), "threshold"), ("x", 0.01, "alpha")])
 def test_swp_update_rejects_negative_nan_and_non_numbers(alpha, threshold, key):
