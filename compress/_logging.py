@@ -26,7 +26,7 @@ _log = logging.getLogger("compress")
 
 def say(text: str, write: Callable[[str], object] = print) -> None:
     """Show `text` on the terminal with `write` (print, or a progress bar's write) and log it at INFO: under train.py,
-    Hydra's job logging (conf/train.yaml) puts it in <run dir>/train.log."""
+    Hydra's job logging (conf/hydra/job_logging/train.yaml) puts it in <run dir>/train.log."""
     write(text)
     _log.info(text)
 

@@ -304,9 +304,10 @@ def swp_update(model: nn.Module, alpha: float, threshold: float, bn_pairs: dict[
         return
     fss = [conv.skeleton for _, conv in convs]
     trained = [fs for fs in fss if fs.requires_grad]  # a frozen skeleton gets no gradient: an optimizer would step it
-    if trained and all(fs.grad is None for fs in trained):
+    if alpha and trained and all(fs.grad is None for fs in trained):  # (alpha 0: a call that only applies masks)
         warnings.warn("swp_update: no skeleton has a gradient; call it after loss.backward() (under GradScaler, after "
-                      "scaler.unscale_(optimizer)) and before optimizer.step(), once per optimizer step", stacklevel=2)
+                      "scaler.unscale_(optimizer)) and before optimizer.step(), once per optimizer step",
+                      stacklevel=3)  # (the caller's line: torch.no_grad's wrapper is a frame between)
     for fs in trained:
         if fs.grad is None:
             fs.grad = torch.zeros_like(fs)

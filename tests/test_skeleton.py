@@ -181,8 +181,12 @@ def test_swp_update_before_backward_warns():
     net = _net_with_bn()
     attach_skeletons(net)
     with pytest.warns(UserWarning, match=r"no skeleton has a gradient; call it after loss.backward\(\) .*"
-                                         r"scaler.unscale_\(optimizer\).* before optimizer.step\(\)"):
+                                         r"scaler.unscale_\(optimizer\).* before optimizer.step\(\)") as caught:
         swp_update(net, alpha=1e-3, threshold=0.005)
+    assert caught[0].filename == __file__  # the caller's line, not torch.no_grad's wrapper
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        swp_update(net, alpha=0.0, threshold=0.005)  # alpha 0: masks only (benchmarks/_masks.py), no warning
     net(torch.randn(4, 2, 5, 5)).square().mean().backward()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
