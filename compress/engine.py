@@ -609,6 +609,17 @@ def _refuse_added_keys(cfg: DictConfig) -> None:
                              f"{', '.join(known)}); set existing keys without '+', and check the spelling{fix}")
 
 
+def _refuse_deleted_keys() -> None:
+    """ValueError for a setting deleted with '~key' (outside model.kwargs, the model constructor's optional
+    arguments): train.py reads every setting of its config, so a required one then failed with omegaconf's
+    "Key ... is not in struct", and an optional one fell back to a default silently."""
+    for o in command_line_overrides() or []:
+        if o.is_delete() and not o.is_hydra_override() and not o.key_or_group.startswith("model.kwargs."):
+            key = o.key_or_group
+            raise ValueError(f"~{key}: train.py reads every setting of its config, so {key} cannot be deleted; set "
+                             f"it instead ({key}=<value>, or {key}=null where it takes null)")
+
+
 # keys a resumed run may change besides trainer.*: where the data is read from, how many processes load it (other
 # loader worker counts draw other augmentation streams), the per-process batch sizes (so that a run resumed on
 # another number of processes can keep its global batch: data.EpochSampler gives the same global batches), and the
@@ -1149,6 +1160,7 @@ def _release_run_lock(run_dir: Path) -> None:
 def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float, began: Callable[[], None]) -> dict:
     """`run`'s work, with the run dir held (`_run_lock`); calls `began()` once the run writes its results."""
     _refuse_added_keys(cfg)
+    _refuse_deleted_keys()
     import_modules(cfg.get("imports"), launch_path("."))  # your own models' modules, before any model is built
     _absolute_paths(cfg)  # as the checkpoint holds them, so that the same command line resumes
     _resolve_auto_resume(cfg, run_dir, dist)

@@ -1532,3 +1532,13 @@ def test_hydras_other_job_logging_options_replace_train_py_s(tmp_path):
         assert not (tmp_path / option / "train.log").exists()
     r = run_script("train.py", *TINY, "trainer.max_steps=1", f"hydra.run.dir={tmp_path / 'default'}")
     assert re.match(r"\[\d{4}-\d\d-\d\d [\d:,]+\]\[INFO\] epoch 1/", (tmp_path / "default" / "train.log").read_text())
+
+
+def test_a_deleted_setting_is_refused_naming_it(tmp_path):
+    """~trainer.seed (a required key) failed with omegaconf's "Key 'seed' is not in struct"; ~optim.warmup_epochs
+    fell back to no warmup silently. Deleting a setting is refused, naming the key and how to set it."""
+    for key in ("trainer.seed", "optim.warmup_epochs"):
+        r = run_script("train.py", *TINY, "trainer.max_steps=1", f"~{key}", f"hydra.run.dir={tmp_path / key}")
+        assert r.returncode == 1 and re.search(rf"ValueError: ~{key}: train.py reads every setting of its config, so "
+                                               rf"{key} cannot be deleted; set it instead", r.stderr), r.stderr[-2000:]
+        assert not (tmp_path / key).exists()
