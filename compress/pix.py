@@ -271,7 +271,8 @@ def _squeeze_width(name: str, block: nn.Module, zeta: int) -> int:
         )
     in_ch, out_ch = conv1.in_channels, conv3.out_channels
     if out_ch % zeta:
-        raise ValueError(f"{where}: block output channels {out_ch} are not divisible by zeta={zeta}")
+        raise ValueError(f"{where}: block output channels {out_ch} are not divisible by zeta={zeta}; choose a zeta "
+                         f"that divides {out_ch} (4: the standard widths, 8: the thin network)")
     width = out_ch // zeta
     if in_ch % width:
         raise ValueError(

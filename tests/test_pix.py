@@ -273,7 +273,8 @@ def test_errors_name_the_layer():
         downscale_pix(create_model("vgg11"), 3)
     with pytest.raises(
         ValueError,
-        match=r"layer 'layer1.0' \(compress.*Bottleneck\): block output channels 64 are not divisible by zeta=3",
+        match=r"layer 'layer1.0' \(compress.*Bottleneck\): block output channels 64 are not divisible by zeta=3; "
+              r"choose a zeta that divides 64",
     ):
         insert_pix(create_model("resnet29_bottleneck"), 3)
     with pytest.raises(
