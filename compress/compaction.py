@@ -47,7 +47,7 @@ from compress._checks import refuse_wrapper
 from compress._modes import evaluating
 from compress.pix import PiXBlock
 from compress.pooling import MaxPool2d, fast_max_pools
-from compress.skeleton import SkeletonConv2d
+from compress.skeleton import SkeletonConv2d, skeleton_layers
 from compress.stripe import Conv2dReLU, StripeConv2d, masked_conv, stripe_padding_ok
 from compress.surgery import (
     Chain,
@@ -158,7 +158,8 @@ def compact(
         warnings.warn("compact: the model is in train mode; fold_bn=True folds each BatchNorm's running statistics, "
                       "so the result computes the eval-mode function even in train mode; call model.eval() first",
                       stacklevel=2)
-    has_skeletons = any(isinstance(m, SkeletonConv2d) for m in model.modules())
+    pruned_layers = skeleton_layers(model)
+    has_skeletons = bool(pruned_layers)
     if base > 0 and not has_skeletons:
         warnings.warn(f"compact: threshold={threshold} has no effect: the model has no skeletons (a compact model "
                       "keeps the stripes it holds)", stacklevel=2)
@@ -189,7 +190,7 @@ def compact(
         "macs": macs,
         "dense_macs": dense,
         # the convs whose stripes were chosen (export's stripe table; a compact model's: its first compaction's)
-        "skeleton_layers": [name for name, m in model.named_modules() if isinstance(m, SkeletonConv2d)],
+        "skeleton_layers": pruned_layers,
     }
     out.compress_compaction = _carried_record(before, record) if isinstance(before, dict) else record
     return out

@@ -33,7 +33,7 @@ from compress.onnx_export import STRIPE_MODES, check_onnx, check_opset, export_o
 from compress.pix import apply_pix
 from compress.profile import measure_latencies, profile
 from compress.report import compact_stripes_per_layer, plot_stripes, render_markdown, report_dict
-from compress.skeleton import SkeletonConv2d, check_nonnegative, check_stripe_group
+from compress.skeleton import SkeletonConv2d, check_nonnegative, check_stripe_group, skeleton_layers
 from compress.surgery import is_batch_norm, replace_module
 
 __all__ = ["load_training_checkpoint", "load_any", "export_checkpoint", "FILES"]
@@ -300,8 +300,8 @@ def export_checkpoint(
         warnings.warn(f"export: threshold={threshold} is ignored: {ckpt} holds a compact model, whose stripes were "
                       f"chosen when it was compacted (threshold {before.get('threshold')})", stacklevel=2)
     # the layers the run gave skeletons (its prune.min_kernel_size, include, exclude): the report's stripe table
-    skeleton_layers = [name for name, m in model.named_modules() if isinstance(m, SkeletonConv2d)]
-    has_skeletons = bool(skeleton_layers)
+    pruned_layers = skeleton_layers(model)
+    has_skeletons = bool(pruned_layers)
     if before is None and not has_skeletons:  # a training checkpoint of a run without SWP (prune=none)
         trained = f"{ckpt} was trained without skeletons (prune={prune.get('name', 'none')})"
         if target_macs is not None:
@@ -388,7 +388,7 @@ def export_checkpoint(
                          "opset": opset, "max_rel_error": err,
                          "dtype": str(next(onnx_model.parameters()).dtype).removeprefix("torch.")}
         # a compact file's: those its first compaction recorded (files before that record: SWP's default picks)
-        stripes = compact_stripes_per_layer(small, arch_model, skeleton_layers or record.get("skeleton_layers"))
+        stripes = compact_stripes_per_layer(small, arch_model, pruned_layers or record.get("skeleton_layers"))
         dense, small = deployed(dense), deployed(small)
         common = {"batch_size": batch_size, "device": device, "latency": latency, "repeats": repeats,
                   "memory_format": memory_format}

@@ -282,6 +282,11 @@ def _skeleton_convs(model: nn.Module) -> list[tuple[str, SkeletonConv2d]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, SkeletonConv2d)]
 
 
+def skeleton_layers(model: nn.Module) -> list[str]:
+    """The names of `model`'s SkeletonConv2d layers (the convs SWP prunes; what a compaction records)."""
+    return [name for name, _ in _skeleton_convs(model)]
+
+
 @torch.no_grad()
 def swp_update(model: nn.Module, alpha: float, threshold: float, bn_pairs: dict[str, str] | None = None) -> None:
     """The SWP step between backward (and the DDP gradient all-reduce; under torch.amp.GradScaler,

@@ -716,8 +716,9 @@ class Launch:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The layer's output on ``x``, which must have this launch's ``signature`` (an input of another shape gave
         an output of the prepared shape, and a smaller batch made the kernel read past x's end)."""
-        if input_signature(x) != self.signature:
-            shape, dtype, device, strides, aligned = input_signature(x)
+        got = input_signature(x)
+        if got != self.signature:
+            shape, dtype, device, strides, aligned = got
             raise ValueError(
                 f"stripe conv launcher: prepared for inputs of shape {self.signature[0]}, {self.signature[1]} on "
                 f"{self.signature[2]}, strides {self.signature[3]}, 16-byte aligned {self.signature[4]}; got shape "
