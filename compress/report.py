@@ -189,21 +189,27 @@ def render_markdown(report: dict) -> str:
 
 
 def plot_stripes(stripes: dict[str, dict[str, int]], path: str | os.PathLike) -> Path:
-    """Bar chart (PNG) of the fraction of stripes kept per layer, in model order."""
+    """Bar chart (PNG) of the fraction of stripes kept per layer, in model order. No layers (a model trained without
+    skeletons, prune=none): the figure says so instead of showing empty axes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = list(stripes)
-    kept = [stripes[n]["kept"] / max(stripes[n]["total"], 1) for n in names]
     fig, ax = plt.subplots(figsize=(max(6.0, 0.22 * len(names) + 2), 4))
-    ax.bar(range(len(names)), kept, color="tab:blue")
-    ax.set_xticks(range(len(names)), names, rotation=90, fontsize=6)
-    ax.set_ylim(0, 1)
-    ax.set_ylabel("fraction of stripes kept")
-    total = sum(s["total"] for s in stripes.values())
-    ax.set_title(f"Stripes kept per layer ({sum(s['kept'] for s in stripes.values())} / {total} in all)")
+    if names:
+        kept = [stripes[n]["kept"] / max(stripes[n]["total"], 1) for n in names]
+        ax.bar(range(len(names)), kept, color="tab:blue")
+        ax.set_xticks(range(len(names)), names, rotation=90, fontsize=6)
+        ax.set_ylim(0, 1)
+        ax.set_ylabel("fraction of stripes kept")
+        total = sum(s["total"] for s in stripes.values())
+        ax.set_title(f"Stripes kept per layer ({sum(s['kept'] for s in stripes.values())} / {total} in all)")
+    else:
+        ax.set_axis_off()
+        ax.text(0.5, 0.5, "No stripe-pruned layers: the model was trained without skeletons (prune=none)",
+                ha="center", va="center")
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

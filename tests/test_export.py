@@ -447,6 +447,10 @@ def test_report_tables_give_each_side_its_own_values_and_stripes_per_layer_takes
     monkeypatch.setattr(matplotlib.axes.Axes, "bar", lambda ax, x, h, **kw: (heights.extend(h), real_bar(ax, x, h, **kw))[1])
     plot_stripes({"a": {"kept": 3, "total": 12}, "b": {"kept": 9, "total": 9}}, tmp_path / "s.png")
     assert heights == [0.25, 1.0]
+    texts = []
+    monkeypatch.setattr(matplotlib.axes.Axes, "text", lambda ax, x, y, t, **kw: texts.append(t))
+    plot_stripes({}, tmp_path / "none.png")  # prune=none: a message, not empty axes
+    assert heights == [0.25, 1.0] and texts and "prune=none" in texts[0] and (tmp_path / "none.png").is_file()
     conv = SkeletonConv2d.from_conv(nn.Conv2d(3, 4, 3))
     with torch.no_grad():
         conv.skeleton.copy_(torch.linspace(-1, 1, 36).view(conv.skeleton.shape))
