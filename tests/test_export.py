@@ -508,6 +508,9 @@ def test_export_script(training_checkpoint, tmp_path):
     assert top.returncode != 0 and "export: +thresh is not an export setting" in top.stderr
     assert re.search(r"settings: [^)]*target_macs, threshold;", top.stderr) and ", thresh," not in top.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    helped = run_script("export.py", "--help", cwd=tmp_path)  # export's keys only, not train.py's groups beside them
+    assert helped.returncode == 0 and "ckpt: ???" in helped.stdout and "target_macs:" in helped.stdout
+    assert "Configuration groups" not in helped.stdout and "resnet50" not in helped.stdout, helped.stdout
 
 
 def test_exports_started_in_one_second_get_run_dirs_of_their_own():
