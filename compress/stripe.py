@@ -353,10 +353,11 @@ class StripeConv2d(nn.Module):
         # holds the weight it was built from, so that a weight assigned later (`.data =`, a new Parameter) cannot
         # get its freed address and pass for it.
         key = (fmt, w.data_ptr(), tensor_version(w), self.out_index.data_ptr())
-        if self._dense_cache is None or self._dense_cache[0] != key:
+        cache = self._dense_cache  # read once: another thread may replace it (threads serving one model)
+        if cache is None or cache[0] != key:
             with _building_a_cache():
-                self._dense_cache = (key, self.dense_weight(fmt), _sources(w))
-        return self._dense_cache[1]
+                self._dense_cache = cache = (key, self.dense_weight(fmt), _sources(w))
+        return cache[1]
 
     def _dense_mode_weight(self, fmt: torch.memory_format) -> tuple[torch.Tensor, tuple[int, int]]:
         """(weight, padding) of dense mode: the zero-filled weight cut to the centred window of offsets that holds
@@ -367,10 +368,11 @@ class StripeConv2d(nn.Module):
             return w, self.padding
         if recording(self.weight) or tracing_or_compiling():
             return kernels.trimmed_dense(w, self._trim, self.padding, self.dilation, fmt)
-        if self._trim_cache is None or self._trim_cache[0] is not w:
+        cache = self._trim_cache  # read once (threads: see _cached_dense_weight)
+        if cache is None or cache[0] is not w:
             with _building_a_cache():
-                self._trim_cache = (w, kernels.trimmed_dense(w, self._trim, self.padding, self.dilation, fmt))
-        return self._trim_cache[1]
+                self._trim_cache = cache = (w, kernels.trimmed_dense(w, self._trim, self.padding, self.dilation, fmt))
+        return cache[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, C, H, W) -> (B, N, Ho, Wo), in x's layout (see `_layout`); an unbatched x (C, H, W) -> (N, Ho, Wo),
@@ -510,12 +512,13 @@ class StripeConv2d(nn.Module):
         key = (tuple(x.shape[2:]), x.dtype, x.device, self.out_index.data_ptr()) + tuple(
             None if t is None else (t.data_ptr(), tensor_version(t))
             for t in (self.weight, self.bias))
-        if self._gemm_cache is None or self._gemm_cache[0] != key:
+        cache = self._gemm_cache  # read once: another thread may replace it with another input size's entry
+        if cache is None or cache[0] != key:
             with torch.no_grad():
-                self._gemm_cache = (key, unrolled.unrolled_operands(
+                self._gemm_cache = cache = (key, unrolled.unrolled_operands(
                     self.dense_weight().to(x.dtype), self.bias, x.shape[2:], self.stride, self.padding, self.dilation),
                     _sources(self.weight, self.bias))  # held: see _cached_dense_weight
-        return self._gemm_cache[1]
+        return cache[1]
 
     def pools_in_kernel(self, x: torch.Tensor) -> bool:
         """Whether a forward on `x` max-pools in the stripe kernel's epilogue, never writing the full-size conv

@@ -1070,3 +1070,37 @@ def test_channel_slice_input_on_cuda(dtype):
             assert _rel(s(xd), want) < tol
         assert _rel(s.train()(xd).detach(), want) < tol
         s.eval()
+
+
+@pytest.mark.parametrize("mode", ["gemm", "dense"])
+def test_caches_are_read_once_so_threads_serving_one_layer_get_their_own_entry(mode):
+    """Threads serving one model: between a cache's key check and its use another thread may replace the cache with
+    its input's entry (gemm mode: another input size; dense mode: another layout). The entry checked is the one used:
+    here the key comparison itself stands for that other thread's write (QA found gemm mode returning the other
+    size's output, or failing, in ~1% of calls with 4 threads)."""
+    gen = torch.Generator().manual_seed(3)
+    conv = nn.Conv2d(8, 8, 3, padding=1)
+    mask = torch.rand(8, 3, 3, generator=gen) > 0.5
+    layer = StripeConv2d.from_dense(conv, mask, mode=mode).eval()
+    xa = torch.randn(1, 8, 2, 4, generator=gen)
+    xb = torch.randn(1, 8, 4, 2, generator=gen) if mode == "gemm" else xa.to(memory_format=torch.channels_last)
+    slot = "_gemm_cache" if mode == "gemm" else "_dense_cache"
+    with torch.no_grad():
+        want = F.conv2d(xa.double(), layer.dense_weight().double(), layer.bias.double(), padding=1)
+        layer(xb)
+        other_entry = getattr(layer, slot)
+        layer(xa)
+
+        class KeyWhileAnotherThreadWrites(tuple):
+            def __ne__(self, other):
+                setattr(layer, slot, other_entry)  # the other thread's write, between check and use
+                return tuple.__ne__(self, other)
+
+        key, *rest = getattr(layer, slot)
+        setattr(layer, slot, (KeyWhileAnotherThreadWrites(key), *rest))
+        if mode == "dense":  # dense mode's eager binding would skip the cache: drop it, as a new weight would
+            layer._eager_dense = None
+        got = layer(xa)
+    assert got.shape == want.shape and torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
+    if mode == "dense":
+        assert got.is_contiguous()  # the NCHW entry's weight, not the channels_last one
