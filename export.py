@@ -1,8 +1,9 @@
 """Export a trained model: `python export.py ckpt=<run dir>/checkpoints/last.pt [key=value ...]`.
 
 Compacts the model and writes model.compact.safetensors, model.onnx, report.md, report.json and
-stripes.png into `out` (default: the Hydra run directory, with Hydra's .hydra/ record; given `out`, or when the
-export fails, the run directory Hydra made is removed again); prints the dense-vs-compact table.
+stripes.png into `out` (default: the Hydra run directory, with Hydra's .hydra/ record; given `out`, Hydra's run
+directory is a folder in the system's temporary directory, and it is removed again after the export, as it is when
+the export fails); prints the dense-vs-compact table.
 Config: conf/export.yaml.
 """
 
@@ -12,6 +13,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+import compress._run_dir  # noqa: F401  (registers conf/export.yaml's run-dir resolver before Hydra composes)
 from compress._files import launch_path, remove_if_only_hydra
 from compress._overrides import adding_overrides, command_line_overrides, require_sections, typed
 from compress.export import FILES, export_checkpoint

@@ -64,6 +64,8 @@ def run_script(name: str, *args: str, cwd: Path = ROOT) -> Result:
             main()
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
+        if isinstance(e.code, str):  # what Python prints for an uncaught SystemExit("message")
+            err.write(e.code + "\n")
     finally:
         os.chdir(old_cwd)
         sys.argv = argv

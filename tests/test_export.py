@@ -513,6 +513,37 @@ def test_export_script(training_checkpoint, tmp_path):
     assert "Configuration groups" not in helped.stdout and "resnet50" not in helped.stdout, helped.stdout
 
 
+def test_export_with_out_runs_from_a_read_only_working_directory(training_checkpoint, tmp_path, monkeypatch):
+    """Given out=, Hydra's run dir holds only its record of the command (removed after the export): it goes to the
+    system's temporary folder (compress/_run_dir.py), so that an export works from a folder it cannot write (a
+    container's read-only working directory), where Hydra's default outputs/export/... failed before anything ran.
+    Without out= the run dir is the output: a read-only launch folder is one clear error."""
+    import tempfile
+
+    path, _ = training_checkpoint
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    real_mkdir = Path.mkdir
+
+    def refuse_inside_read_only(self, *args, **kwargs):  # (a chmod would not stop root, which CI may run as)
+        if read_only in Path(self).absolute().parents:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", refuse_inside_read_only)
+    real_mkdtemp = tempfile.mkdtemp
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda *a, dir=None, **k: real_mkdtemp(*a, dir=dir, **k)
+                        if Path(dir) != read_only else refuse_inside_read_only(read_only / "probe"))
+    before = set(Path(tempfile.gettempdir()).glob(f"compress-export-{os.getpid()}-*"))
+    done = run_script("export.py", f"ckpt={path}", f"out={tmp_path / 'out'}", "choose_modes=false",
+                      "profile.latency=false", "onnx.enabled=false", cwd=read_only)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "out" / "report.json").is_file() and list(read_only.iterdir()) == []
+    assert set(Path(tempfile.gettempdir()).glob(f"compress-export-{os.getpid()}-*")) == before  # removed again
+    refused = run_script("export.py", f"ckpt={path}", "choose_modes=false", cwd=read_only)
+    assert refused.returncode == 1 and f"cannot create the run directory {read_only / 'outputs'}" in refused.stderr
+
+
 def test_exports_started_in_one_second_get_run_dirs_of_their_own():
     """The default out dir is named to the microsecond: named to the second, two exports started together wrote one
     dir, the second's files over the first's."""

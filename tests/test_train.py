@@ -1542,3 +1542,30 @@ def test_a_deleted_setting_is_refused_naming_it(tmp_path):
         assert r.returncode == 1 and re.search(rf"ValueError: ~{key}: train.py reads every setting of its config, so "
                                                rf"{key} cannot be deleted; set it instead", r.stderr), r.stderr[-2000:]
         assert not (tmp_path / key).exists()
+
+
+def test_a_run_dir_hydra_cannot_create_is_one_clear_error_before_the_run(tmp_path, monkeypatch):
+    """hydra.run.dir is made by Hydra before train.py runs: a '~' it does not expand made a folder named '~' in the
+    working directory, and a dangling symbolic link or a read-only parent failed with chained pathlib tracebacks.
+    Now (compress/_run_dir.py) each is one line naming the setting and the fix, and nothing is created."""
+    import compress._run_dir as run_dir
+
+    tilde = run_script("train.py", "model=resnet20", "hydra.run.dir='~/runs/x'", cwd=tmp_path)
+    assert tilde.returncode == 1 and "hydra.run.dir=~/runs/x: Hydra does not expand '~'" in tilde.stderr
+    assert f"hydra.run.dir={os.path.expanduser('~/runs/x')}" in tilde.stderr
+    (tmp_path / "mnt").symlink_to(tmp_path / "not-mounted")
+    dangling = run_script("train.py", "model=resnet20", "hydra.run.dir=mnt/r1", cwd=tmp_path)
+    assert dangling.returncode == 1 and f"{tmp_path / 'mnt'} is a symbolic link to {tmp_path / 'not-mounted'}, " \
+        "which does not exist" in dangling.stderr
+    real_mkdtemp = run_dir.tempfile.mkdtemp
+
+    def read_only_folder(*args, dir=None, **kwargs):  # (a chmod would not stop root, which CI may run as)
+        if Path(dir) == tmp_path:
+            raise PermissionError(13, "Permission denied")
+        return real_mkdtemp(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(run_dir.tempfile, "mkdtemp", read_only_folder)
+    denied = run_script("train.py", "model=resnet20", cwd=tmp_path)  # the default outputs/<date>/<time>
+    assert denied.returncode == 1 and f"cannot create the run directory {tmp_path / 'outputs'}" in denied.stderr
+    assert "in " + str(tmp_path) + " (Permission denied); give hydra.run.dir=<a writable directory>" in denied.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mnt"]
