@@ -345,10 +345,12 @@ def build_recipe(model: nn.Module) -> dict:
 
 
 def save(model: nn.Module, path: str | os.PathLike) -> Path:
-    """Write `model` (recipe + state_dict) to one safetensors file at `path`, atomically. Forward hooks are not
-    saved (a warning names the modules that have them)."""
-    if str(path).endswith(("/", os.sep)) or Path(path).is_dir():
+    """Write `model` (recipe + state_dict) to one safetensors file at `path` (a leading ~ is the home folder, as
+    on the command line: taken literally, the missing folders created for it made a folder named '~'), atomically.
+    Forward hooks are not saved (a warning names the modules that have them)."""
+    if str(path).endswith(("/", os.sep)) or Path(path).expanduser().is_dir():
         raise ValueError(f"compress.save: {path} is a directory; give a file path, e.g. {Path(path) / 'model.safetensors'}")
+    path = Path(path).expanduser()
     from compress.stripe import StripeConv2d
 
     for name, module in model.named_modules():
@@ -489,12 +491,12 @@ def rebuild(recipe: dict, where: str = "compress.rebuild") -> nn.Module:
 
 
 def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> nn.Module:
-    """Rebuild the model saved by `save` at `path` on `device`, in eval mode.
+    """Rebuild the model saved by `save` at `path` (a leading ~ is the home folder) on `device`, in eval mode.
 
     Raises ValueError naming the file and the problem for a truncated or tampered file (bad header,
     missing or extra tensors, shape mismatch, unknown module type).
     """
-    path = Path(path)
+    path = Path(path).expanduser()
     recipe, tensors = _read(path)
     where = f"compress.load({path})"
     _check_dtypes(tensors, where, "export it again with compress.save or export.py")

@@ -430,6 +430,21 @@ def test_atomic_write_keeps_the_old_file_on_a_failed_write_and_sets_umask_permis
         save(create_model("resnet20"), f"{tmp_path / 'new'}/")
 
 
+def test_save_and_load_take_a_leading_tilde_as_the_home_folder(tmp_path, monkeypatch):
+    """compress.save("~/models/m.safetensors") made a folder named '~' in the working directory (the missing
+    folders of the literal path); save and load take ~ as the home folder, as the command line does."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    model = create_model("resnet20").eval()
+    written = save(model, "~/models/m.safetensors")
+    assert written == tmp_path / "home" / "models" / "m.safetensors" and written.is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]  # no ./~
+    again = load(Path("~/models/m.safetensors"))
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(again(x), model(x))
+
+
 def _first_stripe(recipe):
     return next(r for r in recipe["replacements"] if r["type"] == "StripeConv2d")
 
