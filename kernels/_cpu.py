@@ -724,10 +724,15 @@ def env_flag(name: str) -> bool:
     return value in _TRUE
 
 
+_START_DIR = os.getcwd()  # the working directory at import: where the command was started
+
+
 def cache_root() -> str:
-    """The kernels' cache folder: ``$COMPRESS_KERNELS_CACHE`` (``~`` expanded) or ``~/.cache/compress_kernels``."""
+    """The kernels' cache folder: ``$COMPRESS_KERNELS_CACHE`` (``~`` expanded; a relative path against the working
+    directory the process had when it imported the kernels, so that a run which changes directory, such as
+    train.py with ``hydra.job.chdir=true``, does not build a cache in each run dir) or ``~/.cache/compress_kernels``."""
     root = os.environ.get("COMPRESS_KERNELS_CACHE") or os.path.join("~", ".cache", "compress_kernels")
-    return os.path.expanduser(root)
+    return os.path.join(_START_DIR, os.path.expanduser(root))
 
 
 def _compiler() -> tuple[list[str] | None, str]:
@@ -885,6 +890,9 @@ def lib() -> ctypes.CDLL | None:
             else:
                 try:
                     handle = _load_any(cxx)
+                except OSError as e:  # the cache cannot be written (read-only, full): say where else it can go
+                    _warn(f"{type(e).__name__}: {e}; COMPRESS_KERNELS_CACHE=<a writable folder> moves the cache, "
+                          "`python -m kernels build` prebuilds it")
                 except Exception as e:  # noqa: BLE001 - any build or load failure means: fall back, with one warning
                     _warn(f"{type(e).__name__}: {e}")
         _state["lib"] = handle

@@ -833,3 +833,22 @@ def test_profiler_sees_the_pix_op_of_a_plain_eager_cpu_call():
             got = block(x)
     assert torch.equal(got, want)
     assert "compress::pix_squeeze" in {e.name for e in prof.events()}
+
+
+def test_cpu_library_cache_path_is_fixed_at_start_and_an_unwritable_one_is_named_with_the_fix(monkeypatch, tmp_path):
+    """A relative COMPRESS_KERNELS_CACHE is taken against the directory the process started in: it followed the
+    working directory, so train.py with hydra.job.chdir=true built the library anew inside each run dir. A cache
+    that cannot be written gives the one warning, now with the setting that moves it."""
+    from kernels import _cpu
+
+    monkeypatch.setenv("COMPRESS_KERNELS_CACHE", "kernel cache")
+    monkeypatch.chdir(tmp_path)  # (as Hydra's chdir into a run dir)
+    assert _cpu.cache_root() == os.path.join(_cpu._START_DIR, "kernel cache") != os.path.join(tmp_path, "kernel cache")
+    (tmp_path / "a file").write_text("")
+    monkeypatch.setenv("COMPRESS_KERNELS_CACHE", str(tmp_path / "a file" / "cache"))
+    monkeypatch.setattr(_cpu, "_state", {})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert _cpu.lib() is None
+    assert len(caught) == 1 and "NotADirectoryError" in str(caught[0].message)
+    assert "COMPRESS_KERNELS_CACHE=<a writable folder> moves the cache" in str(caught[0].message)
