@@ -370,7 +370,23 @@ def save(model: nn.Module, path: str | os.PathLike) -> Path:
     metadata = {_META_KEY: text, _RECIPE_DIGEST_KEY: hashlib.sha256(text.encode()).hexdigest(), _DIGEST_KEY: digest(tensors)}
     # the file's bytes are made in memory and written to atomic_write's temporary file: safetensors' save_file
     # writes its own randomly named temporary file first, which a killed process left behind in the user's folder
-    return atomic_write(path, lambda tmp: tmp.write_bytes(safetensors_bytes(tensors, metadata=metadata)))
+    return atomic_write(path, lambda tmp: _write_safetensors(tmp, tensors, metadata))
+
+
+def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """safetensors' file of `tensors` and `metadata` at `path`, its header's metadata keys in sorted order: the same
+    model saved twice gives the same bytes (safetensors 0.8 writes the metadata keys in a random, hash-map order, so
+    a file's SHA-256 changed from save to save; the tensors' entries it orders itself, by offset)."""
+    raw = memoryview(safetensors_bytes(tensors, metadata=metadata))
+    size = int.from_bytes(raw[:8], "little")
+    header = json.loads(bytes(raw[8:8 + size]))
+    header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)  # (safetensors pads the header to 8 bytes with spaces)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        f.write(raw[8 + size:])
 
 
 def _check_dtypes(tensors: dict[str, torch.Tensor], where: str, fix: str) -> None:
