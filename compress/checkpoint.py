@@ -348,9 +348,9 @@ def save(model: nn.Module, path: str | os.PathLike) -> Path:
     """Write `model` (recipe + state_dict) to one safetensors file at `path` (a leading ~ is the home folder, as
     on the command line: taken literally, the missing folders created for it made a folder named '~'), atomically.
     Forward hooks are not saved (a warning names the modules that have them)."""
-    if str(path).endswith(("/", os.sep)) or Path(path).expanduser().is_dir():
-        raise ValueError(f"compress.save: {path} is a directory; give a file path, e.g. {Path(path) / 'model.safetensors'}")
-    path = Path(path).expanduser()
+    given, path = path, _home_expanded(path, "compress.save")
+    if str(given).endswith(("/", os.sep)) or path.is_dir():
+        raise ValueError(f"compress.save: {given} is a directory; give a file path, e.g. {path / 'model.safetensors'}")
     from compress.stripe import StripeConv2d
 
     for name, module in model.named_modules():
@@ -371,6 +371,14 @@ def save(model: nn.Module, path: str | os.PathLike) -> Path:
     # the file's bytes are made in memory and written to atomic_write's temporary file: safetensors' save_file
     # writes its own randomly named temporary file first, which a killed process left behind in the user's folder
     return atomic_write(path, lambda tmp: _write_safetensors(tmp, tensors, metadata))
+
+
+def _home_expanded(path: str | os.PathLike, where: str) -> Path:
+    """`path` with a leading ~ or ~user expanded; ValueError naming it for a ~user that does not exist."""
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:  # pathlib's "Could not determine home directory."
+        raise ValueError(f"{where}: {path}: no home folder for its '~' (no such user); give the full path") from None
 
 
 def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
@@ -512,7 +520,7 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> nn.Modu
     Raises ValueError naming the file and the problem for a truncated or tampered file (bad header,
     missing or extra tensors, shape mismatch, unknown module type).
     """
-    path = Path(path).expanduser()
+    path = _home_expanded(path, "compress.load")
     recipe, tensors = _read(path)
     where = f"compress.load({path})"
     _check_dtypes(tensors, where, "export it again with compress.save or export.py")

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import hashlib
 import os
 import platform
@@ -875,6 +876,9 @@ def _load_any(cxx: list[str]) -> ctypes.CDLL:
     return handle
 
 
+_UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.ENOSPC, errno.EDQUOT)  # the cache's
+
+
 def lib() -> ctypes.CDLL | None:
     """The loaded library (its functions with argtypes set), or None (one warning) where it cannot be built."""
     if "lib" in _state:
@@ -890,11 +894,10 @@ def lib() -> ctypes.CDLL | None:
             else:
                 try:
                     handle = _load_any(cxx)
-                except OSError as e:  # the cache cannot be written (read-only, full): say where else it can go
-                    _warn(f"{type(e).__name__}: {e}; COMPRESS_KERNELS_CACHE=<a writable folder> moves the cache, "
-                          "`python -m kernels build` prebuilds it")
                 except Exception as e:  # noqa: BLE001 - any build or load failure means: fall back, with one warning
-                    _warn(f"{type(e).__name__}: {e}")
+                    unwritable = isinstance(e, OSError) and e.errno in _UNWRITABLE  # (not a library that fails to load)
+                    _warn(f"{type(e).__name__}: {e}" + ("; COMPRESS_KERNELS_CACHE=<a writable folder> moves the cache, "
+                                                         "`python -m kernels build` prebuilds it" if unwritable else ""))
         _state["lib"] = handle
         return handle
 

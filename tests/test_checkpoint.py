@@ -443,6 +443,9 @@ def test_save_and_load_take_a_leading_tilde_as_the_home_folder(tmp_path, monkeyp
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         assert torch.equal(again(x), model(x))
+    for call in (lambda p: save(model, p), load):  # (pathlib's bare "Could not determine home directory." before)
+        with pytest.raises(ValueError, match=r"~no_such_user_x/m.safetensors: no home folder for its '~'"):
+            call("~no_such_user_x/m.safetensors")
 
 
 def _first_stripe(recipe):

@@ -542,6 +542,23 @@ def test_export_with_out_runs_from_a_read_only_working_directory(training_checkp
     assert set(Path(tempfile.gettempdir()).glob(f"compress-export-{os.getpid()}-*")) == before  # removed again
     refused = run_script("export.py", f"ckpt={path}", "choose_modes=false", cwd=read_only)
     assert refused.returncode == 1 and f"cannot create the run directory {read_only / 'outputs'}" in refused.stderr
+    shown = run_script("export.py", "--cfg", "hydra", "--resolve", f"ckpt={path}", cwd=read_only)  # (no `out` key
+    assert shown.returncode == 0 and "outputs/export/" in shown.stdout, shown.stderr  # there: it failed to resolve)
+
+
+def test_export_sweep_with_one_fixed_out_is_refused(training_checkpoint, tmp_path):
+    """export.py -m of several jobs with one fixed out= wrote every job's files into it, each over the last (the
+    last job's report alone remained): refused before anything is written, naming a per-job out. A per-job out
+    (an interpolation, or out itself swept) runs."""
+    path, _ = training_checkpoint
+    fixed = run_script("export.py", "-m", f"ckpt={path}", "out=X", "threshold=0.1,0.2", cwd=tmp_path)
+    assert fixed.returncode == 1 and "every job of this sweep would write its files into out=X" in fixed.stderr
+    assert "out='X/${hydra:job.num}'" in fixed.stderr and list(tmp_path.iterdir()) == []
+    per_job = run_script("export.py", "-m", f"ckpt={path}", "out=X/${hydra:job.num}", "threshold=0.1,0.2",
+                         "choose_modes=false", "profile.latency=false", "onnx.enabled=false",
+                         "hydra.sweep.dir=sweep", cwd=tmp_path)
+    assert per_job.returncode == 0, per_job.stderr[-3000:]
+    assert [json.loads((tmp_path / "X" / str(i) / "report.json").read_text())["threshold"] for i in (0, 1)] == [0.1, 0.2]
 
 
 def test_exports_started_in_one_second_get_run_dirs_of_their_own():

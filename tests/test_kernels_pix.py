@@ -846,9 +846,21 @@ def test_cpu_library_cache_path_is_fixed_at_start_and_an_unwritable_one_is_named
     assert _cpu.cache_root() == os.path.join(_cpu._START_DIR, "kernel cache") != os.path.join(tmp_path, "kernel cache")
     (tmp_path / "a file").write_text("")
     monkeypatch.setenv("COMPRESS_KERNELS_CACHE", str(tmp_path / "a file" / "cache"))
+    monkeypatch.setattr(_cpu, "_compiler", lambda: (["/bin/false"], ""))  # (any: the cache fails before a build)
     monkeypatch.setattr(_cpu, "_state", {})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert _cpu.lib() is None
     assert len(caught) == 1 and "NotADirectoryError" in str(caught[0].message)
     assert "COMPRESS_KERNELS_CACHE=<a writable folder> moves the cache" in str(caught[0].message)
+
+    def unloadable(cxx):  # what ctypes raises for a library file it cannot load: no hint about the cache then
+        raise OSError("compress_cpu.so: file too short")
+
+    monkeypatch.setattr(_cpu, "_load_any", unloadable)
+    monkeypatch.setattr(_cpu, "_state", {})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert _cpu.lib() is None
+    assert len(caught) == 1 and "file too short" in str(caught[0].message)
+    assert "COMPRESS_KERNELS_CACHE" not in str(caught[0].message)

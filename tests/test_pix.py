@@ -656,10 +656,11 @@ def test_inductor_with_frozen_weights_hands_pix_its_channels_last_activations(mo
         return squeeze_cpu(x, *args, **kwargs)
 
     monkeypatch.setattr(pix_ops, "_squeeze_cpu", recording)
-    monkeypatch.setattr(inductor_config, "freezing", True)
     torch._dynamo.reset()
+    # (the config's own patch: pytest 9.2's monkeypatch restores from the module's __dict__, where torch's config
+    # keeps no value, and so deleted `freezing` from the config for every later test)
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), inductor_config.patch(freezing=True):
             want = model(x)
             layouts.clear()
             got = torch.compile(model, dynamic=False)(x)

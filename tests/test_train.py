@@ -1559,8 +1559,15 @@ def test_a_run_dir_hydra_cannot_create_is_one_clear_error_before_the_run(tmp_pat
         "which does not exist" in dangling.stderr
     real_mkdtemp = run_dir.tempfile.mkdtemp
 
+    nobody = run_script("train.py", "model=resnet20", "hydra.run.dir='~no_such_user_x/r'", cwd=tmp_path)
+    assert nobody.returncode == 1 and "hydra.run.dir=~no_such_user_x/r: Hydra does not expand '~'" in nobody.stderr
+    assert nobody.stderr.rstrip().endswith("give the full path")  # (not the same value back as the fix)
+    (tmp_path / "old run").mkdir()  # an existing run dir on a read-only mount (resume=true)
+    read_only = {tmp_path, tmp_path / "old run"}
+    real_mkdtemp = run_dir.tempfile.mkdtemp
+
     def read_only_folder(*args, dir=None, **kwargs):  # (a chmod would not stop root, which CI may run as)
-        if Path(dir) == tmp_path:
+        if Path(dir) in read_only:
             raise PermissionError(13, "Permission denied")
         return real_mkdtemp(*args, dir=dir, **kwargs)
 
@@ -1568,4 +1575,7 @@ def test_a_run_dir_hydra_cannot_create_is_one_clear_error_before_the_run(tmp_pat
     denied = run_script("train.py", "model=resnet20", cwd=tmp_path)  # the default outputs/<date>/<time>
     assert denied.returncode == 1 and f"cannot create the run directory {tmp_path / 'outputs'}" in denied.stderr
     assert "in " + str(tmp_path) + " (Permission denied); give hydra.run.dir=<a writable directory>" in denied.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["mnt"]
+    resumed = run_script("train.py", "model=resnet20", "resume=true", "hydra.run.dir=old run", cwd=tmp_path)
+    assert resumed.returncode == 1 and f"cannot write into the run directory {tmp_path / 'old run'} " \
+        "(Permission denied)" in resumed.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mnt", "old run"] and not any((tmp_path / "old run").iterdir())

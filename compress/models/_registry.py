@@ -84,7 +84,8 @@ def import_modules(value, search_dir: str | Path) -> list[str]:
             if missing is not None and (name == missing or name.startswith(missing + ".")):  # not the module's imports
                 raise ValueError(f"imports: no module named {name!r} in {search_dir}, on PYTHONPATH or installed; run "
                                  "the command where the module is, or add its folder to PYTHONPATH") from None
-            err.add_note(f"(raised while importing {name!r}, named in imports=)")
+            # (err.add_note on Python 3.11+, which prints the notes with the traceback; the attribute on 3.10 too)
+            err.__notes__ = [*getattr(err, "__notes__", []), f"(raised while importing {name!r}, named in imports=)"]
             raise
     return names
 
