@@ -52,9 +52,14 @@ def _loggers() -> dict[logging.Logger, tuple]:
 
 def run_script(name: str, *args: str, cwd: Path = ROOT) -> Result:
     """`python <ROOT/name> *args` run from `cwd`, in this process: its exit status, stdout and stderr (Hydra prints
-    a failed run's error to stderr and exits 1). Restores the working directory, sys.argv and every logger."""
+    a failed run's error to stderr and exits 1). Restores the working directory, sys.argv, Hydra's config singleton
+    and every logger."""
+    from hydra.core.hydra_config import HydraConfig
+
     main = _script(name).main
     loggers, argv, old_cwd = _loggers(), sys.argv, os.getcwd()
+    hydra_cfg = HydraConfig.instance().cfg  # (a job restores it; --cfg/--help print and leave theirs behind, whose
+    # runtime.cwd later in-process code would take for the launch directory)
     out, err = io.StringIO(), io.StringIO()
     code = 0
     sys.argv = [str(ROOT / name), *args]
@@ -69,6 +74,7 @@ def run_script(name: str, *args: str, cwd: Path = ROOT) -> Result:
     finally:
         os.chdir(old_cwd)
         sys.argv = argv
+        HydraConfig.instance().cfg = hydra_cfg
         for logger, (handlers, level, disabled, propagate) in loggers.items():
             for handler in logger.handlers:
                 if handler not in handlers:
