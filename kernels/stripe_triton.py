@@ -101,6 +101,10 @@ try:
     from triton.compiler import CompiledKernel
 except ImportError:  # pragma: no cover - triton ships with CUDA torch builds
     triton = None
+try:  # grid dependency control (programmatic dependent launch, Hopper and later)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - a Triton without it
+    gdc_launch_dependents = gdc_wait = None
 
 from kernels._utils import conv_out_size, memory_format
 from kernels.pool import max_pool2x2
@@ -190,10 +194,13 @@ if triton is not None:
         HAS_BIAS: tl.constexpr, RELU: tl.constexpr, IS_FP32: tl.constexpr, OUT_CL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
         ONE_K: tl.constexpr, DENSE: tl.constexpr, GATHER: tl.constexpr, NOSKIP: tl.constexpr, IM2COL: tl.constexpr,
-        POOL: tl.constexpr, SWAP: tl.constexpr = False, LISTED: tl.constexpr = False,
+        POOL: tl.constexpr, SWAP: tl.constexpr = False, LISTED: tl.constexpr = False, PDL: tl.constexpr = False,
     ):
         # w_ptr: route (b) stripe weight (S, C); DENSE route (a): zero-filled dense weight, channels_last
         # (N, KH, KW, C) in memory, so both routes load weight tiles contiguous along C
+        if PDL:  # launched early (``pdl_launch``): wait for the previous kernel before any memory access
+            gdc_wait()
+            gdc_launch_dependents()
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         n0 = pid_n * BLOCK_N
@@ -639,6 +646,20 @@ def pool_fusable(Ho: int, Wo: int) -> bool:
     return Ho % 2 == 0 and Wo % 2 == 0
 
 
+PDL = True  # whether forward launches use programmatic dependent launch where it exists (``pdl_launch``)
+
+
+def pdl_launch(x: torch.Tensor) -> bool:
+    """Whether the forward kernel for ``x`` is launched with programmatic dependent launch: on Hopper and later
+    GPUs (compute capability >= 9) with a Triton that has grid dependency control, while ``PDL`` is set. Such a
+    launch may start the kernel's programs while the previous kernel on the stream still runs; each program waits
+    for it (``gdc_wait``) before touching memory and at once lets the next kernel start the same way
+    (``gdc_launch_dependents``), so the launch and the ramp of one layer overlap the tail of the one before, in
+    eager calls and inside CUDA graphs."""
+    return (PDL and gdc_wait is not None and x.is_cuda
+            and torch.cuda.get_device_capability(x.device)[0] >= 9)
+
+
 def input_signature(x: torch.Tensor) -> tuple:
     """What a ``Launch`` is specific to: x's shape, dtype, device, strides and 16-byte alignment (Triton
     specialises the kernel on pointer alignment)."""
@@ -695,13 +716,14 @@ class Launch:
         if cfg["LISTED"] and not cfg["DENSE"]:
             raise ValueError(f"stripe_triton.Launch: LISTED runs the DENSE route; got config {cfg}")
         self.config = dict(cfg)  # the route and tiles this launch runs (PAD_C aside)
+        self.pdl = pdl_launch(x)
         self._grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), 1)  # 3-D for the compiled kernel
         # y in x's layout; new_empty_strided (dtype and device from x) costs the host the least per call
         self._y_strides = y_strides = torch.empty(self._y_shape, device="meta", memory_format=fmt).stride()
         named = dict(
             SH=stride[0], SW=stride[1], PH=padding[0], PW=padding[1], DH=dilation[0], DW=dilation[1], KH=KH, KW=KW,
             HAS_BIAS=bias is not None, RELU=relu, IS_FP32=x.dtype == torch.float32,
-            OUT_CL=fmt == torch.channels_last, POOL=self.pool_fused, **cfg)
+            OUT_CL=fmt == torch.channels_last, POOL=self.pool_fused, PDL=self.pdl, **cfg)
         # the LISTED route's per-tile offset lists (the plan stands in for them elsewhere: the pointer is unused)
         listed = tile_offsets(plan, N, cfg["BLOCK_N"]) if cfg["LISTED"] else plan
         # every kernel argument in signature order; x (slot 0) and y (slot 6, and slot 5 standing in for a missing
@@ -711,6 +733,8 @@ class Launch:
         self._args = args + [named.pop(n) for n in names[len(args):]]
         self._y_slots = (5, 6) if bias is None else (6,)
         self._launch_options = named  # num_warps, num_stages
+        if self.pdl:
+            self._launch_options["launch_pdl"] = True
         self._compiled = None  # Triton's compiled kernel bound to the grid, after the first call
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
