@@ -111,6 +111,9 @@ def test_cpu_smoke_writes_report(tmp_path):
     r = report["results"][0]
     assert r["model"] == "resnet56" and r["variant"] == "real"
     assert r["max_rel_error_fp32"] < 1e-5 and r["macs_cut"] > 0.5
+    # the layer check ran on the stripe-mode layers (exact float32 on the CPU)
+    assert r["stripe_mode_layers"] > 0 and 0 < r["max_rel_error_fp32_layers"] < 1e-5
+    assert r["max_rel_error_fp32_modes"] < 1e-5
     assert (BENCH.parent / r["masks"]["file"]).is_file()
     assert r["eager"]["dense_ms"] > 0 and r["train"]["compact"]["backward_ms"] > 0 and "graphed" not in r
 
