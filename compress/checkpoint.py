@@ -341,7 +341,44 @@ def build_recipe(model: nn.Module) -> dict:
     compaction = getattr(model, "compress_compaction", None)
     if isinstance(compaction, dict):  # how compress.compact made it (threshold, BN folding, MAC budget): kept as is
         recipe["compaction"] = json.loads(json.dumps(compaction))
+    tied = tied_groups(model)
+    if tied:  # the file holds a copy per name; load makes them one tensor again
+        recipe["tied"] = tied
     return recipe
+
+
+def tied_groups(model: nn.Module) -> list[list[str]]:
+    """The state_dict names that hold one and the same parameter or buffer (weights tied in a model's __init__ or
+    later, or a module registered under two names), as lists of two or more names."""
+    keys = model.state_dict().keys()
+    by_tensor: dict[int, list[str]] = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        if name in keys:
+            by_tensor.setdefault(id(t), []).append(name)
+    return [names for names in by_tensor.values() if len(names) > 1]
+
+
+def _tie(model: nn.Module, groups: list, tensors: dict[str, torch.Tensor], where: str) -> None:
+    """In place, after ``load_state_dict(assign=True)`` (which gives every name its own tensor): each group's names
+    (`tied_groups`) hold the first name's parameter or buffer again. ValueError for a group naming unknown tensors
+    or holding different values (the file was edited)."""
+    if not (isinstance(groups, list) and all(isinstance(g, list) and all(isinstance(n, str) for n in g)
+                                               for g in groups)):
+        raise ValueError(f"{where}: the recipe is incomplete or malformed (tied is {groups!r})")
+    for names in groups:
+        unknown = [n for n in names if n not in tensors]
+        if unknown:
+            raise ValueError(f"{where}: the recipe ties tensors the file does not hold: {', '.join(unknown[:5])}")
+        if not all(torch.equal(tensors[n], tensors[names[0]]) for n in names[1:]):
+            raise ValueError(f"{where}: the tensors {', '.join(names)} are one tensor in the model but differ in the "
+                             "file (edited?); export it again with compress.save")
+        first_mod, _, first_leaf = names[0].rpartition(".")
+        holder = model.get_submodule(first_mod)
+        first = holder._parameters.get(first_leaf, holder._buffers.get(first_leaf))
+        for name in names[1:]:
+            mod_name, _, leaf = name.rpartition(".")
+            module = model.get_submodule(mod_name)
+            (module._parameters if leaf in module._parameters else module._buffers)[leaf] = first
 
 
 def save(model: nn.Module, path: str | os.PathLike) -> Path:
@@ -525,6 +562,7 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> nn.Modu
     where = f"compress.load({path})"
     _check_dtypes(tensors, where, "export it again with compress.save or export.py")
     model = rebuild_for(recipe, tensors, where)
+    tied = recipe.get("tied", tied_groups(model))  # (a file written before the record: the ties __init__ makes)
     own = model.state_dict()
     for key, t in tensors.items():  # integers were saved narrow (`_narrowest`): back to the module's type
         if key in own and not t.is_floating_point() and not own[key].is_floating_point() and t.dtype != own[key].dtype:
@@ -536,6 +574,7 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> nn.Modu
     except (RuntimeError, ValueError, TypeError) as err:  # ValueError/TypeError: indices StripeConv2d rejects
         detail = " ".join(str(err).split())
         raise ValueError(f"{where}: the tensors do not fit the recipe's model: {detail}") from None
+    _tie(model, tied, tensors, where)
     _cast_unsaved_buffers(model, recipe.get("buffer_dtypes"), {t.dtype for t in tensors.values() if t.is_floating_point()},
                           where)
     infinite = [k for k, t in tensors.items() if t.is_floating_point() and not bool(t.isfinite().all())]

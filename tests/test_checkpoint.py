@@ -786,3 +786,51 @@ def test_saving_a_model_again_gives_the_same_bytes(tmp_path):
     assert len({hashlib.sha256(f.read_bytes()).hexdigest() for f in files}) == 1
     again = save(load(files[0]), tmp_path / "again.safetensors")
     assert again.read_bytes() == files[0].read_bytes()
+
+
+class _TiedNet(nn.Module):
+    def __init__(self, num_classes: int, in_chans: int):
+        super().__init__()
+        self.stem = nn.Conv2d(in_chans, 8, 3, padding=1)
+        self.a, self.b = nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+        self.b.weight = self.a.weight  # one weight, used twice
+        self.fc = nn.Linear(8, num_classes)
+
+    def forward(self, x):
+        return self.fc(self.b(self.a(self.stem(x).relu()).relu()).mean((2, 3)))
+
+
+@compress.register_model
+def _test_tied_net(num_classes=10, in_chans=3):
+    return _TiedNet(num_classes, in_chans)
+
+
+def test_tied_weights_are_one_tensor_after_load(tmp_path):
+    """Tensors that are one in the saved model (tied by its __init__, or by the user later) are one after load:
+    load_state_dict(assign=True) gave each name its own copy, so the loaded model had more parameters and one
+    fine-tuning step moved the copies apart. A file written before the record gets the ties its __init__ makes;
+    a file whose copies of one tensor differ is refused."""
+    model = _randomise(create_model("_test_tied_net", num_classes=4))
+    model.b.bias = model.a.bias  # tied after construction: only the file's record knows
+    x = torch.randn(2, 3, 8, 8)
+    path = save(model, tmp_path / "m.safetensors")
+    loaded = load(path)
+    assert loaded.a.weight is loaded.b.weight and loaded.a.bias is loaded.b.bias
+    assert sum(p.numel() for p in loaded.parameters()) == sum(p.numel() for p in model.parameters())
+    torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+    opt = torch.optim.SGD(loaded.parameters(), lr=0.1)
+    loaded.train()
+    loaded(x).square().sum().backward()
+    opt.step()
+    assert loaded.a.weight is loaded.b.weight and not torch.equal(loaded.a.weight, model.a.weight)
+
+    _rewrite(path, edit_recipe=lambda r: r.pop("tied"))  # as written before the record
+    old = load(path)
+    assert old.a.weight is old.b.weight and old.a.bias is not old.b.bias
+    torch.testing.assert_close(old(x), model(x), rtol=0, atol=0)
+
+    save(model, path)
+    _rewrite(path, edit_tensors=lambda t: t["b.weight"].add_(1.0))
+    with pytest.raises(ValueError, match=r"m.safetensors.*a\.weight, b\.weight are one tensor in the model but "
+                                         r"differ in the file"):
+        load(path)
