@@ -159,6 +159,8 @@ def compact(
                       "so the result computes the eval-mode function even in train mode; call model.eval() first",
                       stacklevel=2)
     pruned_layers = skeleton_layers(model)
+    for name in pruned_layers:
+        model.get_submodule(name).check_finite(f"compact: layer {name}")
     has_skeletons = bool(pruned_layers)
     if base > 0 and not has_skeletons:
         warnings.warn(f"compact: threshold={threshold} has no effect: the model has no skeletons (a compact model "

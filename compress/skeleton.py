@@ -105,8 +105,20 @@ class SkeletonConv2d(nn.Conv2d):
     def stripe_mask(self, threshold: float) -> torch.Tensor:
         """Bool (N, kh, kw): True where the stripe is kept, i.e. |skeleton| > threshold, compared in float64 (a
         float32 skeleton compared with the threshold rounded to float32 dropped values above it that round alike,
-        so a model and its .double() kept different stripes)."""
+        so a model and its .double() kept different stripes). ValueError for a threshold that is not a number >= 0
+        (NaN dropped every stripe, a negative one kept them all)."""
+        if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not threshold >= 0:
+            raise ValueError(f"stripe_mask: threshold must be a number >= 0, got {threshold!r}")
         return self.stripe_scale().abs().double() > float(threshold)
+
+    def check_finite(self, where: str) -> None:
+        """ValueError naming `where` if the skeleton holds NaN or inf values (a diverged run): a NaN entry compares
+        as not above any threshold, so compaction dropped its stripe and the compact model's outputs looked normal
+        while the skeleton model's were NaN."""
+        bad = int((~self.skeleton.detach().isfinite()).sum())
+        if bad:
+            raise ValueError(f"{where}: the skeleton holds {bad} NaN or inf values (the SWP run diverged); compact an "
+                             "earlier checkpoint, or train again with a lower optim.lr or prune.alpha")
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (f", stripe_group={self.stripe_group}" if self.stripe_group > 1 else "")
@@ -305,8 +317,9 @@ def swp_update(model: nn.Module, alpha: float, threshold: float, bn_pairs: dict[
     check_nonnegative(alpha=alpha, threshold=threshold)
     model = unwrapped(model)  # (DataParallel, DDP, torch.compile: the BN pairs are traced in the model inside)
     convs = _skeleton_convs(model)
-    if not convs:
-        return
+    if not convs:  # (training with no skeleton would prune nothing, and compaction find nothing to remove)
+        raise ValueError("swp_update: the model has no skeleton convs; call compress.attach_skeletons(model) before "
+                         "training (or leave swp_update out of a run that does not prune)")
     fss = [conv.skeleton for _, conv in convs]
     trained = [fs for fs in fss if fs.requires_grad]  # a frozen skeleton gets no gradient: an optimizer would step it
     if alpha and trained and all(fs.grad is None for fs in trained):  # (alpha 0: a call that only applies masks)

@@ -300,7 +300,9 @@ class StripeConv2d(nn.Module):
 
     @classmethod
     def from_skeleton(cls, conv: nn.Conv2d, threshold: float, mode: str = "stripe") -> StripeConv2d:
-        """From a SkeletonConv2d: stripes where |skeleton| > threshold, weight W * skeleton."""
+        """From a SkeletonConv2d: stripes where |skeleton| > threshold, weight W * skeleton (ValueError for a
+        skeleton with NaN or inf values, or a threshold that is not a number >= 0)."""
+        conv.check_finite("StripeConv2d.from_skeleton")
         return cls.from_dense(masked_conv(conv, threshold), conv.stripe_mask(threshold), mode=mode)
 
     def dense_weight(self, memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:

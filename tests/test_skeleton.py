@@ -1,5 +1,6 @@
 """Filter Skeleton: conv semantics vs F.conv2d, the SWP update rule, BN zeroing, attach and stats."""
 
+import math
 import re
 import warnings
 
@@ -388,3 +389,30 @@ def test_attach_skeletons_keeps_existing_skeletons_of_another_group_with_a_warni
     with pytest.warns(UserWarning, match="0 already have skeletons of another stripe_group"):
         assert attach_skeletons(net, stripe_group=4) == ["2"]
     assert net[0].stripe_group == 1 and net[2].stripe_group == 4 and net[2].skeleton.shape == (2, 3, 3)
+
+
+def test_a_diverged_skeleton_and_bad_thresholds_are_refused_not_compacted_silently():
+    """A NaN skeleton entry compared as not above the threshold, so compaction dropped its stripe: the compact
+    model's outputs looked normal where the skeleton model's were NaN. compact and StripeConv2d.from_skeleton now
+    refuse it naming the layer; stripe_mask refuses a NaN or negative threshold (NaN dropped every stripe, -1 kept
+    them all); swp_update on a model with no skeleton says so (it returned, pruning nothing)."""
+    from compress.compaction import compact
+    from compress.stripe import StripeConv2d
+
+    model = create_model("resnet20")
+    attach_skeletons(model)
+    model.eval()
+    conv = model.layer1[0].conv1
+    assert conv.stripe_mask(0.0).all() and not conv.stripe_mask(math.inf).any()
+    for bad in (float("nan"), -1.0, "0.1", True):
+        with pytest.raises(ValueError, match=r"stripe_mask: threshold must be a number >= 0"):
+            conv.stripe_mask(bad)
+    with torch.no_grad():
+        conv.skeleton[0, 1, 1] = float("nan")
+    with pytest.raises(ValueError, match=r"compact: layer layer1\.0\.conv1: the skeleton holds 1 NaN or inf values"):
+        compact(model)
+    with pytest.raises(ValueError, match=r"StripeConv2d\.from_skeleton: the skeleton holds 1 NaN"):
+        StripeConv2d.from_skeleton(conv, 0.0)
+    with pytest.raises(ValueError, match=r"swp_update: the model has no skeleton convs; call "
+                                         r"compress.attach_skeletons\(model\)"):
+        swp_update(create_model("resnet20"), alpha=1e-5, threshold=0.01)
