@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 import kernels
-from compress._checks import positive_int
+from compress._checks import positive_int, refuse_wrapper
 from compress.models._weight_init import init_weights
 from compress.models.cifar_resnet import BasicBlock as CifarBasicBlock
 from compress.models.cifar_resnet import Bottleneck as CifarBottleneck
@@ -333,6 +333,7 @@ def insert_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
     blocks, 8 elsewhere. Every block is checked before any changes: an error leaves the model as it was.
     Records PiX in `model.compress_arch` (see `_record`). Returns the names of the changed blocks.
     """
+    refuse_wrapper("insert_pix", model, "insert PiX into")
     zeta = _check_zeta("insert_pix", zeta)
     check_tau("insert_pix", tau)
     _refuse_compacted("insert_pix", model)
@@ -352,6 +353,7 @@ def downscale_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
     Sequential(PiXBlock(in, zeta), the conv with in / zeta inputs, freshly initialised; at zeta 1 the conv itself,
     whose weights still fit). Every conv is checked before any changes; records PiX in `model.compress_arch`.
     Returns the names of the replaced convs."""
+    refuse_wrapper("downscale_pix", model, "insert PiX into")
     zeta = _check_zeta("downscale_pix", zeta)
     check_tau("downscale_pix", tau)
     _refuse_compacted("downscale_pix", model)
@@ -385,7 +387,9 @@ _SUPPORTED = (
 
 def apply_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
     """Insert PiX in place, choosing the mode from the family (see _SUPPORTED); returns the changed names. A model
-    from `create_model` records it in `compress_arch["pix"]` (see `_record`)."""
+    from `create_model` records it in `compress_arch["pix"]` (see `_record`). A torch.compile, DataParallel, DDP or
+    CUDAGraphModel wrapper is refused, naming the model inside (PiX went into it, but the record onto the wrapper)."""
+    refuse_wrapper("apply_pix", model, "insert PiX into")
     modules = list(model.modules())
     if any(isinstance(m, _bottleneck_types()) for m in modules):
         changed = insert_pix(model, zeta, tau)

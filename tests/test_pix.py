@@ -895,3 +895,17 @@ def test_eager_cpu_inference_calls_the_bound_cpp_block_directly(monkeypatch):
 
 class _Sub(torch.Tensor):
     pass
+
+
+def test_pix_into_a_wrapped_model_is_refused_naming_the_model_inside():
+    """PiX went into a DataParallel's model but its record (compress_arch["pix"], which export reads for the dense
+    baseline) onto the wrapper, which has none; wrappers are refused as compact and save refuse them."""
+    for apply, name in ((apply_pix, "resnet29_bottleneck"), (insert_pix, "resnet29_bottleneck"),
+                        (downscale_pix, "vgg11")):
+        model = create_model(name, num_classes=3)
+        for wrapped, inner in ((nn.DataParallel(model), r"model\.module"),
+                               (torch.compile(model), r"model\._orig_mod")):
+            with pytest.raises(ValueError, match=rf"{apply.__name__}: .* is a wrapper; insert PiX into the model "
+                                                 rf"inside it: {inner}"):
+                apply(wrapped, 4)
+        assert "pix" not in model.compress_arch and not any(isinstance(m, compress.PiXBlock) for m in model.modules())
