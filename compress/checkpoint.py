@@ -557,6 +557,10 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> nn.Modu
     Raises ValueError naming the file and the problem for a truncated or tampered file (bad header,
     missing or extra tensors, shape mismatch, unknown module type).
     """
+    if isinstance(device, torch.dtype) or not isinstance(device, (str, torch.device, int)):
+        raise ValueError(f"compress.load: device must be a device ('cpu', 'cuda:0', a torch.device), got {device!r}"
+                         + ("; to change the dtype, call .to(dtype) on the loaded model"
+                            if isinstance(device, torch.dtype) else ""))
     path = _home_expanded(path, "compress.load")
     recipe, tensors = _read(path)
     where = f"compress.load({path})"

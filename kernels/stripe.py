@@ -661,10 +661,21 @@ def stripe_cost(in_channels: int, out_channels: int, num_stripes: int, kernel_si
     CUDA: a per-width fit to the H200 measurements (benchmarks/stripe_gpu.py); with ``tile_keep``
     (``stripe_tile_keep``; from 16 input channels) at most 3x its smallest share, the LISTED route's cost per kept
     offset (1.6-5x cuDNN's per offset, 2.4-3.2x on most layers; stripe_blocks_gpu_h200_{narrow,wide}.json).
+    ``device``: a CPU or CUDA device (a string such as "cuda:0", or a torch.device).
     """
     KH, KW = pair(kernel_size, "kernel_size")
+    for name, v in (("in_channels", in_channels), ("out_channels", out_channels), ("num_stripes", num_stripes)):
+        if whole(v, f"stripe_cost: {name}") < 0:
+            raise ValueError(f"stripe_cost: {name} must be >= 0, got {v}")
+    try:
+        kind = torch.device(device).type  # ("cuda:0" and torch.device("cuda") were taken for the CPU)
+    except (RuntimeError, TypeError):
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"stripe_cost: device must be a CPU or CUDA device ('cpu', 'cuda', 'cuda:0', a "
+                         f"torch.device), got {device!r}")
     dense = out_channels * KH * KW * in_channels
-    if device == "cuda":
+    if kind == "cuda":
         # H200 fit (stripe_gpu_h200_kept_dense.json and stripe_gpu_h200.json, random masks, the dense weight kept as
         # StripeConv2d keeps it): the Triton kernel beats cuDNN 2.0-2.6x at C <= 16, 1.0-1.35x at C = 32, ties at
         # C = 64 (0.91-1.15x) and is 1.3-2.3x slower from C = 128 on (1.15-1.5x in bf16 since session 17,

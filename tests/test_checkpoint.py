@@ -268,6 +268,14 @@ def test_bn_settings_and_the_device_survive_a_round_trip(tmp_path):
     assert (loaded.bn1.eps, loaded.bn1.momentum) == (0.5, 0.3)
     on_meta = load(tmp_path / "m.safetensors", device="meta")
     assert {t.device.type for t in on_meta.state_dict().values()} == {"meta"}
+    on_device = load(tmp_path / "m.safetensors", device=torch.device("cpu"))
+    assert on_device.bn1.weight.dtype == torch.float32
+    # a dtype given as the device was applied silently (a float16 model)
+    with pytest.raises(ValueError, match=r"compress.load: device must be a device .* got torch.float16; to change "
+                                         r"the dtype, call .to\(dtype\) on the loaded model"):
+        load(tmp_path / "m.safetensors", device=torch.float16)
+    with pytest.raises(ValueError, match=r"compress.load: device must be a device .* got None"):
+        load(tmp_path / "m.safetensors", device=None)
 
 
 def test_model_without_arch_is_a_clear_error(tmp_path):

@@ -413,6 +413,16 @@ def test_route_helpers():
     lo = kernels.stripe_cost(256, 256, int(0.1 * 256 * 9), 3)
     hi = kernels.stripe_cost(256, 256, int(0.9 * 256 * 9), 3)
     assert lo < 1 < hi
+    # any name of a CUDA device gets the CUDA estimate ("cuda:0" and torch.device("cuda") got the CPU's, 9.6 for 0.4)
+    cuda = kernels.stripe_cost(16, 16, 100, 3, "cuda")
+    assert cuda == 0.4 != kernels.stripe_cost(16, 16, 100, 3, "cpu")
+    for name in ("cuda:0", torch.device("cuda"), torch.device("cuda", 1)):
+        assert kernels.stripe_cost(16, 16, 100, 3, name) == cuda
+    for bad in ("gpu", "meta", None):
+        with pytest.raises(ValueError, match=r"stripe_cost: device must be a CPU or CUDA device"):
+            kernels.stripe_cost(16, 16, 100, 3, bad)
+    with pytest.raises(ValueError, match=r"stripe_cost: num_stripes must be >= 0, got -1"):
+        kernels.stripe_cost(16, 16, -1, 3)
 
 
 def test_tile_keep_and_tile_offsets_follow_the_mask():
