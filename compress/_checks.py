@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import numbers
+import os
+from collections.abc import Sequence
 
 import torch.nn as nn
 
@@ -14,11 +16,33 @@ def positive_int(where: str, key: str, value: int) -> int:
     return int(value)
 
 
+def chw(where: str, input_size) -> tuple[int, int, int]:
+    """`input_size` (C, H, W) as three positive ints, else a ValueError naming `where` (a string '332' passed as a
+    sequence of three, and a 0 or negative size failed inside ATen)."""
+    if (isinstance(input_size, (str, bytes)) or not isinstance(input_size, Sequence) or len(input_size) != 3
+            or not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1 for v in input_size)):
+        raise ValueError(f"{where}: input_size is (C, H, W), three positive ints, got {input_size!r}")
+    return tuple(int(v) for v in input_size)
+
+
+def check_module(where: str, model) -> None:
+    """A TypeError naming `where` unless `model` is an nn.Module (a path, None or a state dict failed later with an
+    AttributeError such as "'str' object has no attribute 'named_modules'")."""
+    if not isinstance(model, nn.Module):
+        hint = ("; to read a model file, use compress.load(path)" if isinstance(model, (str, os.PathLike))
+                else "; build the model and load_state_dict into it" if isinstance(model, dict) else "")
+        shown = (f"{type(model).__name__} {model!r:.80}" if model is None or isinstance(model, (str, os.PathLike, numbers.Number))
+                 else f"an object of type {type(model).__name__}")
+        raise TypeError(f"{where}: expected a model (an nn.Module), got {shown}{hint}")
+
+
 def refuse_wrapper(where: str, model: nn.Module, verb: str) -> None:
     """A ValueError naming the inner model where a torch.compile, DataParallel, DDP or CUDAGraphModel wrapper was
     given (their module tree is the wrapper's, not the model's: compaction could not trace it, and a file would not
-    rebuild it)."""
+    rebuild it); `check_module` first."""
     from compress.graphs import CUDAGraphModel
+
+    check_module(where, model)
 
     if hasattr(model, "_orig_mod"):
         inner = "model._orig_mod (the module torch.compile wraps)"

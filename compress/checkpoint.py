@@ -40,7 +40,7 @@ from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 from torch.nn.utils import parametrize
 
-from compress._checks import refuse_wrapper
+from compress._checks import check_module, refuse_wrapper
 from compress._digest import digest
 from compress._files import atomic_write
 from compress.surgery import conv_config, get_module, replace_module
@@ -385,6 +385,9 @@ def save(model: nn.Module, path: str | os.PathLike) -> Path:
     """Write `model` (recipe + state_dict) to one safetensors file at `path` (a leading ~ is the home folder, as
     on the command line: taken literally, the missing folders created for it made a folder named '~'), atomically.
     Forward hooks are not saved (a warning names the modules that have them)."""
+    if isinstance(path, nn.Module):
+        raise TypeError("compress.save: the arguments are swapped; call compress.save(model, path)")
+    check_module("compress.save", model)
     given, path = path, _home_expanded(path, "compress.save")
     if str(given).endswith(("/", os.sep)) or path.is_dir():
         raise ValueError(f"compress.save: {given} is a directory; give a file path, e.g. {path / 'model.safetensors'}")

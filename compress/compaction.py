@@ -43,7 +43,7 @@ import torch.nn as nn
 from torch.nn.modules.utils import _pair
 
 import kernels
-from compress._checks import refuse_wrapper
+from compress._checks import chw, refuse_wrapper
 from compress._modes import evaluating
 from compress.pix import PiXBlock
 from compress.pooling import MaxPool2d, fast_max_pools
@@ -473,9 +473,7 @@ def choose_modes(model: nn.Module, x: torch.Tensor, repeats: int = 5, timing: st
 # ---- MAC budget ----------------------------------------------------------------------------------
 def _input_size(model: nn.Module, input_size: Sequence[int] | None) -> tuple[int, int, int]:
     if input_size is not None:
-        if not isinstance(input_size, Sequence) or len(input_size) != 3:
-            raise ValueError(f"compact: input_size is (C, H, W), got {input_size!r}")
-        return tuple(int(v) for v in input_size)
+        return chw("compact", input_size)
     kwargs = getattr(model, "compress_arch", {}).get("kwargs", {})
     if "input_size" not in kwargs:
         raise ValueError(

@@ -39,6 +39,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from compress._checks import check_module
 from kernels._utils import autocast_dtype
 
 __all__ = ["CUDAGraphModel"]
@@ -95,6 +96,7 @@ class CUDAGraphModel(nn.Module):
 
     def __init__(self, model: nn.Module, max_graphs: int = 8, copy_output: bool = True):
         super().__init__()
+        check_module("CUDAGraphModel", model)
         if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
             raise ValueError(f"CUDAGraphModel: max_graphs must be a positive int, got {max_graphs!r}")
         self.model = model

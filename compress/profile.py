@@ -53,6 +53,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from compress._checks import check_module, chw
 from compress._modes import evaluating
 from compress.pix import ResidualReLU, pix_macs
 from compress.stripe import Conv2dReLU, StripeConv2d
@@ -536,8 +537,8 @@ def profile(
     """
     if convention not in CONVENTIONS:
         raise ValueError(f"profile: convention must be one of {CONVENTIONS}, got {convention!r}")
-    if not isinstance(input_size, Sequence) or len(input_size) != 3:
-        raise ValueError(f"profile: input_size is (C, H, W), got {input_size!r}")
+    check_module("profile", model)
+    input_size = chw("profile", input_size)
     if latency and (batch_size < 1 or repeats < 1 or warmup < 0):
         raise ValueError(f"profile: latency needs batch_size >= 1, repeats >= 1 and warmup >= 0; got batch_size="
                          f"{batch_size}, repeats={repeats}, warmup={warmup}")

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
-from compress._checks import unwrapped
+from compress._checks import check_module, unwrapped
 from compress.surgery import (
     conv_bn_pairs,
     conv_config,
@@ -169,6 +169,7 @@ def attach_skeletons(
     Build the optimizer after this call: the skeletons are new parameters, and each replaced conv's weight and
     bias are copied into its SkeletonConv2d, so an optimizer built before holds neither.
     """
+    check_module("attach_skeletons", model)
     stripe_group = check_stripe_group(stripe_group)
     if type(model) is nn.Conv2d:
         raise ValueError("attach_skeletons: the model is a bare nn.Conv2d, which cannot be replaced in place; wrap it "

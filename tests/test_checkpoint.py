@@ -4,6 +4,7 @@ compared against the original model's output, and clear errors for truncated or 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -842,3 +843,31 @@ def test_tied_weights_are_one_tensor_after_load(tmp_path):
     with pytest.raises(ValueError, match=r"m.safetensors.*a\.weight, b\.weight are one tensor in the model but "
                                          r"differ in the file"):
         load(path)
+
+
+def test_a_path_or_none_where_a_model_goes_is_a_type_error_naming_the_function(tmp_path):
+    """A path, None or a state dict where the public functions take a model failed with "'str' object has no
+    attribute 'named_modules'" (or only at the first call, CUDAGraphModel); swapped save arguments are named."""
+    model = create_model("resnet20")
+    calls = {"compact": lambda m: compact(m), "profile": lambda m: compress.profile(m, latency=False),
+             "attach_skeletons": lambda m: attach_skeletons(m), "choose_modes": lambda m: compress.choose_modes(m, None),
+             "insert_pix": lambda m: compress.insert_pix(m, 4), "CUDAGraphModel": lambda m: compress.CUDAGraphModel(m),
+             "compress.save": lambda m: save(m, tmp_path / "m.safetensors")}
+    for name, call in calls.items():
+        with pytest.raises(TypeError, match=rf"{re.escape(name)}: expected a model \(an nn.Module\), got str 'm.safetensors'; "
+                                            r"to read a model file, use compress.load\(path\)"):
+            call("m.safetensors")
+        with pytest.raises(TypeError, match=rf"{re.escape(name)}: expected a model .* got NoneType None$"):
+            call(None)
+    with pytest.raises(TypeError, match=r"got an object of type OrderedDict; build the model and load_state_dict into it"):
+        compact(model.state_dict())
+    with pytest.raises(TypeError, match=r"compress.save: the arguments are swapped; call compress.save\(model, path\)"):
+        save(tmp_path / "m.safetensors", model)
+    skeletons = create_model("resnet20")
+    attach_skeletons(skeletons)
+    _randomise(skeletons)
+    for bad in ("332", (3, 0, 32), (3, 32.0, 32), (3, 32)):  # ('332' was taken as (3, 3, 2))
+        with pytest.raises(ValueError, match=r"profile: input_size is \(C, H, W\), three positive ints, got"):
+            compress.profile(model, bad, latency=False)
+        with pytest.raises(ValueError, match=r"compact: input_size is \(C, H, W\), three positive ints"):
+            compact(skeletons.eval(), target_macs=0.5, input_size=bad)

@@ -456,9 +456,9 @@ def test_target_macs_meets_budget_with_smallest_threshold():
     for bad in (float("nan"), -0.1, "abc"):
         with pytest.raises(ValueError, match="threshold must be a number >= 0"):
             compact(model, threshold=bad)
-    with pytest.raises(ValueError, match=r"input_size is \(C, H, W\), got 32"):
+    with pytest.raises(ValueError, match=r"input_size is \(C, H, W\), three positive ints, got 32"):
         compact(model, target_macs=0.4, input_size=32)
-    with pytest.raises(ValueError, match=r"input_size is \(C, H, W\), got 32"):
+    with pytest.raises(ValueError, match=r"input_size is \(C, H, W\), three positive ints, got 32"):
         profile(model, 32, latency=False)
     with pytest.raises(ValueError, match="repeats must be an int >= 1"):
         compress.choose_modes(out, torch.randn(1, *size), repeats=0)
