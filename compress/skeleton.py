@@ -70,6 +70,8 @@ class SkeletonConv2d(nn.Conv2d):
     @classmethod
     def from_conv(cls, conv: nn.Conv2d, stripe_group: int = 1) -> SkeletonConv2d:
         """A SkeletonConv2d with `conv`'s arguments, weight, bias, device and dtype; skeleton = 1."""
+        if not isinstance(conv, nn.Conv2d):  # (a ConvTranspose2d failed on the weight's shape)
+            raise TypeError(f"SkeletonConv2d.from_conv: expected an nn.Conv2d, got {type(conv).__name__}")
         new = cls(**conv_config(conv), stripe_group=stripe_group, device=conv.weight.device, dtype=conv.weight.dtype)
         with torch.no_grad():
             new.weight.copy_(conv.weight)

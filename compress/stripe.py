@@ -267,6 +267,8 @@ class StripeConv2d(nn.Module):
     @classmethod
     def from_dense(cls, conv: nn.Conv2d, mask: torch.Tensor, mode: str = "stripe") -> StripeConv2d:
         """Keep the stripes of `conv` where `mask` (bool, (N, kh, kw)) is True; weight and bias copied."""
+        if not isinstance(conv, nn.Conv2d):  # (a ConvTranspose2d, Conv1d or Linear failed on an index or unpacking)
+            raise TypeError(f"StripeConv2d.from_dense: expected an nn.Conv2d, got {type(conv).__name__}")
         if conv.groups != 1:
             raise ValueError(f"StripeConv2d: only groups=1 convs can be compacted, got groups={conv.groups}")
         kh, kw = conv.kernel_size

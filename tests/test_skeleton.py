@@ -416,3 +416,16 @@ def test_a_diverged_skeleton_and_bad_thresholds_are_refused_not_compacted_silent
     with pytest.raises(ValueError, match=r"swp_update: the model has no skeleton convs; call "
                                          r"compress.attach_skeletons\(model\)"):
         swp_update(create_model("resnet20"), alpha=1e-5, threshold=0.01)
+
+
+def test_skeleton_and_stripe_convs_from_other_layer_types_are_type_errors():
+    """from_conv / from_dense / from_skeleton on a ConvTranspose2d, Conv1d, Conv3d or Linear failed with an
+    IndexError, an unpacking ValueError or an AttributeError."""
+    from compress.stripe import StripeConv2d
+
+    for layer in (nn.ConvTranspose2d(4, 6, 3), nn.Conv1d(4, 6, 3), nn.Conv3d(4, 6, 3), nn.Linear(4, 6)):
+        kind = type(layer).__name__
+        with pytest.raises(TypeError, match=rf"SkeletonConv2d.from_conv: expected an nn.Conv2d, got {kind}"):
+            SkeletonConv2d.from_conv(layer)
+        with pytest.raises(TypeError, match=rf"StripeConv2d.from_dense: expected an nn.Conv2d, got {kind}"):
+            StripeConv2d.from_dense(layer, torch.ones(6, 3, 3, dtype=torch.bool))
