@@ -569,7 +569,8 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> nn.Modu
     where = f"compress.load({path})"
     _check_dtypes(tensors, where, "export it again with compress.save or export.py")
     model = rebuild_for(recipe, tensors, where)
-    tied = recipe.get("tied", tied_groups(model))  # (a file written before the record: the ties __init__ makes)
+    # (a file written before the record: the ties the architecture's __init__ makes)
+    tied = recipe["tied"] if "tied" in recipe else tied_groups(model)
     own = model.state_dict()
     for key, t in tensors.items():  # integers were saved narrow (`_narrowest`): back to the module's type
         if key in own and not t.is_floating_point() and not own[key].is_floating_point() and t.dtype != own[key].dtype:
