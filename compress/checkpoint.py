@@ -324,7 +324,7 @@ def build_recipe(model: nn.Module) -> dict:
         entry = {"name": name, "type": key, "config": _config(module, key)}
         _apply(ref, [entry], [], "compress.save")
         replacements.append(entry)
-    model_names = {n for n, _ in model.named_modules()}
+    model_names = {n for n, _ in model.named_modules(remove_duplicate=False)}  # (a module aliased later: not removed)
     removed = [n for n, _ in ref.named_modules() if n and n not in model_names]
     removed = [n for n in removed if n.rpartition(".")[0] not in removed]  # deleting a parent is enough
     _apply(ref, [], removed, "compress.save")
@@ -341,9 +341,9 @@ def build_recipe(model: nn.Module) -> dict:
     compaction = getattr(model, "compress_compaction", None)
     if isinstance(compaction, dict):  # how compress.compact made it (threshold, BN folding, MAC budget): kept as is
         recipe["compaction"] = json.loads(json.dumps(compaction))
-    tied = tied_groups(model)
-    if tied:  # the file holds a copy per name; load makes them one tensor again
-        recipe["tied"] = tied
+    # the state_dict names that are one tensor (the file holds a copy per name); always written, so that load and
+    # rebuild give the model exactly these ties, also where compaction untied ones its constructor makes
+    recipe["tied"] = tied_groups(model)
     return recipe
 
 
@@ -352,33 +352,67 @@ def tied_groups(model: nn.Module) -> list[list[str]]:
     later, or a module registered under two names), as lists of two or more names."""
     keys = model.state_dict().keys()
     by_tensor: dict[int, list[str]] = {}
-    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+    for name, t in _named_tensors(model).items():
         if name in keys:
             by_tensor.setdefault(id(t), []).append(name)
     return [names for names in by_tensor.values() if len(names) > 1]
 
 
-def _tie(model: nn.Module, groups: list, tensors: dict[str, torch.Tensor], where: str) -> None:
-    """In place, after ``load_state_dict(assign=True)`` (which gives every name its own tensor): each group's names
-    (`tied_groups`) hold the first name's parameter or buffer again. ValueError for a group naming unknown tensors
-    or holding different values (the file was edited)."""
-    if not (isinstance(groups, list) and all(isinstance(g, list) and all(isinstance(n, str) for n in g)
-                                               for g in groups)):
-        raise ValueError(f"{where}: the recipe is incomplete or malformed (tied is {groups!r})")
+def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer under every name it has (shared ones and aliased modules included)."""
+    return dict([*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)])
+
+
+def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    (module._parameters if leaf in module._parameters else module._buffers)[leaf] = value
+
+
+def _check_groups(model: nn.Module, groups, where: str) -> list[list[str]]:
+    """`groups` (a recipe's "tied") if it is a list of lists of two or more names of the model's parameters or
+    buffers, each group of one kind and shape; ValueError naming `where` otherwise."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    tensors = _named_tensors(model)
+    ok = isinstance(groups, list) and all(
+        isinstance(g, list) and len(g) > 1 and all(isinstance(n, str) and n in tensors for n in g)
+        and len({n in params for n in g}) == 1 and len({tuple(tensors[n].shape) for n in g}) == 1 for g in groups)
+    if not ok:
+        raise ValueError(f"{where}: the recipe is incomplete or malformed (tied is {groups!r:.200})")
+    return groups
+
+
+def _set_ties(model: nn.Module, groups: list[list[str]]) -> None:
+    """In place: the model's parameters and buffers are shared exactly as `groups` (`tied_groups`) says: a tensor
+    the architecture's constructor shares is copied for each further name, then each group's names take the first
+    name's tensor."""
+    seen: set[int] = set()
+    for name, t in _named_tensors(model).items():
+        if id(t) in seen:
+            _set_tensor(model, name, nn.Parameter(t.detach().clone(), t.requires_grad)
+                        if isinstance(t, nn.Parameter) else t.clone())
+        seen.add(id(t))
+    tensors = _named_tensors(model)
     for names in groups:
-        unknown = [n for n in names if n not in tensors]
-        if unknown:
-            raise ValueError(f"{where}: the recipe ties tensors the file does not hold: {', '.join(unknown[:5])}")
-        if not all(torch.equal(tensors[n], tensors[names[0]]) for n in names[1:]):
-            raise ValueError(f"{where}: the tensors {', '.join(names)} are one tensor in the model but differ in the "
-                             "file (edited?); export it again with compress.save")
-        first_mod, _, first_leaf = names[0].rpartition(".")
-        holder = model.get_submodule(first_mod)
-        first = holder._parameters.get(first_leaf, holder._buffers.get(first_leaf))
         for name in names[1:]:
-            mod_name, _, leaf = name.rpartition(".")
-            module = model.get_submodule(mod_name)
-            (module._parameters if leaf in module._parameters else module._buffers)[leaf] = first
+            _set_tensor(model, name, tensors[names[0]])
+
+
+def _tie_loaded(model: nn.Module, groups: list[list[str]], tensors: dict[str, torch.Tensor], where: str,
+                strict: bool) -> None:
+    """In place, after ``load_state_dict(assign=True)`` (which gives every name its own tensor): each group's names
+    hold the first name's tensor again. A group whose copies in the file differ is a ValueError where `strict` (the
+    file recorded it: edited), else left untied (a file written before the record, whose groups are the ones the
+    architecture's constructor makes: the saved model may have untied them, as BN folding does)."""
+    for names in groups:
+        if not all(torch.equal(tensors[n], tensors[names[0]]) for n in names[1:]):
+            if strict:
+                raise ValueError(f"{where}: the tensors {', '.join(names)} are one tensor in the model but differ in "
+                                 "the file (edited?); export it again with compress.save")
+            continue
+        first = _named_tensors(model)[names[0]]
+        for name in names[1:]:
+            _set_tensor(model, name, first)
 
 
 def save(model: nn.Module, path: str | os.PathLike) -> Path:
@@ -548,6 +582,8 @@ def rebuild(recipe: dict, where: str = "compress.rebuild") -> nn.Module:
         use_pix_bottlenecks(model)
     except (KeyError, TypeError, AttributeError) as err:  # a missing entry, or a value of the wrong type
         raise ValueError(f"{where}: the recipe is incomplete or malformed ({err!r})") from None
+    if "tied" in recipe:
+        _set_ties(model, _check_groups(model, recipe["tied"], where))
     model.compress_arch = copy.deepcopy(arch)
     if isinstance(recipe.get("compaction"), dict):
         model.compress_compaction = recipe["compaction"]
@@ -569,8 +605,8 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> nn.Modu
     where = f"compress.load({path})"
     _check_dtypes(tensors, where, "export it again with compress.save or export.py")
     model = rebuild_for(recipe, tensors, where)
-    # (a file written before the record: the ties the architecture's __init__ makes)
-    tied = recipe["tied"] if "tied" in recipe else tied_groups(model)
+    recorded = "tied" in recipe  # (a file written before the record: the ties the architecture's __init__ makes)
+    tied = recipe["tied"] if recorded else tied_groups(model)
     own = model.state_dict()
     for key, t in tensors.items():  # integers were saved narrow (`_narrowest`): back to the module's type
         if key in own and not t.is_floating_point() and not own[key].is_floating_point() and t.dtype != own[key].dtype:
@@ -582,7 +618,7 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> nn.Modu
     except (RuntimeError, ValueError, TypeError) as err:  # ValueError/TypeError: indices StripeConv2d rejects
         detail = " ".join(str(err).split())
         raise ValueError(f"{where}: the tensors do not fit the recipe's model: {detail}") from None
-    _tie(model, tied, tensors, where)
+    _tie_loaded(model, tied, tensors, where, strict=recorded)
     _cast_unsaved_buffers(model, recipe.get("buffer_dtypes"), {t.dtype for t in tensors.values() if t.is_floating_point()},
                           where)
     infinite = [k for k, t in tensors.items() if t.is_floating_point() and not bool(t.isfinite().all())]

@@ -254,12 +254,15 @@ def eligible_convs(
     holders = collections.defaultdict(list)  # id(parameter) -> the names it has in other modules too
     for name, p in model.named_parameters(remove_duplicate=False):
         holders[id(p)].append(name)
-    tied = sorted({tuple(holders[id(m.weight)]) for _, m in eligible if len(holders[id(m.weight)]) > 1})
+    def shared_params(m: nn.Module) -> list[tuple[str, ...]]:  # its weight or bias, where other modules hold it too
+        return [tuple(holders[id(p)]) for p in (m.weight, m.bias) if p is not None and len(holders[id(p)]) > 1]
+
+    tied = sorted({names for _, m in eligible for names in shared_params(m)})
     if tied:
-        warnings.warn(f"attach_skeletons: {', '.join(' = '.join(n) for n in tied)}: a conv weight that other modules "
-                      "hold too (tied weights) gets no skeleton; a skeleton conv's own copy would untie it",
+        warnings.warn(f"attach_skeletons: {', '.join(' = '.join(n) for n in tied)}: a conv weight or bias that other "
+                      "modules hold too (tied) gets no skeleton; a skeleton conv's own copy would untie it",
                       stacklevel=3)
-    return [name for name, m in eligible if len(holders[id(m.weight)]) == 1]
+    return [name for name, m in eligible if not shared_params(m)]
 
 
 def _read_in_forward(model: nn.Module, x: torch.Tensor | None, names: list[str]) -> set[str]:

@@ -267,11 +267,17 @@ def test_a_conv_whose_weight_another_module_holds_gets_no_skeleton_and_stays_tie
                           nn.ConvTranspose2d(8, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1))
     model[2].weight = model[1].weight
     model[3].weight = model[4].weight
-    with pytest.warns(UserWarning, match=r"1.weight = 2.weight, 3.weight = 4.weight: a conv weight that other modules "
-                                         r"hold too \(tied weights\) gets no skeleton"):
+    with pytest.warns(UserWarning, match=r"1.weight = 2.weight, 3.weight = 4.weight: a conv weight or bias that other "
+                                         r"modules hold too \(tied\) gets no skeleton"):
         assert attach_skeletons(model) == ["0"]
     assert model[1].weight is model[2].weight and model[3].weight is model[4].weight
     assert [type(m) for m in model[1:]] == [nn.Conv2d, nn.Conv2d, nn.ConvTranspose2d, nn.Conv2d]
+    # a shared bias alone: the skeleton convs' copies untied it silently (QA)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1))
+    model[2].bias = model[1].bias
+    with pytest.warns(UserWarning, match=r"1.bias = 2.bias: a conv weight or bias that other modules hold too"):
+        assert attach_skeletons(model) == ["0"]
+    assert model[1].bias is model[2].bias
 
 
 def test_conv_subclasses_get_no_skeleton_with_a_warning():
