@@ -1,10 +1,12 @@
-"""Running a model in eval mode for a moment without losing its modules' own train/eval settings."""
+"""State put back after a block: a model's train/eval settings (`evaluating`), the global random streams
+(`rng_kept`)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch
 import torch.nn as nn
 
 
@@ -19,3 +21,16 @@ def evaluating(model: nn.Module) -> Iterator[nn.Module]:
     finally:
         for m, training in modes:
             m.training = training
+
+
+@contextmanager
+def rng_kept(device: torch.device | str | None = None) -> Iterator[None]:
+    """The global random generators (the CPU's, and `device`'s where it is a CUDA device) as they were before the
+    block: modules built only to be overwritten (a file's reference architecture, skeleton and masked convs) draw
+    initial weights, and moved the user's random stream (a checkpoint saved in a notebook's training loop changed
+    every later dropout, augmentation and shuffle)."""
+    device = torch.device(device) if device is not None else None
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] \
+        if device is not None and device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        yield

@@ -43,6 +43,7 @@ from torch.nn.utils import parametrize
 from compress._checks import check_module, refuse_wrapper
 from compress._digest import digest
 from compress._files import atomic_write
+from compress._modes import rng_kept
 from compress.surgery import conv_config, get_module, replace_module
 
 __all__ = ["save", "load", "rebuild", "rebuild_for", "register_module_type", "build_recipe", "FORMAT", "VERSION"]
@@ -249,7 +250,8 @@ def _reference(arch: dict, where: str) -> nn.Module:
     if missing_module is not None:
         raise ValueError(f"{where}: {missing_module}")
     try:
-        return create_model(arch["name"], **arch["kwargs"])
+        with rng_kept():  # (a structure whose weights are never used, or overwritten by the file's)
+            return create_model(arch["name"], **arch["kwargs"])
     except (TypeError, ValueError, RuntimeError) as err:  # RuntimeError: sizes no tensor can have (negative, huge)
         raise ValueError(f"{where}: cannot rebuild the architecture {arch}: {err}") from None
 
@@ -305,29 +307,30 @@ def build_recipe(model: nn.Module) -> dict:
                       "module", stacklevel=3)
     ref = _reference(arch, "compress.save")
     replacements = []
-    for name, module in model.named_modules():
-        if not name:
-            continue
-        try:
-            ref_mod = get_module(ref, name)
-        except AttributeError:
-            ref_mod = None
-        if _same(module, ref_mod):
-            continue
-        key = _type_key(module)
-        if key is None:
-            raise ValueError(
-                f"compress.save: module {name!r} of type {type(module).__name__} differs from the rebuilt "
-                f"architecture and is not an allowed type ({', '.join(sorted(_TYPES))}); register it with "
-                "compress.checkpoint.register_module_type(key, cls) and give it a config() method"
-            )
-        entry = {"name": name, "type": key, "config": _config(module, key)}
-        _apply(ref, [entry], [], "compress.save")
-        replacements.append(entry)
-    model_names = {n for n, _ in model.named_modules(remove_duplicate=False)}  # (a module aliased later: not removed)
-    removed = [n for n, _ in ref.named_modules() if n and n not in model_names]
-    removed = [n for n in removed if n.rpartition(".")[0] not in removed]  # deleting a parent is enough
-    _apply(ref, [], removed, "compress.save")
+    with rng_kept():  # (replacements built from their configs draw initial weights)
+        for name, module in model.named_modules():
+            if not name:
+                continue
+            try:
+                ref_mod = get_module(ref, name)
+            except AttributeError:
+                ref_mod = None
+            if _same(module, ref_mod):
+                continue
+            key = _type_key(module)
+            if key is None:
+                raise ValueError(
+                    f"compress.save: module {name!r} of type {type(module).__name__} differs from the rebuilt "
+                    f"architecture and is not an allowed type ({', '.join(sorted(_TYPES))}); register it with "
+                    "compress.checkpoint.register_module_type(key, cls) and give it a config() method"
+                )
+            entry = {"name": name, "type": key, "config": _config(module, key)}
+            _apply(ref, [entry], [], "compress.save")
+            replacements.append(entry)
+        model_names = {n for n, _ in model.named_modules(remove_duplicate=False)}  # (a module aliased later: not removed)
+        removed = [n for n, _ in ref.named_modules() if n and n not in model_names]
+        removed = [n for n in removed if n.rpartition(".")[0] not in removed]  # deleting a parent is enough
+        _apply(ref, [], removed, "compress.save")
     if _shapes(ref) != _shapes(model):
         diff = sorted(set(_shapes(ref).items()) ^ set(_shapes(model).items()))[:5]
         raise ValueError(
@@ -576,7 +579,8 @@ def rebuild(recipe: dict, where: str = "compress.rebuild") -> nn.Module:
     try:
         arch, replacements, removed = recipe["arch"], recipe["replacements"], recipe["removed"]
         model = _reference(arch, where)
-        _apply(model, replacements, removed, where)
+        with rng_kept():  # (replacements built from their configs draw initial weights)
+            _apply(model, replacements, removed, where)
         from compress.pix import use_pix_bottlenecks  # here: compress.pix imports the model zoo
 
         use_pix_bottlenecks(model)

@@ -899,3 +899,27 @@ def test_a_path_or_none_where_a_model_goes_is_a_type_error_naming_the_function(t
             compress.profile(model, bad, latency=False)
         with pytest.raises(ValueError, match=r"compact: input_size is \(C, H, W\), three positive ints"):
             compact(skeletons.eval(), target_macs=0.5, input_size=bad)
+
+
+def test_the_library_calls_leave_the_global_random_stream_alone(tmp_path):
+    """attach_skeletons, compact (skeleton convs masked, ReLUs fused), save and load built throw-away modules whose
+    initial weights drew from the global generator, so saving a checkpoint in a notebook's training loop changed
+    every later dropout, augmentation and shuffle. Each call now leaves the stream where it was."""
+    def draws_after(call) -> torch.Tensor:
+        torch.manual_seed(7)
+        call()
+        return torch.rand(4)
+
+    untouched = draws_after(lambda: None)
+    model = create_model("resnet20")
+    path = tmp_path / "m.safetensors"
+    steps = {
+        "attach_skeletons": lambda: attach_skeletons(model),
+        "compact": lambda: compact(model.eval(), fold_bn=True, fuse_relu=True),
+        "save": lambda: save(compact(model, fold_bn=True, fuse_relu=True), path),
+        "load": lambda: load(path),
+        "save skeleton model": lambda: save(model, path),
+        "load skeleton model": lambda: load(path),
+    }
+    for name, call in steps.items():
+        assert torch.equal(draws_after(call), untouched), name
