@@ -141,10 +141,14 @@ def register_module_type(key: str, cls: type[nn.Module], config: Callable[[nn.Mo
     """Allow `cls` in compact model files under type key `key`.
 
     `config(module) -> dict` must return JSON-serialisable kwargs with which `cls(**kwargs)` builds
-    an empty module of the same shapes; by default the module's own `config()` method is used.
+    an empty module of the same shapes; by default the module's own `config()` method is used. The same class
+    defined again (a notebook cell run twice, a reloaded module: same module and qualified name) replaces its earlier
+    self, as `register_model` does; another class under a taken key is an error.
     """
-    if key in _TYPES and _resolve(key) is not cls:
-        raise ValueError(f"register_module_type: key {key!r} is already taken by {_resolve(key).__name__}")
+    old = _resolve(key) if key in _TYPES else None
+    if old is not None and old is not cls and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
+        raise ValueError(f"register_module_type: key {key!r} is already taken by {old.__module__}.{old.__qualname__}; "
+                         f"register {cls.__module__}.{cls.__qualname__} under another key")
     _TYPES[key] = (cls, config or _own_config)
 
 

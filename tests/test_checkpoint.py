@@ -923,3 +923,31 @@ def test_the_library_calls_leave_the_global_random_stream_alone(tmp_path):
     }
     for name, call in steps.items():
         assert torch.equal(draws_after(call), untouched), name
+
+
+def test_a_module_type_defined_again_replaces_itself_and_another_class_is_refused():
+    """A notebook cell that defines and registers a module type, run twice, failed with "key 'X' is already taken by
+    X"; the same definition (module and qualified name) now replaces its earlier self, as register_model does, and
+    the files use the newer class. Another class under a taken key is still an error naming both."""
+    from compress.checkpoint import _resolve
+
+    classes = []
+    for _ in range(2):  # the same cell, run twice
+        class _TestSwish(nn.Module):
+            def config(self):
+                return {}
+
+            def forward(self, x):
+                return x * torch.sigmoid(x)
+
+        register_module_type("_TestSwish", _TestSwish)
+        classes.append(_TestSwish)
+    assert classes[0] is not classes[1] and _resolve("_TestSwish") is classes[1]
+
+    class _Other(nn.Module):
+        def config(self):
+            return {}
+
+    with pytest.raises(ValueError, match=r"key '_TestSwish' is already taken by .*_TestSwish; register "
+                                         r".*_Other under another key"):
+        register_module_type("_TestSwish", _Other)
