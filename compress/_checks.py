@@ -19,8 +19,12 @@ def positive_int(where: str, key: str, value: int) -> int:
 def chw(where: str, input_size) -> tuple[int, int, int]:
     """`input_size` (C, H, W) as three positive ints, else a ValueError naming `where` (a string '332' passed as a
     sequence of three, and a 0 or negative size failed inside ATen)."""
+    def whole_size(v) -> bool:  # an int, or a float holding one (32.0 from a config)
+        return (not isinstance(v, bool) and isinstance(v, numbers.Real) and v >= 1
+                and (isinstance(v, numbers.Integral) or float(v).is_integer()))
+
     if (isinstance(input_size, (str, bytes)) or not isinstance(input_size, Sequence) or len(input_size) != 3
-            or not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1 for v in input_size)):
+            or not all(whole_size(v) for v in input_size)):
         raise ValueError(f"{where}: input_size is (C, H, W), three positive ints, got {input_size!r}")
     return tuple(int(v) for v in input_size)
 

@@ -169,8 +169,12 @@ def _resolve(key: str, imported_only: bool = False) -> type[nn.Module] | None:
 
 
 def _type_key(module: nn.Module) -> str | None:
+    """The registered key of the module's type: the class itself, or one of the same module and qualified name (a
+    module built before its class's cell ran again, `register_module_type`)."""
+    kind = type(module)
     for key in _TYPES:
-        if type(module) is _resolve(key, imported_only=True):
+        cls = _resolve(key, imported_only=True)
+        if cls is not None and (kind is cls or (kind.__module__, kind.__qualname__) == (cls.__module__, cls.__qualname__)):
             return key
     return None
 
@@ -254,8 +258,7 @@ def _reference(arch: dict, where: str) -> nn.Module:
     if missing_module is not None:
         raise ValueError(f"{where}: {missing_module}")
     try:
-        with rng_kept():  # (a structure whose weights are never used, or overwritten by the file's)
-            return create_model(arch["name"], **arch["kwargs"])
+        return create_model(arch["name"], **arch["kwargs"])
     except (TypeError, ValueError, RuntimeError) as err:  # RuntimeError: sizes no tensor can have (negative, huge)
         raise ValueError(f"{where}: cannot rebuild the architecture {arch}: {err}") from None
 
@@ -309,9 +312,9 @@ def build_recipe(model: nn.Module) -> dict:
         warnings.warn(f"compress.save: the model {arch['name']!r} was registered by a script (__main__); only a process "
                       "that registers it again can load the file: move its @compress.register_model builder into a "
                       "module", stacklevel=3)
-    ref = _reference(arch, "compress.save")
     replacements = []
-    with rng_kept():  # (replacements built from their configs draw initial weights)
+    with rng_kept():  # (a reference whose weights are never used: it draws no numbers from the user's stream)
+        ref = _reference(arch, "compress.save")
         for name, module in model.named_modules():
             if not name:
                 continue
@@ -377,49 +380,55 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
 
 
 def _check_groups(model: nn.Module, groups, where: str) -> list[list[str]]:
-    """`groups` (a recipe's "tied") if it is a list of lists of two or more names of the model's parameters or
-    buffers, each group of one kind and shape; ValueError naming `where` otherwise."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    tensors = _named_tensors(model)
+    """`groups` (a recipe's "tied") if it is a list of lists of two or more state_dict names of the model, each
+    group of one shape; ValueError naming `where` otherwise."""
+    tensors = model.state_dict()
     ok = isinstance(groups, list) and all(
         isinstance(g, list) and len(g) > 1 and all(isinstance(n, str) and n in tensors for n in g)
-        and len({n in params for n in g}) == 1 and len({tuple(tensors[n].shape) for n in g}) == 1 for g in groups)
+        and len({tuple(tensors[n].shape) for n in g}) == 1 for g in groups)
     if not ok:
         raise ValueError(f"{where}: the recipe is incomplete or malformed (tied is {groups!r:.200})")
     return groups
 
 
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold the same bits (copies of one tensor: NaN included, which torch.equal tells apart)."""
+    return (a.shape == b.shape and a.dtype == b.dtype
+            and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)))
+
+
 def _set_ties(model: nn.Module, groups: list[list[str]]) -> None:
-    """In place: the model's parameters and buffers are shared exactly as `groups` (`tied_groups`) says: a tensor
-    the architecture's constructor shares is copied for each further name, then each group's names take the first
-    name's tensor."""
+    """In place: the model's state_dict tensors are shared exactly as `groups` (`tied_groups`) says: one the
+    architecture's constructor shares is copied for each further name, then each group's names take one tensor
+    (a parameter where the group has one: a buffer registered as a parameter's alias stays that)."""
+    keys = model.state_dict().keys()
     seen: set[int] = set()
     for name, t in _named_tensors(model).items():
+        if name not in keys:  # (non-persistent buffers: not in files, shared as the constructor made them)
+            continue
         if id(t) in seen:
             _set_tensor(model, name, nn.Parameter(t.detach().clone(), t.requires_grad)
                         if isinstance(t, nn.Parameter) else t.clone())
         seen.add(id(t))
+    _tie_groups(model, groups)
+
+
+def _tie_groups(model: nn.Module, groups: list[list[str]]) -> None:
     tensors = _named_tensors(model)
     for names in groups:
-        for name in names[1:]:
-            _set_tensor(model, name, tensors[names[0]])
+        source = next((tensors[n] for n in names if isinstance(tensors[n], nn.Parameter)), tensors[names[0]])
+        for name in names:
+            _set_tensor(model, name, source)
 
 
-def _tie_loaded(model: nn.Module, groups: list[list[str]], tensors: dict[str, torch.Tensor], where: str,
-                strict: bool) -> None:
+def _tie_loaded(model: nn.Module, groups: list[list[str]], tensors: dict[str, torch.Tensor], where: str) -> None:
     """In place, after ``load_state_dict(assign=True)`` (which gives every name its own tensor): each group's names
-    hold the first name's tensor again. A group whose copies in the file differ is a ValueError where `strict` (the
-    file recorded it: edited), else left untied (a file written before the record, whose groups are the ones the
-    architecture's constructor makes: the saved model may have untied them, as BN folding does)."""
+    hold one tensor again; ValueError where the file's copies of one differ (an edited file)."""
     for names in groups:
-        if not all(torch.equal(tensors[n], tensors[names[0]]) for n in names[1:]):
-            if strict:
-                raise ValueError(f"{where}: the tensors {', '.join(names)} are one tensor in the model but differ in "
-                                 "the file (edited?); export it again with compress.save")
-            continue
-        first = _named_tensors(model)[names[0]]
-        for name in names[1:]:
-            _set_tensor(model, name, first)
+        if not all(_same_values(tensors[n], tensors[names[0]]) for n in names[1:]):
+            raise ValueError(f"{where}: the tensors {', '.join(names)} are one tensor in the model but differ in "
+                             "the file (edited?); export it again with compress.save")
+    _tie_groups(model, groups)
 
 
 def save(model: nn.Module, path: str | os.PathLike) -> Path:
@@ -578,13 +587,13 @@ def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 def rebuild(recipe: dict, where: str = "compress.rebuild") -> nn.Module:
-    """The module structure a recipe (`build_recipe`) describes, with fresh weights: the architecture rebuilt, the
-    replacements (allowlisted types only) and removals applied; `compress_arch` and `compress_compaction` set."""
+    """The module structure a recipe (`build_recipe`) describes, with fresh weights (drawn from the global random
+    stream, as `create_model`'s): the architecture rebuilt, the replacements (allowlisted types only) and removals
+    applied, its tensors shared as the recipe's "tied" record says; `compress_arch` and `compress_compaction` set."""
     try:
         arch, replacements, removed = recipe["arch"], recipe["replacements"], recipe["removed"]
         model = _reference(arch, where)
-        with rng_kept():  # (replacements built from their configs draw initial weights)
-            _apply(model, replacements, removed, where)
+        _apply(model, replacements, removed, where)
         from compress.pix import use_pix_bottlenecks  # here: compress.pix imports the model zoo
 
         use_pix_bottlenecks(model)
@@ -613,8 +622,7 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> nn.Modu
     where = f"compress.load({path})"
     _check_dtypes(tensors, where, "export it again with compress.save or export.py")
     model = rebuild_for(recipe, tensors, where)
-    recorded = "tied" in recipe  # (a file written before the record: the ties the architecture's __init__ makes)
-    tied = recipe["tied"] if recorded else tied_groups(model)
+    tied = tied_groups(model)  # (the recipe's record, or for an older file what `rebuild_for` kept)
     own = model.state_dict()
     for key, t in tensors.items():  # integers were saved narrow (`_narrowest`): back to the module's type
         if key in own and not t.is_floating_point() and not own[key].is_floating_point() and t.dtype != own[key].dtype:
@@ -626,7 +634,7 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> nn.Modu
     except (RuntimeError, ValueError, TypeError) as err:  # ValueError/TypeError: indices StripeConv2d rejects
         detail = " ".join(str(err).split())
         raise ValueError(f"{where}: the tensors do not fit the recipe's model: {detail}") from None
-    _tie_loaded(model, tied, tensors, where, strict=recorded)
+    _tie_loaded(model, tied, tensors, where)
     _cast_unsaved_buffers(model, recipe.get("buffer_dtypes"), {t.dtype for t in tensors.values() if t.is_floating_point()},
                           where)
     infinite = [k for k, t in tensors.items() if t.is_floating_point() and not bool(t.isfinite().all())]
@@ -675,7 +683,12 @@ def rebuild_for(recipe: dict | str, tensors: dict[str, torch.Tensor], where: str
     if isinstance(recipe, str):
         recipe = parse_recipe(recipe, where)
     _check_fit(recipe, tensors, where)
-    return rebuild(recipe, where)
+    with rng_kept():  # (the weights are overwritten by `tensors`: no numbers drawn from the user's stream)
+        model = rebuild(recipe, where)
+    if "tied" not in recipe:  # written before the record: the constructor's ties whose copies in `tensors` are equal
+        _set_ties(model, [g for g in tied_groups(model) if all(n in tensors for n in g)
+                          and all(_same_values(tensors[n], tensors[g[0]]) for n in g[1:])])
+    return model
 
 
 def _check_fit(recipe: dict, tensors: dict[str, torch.Tensor], where: str) -> None:

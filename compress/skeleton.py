@@ -112,9 +112,10 @@ class SkeletonConv2d(nn.Conv2d):
         float32 skeleton compared with the threshold rounded to float32 dropped values above it that round alike,
         so a model and its .double() kept different stripes). ValueError for a threshold that is not a number >= 0
         (NaN dropped every stripe, a negative one kept them all)."""
-        if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not threshold >= 0:
+        value = threshold.item() if isinstance(threshold, torch.Tensor) and threshold.numel() == 1 else threshold
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0:
             raise ValueError(f"stripe_mask: threshold must be a number >= 0, got {threshold!r}")
-        return self.stripe_scale().abs().double() > float(threshold)
+        return self.stripe_scale().abs().double() > float(value)
 
     def check_finite(self, where: str) -> None:
         """ValueError naming `where` if the skeleton holds NaN or inf values (a diverged run): a NaN entry compares

@@ -661,7 +661,8 @@ def stripe_cost(in_channels: int, out_channels: int, num_stripes: int, kernel_si
     CUDA: a per-width fit to the H200 measurements (benchmarks/stripe_gpu.py); with ``tile_keep``
     (``stripe_tile_keep``; from 16 input channels) at most 3x its smallest share, the LISTED route's cost per kept
     offset (1.6-5x cuDNN's per offset, 2.4-3.2x on most layers; stripe_blocks_gpu_h200_{narrow,wide}.json).
-    ``device``: a CPU or CUDA device (a string such as "cuda:0", or a torch.device).
+    ``device``: a device or its name ("cuda:0", a torch.device); the CUDA fit for CUDA devices, the CPU one for
+    every other.
     """
     KH, KW = pair(kernel_size, "kernel_size")
     for name, v in (("in_channels", in_channels), ("out_channels", out_channels), ("num_stripes", num_stripes)):
@@ -670,10 +671,8 @@ def stripe_cost(in_channels: int, out_channels: int, num_stripes: int, kernel_si
     try:
         kind = torch.device(device).type  # ("cuda:0" and torch.device("cuda") were taken for the CPU)
     except (RuntimeError, TypeError):
-        kind = None
-    if kind not in ("cpu", "cuda"):
-        raise ValueError(f"stripe_cost: device must be a CPU or CUDA device ('cpu', 'cuda', 'cuda:0', a "
-                         f"torch.device), got {device!r}")
+        raise ValueError(f"stripe_cost: device must be a device or its name ('cpu', 'cuda', 'cuda:0', a "
+                         f"torch.device), got {device!r}") from None
     dense = out_channels * KH * KW * in_channels
     if kind == "cuda":
         # H200 fit (stripe_gpu_h200_kept_dense.json and stripe_gpu_h200.json, random masks, the dense weight kept as

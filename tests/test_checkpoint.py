@@ -814,6 +814,16 @@ def _test_tied_net(num_classes=10, in_chans=3):
     return _TiedNet(num_classes, in_chans)
 
 
+@compress.register_model
+def _test_shared_buffer_net(num_classes=10, in_chans=3):
+    model = _TiedNet(num_classes, in_chans)
+    model.register_buffer("ref", model.fc.weight)  # a parameter under a buffer's name too
+    table = torch.arange(3.0)
+    model.a.register_buffer("tab", table, persistent=False)
+    model.b.register_buffer("tab", table, persistent=False)
+    return model
+
+
 def test_tied_weights_are_one_tensor_after_load(tmp_path):
     """Tensors that are one in the saved model (tied by its __init__, or by the user later) are one after load:
     load_state_dict(assign=True) gave each name its own copy, so the loaded model had more parameters and one
@@ -866,6 +876,32 @@ def test_tied_weights_are_one_tensor_after_load(tmp_path):
     xs = torch.randn(2, 3, 32, 32)
     torch.testing.assert_close(back(xs), aliased(xs), rtol=0, atol=0)
 
+    # a tied tensor holding NaN (a diverged run) loads, with the NaN warning: NaN != NaN made it "edited"
+    diverged = _randomise(create_model("_test_tied_net", num_classes=4))
+    with torch.no_grad():
+        diverged.a.weight[0, 0, 0, 0] = float("nan")
+    with pytest.warns(UserWarning, match=r"tensors hold NaN or inf values: a.weight"):
+        back = load(save(diverged, tmp_path / "n.safetensors"))
+    assert back.a.weight is back.b.weight and back.a.weight[0, 0, 0, 0].isnan()
+
+    # a parameter its constructor also registers as a buffer (save wrote a record load refused), and a
+    # non-persistent buffer two modules share (not in files: it was copied apart)
+    odd = _randomise(create_model("_test_shared_buffer_net", num_classes=4))
+    for again in (rebuild(build_recipe(odd)), load(save(odd, tmp_path / "o.safetensors"))):
+        assert again.ref is again.fc.weight and isinstance(again.fc.weight, nn.Parameter)
+        assert again.a.tab is again.b.tab
+
+    # an init= fine-tune's recipe written before the record, whose constructor-made tie training undid: the
+    # rebuilt model keeps them apart (load_state_dict wrote one trained weight over the other)
+    recipe = build_recipe(untied)
+    del recipe["tied"]
+    rebuilt = compress.checkpoint.rebuild_for(recipe, untied.state_dict(), "test")
+    assert rebuilt.a.weight is not rebuilt.b.weight
+    rebuilt.load_state_dict(untied.state_dict())
+    torch.testing.assert_close(rebuilt(x), untied(x), rtol=0, atol=0)
+    # rebuild itself gives fresh weights, from the global stream (two calls differ)
+    assert not torch.equal(rebuild(build_recipe(model)).stem.weight, rebuild(build_recipe(model)).stem.weight)
+
     save(model, path)
     _rewrite(path, edit_tensors=lambda t: t["b.weight"].add_(1.0))
     with pytest.raises(ValueError, match=r"m.safetensors.*a\.weight, b\.weight are one tensor in the model but "
@@ -894,7 +930,9 @@ def test_a_path_or_none_where_a_model_goes_is_a_type_error_naming_the_function(t
     skeletons = create_model("resnet20")
     attach_skeletons(skeletons)
     _randomise(skeletons)
-    for bad in ("332", (3, 0, 32), (3, 32.0, 32), (3, 32)):  # ('332' was taken as (3, 3, 2))
+    assert compress.profile(model, (3, 32.0, 32), latency=False).macs == compress.profile(model, (3, 32, 32),
+                                                                                          latency=False).macs
+    for bad in ("332", (3, 0, 32), (3, 32.5, 32), (3, 32)):  # ('332' was taken as (3, 3, 2))
         with pytest.raises(ValueError, match=r"profile: input_size is \(C, H, W\), three positive ints, got"):
             compress.profile(model, bad, latency=False)
         with pytest.raises(ValueError, match=r"compact: input_size is \(C, H, W\), three positive ints"):
@@ -925,7 +963,7 @@ def test_the_library_calls_leave_the_global_random_stream_alone(tmp_path):
         assert torch.equal(draws_after(call), untouched), name
 
 
-def test_a_module_type_defined_again_replaces_itself_and_another_class_is_refused():
+def test_a_module_type_defined_again_replaces_itself_and_another_class_is_refused(tmp_path):
     """A notebook cell that defines and registers a module type, run twice, failed with "key 'X' is already taken by
     X"; the same definition (module and qualified name) now replaces its earlier self, as register_model does, and
     the files use the newer class. Another class under a taken key is still an error naming both."""
@@ -951,3 +989,8 @@ def test_a_module_type_defined_again_replaces_itself_and_another_class_is_refuse
     with pytest.raises(ValueError, match=r"key '_TestSwish' is already taken by .*_TestSwish; register "
                                          r".*_Other under another key"):
         register_module_type("_TestSwish", _Other)
+    # a model holding an instance of the class from before the cell ran again still saves, and loads the newer one
+    model = create_model("resnet20")
+    model.layer1[0].relu = classes[0]()
+    back = load(save(model.eval(), tmp_path / "m.safetensors"))
+    assert type(back.layer1[0].relu) is classes[1]

@@ -410,6 +410,7 @@ def test_a_diverged_skeleton_and_bad_thresholds_are_refused_not_compacted_silent
     model.eval()
     conv = model.layer1[0].conv1
     assert conv.stripe_mask(0.0).all() and not conv.stripe_mask(math.inf).any()
+    assert torch.equal(conv.stripe_mask(torch.tensor(0.5)), conv.stripe_mask(0.5))  # a one-element tensor, as before
     for bad in (float("nan"), -1.0, "0.1", True):
         with pytest.raises(ValueError, match=r"stripe_mask: threshold must be a number >= 0"):
             conv.stripe_mask(bad)
