@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -148,6 +149,10 @@ def _options(cfg) -> dict[str, Any]:
     """cfg (dict or OmegaConf node) -> dict with every key of _DEFAULTS, dataset defaults filled in."""
     from omegaconf import OmegaConf
 
+    if not isinstance(cfg, Mapping):  # (dicts and OmegaConf nodes)  # ('digits' failed in dict() with "update sequence element #0")
+        hint = f"; e.g. build_data({{'name': {cfg!r}}})" if isinstance(cfg, str) else ""
+        raise TypeError(f"build_data: cfg is a dict or OmegaConf node of data settings, got {type(cfg).__name__} "
+                        f"{cfg!r:.80}{hint}")
     given = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
     unknown = sorted(set(given) - set(_DEFAULTS))
     if unknown:

@@ -551,6 +551,12 @@ def test_config_errors():
         build_data({"name": "digits", "num_classes": 100})
     with pytest.raises(ValueError, match="3 channels"):
         build_data({"name": "cifar10", "in_chans": 1})
+    # a dataset name or None where the settings go ("dictionary update sequence element #0 has length 1")
+    with pytest.raises(TypeError, match=r"build_data: cfg is a dict or OmegaConf node of data settings, got str "
+                                        r"'digits'; e.g. build_data\(\{'name': 'digits'\}\)"):
+        build_data("digits")
+    with pytest.raises(TypeError, match=r"got NoneType None$"):
+        build_data(None)
 
 
 def _folder(root, classes, n=2, size=(12, 10), seed=0):
