@@ -330,7 +330,7 @@ def swp_update(model: nn.Module, alpha: float, threshold: float, bn_pairs: dict[
     if not convs:  # (training with no skeleton would prune nothing, and compaction find nothing to remove)
         raise ValueError("swp_update: the model has no skeleton convs; call compress.attach_skeletons(model) before "
                          "training (or leave swp_update out of a run that does not prune)")
-    fss = [conv.skeleton for _, conv in convs]
+    fss = list({id(conv.skeleton): conv.skeleton for _, conv in convs}.values())  # (one shared by convs: once)
     trained = [fs for fs in fss if fs.requires_grad]  # a frozen skeleton gets no gradient: an optimizer would step it
     if alpha and trained and all(fs.grad is None for fs in trained):  # (alpha 0: a call that only applies masks)
         warnings.warn("swp_update: no skeleton has a gradient; call it after loss.backward() (under GradScaler, after "
@@ -350,19 +350,21 @@ def swp_update(model: nn.Module, alpha: float, threshold: float, bn_pairs: dict[
     if grads:
         torch._foreach_mul_(grads, [k for fs, k in zip(fss, keep) if fs.requires_grad])
     pairs = conv_bn_pairs(model) if bn_pairs is None else bn_pairs
-    bn_tensors, alive = [], []
-    for (name, conv), k in zip(convs, keep):
+    keep_of = {id(fs): k for fs, k in zip(fss, keep)}
+    bn_alive: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(BN tensor) -> (tensor, channels alive)
+    for name, conv in convs:
         if name not in pairs:
             continue
         bn = model.get_submodule(pairs[name])
-        filter_alive = conv.per_filter(k.flatten(1).amax(dim=1))  # 1 where the filter keeps a stripe, else 0
+        # 1 where the filter keeps a stripe, else 0
+        filter_alive = conv.per_filter(keep_of[id(conv.skeleton)].flatten(1).amax(dim=1))
         for p in (bn.weight, bn.bias):
             for t in (p, None if p is None else p.grad):
                 if t is not None:
-                    bn_tensors.append(t)
-                    alive.append(filter_alive.to(t.dtype))
-    if bn_tensors:
-        torch._foreach_mul_(bn_tensors, alive)
+                    shared = bn_alive.get(id(t))  # a BN tensor two convs' BNs share: a channel alive in either stays
+                    bn_alive[id(t)] = (t, filter_alive if shared is None else torch.maximum(shared[1], filter_alive))
+    if bn_alive:
+        torch._foreach_mul_([t for t, _ in bn_alive.values()], [a.to(t.dtype) for t, a in bn_alive.values()])
 
 
 @torch.no_grad()

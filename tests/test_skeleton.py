@@ -436,3 +436,35 @@ def test_skeleton_and_stripe_convs_from_other_layer_types_are_type_errors():
             SkeletonConv2d.from_conv(layer)
         with pytest.raises(TypeError, match=rf"StripeConv2d.from_dense: expected an nn.Conv2d, got {kind}"):
             StripeConv2d.from_dense(layer, torch.ones(6, 3, 3, dtype=torch.bool))
+
+
+def test_swp_update_with_shared_skeletons_and_shared_bn_tensors():
+    """A skeleton two convs share got the L1 term twice (2 alpha); a BN weight two convs' BNs share had the channel
+    of one conv's dead filter zeroed although the other conv's filter lives (its output became a constant)."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                          nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                          nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+    model[7].weight, model[7].bias = model[4].weight, model[4].bias
+    with torch.no_grad():
+        for bn in (model[1], model[4]):
+            bn.weight.uniform_(0.5, 1.5)
+            bn.bias.uniform_(0.5, 1.5)
+    attach_skeletons(model)
+    with torch.no_grad():
+        model[3].skeleton[0] = 0  # conv 3's filter 0 dies; conv 6's filter 0 lives
+    model(torch.randn(2, 3, 8, 8)).sum().backward()
+    swp_update(model, alpha=0.0, threshold=0.0)
+    assert model[4].weight[0] != 0 and model[4].bias[0] != 0  # the shared BN channel stays: conv 6 uses it
+    assert model[1].weight.ne(0).all()
+    # conv 6's filter 0 dies too: now the shared channel goes
+    with torch.no_grad():
+        model[6].skeleton[0] = 0
+    swp_update(model, alpha=0.0, threshold=0.0)
+    assert model[4].weight[0] == 0 and model[4].bias[0] == 0
+
+    shared = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1))
+    attach_skeletons(shared)
+    shared[2].skeleton = shared[0].skeleton  # (shape (4, 3, 3) both)
+    shared[0].skeleton.grad = torch.zeros_like(shared[0].skeleton)
+    swp_update(shared, alpha=1.0, threshold=0.0)
+    assert torch.equal(shared[0].skeleton.grad, torch.ones_like(shared[0].skeleton))  # alpha * sign, once
