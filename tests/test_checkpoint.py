@@ -994,3 +994,21 @@ def test_a_module_type_defined_again_replaces_itself_and_another_class_is_refuse
     model.layer1[0].relu = classes[0]()
     back = load(save(model.eval(), tmp_path / "m.safetensors"))
     assert type(back.layer1[0].relu) is classes[1]
+
+
+def test_model_weights_with_different_copies_of_a_tied_tensor_are_refused(tmp_path):
+    """model.weights into a model whose constructor ties two weights, from a file whose two copies differ (a model
+    trained with them untied): the last copy won silently; now the names are given. Equal copies load."""
+    from compress.models import load_weights
+
+    model = _randomise(create_model("_test_tied_net", num_classes=4))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.save(state, tmp_path / "same.pt")
+    fresh = create_model("_test_tied_net", num_classes=4)
+    load_weights(fresh, tmp_path / "same.pt")
+    assert fresh.a.weight is fresh.b.weight and torch.equal(fresh.a.weight, model.a.weight)
+    state["b.weight"] = state["b.weight"] + 1
+    torch.save(state, tmp_path / "differ.pt")
+    with pytest.raises(ValueError, match=r"differ.pt holds different values for a.weight, b.weight, which _TiedNet "
+                                         r"ties into one tensor"):
+        load_weights(create_model("_test_tied_net", num_classes=4), tmp_path / "differ.pt")

@@ -135,6 +135,13 @@ def load_weights(model: nn.Module, path: str | os.PathLike, state: dict[str, tor
     if problems:
         raise ValueError(f"model.weights: {path} does not fit {type(model).__name__}: {problems}. Give the state dict "
                          "of the same architecture (model=, model.kwargs, data.in_chans)")
+    from compress.checkpoint import tied_groups  # (here: compress.checkpoint imports the model zoo)
+
+    for names in tied_groups(model):  # one tensor in the model: the copy of the last name would win silently
+        held = [n for n in names if n in state and n not in fresh]
+        if any(not torch.equal(state[n], state[held[0]]) for n in held[1:]):
+            raise ValueError(f"model.weights: {path} holds different values for {', '.join(held)}, which "
+                             f"{type(model).__name__} ties into one tensor; give weights of a model with those tied")
     own = model.state_dict()
     for key, value in state.items():
         if key not in fresh:
