@@ -101,8 +101,12 @@ try:
     from triton.compiler import CompiledKernel
 except ImportError:  # pragma: no cover - triton ships with CUDA torch builds
     triton = None
-try:  # grid dependency control (programmatic dependent launch, Hopper and later)
+try:  # grid dependency control (programmatic dependent launch, Hopper and later) and the launch option for it
+    from triton.backends.nvidia.compiler import CUDAOptions
     from triton.language.extra.cuda import gdc_wait
+
+    if "launch_pdl" not in CUDAOptions.__dataclass_fields__:  # pragma: no cover - a Triton with one but not the other
+        gdc_wait = None
 except ImportError:  # pragma: no cover - a Triton without it
     gdc_wait = None
 
