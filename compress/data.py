@@ -13,10 +13,13 @@ of a global batch depend on the number of processes; without augmentation (data=
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
 import shutil
 import signal
 import warnings
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -206,19 +209,43 @@ def _ignore_sigterm(worker_id: int) -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # one held since the fork (`_Loader`) is dropped
 
 
+_LIVE_ITERATORS: weakref.WeakSet = weakref.WeakSet()  # the multi-worker iterators of `_Loader`s not yet collected
+
+
+def _end_live_workers() -> None:
+    """At interpreter exit: the workers of `_Loader` iterators still alive (one an error's traceback holds, or a
+    script's variable) are told to stop and joined. multiprocessing's own exit handler, which runs after this one
+    (atexit runs the later registered first), would SIGTERM them, which they ignore (`_ignore_sigterm`), and then
+    wait for them forever: a run stopped by an error hung instead of exiting."""
+    for it in list(_LIVE_ITERATORS):
+        it._shutdown_workers()
+
+
+@functools.cache
+def _end_workers_at_exit() -> None:
+    """Registers `_end_live_workers` once, at the first multi-worker iterator: after multiprocessing's own exit
+    handler (imported by then), so that it runs before that one."""
+    atexit.register(_end_live_workers)
+
+
 class _Loader(DataLoader):
     """A DataLoader that holds (blocks) SIGTERM in this thread while `iter()` forks its workers: each worker starts
     with it blocked until `_ignore_sigterm` has set it ignored, so a signal in between (PyTorch's own worker
-    handler would die of it) is dropped; this process takes one that came meanwhile once `iter()` returns."""
+    handler would die of it) is dropped; this process takes one that came meanwhile once `iter()` returns. Its
+    iterators' workers are ended at interpreter exit (`_end_live_workers`)."""
 
     def __iter__(self):
-        if not self.num_workers or not _CAN_HOLD:
+        if not self.num_workers:
             return super().__iter__()
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        _end_workers_at_exit()
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}) if _CAN_HOLD else None
         try:
-            return super().__iter__()
+            it = super().__iter__()
         finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+            if held is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        _LIVE_ITERATORS.add(it)
+        return it
 
 
 def _loaders(train: Dataset, test: Dataset, opts: dict, rank: int, world_size: int):

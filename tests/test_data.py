@@ -6,6 +6,7 @@ import os
 import pickle
 import shutil
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -735,3 +736,20 @@ def test_cifar_errors_name_the_bad_files(tmp_path):
     with pytest.raises(DatasetNotFoundError, match=r"cifar10: missing: data_batch_3; not the original files \(MD5 "
                                                    r"differs\): data_batch_1, data_batch_2, data_batch_4"):
         build_data({"name": "cifar10", "root": str(tmp_path)})
+
+
+def test_a_process_with_a_live_worker_iterator_exits():
+    """Loader workers ignore SIGTERM (a batch system's, before train.py's checkpoint); at interpreter exit
+    multiprocessing SIGTERMs the workers of an iterator still alive and waits for them, so a script holding one,
+    or train.py stopped by an error (whose traceback holds it), hung forever. Such workers are now ended first."""
+    import subprocess
+    import sys
+
+    script = ("from compress.data import build_data\n"
+              "d = build_data({'name': 'fake', 'input_size': 8, 'batch_size': 4, 'num_workers': 2, 'train_size': 32})\n"
+              "it = iter(d.train)\n"
+              "next(it)\n"
+              "raise SystemExit(3)\n")
+    root = str(Path(__file__).resolve().parents[1])
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, timeout=120, capture_output=True, text=True)
+    assert done.returncode == 3, done.stderr
