@@ -303,3 +303,13 @@ def test_adding_overrides_tells_a_forced_existing_key_from_a_forced_new_one():
     assert added("prune=none", "++prune.alpha=1e-4") == ["++prune.alpha"]  # nor has prune=none an alpha
     assert added("prune.alpha=1", "++data.batch_size=8") == []
     assert added("+pix.zeta=4", "+init=x.safetensors", "+pix.zeta_=4") == ["+pix.zeta_"]  # null-valued keys exist
+
+
+def test_runs_started_in_one_second_get_run_dirs_of_their_own():
+    """train.py's default run dir (and a sweep's) is named to the microsecond, as export's: named to the second, two
+    runs started together (a job array, a script) got one dir, and all but the first were refused as in use."""
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfgs = [compose(config_name="train", return_hydra_config=True).hydra for _ in range(2)]
+    for key in ("run", "sweep"):
+        dirs = [c[key].dir for c in cfgs]
+        assert dirs[0] != dirs[1] and all(d.startswith(("outputs/", "multirun/")) for d in dirs), dirs
