@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from compress._files import json_text, process_alive
+from compress._files import json_text, lock_file, process_alive, unlock_file
 from compress._trainstate import _is_safetensors, check_weight_kinds, load_checkpoint
 from compress.checkpoint import load, rebuild_for, unregistered_module
 from compress.checkpoint import save as save_compact
@@ -40,6 +40,7 @@ __all__ = ["load_training_checkpoint", "load_any", "export_checkpoint", "FILES"]
 
 ONNX_TOLERANCE = 1e-4  # the largest relative onnxruntime-vs-PyTorch difference export accepts without a warning
 FILES = ("model.compact.safetensors", "model.onnx", "report.json", "report.md", "stripes.png")
+EXPORT_LOCK = ".export.lock"  # in `out` while an export writes there (`_staging`)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -436,11 +437,13 @@ class _staging:
     meanwhile stays). A model.onnx in `out` that this export does not write (onnx off) is removed with a warning
     where an earlier export wrote it (its report beside it records the file's SHA-256): it would describe another
     model; any other model.onnx stays, with a warning. The stage is named by the process id (.export-<pid>-*): the stages of exports
-    killed on this host, whose process is gone, are removed."""
+    killed on this host, whose process is gone, are removed. One export at a time writes into `out` (a lock,
+    EXPORT_LOCK, held from start to end): two at once mixed their files, one's model beside the other's report."""
 
     def __init__(self, out: Path):
         self.out = out
         self.made: list[Path] = []  # the folders this export created, outermost first
+        self.lock: int | None = None  # the descriptor holding EXPORT_LOCK
 
     def __enter__(self) -> Path:
         try:
@@ -448,16 +451,27 @@ class _staging:
             for folder in reversed([d for d in (out, *out.parents) if not d.exists()]):
                 folder.mkdir(exist_ok=True)
                 self.made.append(folder)
+            self.lock = lock_file(self.out / EXPORT_LOCK)
+            if self.lock is None:
+                raise ValueError(f"export: out={self.out} is in use by another export.py process: two exports into one "
+                                 "folder would mix their files. Give this export another out=, or wait for that one "
+                                 "to end")
             for old in self.out.glob(".export-*-*"):
                 pid = old.name.split("-")[1]
                 if old.is_dir() and pid.isdigit() and not process_alive(int(pid)):
                     shutil.rmtree(old, ignore_errors=True)  # a killed export's
             self.stage = Path(tempfile.mkdtemp(prefix=f".export-{os.getpid()}-", dir=self.out))
         except OSError as err:
+            self._unlock()
             self._remove_made()
             raise ValueError(f"export: cannot write into out={self.out} ({err.strerror or err}); give a writable "
                              "directory") from None
         return self.stage
+
+    def _unlock(self) -> None:
+        if self.lock is not None:
+            unlock_file(self.out / EXPORT_LOCK, self.lock)
+            self.lock = None
 
     def _remove_made(self) -> None:
         for folder in reversed(self.made):  # innermost first, each only if empty: another writer's files stay
@@ -479,6 +493,7 @@ class _staging:
                                       f"{self.out} (or changed since): left as it is, though it does not describe "
                                       "this export's model (onnx is off)", stacklevel=3)
         shutil.rmtree(self.stage, ignore_errors=True)
+        self._unlock()
         if kind is not None:
             self._remove_made()
 

@@ -303,6 +303,26 @@ def test_a_killed_exports_staging_folder_is_removed_by_the_next_export(training_
     assert (tmp_path / "model.compact.safetensors").is_file()
 
 
+def test_an_export_into_an_out_another_export_writes_is_refused(training_checkpoint, tmp_path):
+    """Two exports into one out at once left one's model beside the other's report (both exiting 0); while one
+    holds out's lock the other is refused, naming the folder, and writes nothing. The lock goes with its export."""
+    from compress._files import lock_file, unlock_file
+    from compress.export import EXPORT_LOCK
+
+    path, _ = training_checkpoint
+    out = tmp_path / "X"
+    out.mkdir()
+    fd = lock_file(out / EXPORT_LOCK)  # another export, running
+    try:
+        with pytest.raises(ValueError, match=rf"out={re.escape(str(out))} is in use by another export.py process"):
+            export_checkpoint(path, out, onnx=False, latency=False, choose_stripe_modes=False)
+        assert sorted(p.name for p in out.iterdir()) == [EXPORT_LOCK]
+    finally:
+        unlock_file(out / EXPORT_LOCK, fd)
+    export_checkpoint(path, out, onnx=False, latency=False, choose_stripe_modes=False)
+    assert (out / "model.compact.safetensors").is_file() and not (out / EXPORT_LOCK).exists()
+
+
 def test_a_training_checkpoint_named_safetensors_is_read_as_one(training_checkpoint, tmp_path):
     """Files are recognised by their content: a torch.save training checkpoint renamed *.safetensors exports (its
     error once suggested the very command that failed)."""
