@@ -8,8 +8,10 @@ import glob
 import json
 import math
 import os
+import secrets
 import shutil
 import stat
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +25,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path
     whole new one, also after a crash or power loss. A failed write (a full disk) leaves `path` as it was and raises
     OSError naming it. A symbolic link is written through (its target is replaced, the link stays); a path that is
     not a regular file (a device such as /dev/null, a FIFO) is refused. Temporary files of `path` that killed
-    processes left (``.<name>.tmp<pid>``) are removed."""
+    processes left (``.<name>.tmp<pid>.<random>``) are removed (`_remove_stale_temporaries`)."""
     from safetensors import SafetensorError
 
     given = Path(path)
@@ -33,7 +35,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path
     if path.exists() and not stat.S_ISREG(path.stat().st_mode):
         raise OSError(f"could not write {given}: it is not a regular file (a device, FIFO or socket), which a "
                       "write by rename would replace; give a file path")
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    # (the random part: processes of two containers sharing the folder can have one process id)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.{secrets.token_hex(4)}")
     try:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -60,13 +63,20 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path
     return given
 
 
+STALE_AFTER_S = 600  # a temporary file untouched this long, of no process running here, is a killed writer's
+
+
 def _remove_stale_temporaries(path: Path) -> None:
-    """Remove ``.<name>.tmp<pid>`` files beside `path` whose process no longer runs (killed while writing)."""
+    """Remove ``.<name>.tmp<pid>[.<random>]`` files beside `path` left by killed writers: of a process that no longer
+    runs here and untouched for STALE_AFTER_S. (By process id alone, a save in another container or on another host
+    sharing the folder, whose process this one cannot see, lost its file mid-write.)"""
     prefix = f".{path.name}.tmp"
     for entry in path.parent.glob(glob.escape(prefix) + "*"):
-        pid = entry.name[len(prefix):]
-        if pid.isdigit() and int(pid) != os.getpid() and not process_alive(int(pid)):
-            with contextlib.suppress(OSError):
+        pid = entry.name[len(prefix):].partition(".")[0]
+        if not pid.isdigit() or int(pid) == os.getpid() or process_alive(int(pid)):
+            continue
+        with contextlib.suppress(OSError):
+            if time.time() - entry.stat().st_mtime > STALE_AFTER_S:
                 entry.unlink()
 
 

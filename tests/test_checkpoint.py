@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -733,12 +734,17 @@ def test_atomic_write_goes_through_links_refuses_special_files_and_removes_dead_
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    stale = tmp_path / "disk" / f".real.safetensors.tmp{dead.pid}"
-    live = tmp_path / "disk" / f".real.safetensors.tmp{os.getppid()}"
-    stale.write_bytes(b"half a model")
-    live.write_bytes(b"another process writing")
+    stale = tmp_path / "disk" / f".real.safetensors.tmp{dead.pid}.0a1b2c3d"
+    live = tmp_path / "disk" / f".real.safetensors.tmp{os.getppid()}.1a2b3c4d"
+    # a process this one cannot see (another container or host sharing the folder), writing now: kept
+    unseen = tmp_path / "disk" / f".real.safetensors.tmp{dead.pid}.2b3c4d5e"
+    for file in (stale, live, unseen):
+        file.write_bytes(b"part of a model")
+    hour_ago = time.time() - 3600
+    os.utime(stale, (hour_ago, hour_ago))
+    os.utime(live, (hour_ago, hour_ago))
     save(m, target)
-    assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == [live.name, "real.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == sorted([live.name, unseen.name, "real.safetensors"])
 
 
 def test_save_refuses_stripe_indices_changed_after_the_layer_was_built(tmp_path):

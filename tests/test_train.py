@@ -71,8 +71,9 @@ def test_resume_gives_the_same_weights_as_an_uninterrupted_run(tmp_path):
     full = run(_compose(*TINY), run_dir=tmp_path / "full")
     stopped = run(_compose(*TINY, "trainer.max_steps=4"), run_dir=tmp_path / "parts")
     assert stopped["epochs"] == 1 and stopped["steps"] == 4
-    stale = tmp_path / "parts" / "checkpoints" / ".last.pt.tmp12345"  # what a run killed while saving leaves
+    stale = tmp_path / "parts" / "checkpoints" / ".last.pt.tmp12345.0a1b2c3d"  # what a run killed while saving leaves
     stale.write_bytes(b"partial")
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))  # (a younger one may be another host's save)
     resumed = run(_compose(*TINY, "resume=true"), run_dir=tmp_path / "parts")
     assert not stale.exists()
     assert resumed["epochs"] == full["epochs"] == 2 and resumed["steps"] == full["steps"] == 8
