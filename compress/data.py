@@ -371,8 +371,11 @@ def _cifar(opts: dict):
             f"{name}: {_bad_cifar_files(cls, root / folder)} under {root / folder}/ (torchvision checks each file's "
             f"MD5 before reading it). {how}"
         ) from e
-    except OSError as e:  # the download itself (no network, a refused or broken connection)
-        raise DatasetNotFoundError(
+    except OSError as e:
+        if not opts["download"]:  # reading a file (its permissions, a failing disk): no download was asked for
+            raise DatasetNotFoundError(f"{name}: cannot read {getattr(e, 'filename', None) or root / folder} "
+                                       f"({e.strerror or e}); check the files' permissions under {root / folder}/") from e
+        raise DatasetNotFoundError(  # the download itself (no network, a refused or broken connection)
             f"{name}: downloading into data.root={root} failed ({e}); on a machine without access to the dataset's "
             f"site, fetch the python version elsewhere and extract it there as {folder}/"
         ) from e

@@ -738,6 +738,28 @@ def test_cifar_errors_name_the_bad_files(tmp_path):
         build_data({"name": "cifar10", "root": str(tmp_path)})
 
 
+def test_an_unreadable_cifar_file_is_not_called_a_failed_download(tmp_path, monkeypatch):
+    """A CIFAR file the process may not read (its permissions) was reported as 'downloading ... failed' with advice
+    to fetch the dataset elsewhere, though no download was asked for; now the file and the problem are named."""
+    import builtins
+
+    import torchvision.datasets.cifar as tv_cifar
+
+    _write_cifar(tmp_path, "cifar10", 10, 6)
+    _skip_cifar_md5(monkeypatch)
+    unreadable = str(tmp_path / "cifar-10-batches-py" / "data_batch_1")
+
+    def guarded_open(file, *args, **kwargs):
+        if str(file) == unreadable:
+            raise PermissionError(13, "Permission denied", unreadable)
+        return builtins.open(file, *args, **kwargs)
+
+    monkeypatch.setattr(tv_cifar, "open", guarded_open, raising=False)
+    with pytest.raises(DatasetNotFoundError, match=r"cifar10: cannot read .*data_batch_1 \(Permission denied\); "
+                                                   r"check the files' permissions"):
+        build_data({"name": "cifar10", "root": str(tmp_path)})
+
+
 def test_a_process_with_a_live_worker_iterator_exits():
     """Loader workers ignore SIGTERM (a batch system's, before train.py's checkpoint); at interpreter exit
     multiprocessing SIGTERMs the workers of an iterator still alive and waits for them, so a script holding one,
