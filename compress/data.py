@@ -421,10 +421,13 @@ def _image_folder(opts: dict):
     test_tf = T.Compose([T.Resize(round(size / 0.875)), T.CenterCrop(size)] + normalize)
     splits = []
     for split, transform in (("train", train_tf), ("val", test_tf)):
-        loop = _symlink_loop(root / split)
+        loop, unreadable = _walk_problems(root / split)
         if loop is not None:
             raise ValueError(f"{name}: {loop} is a symlink to a folder that contains it: ImageFolder would follow it "
                              f"again and again, reading every image below it many times; remove the link")
+        if unreadable is not None:  # (ImageFolder's walk skips it: its images would be left out without a word)
+            raise DatasetNotFoundError(f"{name}: cannot read the folder {unreadable.filename} ({unreadable.strerror}); "
+                                       "fix its permissions, or move it out of data.root")
         try:
             splits.append(tvd.ImageFolder(str(root / split), transform=transform, loader=load_image))
         except FileNotFoundError as e:  # torchvision: no class folders or no images
@@ -445,13 +448,16 @@ def _image_folder(opts: dict):
     return train, test, len(train.classes)
 
 
-def _symlink_loop(folder: Path) -> str | None:
-    """A symlinked folder under `folder` whose target is a folder the walk is already inside (itself or one above
-    it, also through other links, or one above `folder`: ImageFolder follows links, so such a loop repeats the images
-    below it until the OS stops the walk), or None. The first such link the walk reaches is named."""
+def _walk_problems(folder: Path) -> tuple[str | None, OSError | None]:
+    """(loop, unreadable) of a walk of `folder` as ImageFolder walks it: `loop`, a symlinked folder under it whose
+    target is a folder the walk is already inside (itself or one above it, also through other links, or one above
+    `folder`: ImageFolder follows links, so such a loop repeats the images below it until the OS stops the walk),
+    the first the walk reaches; `unreadable`, the error of the first folder that could not be listed (ImageFolder's
+    walk skips it, leaving its images out); each None where there is none."""
     folder = os.path.abspath(folder)
     real = os.path.realpath(folder)
-    for top, dirs, _ in os.walk(folder, followlinks=True):
+    errors: list[OSError] = []
+    for top, dirs, _ in os.walk(folder, followlinks=True, onerror=errors.append):
         rel = os.path.relpath(top, folder)
         parts = [] if rel == "." else rel.split(os.sep)
         inside = {os.path.realpath(os.path.join(folder, *parts[:i])) for i in range(len(parts) + 1)}
@@ -459,8 +465,9 @@ def _symlink_loop(folder: Path) -> str | None:
             link = os.path.join(top, d)
             target = os.path.realpath(link)
             if os.path.islink(link) and (target in inside or os.path.commonpath([target, real]) == target):
-                return link
-    return None
+                return link, None
+    unreadable = [e for e in errors if e.filename != folder]  # (a missing split folder: ImageFolder names it)
+    return None, unreadable[0] if unreadable else None
 
 
 def load_image(path: str):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -736,6 +737,28 @@ def test_cifar_errors_name_the_bad_files(tmp_path):
     with pytest.raises(DatasetNotFoundError, match=r"cifar10: missing: data_batch_3; not the original files \(MD5 "
                                                    r"differs\): data_batch_1, data_batch_2, data_batch_4"):
         build_data({"name": "cifar10", "root": str(tmp_path)})
+
+
+def test_an_unreadable_folder_inside_a_class_is_an_error_not_skipped(tmp_path, monkeypatch):
+    """ImageFolder's walk skips a sub-folder it may not list (its permissions), leaving its images out of the
+    dataset without a word; the folder is named now. (Root reads anything: the listing error is simulated.)"""
+    root = tmp_path / "folder"
+    _folder(root, ["a", "b"])
+    blocked = root / "train" / "b" / "sub"
+    blocked.mkdir()
+    Image.fromarray(np.zeros((12, 10, 3), dtype=np.uint8)).save(blocked / "x.png")
+    assert len(build_data({"name": "imagefolder", "root": str(root), "input_size": 8}).train.dataset) == 5
+    listing = os.scandir
+
+    def guarded_scandir(path="."):
+        if os.fspath(path) == str(blocked):
+            raise PermissionError(13, "Permission denied", str(blocked))
+        return listing(path)
+
+    monkeypatch.setattr(os, "scandir", guarded_scandir)
+    with pytest.raises(DatasetNotFoundError, match=rf"imagefolder: cannot read the folder {re.escape(str(blocked))} "
+                                                   r"\(Permission denied\); fix its permissions"):
+        build_data({"name": "imagefolder", "root": str(root), "input_size": 8})
 
 
 def test_an_unreadable_cifar_file_is_not_called_a_failed_download(tmp_path, monkeypatch):
