@@ -14,6 +14,7 @@ of a global batch depend on the number of processes; without augmentation (data=
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import os
 import shutil
@@ -218,7 +219,8 @@ def _end_live_workers() -> None:
     (atexit runs the later registered first), would SIGTERM them, which they ignore (`_ignore_sigterm`), and then
     wait for them forever: a run stopped by an error hung instead of exiting."""
     for it in list(_LIVE_ITERATORS):
-        it._shutdown_workers()
+        with contextlib.suppress(Exception):  # (exiting: one that cannot be ended must not keep the others)
+            it._shutdown_workers()
 
 
 @functools.cache
