@@ -838,14 +838,30 @@ def _hydra_folder(run_dir: Path) -> Path | None:
     return run_dir / HydraConfig.get().output_subdir
 
 
-def _hydra_record(run_dir: Path, names: tuple[str, ...] = HYDRA_RECORD) -> dict[str, str] | None:
-    """The text of this command's Hydra record files `names` in `run_dir`; None outside a Hydra app. Saved in each
-    checkpoint (and the run lock, with config.yaml), so that a later command refused in this run dir can put them
-    back."""
-    folder = _hydra_folder(run_dir)
-    if folder is None:
+def _hydra_record(run_dir: Path, names: tuple[str, ...] = HYDRA_RECORD,
+                  task_cfg: DictConfig | None = None) -> dict[str, str] | None:
+    """The text of this command's Hydra record files `names` (config.yaml needs `task_cfg`, the config the job was
+    given), as Hydra wrote them into `run_dir`'s .hydra at the job's start, made again from this command's own
+    config: the files themselves may be another command's by then (two started at once in one run dir both write
+    them before one is refused). None outside a Hydra app. Saved in each checkpoint (and the run lock, with
+    config.yaml), so that a later command refused in this run dir can put them back."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if _hydra_folder(run_dir) is None:
         return None
-    return {name: (folder / name).read_text() for name in names if (folder / name).is_file()}
+    hydra_cfg = HydraConfig.instance().cfg  # ({"hydra": ...}, what Hydra's hydra.yaml holds)
+    texts = {"hydra.yaml": OmegaConf.to_yaml(hydra_cfg), "overrides.yaml": OmegaConf.to_yaml(hydra_cfg.hydra.overrides.task)}
+    if task_cfg is not None:
+        texts["config.yaml"] = OmegaConf.to_yaml(task_cfg)
+    return {name: texts[name] for name in names if name in texts}
+
+
+def _write_hydra_record(run_dir: Path, record: dict[str, str]) -> None:
+    """`record` (`_hydra_record`'s texts) written into `run_dir`'s .hydra, where Hydra keeps one."""
+    folder = _hydra_folder(run_dir)
+    if folder is not None and folder.is_dir():
+        for name, text in record.items():
+            (folder / name).write_text(text)
 
 
 def _dir_key() -> str:
@@ -1065,7 +1081,7 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     dist = setup_distributed(cfg.trainer.device)
     run_dir = _shared_run_dir(Path(run_dir) if run_dir is not None else _hydra_run_dir(), dist)
     began = []  # set by _run once the run writes its results
-    with _run_lock(run_dir, dist), warnings_in_log_files(dist.is_main, run_dir) as forget_warnings:
+    with _run_lock(run_dir, dist, cfg), warnings_in_log_files(dist.is_main, run_dir) as forget_warnings:
         try:
             return _run(cfg, run_dir, dist, start, lambda: began.append(True))
         except BaseException as err:
@@ -1094,7 +1110,7 @@ if hasattr(os, "register_at_fork"):
 
 
 @contextlib.contextmanager
-def _run_lock(run_dir: Path, dist: DistInfo):
+def _run_lock(run_dir: Path, dist: DistInfo, task_cfg: DictConfig | None = None):
     """Hold `run_dir` for this run (rank 0 creates RUN_LOCK, every rank learns whether it could): a second train.py
     started in the same dir while this one works would otherwise train beside it (its checkpoints/last.pt is not
     written yet at first), both would write the same checkpoints, logs and .hydra record, and one run's results
@@ -1105,7 +1121,7 @@ def _run_lock(run_dir: Path, dist: DistInfo):
     refused, error = None, None
     if dist.is_main:
         try:
-            refused = _take_run_lock(run_dir)
+            refused = _take_run_lock(run_dir, task_cfg)
         except OSError as err:  # the other ranks must learn it too, or they would wait in the broadcast below
             _release_run_lock(run_dir)  # if it was taken before the error
             refused, error = f"{run_dir}: cannot lock {RUN_LOCK} there ({err}); give a writable {_dir_key()}", err
@@ -1125,29 +1141,33 @@ def _run_lock(run_dir: Path, dist: DistInfo):
                 run_dir.rmdir()  # only if empty
 
 
-def _take_run_lock(run_dir: Path) -> str | None:
-    """Lock RUN_LOCK in run_dir and write this process's {"pid", "host", "hydra"} into it; None when this process
-    holds it, else the refusal message (naming the holder where its file says who it is)."""
+def _take_run_lock(run_dir: Path, task_cfg: DictConfig | None = None) -> str | None:
+    """Lock RUN_LOCK in run_dir and write this process's {"pid", "host", "hydra"} into it, and its Hydra record
+    into .hydra (another command started at the same time may have written its own there); None when this process
+    holds it, else the refusal message (naming the holder where its file says who it is), the holder's record put
+    back into .hydra. `task_cfg`: the config the job was given (its config.yaml)."""
     path, host = run_dir / RUN_LOCK, socket.gethostname()
-    record = _hydra_record(run_dir, ("config.yaml", *HYDRA_RECORD)) or {}
+    record = _hydra_record(run_dir, ("config.yaml", *HYDRA_RECORD), task_cfg) or {}
     run_dir.mkdir(parents=True, exist_ok=True)
     fd = lock_file(path)
     if fd is None:
-        try:
-            holder = json.loads(path.read_text())
-            who = f" (pid {int(holder['pid'])} on {'this host' if holder['host'] == host else holder['host']})"
-        except (OSError, ValueError, KeyError, TypeError):
-            holder, who = {}, ""  # its holder is writing it
-        folder = _hydra_folder(run_dir)
-        if folder is not None and folder.is_dir():
-            for name, saved in (holder.get("hydra") or {}).items():
-                (folder / name).write_text(saved)  # the running run's record, not this command's
+        holder, who = {}, ""
+        for _ in range(20):  # (its holder may be between taking the lock and writing the file: a moment)
+            try:
+                holder = json.loads(path.read_text())
+                who = f" (pid {int(holder['pid'])} on {'this host' if holder['host'] == host else holder['host']})"
+                break
+            except (OSError, ValueError, KeyError, TypeError):
+                holder, who = {}, ""
+                time.sleep(0.1)
+        _write_hydra_record(run_dir, holder.get("hydra") or {})  # the running run's record, not this command's
         return (f"{run_dir} is in use by another train.py process{who}: two runs in one directory would overwrite "
                 f"each other's checkpoints, logs and .hydra record. Give this run another {_dir_key()}, or wait for "
                 "that one to end (resume=true continues it)")
     _run_locks[run_dir] = fd  # released by _release_run_lock whatever happens next
     os.ftruncate(fd, 0)  # a killed run's file: its lock went with its process
     os.write(fd, json.dumps({"pid": os.getpid(), "host": host, "hydra": record}).encode())
+    _write_hydra_record(run_dir, record)
     return None
 
 

@@ -1580,3 +1580,30 @@ def test_a_run_dir_hydra_cannot_create_is_one_clear_error_before_the_run(tmp_pat
     assert resumed.returncode == 1 and f"cannot write into the run directory {tmp_path / 'old run'} " \
         "(Permission denied)" in resumed.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mnt", "old run"] and not any((tmp_path / "old run").iterdir())
+
+
+def test_the_run_that_holds_the_dir_writes_its_own_hydra_record(tmp_path, monkeypatch):
+    """Two commands started at once in one run dir both have Hydra write .hydra/ before one takes the lock; the
+    holder read "its" record back from those files, which could be the refused command's (its checkpoint and
+    .hydra/ then named another seed than it trained with). The record is now made from the holder's own config and
+    written again once the lock is held. (The other command's write is simulated just before the lock.)"""
+    from compress import engine
+
+    real_lock = engine.lock_file
+
+    def other_command_wrote_first(path):
+        folder = path.parent / ".hydra"
+        (folder / "config.yaml").write_text("someone: else\n")
+        (folder / "overrides.yaml").write_text("- trainer.seed=99\n")
+        return real_lock(path)
+
+    monkeypatch.setattr(engine, "lock_file", other_command_wrote_first)
+    done = run_script("train.py", *TINY, "trainer.max_steps=1", "trainer.seed=5", f"hydra.run.dir={tmp_path}",
+                      cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "trainer.seed=5" in (tmp_path / ".hydra" / "overrides.yaml").read_text()
+    from omegaconf import OmegaConf
+
+    assert OmegaConf.load(tmp_path / ".hydra" / "config.yaml").trainer.seed == 5
+    saved = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
+    assert "trainer.seed=5" in saved["hydra_record"]["overrides.yaml"] and saved["config"]["trainer"]["seed"] == 5
