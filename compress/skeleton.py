@@ -33,10 +33,9 @@ import torch
 import torch.nn as nn
 
 from compress._checks import check_module, unwrapped
-from compress._modes import rng_kept
 from compress.surgery import (
+    blank_conv,
     conv_bn_pairs,
-    conv_config,
     conv_like,
     hooked,
     read_directly,
@@ -73,9 +72,7 @@ class SkeletonConv2d(nn.Conv2d):
         """A SkeletonConv2d with `conv`'s arguments, weight, bias, device and dtype; skeleton = 1."""
         if not isinstance(conv, nn.Conv2d):  # (a ConvTranspose2d failed on the weight's shape)
             raise TypeError(f"SkeletonConv2d.from_conv: expected an nn.Conv2d, got {type(conv).__name__}")
-        with rng_kept(conv.weight.device):  # (its initial weights are overwritten)
-            new = cls(**conv_config(conv), stripe_group=stripe_group, device=conv.weight.device,
-                      dtype=conv.weight.dtype)
+        new = blank_conv(cls, conv, stripe_group=stripe_group)
         with torch.no_grad():
             new.weight.copy_(conv.weight)
             if conv.bias is not None:

@@ -17,8 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kernels
-from compress._modes import rng_kept
-from compress.surgery import conv_config, conv_like
+from compress.surgery import blank_conv, conv_like
 from kernels import stripe_triton, unrolled
 from kernels._utils import (
     autocast_dtype,
@@ -121,8 +120,7 @@ class Conv2dReLU(nn.Conv2d):
 
     @classmethod
     def from_conv(cls, conv: nn.Conv2d) -> Conv2dReLU:
-        with rng_kept(conv.weight.device):  # (its initial weights are overwritten)
-            new = cls(**conv_config(conv), device=conv.weight.device, dtype=conv.weight.dtype)
+        new = blank_conv(cls, conv)
         new.load_state_dict(conv.state_dict())
         new.train(conv.training)
         return new
@@ -169,8 +167,7 @@ def conv_padding(conv: nn.Conv2d) -> tuple[int, int]:
 def masked_conv(conv: nn.Conv2d, threshold: float) -> nn.Conv2d:
     """The plain nn.Conv2d equal to SkeletonConv2d `conv` with the stripes |skeleton| <= threshold dropped:
     weight W * skeleton * mask (zeros where dropped); same arguments, bias, device, dtype, mode."""
-    with rng_kept(conv.weight.device):  # (its initial weights are overwritten)
-        dense = nn.Conv2d(**conv_config(conv), device=conv.weight.device, dtype=conv.weight.dtype)
+    dense = blank_conv(nn.Conv2d, conv)
     dense.weight.copy_(conv.weight * (conv.stripe_scale() * conv.stripe_mask(threshold))[:, None])
     if conv.bias is not None:
         dense.bias.copy_(conv.bias)

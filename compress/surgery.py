@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from compress._checks import unwrapped
-from compress._modes import evaluating
+from compress._modes import evaluating, rng_kept
 
 __all__ = [
     "conv_config",
@@ -56,6 +56,14 @@ def conv_config(conv: nn.Conv2d) -> dict:
         "bias": conv.bias is not None,
         "padding_mode": conv.padding_mode,
     }
+
+
+def blank_conv(cls: type[nn.Conv2d], conv: nn.Conv2d, **kwargs) -> nn.Conv2d:
+    """A `cls` conv with `conv`'s arguments (`conv_config`, plus `kwargs`), device and dtype, whose weights the
+    caller overwrites: built without drawing from the global random stream (`rng_kept`), so that compaction, skeleton
+    attachment and files leave the user's random draws as they were."""
+    with rng_kept(conv.weight.device):
+        return cls(**conv_config(conv), **kwargs, device=conv.weight.device, dtype=conv.weight.dtype)
 
 
 def conv_like(new: nn.Module, old: nn.Module) -> nn.Module:
