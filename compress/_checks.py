@@ -29,6 +29,12 @@ def chw(where: str, input_size) -> tuple[int, int, int]:
     return tuple(int(v) for v in input_size)
 
 
+def same_definition(a, b) -> bool:
+    """Whether two classes or functions are one definition: the same object, or the same module and qualified name
+    (a notebook cell run again, a reloaded module, which make a new object of it)."""
+    return a is b or (a.__module__, a.__qualname__) == (b.__module__, b.__qualname__)
+
+
 def check_module(where: str, model) -> None:
     """A TypeError naming `where` unless `model` is an nn.Module (a path, None or a state dict failed later with an
     AttributeError such as "'str' object has no attribute 'named_modules'")."""

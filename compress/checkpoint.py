@@ -40,7 +40,7 @@ from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 from torch.nn.utils import parametrize
 
-from compress._checks import check_module, refuse_wrapper
+from compress._checks import check_module, refuse_wrapper, same_definition
 from compress._digest import digest
 from compress._files import atomic_write
 from compress._modes import rng_kept
@@ -146,7 +146,7 @@ def register_module_type(key: str, cls: type[nn.Module], config: Callable[[nn.Mo
     self, as `register_model` does; another class under a taken key is an error.
     """
     old = _resolve(key) if key in _TYPES else None
-    if old is not None and old is not cls and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
+    if old is not None and not same_definition(old, cls):
         raise ValueError(f"register_module_type: key {key!r} is already taken by {old.__module__}.{old.__qualname__}; "
                          f"register {cls.__module__}.{cls.__qualname__} under another key")
     _TYPES[key] = (cls, config or _own_config)
@@ -171,10 +171,9 @@ def _resolve(key: str, imported_only: bool = False) -> type[nn.Module] | None:
 def _type_key(module: nn.Module) -> str | None:
     """The registered key of the module's type: the class itself, or one of the same module and qualified name (a
     module built before its class's cell ran again, `register_module_type`)."""
-    kind = type(module)
     for key in _TYPES:
         cls = _resolve(key, imported_only=True)
-        if cls is not None and (kind is cls or (kind.__module__, kind.__qualname__) == (cls.__module__, cls.__qualname__)):
+        if cls is not None and same_definition(type(module), cls):
             return key
     return None
 
@@ -391,10 +390,15 @@ def _check_groups(model: nn.Module, groups, where: str) -> list[list[str]]:
     return groups
 
 
-def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors hold the same bits (copies of one tensor: NaN included, which torch.equal tells apart)."""
-    return (a.shape == b.shape and a.dtype == b.dtype
-            and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)))
+def _copies_agree(names: list[str], tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether `tensors` holds the same bits under each of `names` (copies of one tensor: NaN included, which
+    torch.equal tells apart)."""
+    def bits(t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous().reshape(-1).view(torch.uint8)
+
+    first = tensors[names[0]]
+    return all(tensors[n].shape == first.shape and tensors[n].dtype == first.dtype
+               and torch.equal(bits(tensors[n]), bits(first)) for n in names[1:])
 
 
 def _set_ties(model: nn.Module, groups: list[list[str]]) -> None:
@@ -425,7 +429,7 @@ def _tie_loaded(model: nn.Module, groups: list[list[str]], tensors: dict[str, to
     """In place, after ``load_state_dict(assign=True)`` (which gives every name its own tensor): each group's names
     hold one tensor again; ValueError where the file's copies of one differ (an edited file)."""
     for names in groups:
-        if not all(_same_values(tensors[n], tensors[names[0]]) for n in names[1:]):
+        if not _copies_agree(names, tensors):
             raise ValueError(f"{where}: the tensors {', '.join(names)} are one tensor in the model but differ in "
                              "the file (edited?); export it again with compress.save")
     _tie_groups(model, groups)
@@ -686,8 +690,7 @@ def rebuild_for(recipe: dict | str, tensors: dict[str, torch.Tensor], where: str
     with rng_kept():  # (the weights are overwritten by `tensors`: no numbers drawn from the user's stream)
         model = rebuild(recipe, where)
     if "tied" not in recipe:  # written before the record: the constructor's ties whose copies in `tensors` are equal
-        _set_ties(model, [g for g in tied_groups(model) if all(n in tensors for n in g)
-                          and all(_same_values(tensors[n], tensors[g[0]]) for n in g[1:])])
+        _set_ties(model, [g for g in tied_groups(model) if all(n in tensors for n in g) and _copies_agree(g, tensors)])
     return model
 
 

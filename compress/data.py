@@ -153,7 +153,7 @@ def _options(cfg) -> dict[str, Any]:
     """cfg (dict or OmegaConf node) -> dict with every key of _DEFAULTS, dataset defaults filled in."""
     from omegaconf import OmegaConf
 
-    if not isinstance(cfg, Mapping):  # (dicts and OmegaConf nodes)  # ('digits' failed in dict() with "update sequence element #0")
+    if not isinstance(cfg, Mapping):  # (dicts and OmegaConf nodes; 'digits' failed in dict(): "update sequence ...")
         hint = f"; e.g. build_data({{'name': {cfg!r}}})" if isinstance(cfg, str) else ""
         raise TypeError(f"build_data: cfg is a dict or OmegaConf node of data settings, got {type(cfg).__name__} "
                         f"{cfg!r:.80}{hint}")

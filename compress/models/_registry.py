@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch.nn as nn
 
-from compress._checks import positive_int
+from compress._checks import positive_int, same_definition
 
 __all__ = ["register_model", "list_models", "create_model", "import_modules", "module_names"]
 
@@ -31,7 +31,7 @@ def register_model(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
     error."""
     name = fn.__name__
     old = _entrypoints.get(name)
-    if old is not None and (old.__module__, old.__qualname__) != (fn.__module__, fn.__qualname__):
+    if old is not None and not same_definition(old, fn):
         raise ValueError(f"register_model: {name!r} is already registered (by {old.__module__}); give yours another "
                          "name")
     _entrypoints[name] = fn
