@@ -3,7 +3,8 @@
 No PyTorch headers: one source (``SOURCE``), one ``c++ -O3 -fopenmp -shared`` call (15-50 s on 2 cores, once;
 the compiler is ``$CXX`` if set, split as a shell would (``CXX="ccache g++"``), else the first of c++, g++, clang++), cached as a shared library in
 ``$COMPRESS_KERNELS_CACHE/cpu`` (default ``~/.cache/compress_kernels/cpu``), named by a hash of the source, the
-compiler, the flags and the machine. A cached file that is not a whole library (truncated on disk: dlopen would
+flags and the machine, not the compiler: a library prebuilt by ``python -m kernels build`` loads where no compiler
+is found at run time (the compiler is looked for only to build one). A cached file that is not a whole library (truncated on disk: dlopen would
 crash the process) is rebuilt. With GCC on x86-64 the float32 workers are ``target_clones``
 (AVX-512, AVX2, baseline x86-64), so one library runs on any x86-64 CPU. Where this cannot work (no compiler, a
 compile or load error, or ``COMPRESS_KERNELS_NO_CPU=1``) ``lib()`` returns ``None``, after ONE warning unless the
@@ -16,9 +17,11 @@ team size too (``compress_omp_max_threads()`` reports it). A pass forks only for
 (``PAR_MIN``; the predictor: G * C * B); each thread takes one contiguous share of rows (NCHW: B*G) or positions
 (channels_last: B*H*W), so a result depends on the thread count only in the channels_last pool (per-thread sums
 in double, added in thread order). Where ``-fopenmp`` does not build or load, the library is built without it
-(``SERIAL_FLAGS``, one warning naming the cache's ``.failed`` file that remembers the failure: delete it to try
-again, e.g. after installing OpenMP) and the kernels run single-threaded. A compiler killed by a signal (the OOM
-killer) is not remembered.
+(``SERIAL_FLAGS``) and the kernels run single-threaded. A compile error is remembered in a ``.failed`` file beside
+the library, with the compiler's command: later processes with that command do not compile again (named in the
+warning: delete it to try again, e.g. after installing OpenMP); a compiler killed by a signal (the OOM killer) is
+not remembered. The outcome, and its one warning, are kept per process, the outcome first (under ``-W error`` the
+warning raises once).
 A torch that uses another OpenMP runtime (e.g. Intel's libiomp5) would leave ours with a pool of its own.
 The kernels are memory-bound passes (in a 1-thread PiX ResNet-50 forward they run at about the speed of a copy
 of their input).
@@ -60,6 +63,7 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Callable
 
 __all__ = ["lib", "reset_for_tests", "SOURCE", "cache_root", "env_flag"]
 
@@ -738,7 +742,8 @@ def cache_root() -> str:
 
 def _compiler() -> tuple[list[str] | None, str]:
     """(the compiler's command: its path, then any words after it in ``$CXX`` such as ``ccache g++``'s compiler;
-    or None, and why there is none, for the warning)."""
+    and a warning to give where ``$CXX`` names no executable and another compiler stands in, else ""), or (None,
+    why there is none)."""
     try:
         words = shlex.split(os.environ.get("CXX", ""))
     except ValueError:  # an unclosed quote: no command, as a CXX that names no executable
@@ -751,23 +756,23 @@ def _compiler() -> tuple[list[str] | None, str]:
         cxx = os.environ["CXX"]
         if found is None:
             return None, f"CXX={cxx!r} is not an executable compiler, and no c++, g++ or clang++ is on PATH"
-        warnings.warn(f"compress kernels: CXX={cxx!r} is not an executable compiler; using {found}",
-                      RuntimeWarning, stacklevel=4)
-    return ([found] if found else None), "no C++ compiler found (c++, g++ or clang++ on PATH); set CXX"
-
-
-def _warn(why: str) -> None:
-    warnings.warn(f"compress kernels: the C++ CPU kernels are unavailable ({why}); CPU tensors use the slower "
-                  "PyTorch path.", RuntimeWarning, stacklevel=4)
+        return [found], f"compress kernels: CXX={cxx!r} is not an executable compiler; using {found}"
+    return ([found], "") if found else (None, "no C++ compiler found (c++, g++ or clang++ on PATH); set CXX")
 
 
 class _CompileError(RuntimeError):
     pass
 
 
-def _path(cxx: list[str], flags: list[str]) -> str:
-    """The cached library's path: named by a hash of the source, the compiler command, the flags and the machine."""
-    tag = hashlib.sha256("\0".join([SOURCE, *cxx, *flags, platform.machine(), platform.system()]).encode())
+class _NoCompiler(RuntimeError):
+    pass
+
+
+def _path(flags: list[str]) -> str:
+    """The cached library's path: named by a hash of the source, the flags and the machine. Not of the compiler: a
+    library prebuilt by ``python -m kernels build`` (a container image) loads where no compiler, or another one, is
+    found at run time; to build it again with another compiler, delete it."""
+    tag = hashlib.sha256("\0".join([SOURCE, *flags, platform.machine(), platform.system()]).encode())
     return os.path.join(cache_root(), "cpu", f"compress_cpu_{tag.hexdigest()[:16]}.so")
 
 
@@ -813,18 +818,26 @@ def _sweep_stale_builds(d: str, age_s: float = 3600) -> None:
                 shutil.rmtree(entry.path, ignore_errors=True)
 
 
-def _build(cxx: list[str], flags: list[str]) -> str:
-    so = _path(cxx, flags)
-    d = os.path.dirname(so)
-    os.makedirs(d, exist_ok=True)
+def _build(flags: list[str], compiler: Callable[[], list[str]]) -> str:
+    """The path of the intact cached library built with `flags`, built first where there is none: with the
+    command `compiler()` gives (called only then; it raises _NoCompiler where there is none). A compile error is
+    remembered in a ``.failed`` file beside the library, with the compiler's command: later processes with that
+    command raise it again instead of compiling (15-50 s) until the file is deleted."""
+    so = _path(flags)
     if os.path.exists(so):
         if _intact(so):
             return so
         with contextlib.suppress(OSError):
             os.remove(so)  # damaged on disk: built again below
-    if os.path.exists(so + ".failed"):  # an OpenMP build that failed where the serial one built: not retried
-        with open(so + ".failed") as f:
-            raise _CompileError(f.read().strip() or "an earlier build failed")
+    cxx = compiler()
+    failed = so + ".failed"
+    if os.path.exists(failed):
+        with open(failed) as f:
+            command, _, error = f.read().partition("\n")
+        if command == shlex.join(cxx):
+            raise _CompileError(error.strip() or "an earlier build failed")
+    d = os.path.dirname(so)
+    os.makedirs(d, exist_ok=True)
     _sweep_stale_builds(d)
     with tempfile.TemporaryDirectory(dir=d) as tmp:  # build privately, then rename: safe with parallel processes
         src, out = os.path.join(tmp, "kernels.cpp"), os.path.join(tmp, "kernels.so")
@@ -836,9 +849,12 @@ def _build(cxx: list[str], flags: list[str]) -> str:
         r = subprocess.run([*cxx, *flags, "-o", out, src], capture_output=True, text=True, timeout=300)
         if r.returncode != 0 or not os.path.isfile(out):
             lines = (r.stderr or r.stdout or f"exit status {r.returncode}, no library written").strip().splitlines()
-            killed = r.returncode < 0 or any("Killed" in ln for ln in lines)  # gcc's and clang's words: no fault of the flags
-            raise (RuntimeError if killed else _CompileError)(
-                f"{shlex.join(cxx)} failed: " + next((ln for ln in lines if "error" in ln), lines[-1])[:300])
+            error = f"{shlex.join(cxx)} failed: " + next((ln for ln in lines if "error" in ln), lines[-1])[:300]
+            if r.returncode < 0 or any("Killed" in ln for ln in lines):  # gcc's and clang's words: not remembered
+                raise RuntimeError(error)
+            with contextlib.suppress(OSError), open(failed, "w") as f:  # (unwritable: only not remembered)
+                f.write(f"{shlex.join(cxx)}\n{error}")
+            raise _CompileError(error)
         with open(out, "rb") as f:
             os.fsync(f.fileno())  # on disk before it gets its name: a crash leaves no truncated library behind
         with open(so + ".sha256", "w") as f:  # (parallel builds: a mismatch later only means one more build)
@@ -849,30 +865,46 @@ def _build(cxx: list[str], flags: list[str]) -> str:
     return so
 
 
-def _load(cxx: list[str], flags: list[str]) -> ctypes.CDLL:
-    handle = ctypes.CDLL(_build(cxx, flags))
+def _load(flags: list[str], compiler: Callable[[], list[str]]) -> ctypes.CDLL:
+    handle = ctypes.CDLL(_build(flags, compiler))
     for name, args in SIGNATURES.items():
         fn = getattr(handle, name)
         fn.argtypes, fn.restype = args, ctypes.c_int
     return handle
 
 
-def _load_any(cxx: list[str]) -> ctypes.CDLL:
-    """The OpenMP build, else (one warning: single-threaded kernels) the serial one; raises if neither works."""
+def _retry_hint(error: Exception) -> str:
+    """How to make the next process try again after `error`: the ``.failed`` files to delete (a remembered
+    compile error), else ""."""
+    failed = [f for f in (_path(FLAGS) + ".failed", _path(SERIAL_FLAGS) + ".failed") if os.path.exists(f)]
+    return f" (delete {' and '.join(failed)} to try again)" if isinstance(error, _CompileError) and failed else ""
+
+
+def _load_any(notes: list[str]) -> ctypes.CDLL:
+    """The OpenMP build, else the serial one (a note in `notes`: single-threaded kernels); raises if neither
+    loads. The compiler is looked for only where a library must be built (any warning about it goes to
+    `notes`)."""
+    found: list[tuple[list[str] | None, str]] = []
+
+    def compiler() -> list[str]:
+        if not found:
+            found.append(_compiler())
+            if found[0][0] is not None and found[0][1]:
+                notes.append(found[0][1])
+        cxx, why = found[0]
+        if cxx is None:
+            raise _NoCompiler(why)
+        return cxx
+
     try:
-        return _load(cxx, FLAGS)
+        return _load(FLAGS, compiler)
     except Exception as e:  # noqa: BLE001 - no OpenMP (compiler or runtime): build without
         omp_error = e
-    handle = _load(cxx, SERIAL_FLAGS)
-    failed = _path(cxx, FLAGS) + ".failed"
-    if isinstance(omp_error, _CompileError) and not os.path.exists(failed):  # the serial build compiled: remember
-        with open(failed, "w") as f:
-            f.write(str(omp_error))
-    so = _path(cxx, FLAGS)
-    retry = (f" (delete {failed} to try the OpenMP build again)" if os.path.exists(failed)
-             else f" (delete {so} to build it again)" if os.path.exists(so) else "")  # built, but it does not load
-    warnings.warn(f"compress kernels: the C++ CPU kernels are built without OpenMP ({omp_error}); they run "
-                  f"single-threaded{retry}.", RuntimeWarning, stacklevel=4)
+    handle = _load(SERIAL_FLAGS, compiler)
+    so = _path(FLAGS)
+    retry = _retry_hint(omp_error) or (f" (delete {so} to build it again)" if os.path.exists(so) else "")  # (built, but it does not load)
+    notes.append(f"compress kernels: the C++ CPU kernels are built without OpenMP ({omp_error}); they run "
+                 f"single-threaded{retry}.")
     return handle
 
 
@@ -880,26 +912,30 @@ _UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.ENOS
 
 
 def lib() -> ctypes.CDLL | None:
-    """The loaded library (its functions with argtypes set), or None (one warning) where it cannot be built."""
+    """The loaded library (its functions with argtypes set), or None (one warning) where it cannot be built. The
+    outcome is kept before any warning is given: under ``-W error`` the warning raises once, and later calls
+    return the kept outcome instead of building again."""
     if "lib" in _state:
         return _state["lib"]  # type: ignore[return-value]
+    notes: list[str] = []
     with _lock:
         if "lib" in _state:
             return _state["lib"]  # type: ignore[return-value]
         handle = None
         if not env_flag("COMPRESS_KERNELS_NO_CPU"):  # set: the PyTorch path, no warning
-            cxx, why = _compiler()
-            if cxx is None:
-                _warn(why)
-            else:
-                try:
-                    handle = _load_any(cxx)
-                except Exception as e:  # noqa: BLE001 - any build or load failure means: fall back, with one warning
-                    unwritable = isinstance(e, OSError) and e.errno in _UNWRITABLE  # (not a library that fails to load)
-                    _warn(f"{type(e).__name__}: {e}" + ("; COMPRESS_KERNELS_CACHE=<a writable folder> moves the cache, "
-                                                         "`python -m kernels build` prebuilds it" if unwritable else ""))
+            try:
+                handle = _load_any(notes)
+            except Exception as e:  # noqa: BLE001 - any build or load failure means: fall back, with one warning
+                unwritable = isinstance(e, OSError) and e.errno in _UNWRITABLE  # (not a library that fails to load)
+                why = str(e) if isinstance(e, _NoCompiler) else f"{type(e).__name__}: {e}{_retry_hint(e)}"
+                notes.append(f"compress kernels: the C++ CPU kernels are unavailable ({why}"
+                             + ("; COMPRESS_KERNELS_CACHE=<a writable folder> moves the cache, `python -m kernels "
+                                "build` prebuilds it" if unwritable else "")
+                             + "); CPU tensors use the slower PyTorch path.")
         _state["lib"] = handle
-        return handle
+    for note in notes:
+        warnings.warn(note, RuntimeWarning, stacklevel=3)
+    return handle
 
 
 def reset_for_tests() -> None:

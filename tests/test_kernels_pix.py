@@ -567,17 +567,24 @@ def test_squeeze_of_lazily_negated_and_zero_tensors_computes_their_values(layout
                                        torch.float32)) < 2e-6
 
 
+def _fast_cpu_builds(monkeypatch, tmp_path):
+    """A fresh process's view of kernels._cpu with its cache in tmp_path, built at -O0 (2 s, not 15-50)."""
+    from kernels import _cpu
+
+    monkeypatch.setenv("COMPRESS_KERNELS_CACHE", str(tmp_path))
+    monkeypatch.setattr(_cpu, "SERIAL_FLAGS", ["-O0", "-shared", "-fPIC"])
+    monkeypatch.setattr(_cpu, "FLAGS", [*_cpu.SERIAL_FLAGS, "-fopenmp"])
+    monkeypatch.setattr(_cpu, "_state", {})
+    return _cpu
+
+
 def test_cpu_library_falls_back_to_a_serial_build(monkeypatch, tmp_path, capfd):
     """Where the OpenMP build fails (here: an unknown flag), the library is built without it (one warning), and
     the failed build is remembered, not retried by the next process."""
-    from kernels import _cpu
-
+    _cpu = _fast_cpu_builds(monkeypatch, tmp_path)
     if _cpu._compiler()[0] is None:
         pytest.skip("no C++ compiler")
-    monkeypatch.setenv("COMPRESS_KERNELS_CACHE", str(tmp_path))
-    monkeypatch.setattr(_cpu, "SERIAL_FLAGS", ["-O0", "-shared", "-fPIC"])  # -O0: 2 s to build, not 15
-    monkeypatch.setattr(_cpu, "FLAGS", [*_cpu.SERIAL_FLAGS, "-fopenmp", "-fno-such-openmp-flag"])
-    monkeypatch.setattr(_cpu, "_state", {})
+    monkeypatch.setattr(_cpu, "FLAGS", [*_cpu.FLAGS, "-fno-such-openmp-flag"])
     with pytest.warns(RuntimeWarning, match="built without OpenMP"):
         lib = _cpu.lib()
     assert lib is not None and lib.compress_omp_max_threads() == 0
@@ -601,16 +608,9 @@ def test_cpu_library_rebuilds_a_damaged_cache_and_forgets_a_killed_compiler(monk
     SIGSEGV), empty, or without its recorded digest (built by an older version) is built again, with
     OpenMP, not loaded and not replaced by the serial build; a compiler killed by a signal (the OOM killer) falls
     back to the serial build for this process without remembering the OpenMP build as failed."""
-    import subprocess
-
-    from kernels import _cpu
-
+    _cpu = _fast_cpu_builds(monkeypatch, tmp_path)
     if _cpu._compiler()[0] is None:
         pytest.skip("no C++ compiler")
-    monkeypatch.setenv("COMPRESS_KERNELS_CACHE", str(tmp_path))
-    monkeypatch.setattr(_cpu, "SERIAL_FLAGS", ["-O0", "-shared", "-fPIC"])  # -O0: 2 s to build, not 15
-    monkeypatch.setattr(_cpu, "FLAGS", [*_cpu.SERIAL_FLAGS, "-fopenmp"])
-    monkeypatch.setattr(_cpu, "_state", {})
     assert _cpu.lib().compress_omp_max_threads() > 0
     (so,) = (tmp_path / "cpu").glob("*.so")
     assert _cpu._intact(str(so))
@@ -651,8 +651,8 @@ def test_cpu_library_warns_about_an_unusable_cxx(monkeypatch):
 
     monkeypatch.setenv("CXX", "/nonexistent/g++")
     monkeypatch.setattr(_cpu.shutil, "which", lambda c: "/usr/bin/g++" if c == "g++" else None)
-    with pytest.warns(RuntimeWarning, match=r"CXX='/nonexistent/g\+\+' is not an executable compiler; using /usr/bin/g"):
-        assert _cpu._compiler()[0] == ["/usr/bin/g++"]
+    assert _cpu._compiler() == (
+        ["/usr/bin/g++"], "compress kernels: CXX='/nonexistent/g++' is not an executable compiler; using /usr/bin/g++")
     monkeypatch.setattr(_cpu.shutil, "which", lambda c: None)
     monkeypatch.setattr(_cpu, "_state", {})
     with warnings.catch_warnings(record=True) as caught:
@@ -679,12 +679,11 @@ def test_cpu_library_takes_a_cxx_of_several_words(monkeypatch, tmp_path):
     monkeypatch.setattr(_cpu.subprocess, "run", lambda argv, **kw: calls.append(argv) or
                         subprocess.CompletedProcess(argv, 1, "", "g++: error: stopped here"))
     with pytest.raises(_cpu._CompileError, match=f"^{env} g\\+\\+ failed: g\\+\\+: error: stopped here"):
-        _cpu._build(cxx, _cpu.SERIAL_FLAGS)
+        _cpu._build(_cpu.SERIAL_FLAGS, lambda: cxx)
     assert calls[0][:3] == [env, "g++", _cpu.SERIAL_FLAGS[0]]
-    assert _cpu._path(cxx, _cpu.FLAGS) != _cpu._path([env], _cpu.FLAGS)
     monkeypatch.setenv("CXX", "g++ 'oops")  # an unclosed quote: a CXX that is no command (shlex's error before)
-    with pytest.warns(RuntimeWarning, match=r"CXX=\"g\+\+ 'oops\" is not an executable compiler; using "):
-        assert _cpu._compiler()[0] is not None
+    cxx, note = _cpu._compiler()
+    assert cxx is not None and note.startswith("compress kernels: CXX=\"g++ 'oops\" is not an executable compiler; using ")
 
 
 def test_kernel_settings_read_on_off_values_and_expand_the_cache_path(monkeypatch):
@@ -715,6 +714,78 @@ def test_cpu_library_missing_compiler_warns_once(monkeypatch):
     monkeypatch.setenv("COMPRESS_KERNELS_NO_CPU", "1")
     monkeypatch.setattr(_cpu, "_state", {})
     assert _cpu.lib() is None
+
+
+def test_cpu_library_prebuilt_loads_without_a_compiler_or_with_another_one(monkeypatch, tmp_path, capfd):
+    """`python -m kernels build` in a container image, then no compiler at run time (or another CXX): the cached
+    library loads, no warning, nothing compiled. It was named by the compiler's command and looked up only
+    through it, so the PyTorch path ran with a warning saying to set CXX."""
+    _cpu = _fast_cpu_builds(monkeypatch, tmp_path)
+    if _cpu._compiler()[0] is None:
+        pytest.skip("no C++ compiler")
+    assert _cpu.lib().compress_omp_max_threads() > 0  # the build step
+    capfd.readouterr()
+    for compiler in ((None, "no C++ compiler found (c++, g++ or clang++ on PATH); set CXX"), (["/bin/false"], "")):
+        monkeypatch.setattr(_cpu, "_compiler", lambda compiler=compiler: compiler)
+        monkeypatch.setattr(_cpu, "_state", {})  # a new process
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert _cpu.lib().compress_omp_max_threads() > 0
+        assert "compiling" not in capfd.readouterr().err
+    (so,) = (tmp_path / "cpu").glob("*.so")
+    so.unlink()  # nothing to load and no compiler: the one warning
+    monkeypatch.setattr(_cpu, "_compiler", lambda: (None, "no C++ compiler found (c++, g++ or clang++ on PATH); set CXX"))
+    monkeypatch.setattr(_cpu, "_state", {})
+    with pytest.warns(RuntimeWarning, match=r"unavailable \(no C\+\+ compiler found \(c\+\+, g\+\+ or clang\+\+ on PATH\); set CXX\)"):
+        assert _cpu.lib() is None
+
+
+def test_cpu_library_warning_raised_as_an_error_comes_once(monkeypatch, tmp_path, capfd):
+    """Under `python -W error` the fallback's warning raises; the outcome is kept first, so later calls return it
+    instead of building again and raising each time (every forward retried the whole build). A CXX that names no
+    executable: the warning raises once, and the library built with the compiler found instead is kept."""
+    _cpu = _fast_cpu_builds(monkeypatch, tmp_path)
+    monkeypatch.setattr(_cpu, "_compiler", lambda: (None, "no C++ compiler found"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeWarning, match="unavailable"):
+            _cpu.lib()
+        assert _cpu.lib() is None and _cpu.lib() is None
+    monkeypatch.undo()
+    _cpu = _fast_cpu_builds(monkeypatch, tmp_path)
+    if _cpu._compiler()[0] is None:
+        pytest.skip("no C++ compiler")
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeWarning, match="CXX='/nonexistent/c\\+\\+' is not an executable compiler"):
+            _cpu.lib()
+        assert _cpu.lib().compress_omp_max_threads() > 0
+    assert capfd.readouterr().err.count("compiling") == 1
+
+
+def test_cpu_library_compiler_that_builds_nothing_is_remembered_per_command(monkeypatch, tmp_path, capfd):
+    """A compiler that fails both the OpenMP and the serial build: one warning naming both remembered failures;
+    the next process with that compiler does not compile again (each paid both failed builds, up to twice 15-50
+    s, and said "first use only"); another compiler command tries again."""
+    _cpu = _fast_cpu_builds(monkeypatch, tmp_path)
+    calls = []
+    monkeypatch.setattr(_cpu.subprocess, "run", lambda argv, **kw: calls.append(argv) or
+                        subprocess.CompletedProcess(argv, 1, "", "c++: error: unrecognized option '-bogus'"))
+    monkeypatch.setattr(_cpu, "_compiler", lambda: (["/usr/bin/c++", "-bogus"], ""))
+    with pytest.warns(RuntimeWarning, match=r"unavailable \(_CompileError: /usr/bin/c\+\+ -bogus failed: .*-bogus'"
+                                            r" \(delete .*\.so\.failed and .*\.so\.failed to try again\)"):
+        assert _cpu.lib() is None
+    assert len(calls) == 2 and len(list((tmp_path / "cpu").glob("*.so.failed"))) == 2
+    monkeypatch.setattr(_cpu, "_state", {})  # a new process, the same compiler: nothing compiled
+    with pytest.warns(RuntimeWarning, match=r"-bogus failed: .* \(delete .*\.failed and .*\.failed to try again\)"):
+        assert _cpu.lib() is None
+    assert len(calls) == 2
+    monkeypatch.setattr(_cpu, "_compiler", lambda: (["/usr/bin/c++"], ""))  # another command: tried again
+    monkeypatch.setattr(_cpu, "_state", {})
+    with pytest.warns(RuntimeWarning, match="unavailable"):
+        assert _cpu.lib() is None
+    assert len(calls) == 4 and [c[:1] for c in calls[2:]] == [["/usr/bin/c++"]] * 2
 
 
 @pytest.mark.cuda
@@ -854,7 +925,7 @@ def test_cpu_library_cache_path_is_fixed_at_start_and_an_unwritable_one_is_named
     assert len(caught) == 1 and "NotADirectoryError" in str(caught[0].message)
     assert "COMPRESS_KERNELS_CACHE=<a writable folder> moves the cache" in str(caught[0].message)
 
-    def unloadable(cxx):  # what ctypes raises for a library file it cannot load: no hint about the cache then
+    def unloadable(notes):  # what ctypes raises for a library file it cannot load: no hint about the cache then
         raise OSError("compress_cpu.so: file too short")
 
     monkeypatch.setattr(_cpu, "_load_any", unloadable)
