@@ -506,7 +506,7 @@ class StripeConv2d(nn.Module):
         """Whether gemm mode runs its GEMM on `x`: the unrolled weight fits (`kernels.unrolled.fits`), autograd
         does not record (the weight is unrolled without grad; a training step runs dense mode) and no tracer or
         compiler is looking (they get dense mode, not the unrolling loop)."""
-        return x.shape[0] > 0 and not (recording(x, self.weight, self.bias) or tracing_or_compiling()) and unrolled.fits(
+        return not (recording(x, self.weight, self.bias) or tracing_or_compiling()) and x.shape[0] > 0 and unrolled.fits(
             self.in_channels, self.out_channels, x.shape[2:], self.kernel_size, self.stride, self.padding,
             self.dilation, x.element_size())
 

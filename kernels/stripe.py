@@ -75,7 +75,8 @@ def _check_index(op: str, out_index: Tensor, offset: Tensor, S: int, device, on:
             raise TypeError(f"{op}: '{nm}' must be a Tensor, got {type(t).__name__}")
         if t.dtype != torch.int64:
             raise TypeError(f"{op}: tensor '{nm}' must be int64, got {t.dtype}")
-        if tuple(t.shape) != shape:
+        # (under torch.jit.trace the sizes are traced values, and comparing them warns; eager calls check them)
+        if not torch.jit.is_tracing() and tuple(t.shape) != shape:
             raise ValueError(f"{op}: tensor '{nm}' must have shape {shape}, got {tuple(t.shape)}")
         if t.device != device:
             raise ValueError(f"{op}: tensor '{nm}' is on {t.device} but '{on}' is on {device}")
