@@ -492,7 +492,7 @@ def test_init_fine_tunes_a_compact_model(tmp_path, monkeypatch):
     masks = [m.stripe_mask() for m in small.modules() if isinstance(m, StripeConv2d)]
     kept, total = sum(int(m.sum()) for m in masks), sum(m.numel() for m in masks)
     assert summary["compact_stripes"] == {"layers": len(before), "stripes_kept": kept, "stripes_total": total}
-    assert 0 < kept < total and f"{kept} / {total} kept in the compact model's {len(before)} stripe convs" in \
+    assert 0 < kept < total and f"{kept} / {total} kept in the compact model's {len(before)} stripe convs, out of their filters'" in \
         format_summary(summary)
     ckpt = torch.load(tmp_path / "ft" / "checkpoints" / "last.pt", weights_only=True)
     assert ckpt["config"]["init"] == str(tmp_path / "small.safetensors")
