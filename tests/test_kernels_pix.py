@@ -644,11 +644,12 @@ def test_cpu_library_rebuilds_a_damaged_cache_and_forgets_a_killed_compiler(monk
     assert not list((tmp_path / "cpu").glob("*.failed"))  # the next process tries OpenMP again
 
 
-def test_cpu_library_warns_about_an_unusable_cxx(monkeypatch):
-    """A CXX that is not an executable: one warning naming the compiler used instead; with none on PATH either,
-    one warning (not a second one saying to set CXX)."""
+def test_cpu_library_warns_about_an_unusable_cxx(monkeypatch, tmp_path):
+    """A CXX that is not an executable: one warning naming the compiler used instead; with none on PATH either
+    (and no library built before), one warning (not a second one saying to set CXX)."""
     from kernels import _cpu
 
+    monkeypatch.setenv("COMPRESS_KERNELS_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", "/nonexistent/g++")
     monkeypatch.setattr(_cpu.shutil, "which", lambda c: "/usr/bin/g++" if c == "g++" else None)
     assert _cpu._compiler() == (
@@ -703,9 +704,10 @@ def test_kernel_settings_read_on_off_values_and_expand_the_cache_path(monkeypatc
     assert _cpu.cache_root() == os.path.join(os.path.expanduser("~"), "kernel-cache")
 
 
-def test_cpu_library_missing_compiler_warns_once(monkeypatch):
+def test_cpu_library_missing_compiler_warns_once(monkeypatch, tmp_path):
     from kernels import _cpu
 
+    monkeypatch.setenv("COMPRESS_KERNELS_CACHE", str(tmp_path))  # (no library built before)
     monkeypatch.setattr(_cpu, "_state", {})
     monkeypatch.setattr(_cpu, "_compiler", lambda: (None, "no C++ compiler found"))
     with pytest.warns(RuntimeWarning, match="C\\+\\+ CPU kernels are unavailable"):
