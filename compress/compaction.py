@@ -154,13 +154,18 @@ def compact(
         raise ValueError(f"compact: channel_multiple must be an int >= 1 (8 for GPU tensor cores), got {channel_multiple!r}")
     if fuse_relu and not fold_bn:
         raise ValueError("compact: fuse_relu=True needs fold_bn=True (a BatchNorm sits between a conv and its ReLU)")
-    if fold_bn and model.training and _batch_norms(model):
-        warnings.warn("compact: the model is in train mode; fold_bn=True folds each BatchNorm's running statistics, "
-                      "so the result computes the eval-mode function even in train mode; call model.eval() first",
-                      stacklevel=2)
     pruned_layers = skeleton_layers(model)
     for name in pruned_layers:
         model.get_submodule(name).check_finite(f"compact: layer {name}")
+    if model.training and _batch_norms(model):
+        dead = any(not bool(model.get_submodule(n).stripe_mask(base).flatten(1).any(1).all()) for n in pruned_layers)
+        if fold_bn or dead:
+            warnings.warn("compact: the model is in train mode; " + (
+                "fold_bn=True folds each BatchNorm's running statistics, so the result computes the eval-mode "
+                "function even in train mode" if fold_bn else
+                "a dead filter's constant output is folded into the next layer through its BatchNorm's running "
+                "statistics (the eval-mode function), where a train-mode BatchNorm gives its bias") +
+                "; call model.eval() first", stacklevel=2)
     has_skeletons = bool(pruned_layers)
     if base > 0 and not has_skeletons:
         warnings.warn(f"compact: threshold={threshold} has no effect: the model has no skeletons (a compact model "

@@ -515,6 +515,34 @@ def test_choose_modes_leaves_a_train_mode_model_as_it_was_and_compact_warns_on_o
         compact(model.train(), fold_bn=True)
 
 
+def test_compact_warns_of_train_mode_where_a_dead_filter_s_constant_passes_a_batch_norm():
+    """A dead filter's constant output goes into the next layer through its BN's running statistics (eval mode);
+    a train-mode BN gives its bias instead, so on a train-mode model the compact model's train-mode outputs differ.
+    That went without a word unless fold_bn=True. No warning in eval mode, or without dead filters."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 2, 1),
+                          nn.Flatten(), nn.Linear(2 * 8 * 8, 2)).double()
+    compress.attach_skeletons(model)
+    with torch.no_grad():
+        model[1].bias.fill_(0.5)
+        model[1].running_mean.fill_(0.3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compact(model)  # train mode, no dead filter
+        with torch.no_grad():
+            model[0].skeleton[1] = 0
+        small = compact(model.eval())
+    x = torch.randn(4, 3, 8, 8, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(small(x), model(x), rtol=1e-12, atol=1e-12)
+        model.train()
+        small.train()
+        assert (small(x) - model(x)).abs().max() > 1e-3  # what the warning is about
+    with pytest.warns(UserWarning, match="compact: the model is in train mode; a dead filter's constant output is "
+                                         "folded .* running statistics"):
+        compact(model)
+
+
 def _choose_modes_bf16_channels_last(device: str, timing: str = "auto") -> None:
     from compress import choose_modes
 
