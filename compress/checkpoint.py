@@ -36,13 +36,12 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 from torch.nn.utils import parametrize
 
 from compress._checks import check_module, refuse_wrapper, same_definition
 from compress._digest import digest
-from compress._files import atomic_write
+from compress._files import atomic_write, read_safetensors
 from compress._modes import rng_kept
 from compress.surgery import conv_config, get_module, replace_module
 
@@ -535,11 +534,7 @@ def _read(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
                              "(model.compact.safetensors)")
         raise FileNotFoundError(f"compress.load: no compact model file at {path}")
     try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            metadata = f.metadata() or {}
-            # copies: safetensors may hand out empty tensors whose data pointer is another tensor's, and
-            # torch.save then refuses the loaded model's state_dict (two dtypes viewing one storage)
-            tensors = {k: f.get_tensor(k).clone() for k in f.keys()}
+        metadata, tensors = read_safetensors(path)
     except Exception as err:  # safetensors raises its own error types for bad headers and short files
         with open(path, "rb") as f:
             head = f.read(9)

@@ -514,7 +514,13 @@ def _compact_to_budget(model, base, fold, target, input_size, multiple=1):
     the budget (bisection: MACs fall as the threshold rises). Returns (model, threshold, macs, dense)."""
     check_target_macs(target)
     size = _input_size(model, input_size)
-    dense = _macs(model, size)
+    try:
+        dense = _macs(model, size)
+    except Exception as err:  # (a wrong channel count fails deep in the first conv)
+        detail = " ".join(str(err).split())[:300]
+        raise ValueError(f"compact: target_macs counts MACs on one input of input_size={size}, and the model's forward "
+                         f"failed on it ({type(err).__name__}: {detail}); give input_size=(C, H, W) as the model takes "
+                         "it") from err
     budget = target * dense if target <= 1 else target
     fs = [m.skeleton.detach().abs().flatten() for m in model.modules() if isinstance(m, SkeletonConv2d)]
     above = torch.unique(torch.cat(fs)) if fs else torch.zeros(0)

@@ -22,8 +22,7 @@ _PREFIXES = ("module.", "_orig_mod.")  # DistributedDataParallel / DataParallel,
 def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The state dict in the file at `path` (see `load_weights`); ValueError naming the file and the fix for
     anything else."""
-    from safetensors import safe_open
-
+    from compress._files import read_safetensors
     from compress._trainstate import _is_safetensors
     from compress.checkpoint import _META_KEY
 
@@ -33,9 +32,8 @@ def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
                                 ".safetensors; nothing is downloaded)")
     if _is_safetensors(path):
         try:
-            with safe_open(str(path), framework="pt") as f:
-                compact = _META_KEY in (f.metadata() or {})
-                state = {} if compact else {k: f.get_tensor(k) for k in f.keys()}
+            metadata, state = read_safetensors(path)
+            compact = _META_KEY in metadata
         except Exception as err:  # noqa: BLE001 - safetensors raises its own error types for bad headers, short files
             raise ValueError(f"model.weights: {path} is a damaged .safetensors file ({' '.join(str(err).split())[:200]}"
                              "); it is truncated or was not fully written: copy or download it again") from None
