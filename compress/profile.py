@@ -34,8 +34,10 @@ neither do fused recurrent kernels (``nn.LSTM``) or ``F.bilinear``.
 Profiled layers are the leaf modules, every module with a `macs` method (whose children are
 then not profiled separately) and every other module that holds parameters or buffers of its own
 (timm's BatchNormAct2d, a layer-scale gamma): its row counts those and its own output, its children
-have rows of their own (so the rows' params and weight bytes add up to the totals), and its latency
-includes its children's. Activation bytes are the outputs of profiled layers for one input,
+have rows of their own, and its latency includes its children's. Rows come from forward calls, so the rows'
+params and weight bytes add up to the totals except for modules whose weights their parent reads itself and
+never calls (nn.MultiheadAttention's out_proj, a conv used as ``F.conv2d(x, self.conv.weight)``): those count
+in the totals only. Activation bytes are the outputs of profiled layers for one input,
 counting each newly allocated tensor once (an in-place op or a view of its input adds nothing).
 Weight bytes are the bytes of all parameters and persistent buffers (BN statistics, stripe
 indices), excluding BatchNorm's `num_batches_tracked` counter.

@@ -248,12 +248,19 @@ def pix(x: Tensor, p: Tensor, zeta: int, tau: float = 0.5) -> Tensor:
     Returns:
         y: (B, C // zeta, H, W), channels_last if ``x`` is.
     """
-    if isinstance(p, torch.Tensor) and isinstance(x, torch.Tensor) and p.dtype != x.dtype and x.dtype.is_floating_point:
-        p = p.to(x.dtype)
+    p = _p_cast(x, p)
     zeta, tau = whole(zeta, "pix: zeta"), check_tau("pix", tau)
     if needs_standard_ops():  # torch.func, forward-mode AD: the same function in PyTorch ops
         return pix_reference(x, p, zeta, tau)
     return _pix_op(x, p, zeta, tau)
+
+
+def _p_cast(x, p):
+    """p in x's floating dtype (`pix` and `pix_reference` take p of any float dtype); anything else as given, for
+    the checks to name."""
+    if isinstance(p, torch.Tensor) and isinstance(x, torch.Tensor) and p.dtype != x.dtype and x.dtype.is_floating_point:
+        return p.to(x.dtype)
+    return p
 
 
 # ------------------------------------------------------------------------------------------ pix_squeeze
@@ -646,7 +653,8 @@ def pix_reference(x: Tensor, p: Tensor, zeta: int, tau: float = 0.5) -> Tensor:
     tau in 16 bits; the output in x's dtype. Differentiable through autograd, torch.func and forward-mode AD (the
     max's gradient splits among ties, the op's goes to the first). ``pix`` runs it under torch.func transforms and
     forward-mode AD; the benchmarks' 'torch ops' baseline."""
-    _check(x, p, zeta)
+    p = _p_cast(x, p)
+    _check(x, p, zeta, "pix_reference")
     return _pix_ops(x, p, zeta, tau)
 
 

@@ -74,8 +74,8 @@ def _c_shape(x: torch.Tensor, kernel_size, stride, padding, dilation, ceil_mode)
 
 def max_pool2d(x: torch.Tensor, kernel_size, stride=None, padding=0, dilation=1,
                ceil_mode: bool = False) -> torch.Tensor:
-    """``F.max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode)`` (no indices), x (B, C, H, W) or
-    (C, H, W) -> (B, C, OH, OW). In plain eager inference on a CPU float32/float64 contiguous NCHW x (autograd not
+    """``F.max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode)`` (no indices), x (B, C, H, W) ->
+    (B, C, OH, OW), or (C, H, W) -> (C, OH, OW). In plain eager inference on a CPU float32/float64 contiguous NCHW x (autograd not
     recording x) the C++ kernel computes it, multi-threaded over the B*C planes on torch's threads; everything else
     is F.max_pool2d."""
     shape = None

@@ -139,6 +139,9 @@ def test_pix_reference_takes_the_ops_branch_where_p_rounds_onto_tau(dtype, tau):
         tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
         torch.testing.assert_close(kernels.pix_reference(x, p, 4, tau).double(), want, **tol)
         torch.testing.assert_close(kernels.pix(x, p, 4, tau).double(), want, **tol)
+        # p of another float dtype is cast to x's by both ("the same function"; pix_reference refused it)
+        assert torch.equal(kernels.pix_reference(x, p.double(), 4, tau), kernels.pix_reference(x, p, 4, tau))
+        assert torch.equal(kernels.pix(x, p.double(), 4, tau), kernels.pix(x, p, 4, tau))
 
 
 def test_gradcheck():

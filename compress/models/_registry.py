@@ -134,7 +134,8 @@ def create_model(
         num_classes: classifier outputs.
         input_size: input resolution (pixels, square) the model is meant for. Recorded in
             `model.compress_arch` for profiling/export; the registered CNNs accept any size (the
-            CIFAR nets are built for 32, torchvision ImageNet nets for 224). timm models that need a
+            CIFAR nets are built for 32, torchvision ImageNet nets for 224), except torchvision's vgg*_bn,
+            whose five 2x2 max-pools need at least 32 px. timm models that need a
             size at construction (e.g. ViTs) take it as `img_size=` in kwargs.
         in_chans: input channels.
         kwargs: passed to the model's entry point (e.g. `conv_layer=`, `norm_layer=` for our CIFAR
