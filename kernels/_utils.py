@@ -116,10 +116,16 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def use_kernel(t: torch.Tensor) -> bool:
-    """Whether a CUDA tensor goes to the compiled kernel (float64 and tensors of 2^31 or more elements take the
-    PyTorch path: the kernels use 32-bit index math)."""
-    return t.dtype in KERNEL_DTYPES and t.numel() < 2**31 - 1
+INDEX_LIMIT = 2**31 - 2**24  # elements: 32-bit index math, less a grid-stride loop's last step past its end
+
+
+def use_kernel(t: torch.Tensor, out_elements: int = 0) -> bool:
+    """Whether CUDA work on `t` goes to the compiled kernels; else the PyTorch path: float64; `t` or the call's
+    output (`out_elements`) of ``INDEX_LIMIT`` or more elements (the kernels index in 32 bits, and a grid-stride
+    loop steps up to its stride, about a million, past its end before its check); a batch or channel count above
+    65535 (kernels put them in the CUDA grid's y or z)."""
+    return (t.dtype in KERNEL_DTYPES and max(t.numel(), out_elements) < INDEX_LIMIT
+            and (t.dim() < 2 or max(t.shape[0], t.shape[1]) <= 65535))
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:

@@ -55,9 +55,11 @@ def _check(x, weight, bias, stride, padding, dilation, groups, op=OP):
     return check_conv_output(op, x, weight.shape[2:], stride, padding, dilation)
 
 
-def _cols_fns(x: Tensor, kernel, stride, padding, dilation):
-    """(im2col, col2im) for x's device: the CUDA kernels when available, else F.unfold / F.fold."""
-    ext = _ext.load() if (x.is_cuda and use_kernel(x)) else None
+def _cols_fns(x: Tensor, kernel, stride, padding, dilation, cols_per_image: int):
+    """(im2col, col2im) for x's device: the CUDA kernels when available (one image's column buffer,
+    `cols_per_image` elements, the most a chunk holds beyond COL_BYTES, within their index range), else F.unfold /
+    F.fold."""
+    ext = _ext.load() if (x.is_cuda and use_kernel(x, cols_per_image)) else None
     H, W = x.shape[2:]
     if ext is None:
         return (lambda t: F.unfold(t, kernel, dilation, padding, stride),
@@ -76,7 +78,7 @@ def _forward_impl(x, weight, bias, stride, padding, dilation, groups):
     N, C, H, W = x.shape
     Co, Cg, kh, kw = weight.shape
     K, L = Cg * kh * kw, ho * wo
-    im2col, _ = _cols_fns(x, (kh, kw), stride, padding, dilation)
+    im2col, _ = _cols_fns(x, (kh, kw), stride, padding, dilation, C * kh * kw * L)
     wm = weight.reshape(groups, Co // groups, K)
     out = x.new_empty((N, Co, ho, wo))
     step = _chunk(x, C * kh * kw, L)
@@ -96,7 +98,7 @@ def _backward_impl(grad, x, weight, stride, padding, dilation, groups):
     if tuple(grad.shape) != (N, Co, ho, wo):
         raise ValueError(f"{BOP}: tensor 'grad' must have shape {(N, Co, ho, wo)}, got {tuple(grad.shape)}")
     K, L = Cg * kh * kw, ho * wo
-    im2col, col2im = _cols_fns(x, (kh, kw), stride, padding, dilation)
+    im2col, col2im = _cols_fns(x, (kh, kw), stride, padding, dilation, C * kh * kw * L)
     wm = weight.reshape(groups, Co // groups, K)
     wt = wm.transpose(1, 2)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32

@@ -71,8 +71,8 @@ def _dw_op(x: Tensor, weight: Tensor, bias: Tensor | None, stride: list[int], pa
 
 @_dw_op.register_kernel("cuda")
 def _dw_cuda(x, weight, bias, stride, padding, dilation):
-    _check(x, weight, bias, stride, padding, dilation)
-    ext = _ext.load() if use_kernel(x) and not _to_cudnn(x) else None
+    ho, wo = _check(x, weight, bias, stride, padding, dilation)
+    ext = _ext.load() if use_kernel(x, x.shape[0] * x.shape[1] * ho * wo) and not _to_cudnn(x) else None
     if ext is None or x.numel() == 0:
         y = F.conv2d(x, weight, bias, stride, padding, dilation, groups=x.shape[1])
         return y.contiguous(memory_format=memory_format(x))
@@ -110,7 +110,7 @@ def _check_grad(grad, x, weight, stride, padding, dilation) -> None:
 @_dw_backward_op.register_kernel("cuda")
 def _dw_backward_cuda(grad, x, weight, stride, padding, dilation):
     _check_grad(grad, x, weight, stride, padding, dilation)
-    ext = _ext.load() if use_kernel(x) and not _to_cudnn(x) else None
+    ext = _ext.load() if use_kernel(x, grad.numel()) and not _to_cudnn(x) else None
     if ext is None or x.numel() == 0:
         return _dw_backward_torch(grad, x, weight, stride, padding, dilation)
     fmt = memory_format(x)

@@ -42,6 +42,7 @@ from torch import Tensor
 
 from kernels import unrolled
 from kernels._utils import (
+    INDEX_LIMIT,
     autocast_inputs,
     check_4d,
     check_conv_output,
@@ -54,7 +55,6 @@ from kernels._utils import (
     needs_standard_ops,
     pair,
     tracing_or_compiling,
-    use_kernel,
     whole,
 )
 from kernels.pool import max_pool2x2
@@ -344,11 +344,22 @@ def _backward_torch(grad, x, weight, out_index, offset, plan, N, kernel_size, st
 
 # ----------------------------------------------------------------------------------------------- ops
 def _check_call(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, bias: Tensor | None, plan,
-                out_channels: int, kernel_size, stride, padding, dilation, dense: Tensor | None) -> None:
-    """A forward call's checks: `_check`, and without a plan the indices (on the host)."""
-    _check(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding, dilation, dense=dense)
+                out_channels: int, kernel_size, stride, padding, dilation, dense: Tensor | None) -> tuple[int, int]:
+    """A forward call's checks: `_check`, and without a plan the indices (on the host); (Ho, Wo)."""
+    size = _check(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding, dilation,
+                  dense=dense)
     if plan is None:
         _validate_indices(OP, out_index, offset, out_channels, kernel_size)
+    return size
+
+
+def _triton_fits(x: Tensor, out_channels: int, ho: int, wo: int) -> bool:
+    """Whether the Triton kernels' 32-bit index math covers a call (else the PyTorch path): pixel rows (B*Ho*Wo;
+    B*H*W for the backward's grad_x) and one image's output or input channel planes (N*Ho*Wo, C*H*W) below
+    ``INDEX_LIMIT``. x and y themselves may be larger: the kernels offset pixel rows in 64 bits (edge case
+    stripe/large_index_gt_2^31)."""
+    B, C, H, W = x.shape
+    return max(B * ho * wo, B * H * W, out_channels * ho * wo, C * H * W) < INDEX_LIMIT
 
 
 @torch.library.custom_op(OP, mutates_args=())
@@ -364,12 +375,13 @@ def _stripe_op(x: Tensor, weight: Tensor, out_index: Tensor, offset: Tensor, bia
 @_stripe_op.register_kernel("cuda")
 def _stripe_cuda(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding,
                  dilation, relu, dense=None):
-    _check_call(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding, dilation, dense)
+    ho, wo = _check_call(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding,
+                         dilation, dense)
     from kernels import stripe_triton
 
     if plan is None:
         plan = _plan_torch(out_index, offset, out_channels, kernel_size)
-    if stripe_triton.available(x):
+    if stripe_triton.available(x) and _triton_fits(x, out_channels, ho, wo):
         return stripe_triton.forward(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride,
                                      padding, dilation, relu, dense=dense)
     return _forward_torch(x, weight, out_index, offset, bias, plan, out_channels, kernel_size, stride, padding,
@@ -411,7 +423,8 @@ def _stripe_backward_cuda(grad, x, weight, out_index, offset, plan, out_channels
         dx, dw = _backward_torch(grad, x, weight, out_index, offset, plan, out_channels, kernel_size, stride,
                                  padding, dilation, need_x, need_w)
         return _fill(dx, dw, x, weight)
-    tri_x, tri_w = _triton_backward_parts(x, out_channels, kernel_size, stride, padding, dilation)
+    tri_x, tri_w = (_triton_backward_parts(x, out_channels, kernel_size, stride, padding, dilation)
+                    if _triton_fits(x, out_channels, *grad.shape[2:]) else (False, False))
     tri_x, tri_w = tri_x and need_x, tri_w and need_w
     cud_x, cud_w = need_x and not tri_x, need_w and not tri_w
     # the zero-filled weight, in x's layout, for whichever of cuDNN's backward and the Triton grad_x reads it: the
@@ -605,15 +618,15 @@ def prepare_stripe_conv2d(x: Tensor, weight: Tensor, out_index: Tensor, offset: 
     The launcher skips the op's dispatch, checks, route choice and Triton's per-call JIT binding (see
     ``kernels.stripe_triton.Launch``), and it records no autograd graph and applies no autocast: a caller uses it
     only where no gradient is needed, with every tensor already in x's dtype. Returns None where the op would not
-    run the Triton kernel (not CUDA, float64, no Triton, 2^31 or more elements); call ``stripe_conv2d`` then.
+    run the Triton kernel (not CUDA, float64, no Triton, an input or output of about 2^31 elements or more); call ``stripe_conv2d`` then.
     """
     from kernels import stripe_triton
 
     ks, st, pd, dl = (pair(v, nm) for v, nm in ((kernel_size, "kernel_size"), (stride, "stride"),
                                                  (padding, "padding"), (dilation, "dilation")))
     out_channels = whole(out_channels, "prepare_stripe_conv2d: out_channels")
-    _check(x, weight, out_index, offset, bias, plan, out_channels, ks, st, pd, dl, dense=dense)
-    if not (stripe_triton.available(x) and use_kernel(x)):
+    ho, wo = _check(x, weight, out_index, offset, bias, plan, out_channels, ks, st, pd, dl, dense=dense)
+    if not (stripe_triton.available(x) and _triton_fits(x, out_channels, ho, wo)):
         return None
     if plan is None:
         plan = stripe_plan(out_index, offset, out_channels, ks)  # validated once: the launcher is kept

@@ -308,8 +308,9 @@ stripe_case("stripe/c0", 2, 0, 8, 5, 5)
 # ------------------------------------------------------------------------------------------ stripe misc (GPU)
 @case("stripe/large_index_gt_2^31", cuda_only=True, large=True)
 def _large(ck: Checker):
-    """x of 2^31 + elements (bf16, 4.3 GB): the op goes straight to the Triton kernel (no use_kernel check in
-    _stripe_cuda). Compared on the last image's last rows (where 32-bit offsets would have wrapped)."""
+    """x of 2^31 + elements (bf16, 4.3 GB) whose pixel rows and channel planes are below 2^31: the op runs the
+    Triton kernel (kernels.stripe._triton_fits), which offsets pixel rows in 64 bits. Compared on the last image's
+    last rows (where 32-bit offsets would have wrapped)."""
     import kernels
     B, C, N, H, W = 35, 64, 16, 1000, 960
     assert B * C * H * W > 2**31

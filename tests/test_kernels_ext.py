@@ -108,3 +108,41 @@ def test_cli_build_takes_verbose_and_arch_list_is_checked(monkeypatch):
         monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", bad)
         with pytest.raises(SystemExit, match=rf"TORCH_CUDA_ARCH_LIST entry '{bad}' is not a compute capability"):
             cli._arch_flags()
+
+
+def test_huge_or_grid_overflowing_calls_take_the_pytorch_path(monkeypatch):
+    """The compiled CUDA kernels index in 32 bits, with grid-stride loops that step up to a million past their end
+    before the check, and put the batch or channels in grid y/z (at most 65535). Calls beyond that take the
+    PyTorch path (routing checked on meta tensors, the extension and Triton stubbed): an output of 2^31 elements
+    from a small input (depthwise with large padding: the kernel raised "output too large"), and a stripe conv whose
+    output channel planes pass 2^31 (NCHW offsets wrapped, writing outside y) or whose pixel rows do."""
+    from kernels import _utils, depthwise, stripe, stripe_triton
+
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    limit = _utils.INDEX_LIMIT
+    assert 2**31 - limit > 2**20 and _utils.use_kernel(torch.empty(4, 8, 16, 16, **meta))
+    for shape in ((1, 1, limit), (65536, 8, 2, 2), (1, 65536, 4, 4), (1, 8, 16383, 16383)):
+        assert not _utils.use_kernel(torch.empty(shape, **meta)), shape
+    assert not _utils.use_kernel(torch.empty(4, 8, 16, 16, **meta), out_elements=limit)
+    assert not _utils.use_kernel(torch.empty(4, 8, 16, 16, device="meta", dtype=torch.float64))
+
+    def no_kernel(*args, **kwargs):
+        raise AssertionError("a kernel was launched")
+
+    monkeypatch.setattr(_ext, "load", lambda *a, **k: type("Ext", (), {"__getattr__": lambda s, n: no_kernel})())
+    x = torch.empty(1, 2, 3, 3, **meta)  # output (1, 2, 33001, 33001): 2.18e9 elements
+    y = depthwise._dw_cuda(x, torch.empty(2, 1, 3, 3, **meta), None, [1, 1], [16500, 16500], [1, 1])
+    assert y.shape == (1, 2, 33001, 33001)
+
+    calls = []
+    monkeypatch.setattr(stripe_triton, "available", lambda x: True)
+    monkeypatch.setattr(stripe_triton, "forward", lambda *a, **k: calls.append("triton"))
+    monkeypatch.setattr(stripe, "_forward_torch", lambda *a, **k: calls.append("torch"))
+    oi, off = torch.tensor([0, 1]), torch.tensor([[0, 1], [1, 1]])
+    for n, b, hw, want in ((513, 1, 2048, "torch"), (8, 1, 2048, "triton"), (8, 130, 4096, "torch"),
+                           (513, 1, 512, "triton")):
+        x = torch.empty(b, 1, hw, hw, **meta)
+        stripe._stripe_cuda(x, torch.empty(2, 1, **meta), oi.to("meta"), off.to("meta"), None,
+                            kernels.stripe_plan(oi, off, n, (3, 3)).to("meta"), n, [3, 3], [1, 1], [1, 1], [1, 1],
+                            False)
+        assert calls.pop() == want, (n, b, hw)
