@@ -217,15 +217,24 @@ def _resized(module: nn.Module, in_channels: int, out_channels: int) -> nn.Modul
     return _like(new, module)
 
 
-torch.fx.wrap("residual_relu")  # a leaf in torch.fx graphs (compaction traces models): its fast path branches
+def traced_residual_relu(out: torch.Tensor, identity: torch.Tensor) -> torch.Tensor:
+    """`kernels.residual_relu` on a copy of `out`: what a torch.fx graph of ResidualReLU calls (a leaf: its fast path
+    branches). A graph's values may be returned or read by other nodes (a feature extractor's `bn3` output), so the
+    graph must not overwrite them; torchvision's `out += identity` traces as an out-of-place add too."""
+    return residual_relu(out.clone(), identity)
+
+
+torch.fx.wrap("traced_residual_relu")
 
 
 class ResidualReLU(nn.Module):
     """relu(out + identity), `kernels.residual_relu`, as a module (no parameters): PiXBottleneck's tail, so that
     profilers see its ReLU as they see the dense Bottleneck's (`compress.profile`'s "paper" convention counts 1 per
-    output element)."""
+    output element). Overwrites `out` in eager mode, as torchvision's tail does; not in torch.fx graphs."""
 
     def forward(self, out: torch.Tensor, identity: torch.Tensor) -> torch.Tensor:
+        if fx_tracing():
+            return traced_residual_relu(out, identity)
         return residual_relu(out, identity)
 
 

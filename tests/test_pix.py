@@ -231,9 +231,22 @@ def test_pix_bottleneck_forward_is_torchvision_forward(tmp_path):
     model.eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
-    graph = surgery.trace(model)  # compaction traces models: residual_relu is a leaf of the fx graph
+    graph = surgery.trace(model)  # compaction traces models: the residual tail is a leaf of the fx graph
     assert graph is not None
-    assert sum(n.target is compress.pix.residual_relu for n in graph.nodes) == 16
+    assert sum(n.target is compress.pix.traced_residual_relu for n in graph.nodes) == 16
+    # a feature extractor returns values the tail would overwrite: bn3's output is bn3's, not the block's (it was
+    # relu(bn3 + identity): the graph ran the tail in place on it)
+    from torchvision.models.feature_extraction import create_feature_extractor
+
+    seen = {}
+    hook = model.layer1[0].bn3.register_forward_hook(lambda m, i, o: seen.__setitem__("bn3", o.clone()))
+    with torch.no_grad():
+        model(x)
+        hook.remove()
+        got = create_feature_extractor(model, ["layer1.0.bn3", "layer1.0"])(x)
+    torch.testing.assert_close(got["layer1.0.bn3"], seen["bn3"], rtol=0, atol=0)
+    torch.testing.assert_close(got["layer1.0"], torch.relu(seen["bn3"] + model.layer1[0].downsample(model.maxpool(
+        model.relu(model.bn1(model.conv1(x)))))), rtol=1e-6, atol=1e-6)
 
 
 def test_cifar_bottleneck_and_timm_insertion_keep_shapes():
