@@ -3,6 +3,7 @@ torch.fx, remove output channels along them, fold constant inputs and BatchNorm 
 
 from __future__ import annotations
 
+import copy
 import sys
 import warnings
 from collections import Counter, defaultdict
@@ -183,10 +184,18 @@ class _Tracer(fx.Tracer):
 def trace(model: nn.Module, consequence: str | None = "dead filters are kept and BatchNorm is not folded"
           ) -> fx.Graph | None:
     """The torch.fx graph of `model` traced in eval mode, or None (with a warning saying the `consequence`; none
-    when it is None) if tracing fails."""
+    when it is None) if tracing fails. Traced on a copy of the modules that shares their parameters and buffers
+    (no tensor is copied), where the model can be copied: tracing runs the forward on proxies, and a forward that
+    keeps values on its modules (timm's feature hooks, a cached activation) left proxies in the caller's model,
+    which then failed to copy or compact."""
     try:
-        with evaluating(model):
-            return _Tracer().trace(model)
+        tensors = (*model.parameters(), *model.buffers())
+        target = copy.deepcopy(model, {id(t): t for t in tensors})
+    except Exception:  # noqa: BLE001 - a model that cannot be copied is traced itself
+        target = model
+    try:
+        with evaluating(target):
+            return _Tracer().trace(target)
     except Exception as err:  # any tracing failure means: no graph-based surgery
         if consequence is not None:
             warnings.warn(

@@ -1047,3 +1047,33 @@ def test_frozen_and_sync_batchnorm_fold_and_slice_with_dead_filters(bn_type, fol
                                    choose_stripe_modes=False, fold_bn=False)
     assert report["fold_bn"] == fold
     assert any("fold_bn=false is ignored" in str(w.message) for w in caught) == fold
+
+
+def test_tracing_leaves_no_proxies_in_the_callers_model():
+    """attach_skeletons and compact trace the model with torch.fx; a forward that keeps values on its modules
+    (timm's feature hooks, an activation cached for later) kept fx proxies in the caller's model, so that deepcopy
+    (timm's ModelEma) and compact then failed with a raw torch error."""
+    import timm
+
+    class Caching(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.head = nn.Conv2d(3, 8, 3, padding=1), nn.Linear(8, 2)
+
+        def forward(self, x):
+            self.last = self.conv(x)
+            return self.head(self.last.mean((2, 3)))
+
+    torch.manual_seed(0)
+    hooks = timm.create_model("resnet18", features_only=True, feature_cls="hook", pretrained=False).eval()
+    for model in (Caching().eval(), hooks):
+        compress.attach_skeletons(model)
+        kept = [v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.fx.Proxy)]
+        assert not kept and not isinstance(getattr(model, "last", None), torch.fx.Proxy)
+        copy.deepcopy(model)
+        x = torch.randn(2, 3, 32, 32)
+        with torch.no_grad():
+            want, got = model(x), compact(model)(x)
+        for a, b in zip(want if isinstance(want, list) else [want], got if isinstance(got, list) else [got]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert not any(isinstance(v, torch.fx.Proxy) for d in hooks.hooks._feature_outputs.values() for v in d.values())
