@@ -223,6 +223,8 @@ def _carried_record(before: dict, after: dict) -> dict:
 
 def _compact_at(model: nn.Module, threshold: float, fold: bool, multiple: int = 1) -> nn.Module:
     out = copy.deepcopy(model)
+    for copied, original in zip(out.modules(), model.modules()):  # (torchvision's feature extractors copy into
+        copied.training = original.training  # train mode: their BNs would then use batch statistics)
     pruned = []
     for name, m in list(out.named_modules()):
         if isinstance(m, SkeletonConv2d):

@@ -1077,3 +1077,23 @@ def test_tracing_leaves_no_proxies_in_the_callers_model():
         for a, b in zip(want if isinstance(want, list) else [want], got if isinstance(got, list) else [got]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert not any(isinstance(v, torch.fx.Proxy) for d in hooks.hooks._feature_outputs.values() for v in d.values())
+
+
+def test_compact_of_a_feature_extractor_keeps_its_eval_mode():
+    """torchvision's feature extractors (GraphModules) deep-copy into train mode: compact returned the copy so, and
+    its BNs normalised by batch statistics (outputs off by ~18 here); every module keeps the input's mode."""
+    from torchvision.models.feature_extraction import create_feature_extractor
+
+    torch.manual_seed(0)
+    model = compress.create_model("resnet20").eval()
+    with torch.no_grad():
+        for bn in model.modules():
+            if isinstance(bn, nn.BatchNorm2d):
+                bn.running_mean.normal_()
+                bn.running_var.uniform_(0.5, 2)
+    features = create_feature_extractor(model, ["layer2"]).eval()
+    small = compact(features)
+    assert not any(m.training for m in small.modules())
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(small(x)["layer2"], features(x)["layer2"], rtol=1e-5, atol=1e-5)
