@@ -130,6 +130,8 @@ _TYPES: dict[str, tuple[str | type, Callable[[nn.Module], dict]]] = {
     "Conv2dSame": ("timm.layers:Conv2dSame", lambda m: {k: v for k, v in conv_config(m).items() if k != "padding_mode"}),
     # timm's BN + activation (RegNet, EfficientNet, ...), which compaction shrinks with dead filters when BN is kept
     "BatchNormAct2d": ("timm.layers:BatchNormAct2d", _bn_act_config),
+    # timm's nn.Linear (a classifier that reset_classifier() makes, e.g. MobileNetV3's)
+    "timm.Linear": ("timm.layers:Linear", _linear_config),
     "ResidualReLU": ("compress.pix:ResidualReLU", _no_config),
     "ZeroChannels": ("compress.compaction:ZeroChannels", _own_config),
     "MaxPool2d": ("compress.pooling:MaxPool2d", _own_config),  # compaction's (fuse_relu) fast CPU max-pool

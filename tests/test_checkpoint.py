@@ -1046,3 +1046,19 @@ def test_model_weights_with_different_copies_of_a_tied_tensor_are_refused(tmp_pa
     with pytest.raises(ValueError, match=r"differ.pt holds different values for a.weight, b.weight, which _TiedNet "
                                          r"ties into one tensor"):
         load_weights(create_model("_test_tied_net", num_classes=4), tmp_path / "differ.pt")
+
+
+def test_a_timm_model_with_a_reset_classifier_saves_and_loads(tmp_path):
+    """timm's reset_classifier() gives some models (MobileNetV3) a timm.layers.Linear head, a subclass of nn.Linear:
+    save refused it as "not an allowed type (..., Linear, ...)"; it round-trips as that class."""
+    import timm
+
+    torch.manual_seed(0)
+    model = create_model("timm:mobilenetv3_small_050", num_classes=10, input_size=64).eval()
+    model.reset_classifier(5)
+    assert type(model.classifier) is timm.layers.Linear
+    loaded = load(save(model, tmp_path / "m.safetensors"))
+    assert type(loaded.classifier) is timm.layers.Linear
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
