@@ -314,7 +314,9 @@ def swp_update(model: nn.Module, alpha: float, threshold: float, bn_pairs: dict[
 
     For each skeleton FS: FS.grad += alpha * sign(FS) (not for a frozen one, requires_grad=False: it gets no
     gradient); entries with |FS| <= threshold get value and gradient zeroed. Filters without a kept stripe have weight, bias and their gradients of the
-    paired BatchNorm channel zeroed. `model` may be wrapped (DataParallel, DDP, torch.compile). `bn_pairs` ({conv name: BN name}): `compress.surgery.conv_bn_pairs(model)`,
+    paired BatchNorm channel zeroed. Frozen skeletons and BatchNorms are masked too, so that the training model
+    computes what compaction keeps (`compact` drops those stripes and channels either way): a layer that must stay
+    exactly as it is gets no skeleton (`attach_skeletons(..., exclude=...)`, train.py's prune.exclude). `model` may be wrapped (DataParallel, DDP, torch.compile). `bn_pairs` ({conv name: BN name}): `compress.surgery.conv_bn_pairs(model)`,
     which traces the model, so a training loop finds it once and passes it to every step; None finds it here.
 
     All layers at once with torch._foreach_* ops (a few multi-tensor kernels instead of ~8 per layer,
