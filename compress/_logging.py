@@ -196,7 +196,7 @@ def format_summary(summary: dict) -> str:
         stripes = [
             f"stripes         {compact['stripes_kept']} / {compact['stripes_total']} kept in the compact model's "
             f"{compact['layers']} stripe convs, out of their filters' stripes (fine-tuning keeps them; export's "
-            "report counts them out of the dense layers')" if compact.get("layers")
+            "report counts them out of the dense model's layers)" if compact.get("layers")
             else "stripes         no skeleton convs in this model",
             f"MACs            {summary['macs_dense'] / 1e6:.2f} M",
             f"params          {summary['params'] / 1e6:.3f} M",

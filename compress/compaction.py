@@ -157,15 +157,6 @@ def compact(
     pruned_layers = skeleton_layers(model)
     for name in pruned_layers:
         model.get_submodule(name).check_finite(f"compact: layer {name}")
-    if model.training and _batch_norms(model):
-        dead = any(not bool(model.get_submodule(n).stripe_mask(base).flatten(1).any(1).all()) for n in pruned_layers)
-        if fold_bn or dead:
-            warnings.warn("compact: the model is in train mode; " + (
-                "fold_bn=True folds each BatchNorm's running statistics, so the result computes the eval-mode "
-                "function even in train mode" if fold_bn else
-                "a dead filter's constant output is folded into the next layer through its BatchNorm's running "
-                "statistics (the eval-mode function), where a train-mode BatchNorm gives its bias") +
-                "; call model.eval() first", stacklevel=2)
     has_skeletons = bool(pruned_layers)
     if base > 0 and not has_skeletons:
         warnings.warn(f"compact: threshold={threshold} has no effect: the model has no skeletons (a compact model "
@@ -180,6 +171,7 @@ def compact(
         out, macs, dense = _compact_at(model, base, fold_bn, channel_multiple), None, None
     else:
         out, base, macs, dense = _compact_to_budget(model, base, fold_bn, target_macs, input_size, channel_multiple)
+    _warn_train_mode(model, fold_bn, base, pruned_layers)
     fused = _fuse_relu(out) if fuse_relu else []
     if fuse_relu:
         fast_max_pools(out)
@@ -205,6 +197,22 @@ def compact(
 
 def _batch_norms(model: nn.Module) -> int:
     return sum(is_batch_norm(m) for m in model.modules())
+
+
+def _warn_train_mode(model: nn.Module, fold_bn: bool, threshold: float, pruned_layers: list[str]) -> None:
+    """Warn where the compact model's train-mode function differs from `model`'s: a BatchNorm of `model` in train mode
+    and either BN folding or a dead filter at `threshold` (the one compaction used), whose constant output is folded
+    through its BN's running statistics (the eval-mode function) where a train-mode BN gives its bias."""
+    if not any(is_batch_norm(m) and m.training for m in model.modules()):
+        return
+    dead = any(not bool(model.get_submodule(n).stripe_mask(threshold).flatten(1).any(1).all()) for n in pruned_layers)
+    if fold_bn or dead:
+        warnings.warn("compact: the model is in train mode; " + (
+            "fold_bn=True folds each BatchNorm's running statistics, so the result computes the eval-mode function "
+            "even in train mode" if fold_bn else
+            "a dead filter's constant output is folded into the next layer through its BatchNorm's running "
+            "statistics (the eval-mode function), where a train-mode BatchNorm gives its bias") +
+            "; call model.eval() first", stacklevel=3)
 
 
 def _carried_record(before: dict, after: dict) -> dict:

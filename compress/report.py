@@ -144,8 +144,9 @@ def render_markdown(report: dict) -> str:
     if stripes:
         kept = sum(s["kept"] for s in stripes.values())
         total = sum(s["total"] for s in stripes.values())
-        lines += ["", f"Stripes kept: {kept} / {total} ({kept / max(total, 1):.1%}) in {len(stripes)} layers, out of "
-                  "the dense layers' stripes (all their filters)."]
+        lines += ["", f"Stripes kept: {kept} / {total} ({kept / max(total, 1):.1%}) in {len(stripes)} layers (totals: "
+                  "out_channels x kh x kw of each layer as the stripe table has it; export's table takes the dense "
+                  "model's layers, all their filters)."]
         modes = [s["mode"] for s in stripes.values() if "mode" in s]
         if modes:
             counts = ", ".join(f"{modes.count(m)} {m}" for m in MODES if m in modes)

@@ -184,26 +184,31 @@ class _Tracer(fx.Tracer):
 def trace(model: nn.Module, consequence: str | None = "dead filters are kept and BatchNorm is not folded"
           ) -> fx.Graph | None:
     """The torch.fx graph of `model` traced in eval mode, or None (with a warning saying the `consequence`; none
-    when it is None) if tracing fails. Traced on a copy of the modules that shares their parameters and buffers
-    (no tensor is copied), where the model can be copied: tracing runs the forward on proxies, and a forward that
-    keeps values on its modules (timm's feature hooks, a cached activation) left proxies in the caller's model,
-    which then failed to copy or compact."""
+    when it is None) if tracing fails. Traced on a copy of the modules that shares their tensors (parameters,
+    buffers, tensor attributes: none is copied): tracing runs the forward on proxies, and a forward that keeps values
+    on its modules (timm's feature hooks, a cached activation) left proxies in the caller's model, which then failed
+    to copy, save or compact. A model that cannot be copied, or whose copy does not trace (a weak reference back to
+    the original), is traced itself."""
+    shared = {id(t): t for m in model.modules() for t in (*m._parameters.values(), *m._buffers.values(),
+                                                          *vars(m).values()) if isinstance(t, torch.Tensor)}
     try:
-        tensors = (*model.parameters(), *model.buffers())
-        target = copy.deepcopy(model, {id(t): t for t in tensors})
+        copied = copy.deepcopy(model, shared)
     except Exception:  # noqa: BLE001 - a model that cannot be copied is traced itself
-        target = model
-    try:
-        with evaluating(target):
-            return _Tracer().trace(target)
-    except Exception as err:  # any tracing failure means: no graph-based surgery
-        if consequence is not None:
-            warnings.warn(
-                f"torch.fx cannot trace {type(model).__name__} ({type(err).__name__}: {err}); {consequence}. Make "
-                "the forward traceable to enable that.",
-                stacklevel=3,
-            )
-        return None
+        copied = None
+    failure = None
+    for target in (t for t in (copied, model) if t is not None):
+        try:
+            with evaluating(target):
+                return _Tracer().trace(target)
+        except Exception as err:  # noqa: BLE001 - any tracing failure means: no graph-based surgery
+            failure = err
+    if consequence is not None:
+        warnings.warn(
+            f"torch.fx cannot trace {type(model).__name__} ({type(failure).__name__}: {failure}); {consequence}. "
+            "Make the forward traceable to enable that.",
+            stacklevel=3,
+        )
+    return None
 
 
 def _only_input(node: fx.Node, src: fx.Node) -> bool:

@@ -256,8 +256,8 @@ def pix(x: Tensor, p: Tensor, zeta: int, tau: float = 0.5) -> Tensor:
 
 
 def _p_cast(x, p):
-    """p in x's floating dtype (`pix` and `pix_reference` take p of any float dtype); anything else as given, for
-    the checks to name."""
+    """p in x's dtype where x is floating (`pix` and `pix_reference` cast p of any dtype, as `pix` always did);
+    anything else as given, for the checks to name."""
     if isinstance(p, torch.Tensor) and isinstance(x, torch.Tensor) and p.dtype != x.dtype and x.dtype.is_floating_point:
         return p.to(x.dtype)
     return p

@@ -541,6 +541,20 @@ def test_compact_warns_of_train_mode_where_a_dead_filter_s_constant_passes_a_bat
     with pytest.warns(UserWarning, match="compact: the model is in train mode; a dead filter's constant output is "
                                          "folded .* running statistics"):
         compact(model)
+    model[1].eval()  # a frozen BN (eval mode) in a train-mode model: the constant is its eval-mode one, no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compact(model)
+    model[1].train()
+    with torch.no_grad():
+        model[0].skeleton.copy_(torch.rand(4, 3, 3) + 0.1)
+        model[0].skeleton[2] = 0.01  # dead only at the threshold a MAC budget picks
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compact(model)
+    with pytest.warns(UserWarning, match="compact: the model is in train mode; a dead filter's constant output"):
+        small = compact(model, target_macs=0.6, input_size=(3, 8, 8))
+    assert small.compress_compaction["threshold"] >= 0.01
 
 
 def _choose_modes_bf16_channels_last(device: str, timing: str = "auto") -> None:
@@ -1052,8 +1066,14 @@ def test_frozen_and_sync_batchnorm_fold_and_slice_with_dead_filters(bn_type, fol
 def test_tracing_leaves_no_proxies_in_the_callers_model():
     """attach_skeletons and compact trace the model with torch.fx; a forward that keeps values on its modules
     (timm's feature hooks, an activation cached for later) kept fx proxies in the caller's model, so that deepcopy
-    (timm's ModelEma) and compact then failed with a raw torch error."""
+    (timm's ModelEma), torch.save and compact then failed with a raw torch error; also where an earlier forward
+    with grad left a non-leaf tensor on the model (deepcopy refuses those). A model whose copy does not trace (a
+    weak reference back to the original) is traced itself."""
+    import weakref
+
     import timm
+
+    from compress import surgery
 
     class Caching(nn.Module):
         def __init__(self):
@@ -1066,17 +1086,41 @@ def test_tracing_leaves_no_proxies_in_the_callers_model():
 
     torch.manual_seed(0)
     hooks = timm.create_model("resnet18", features_only=True, feature_cls="hook", pretrained=False).eval()
-    for model in (Caching().eval(), hooks):
+    cached = Caching()
+    cached(torch.randn(2, 3, 8, 8))  # with grad: `last` is a non-leaf tensor
+    for model in (cached.eval(), hooks):
         compress.attach_skeletons(model)
         kept = [v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.fx.Proxy)]
         assert not kept and not isinstance(getattr(model, "last", None), torch.fx.Proxy)
-        copy.deepcopy(model)
+        if model is hooks:  # (the other holds a non-leaf tensor, which deepcopy refuses whatever compress does)
+            copy.deepcopy(model)
         x = torch.randn(2, 3, 32, 32)
         with torch.no_grad():
             want, got = model(x), compact(model)(x)
         for a, b in zip(want if isinstance(want, list) else [want], got if isinstance(got, list) else [got]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert not any(isinstance(v, torch.fx.Proxy) for d in hooks.hooks._feature_outputs.values() for v in d.values())
+
+    class Head(nn.Module):
+        def __init__(self, owner):
+            super().__init__()
+            self.owner = weakref.ref(owner)
+
+        def forward(self, x):
+            return self.owner().fc(x.mean((2, 3)))
+
+    class Owner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn, self.fc = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Linear(8, 2)
+            self.head = Head(self)
+
+        def forward(self, x):
+            return self.head(self.bn(self.conv(x)).relu())
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert surgery.conv_bn_pairs(Owner()) == {"conv": "bn"}
 
 
 def test_compact_of_a_feature_extractor_keeps_its_eval_mode():

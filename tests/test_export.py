@@ -359,7 +359,7 @@ def test_export_flow(training_checkpoint, tmp_path):
     text = (tmp_path / FILES[3]).read_text()
     assert f"| MACs | 40.55 M | {data['compact']['macs'] / 1e6:.2f} M |" in text
     n_kept, n_total = (sum(s[key] for s in data["stripes"].values()) for key in ("kept", "total"))
-    assert f"Stripes kept: {n_kept} / {n_total} ({n_kept / n_total:.1%}) in {len(data['stripes'])} layers, out of the dense layers'" in text
+    assert f"Stripes kept: {n_kept} / {n_total} ({n_kept / n_total:.1%}) in {len(data['stripes'])} layers (totals: " in text
     assert data["file_bytes"] == {name: (tmp_path / name).stat().st_size for name in FILES[:2]}  # the ONNX file too
     assert (tmp_path / FILES[4]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
