@@ -877,7 +877,8 @@ def _retry_hint(error: Exception) -> str:
     """How to make the next process try again after `error`: the ``.failed`` files to delete (a remembered
     compile error), else ""."""
     failed = [f for f in (_path(FLAGS) + ".failed", _path(SERIAL_FLAGS) + ".failed") if os.path.exists(f)]
-    return f" (delete {' and '.join(failed)} to try again)" if isinstance(error, _CompileError) and failed else ""
+    remembered = isinstance(error, (_CompileError, _NoCompiler))  # (no compiler: a remembered failure explains why)
+    return f" (delete {' and '.join(failed)} to try again)" if remembered and failed else ""
 
 
 def _load_any(notes: list[str]) -> ctypes.CDLL:
@@ -903,7 +904,8 @@ def _load_any(notes: list[str]) -> ctypes.CDLL:
     handle = _load(SERIAL_FLAGS, compiler)
     so = _path(FLAGS)
     retry = _retry_hint(omp_error) or (f" (delete {so} to build it again)" if os.path.exists(so) else "")  # (built, but it does not load)
-    notes.append(f"compress kernels: the C++ CPU kernels are built without OpenMP ({omp_error}); they run "
+    why = f"the OpenMP build is not in the cache, and {omp_error}" if isinstance(omp_error, _NoCompiler) else omp_error
+    notes.append(f"compress kernels: the C++ CPU kernels are built without OpenMP ({why}); they run "
                  f"single-threaded{retry}.")
     return handle
 

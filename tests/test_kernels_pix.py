@@ -604,6 +604,11 @@ def test_cpu_library_falls_back_to_a_serial_build(monkeypatch, tmp_path, capfd):
     with pytest.warns(RuntimeWarning, match="built without OpenMP"):
         assert _cpu.lib() is not None
     assert "compiling" not in capfd.readouterr().err
+    monkeypatch.setattr(_cpu, "_compiler", lambda: (None, "no C++ compiler found"))  # and then no compiler: the
+    monkeypatch.setattr(_cpu, "_state", {})  # serial library, the reason and the remembered failure named
+    with pytest.warns(RuntimeWarning, match=r"without OpenMP \(the OpenMP build is not in the cache, and no C\+\+ "
+                                            r"compiler found\); they run single-threaded \(delete .*\.failed to try"):
+        assert _cpu.lib().compress_omp_max_threads() == 0
 
 
 def test_cpu_library_rebuilds_a_damaged_cache_and_forgets_a_killed_compiler(monkeypatch, tmp_path, capfd):
