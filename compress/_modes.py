@@ -1,13 +1,20 @@
 """State put back after a block: a model's train/eval settings (`evaluating`), the global random streams
-(`rng_kept`)."""
+(`rng_kept`); the lock the library's process-wide steps take turns under (`LIBRARY_LOCK`)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
+
+# Held by the calls that change process-wide state while they run: torch.fx tracing (surgery.trace, so compact and
+# attach_skeletons) patches nn.Module.__call__ for the whole process, and profile switches the attention fast path
+# off and hooks and re-modes the model. Such library calls from several threads take turns; forwards a user runs
+# in other threads meanwhile are not covered (README, "Threads").
+LIBRARY_LOCK = threading.RLock()
 
 
 @contextmanager

@@ -172,7 +172,7 @@ def _resolve(key: str, imported_only: bool = False) -> type[nn.Module] | None:
 def _type_key(module: nn.Module) -> str | None:
     """The registered key of the module's type: the class itself, or one of the same module and qualified name (a
     module built before its class's cell ran again, `register_module_type`)."""
-    for key in _TYPES:
+    for key in list(_TYPES):  # (a copy: another thread may register a type meanwhile)
         cls = _resolve(key, imported_only=True)
         if cls is not None and same_definition(type(module), cls):
             return key

@@ -44,7 +44,7 @@ from torch.nn.modules.utils import _pair
 
 import kernels
 from compress._checks import chw, refuse_wrapper
-from compress._modes import evaluating
+from compress._modes import LIBRARY_LOCK, evaluating
 from compress.pix import PiXBlock
 from compress.pooling import MaxPool2d, fast_max_pools
 from compress.skeleton import SkeletonConv2d, skeleton_layers
@@ -145,54 +145,55 @@ def compact(
         `compress_compaction = {threshold, fold_bn, target_macs, macs, dense_macs, relu_fused, pool_fused,
         channel_multiple, skeleton_layers}` (module docstring).
     """
-    refuse_wrapper("compact", model, "compact")
-    if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, numbers.Real)
-                                  or not threshold >= 0):
-        raise ValueError(f"compact: threshold must be a number >= 0 (or None for 0), got {threshold!r}")
-    base = 0.0 if threshold is None else float(threshold)
-    if not isinstance(channel_multiple, int) or isinstance(channel_multiple, bool) or channel_multiple < 1:
-        raise ValueError(f"compact: channel_multiple must be an int >= 1 (8 for GPU tensor cores), got {channel_multiple!r}")
-    if fuse_relu and not fold_bn:
-        raise ValueError("compact: fuse_relu=True needs fold_bn=True (a BatchNorm sits between a conv and its ReLU)")
-    pruned_layers = skeleton_layers(model)
-    for name in pruned_layers:
-        model.get_submodule(name).check_finite(f"compact: layer {name}")
-    has_skeletons = bool(pruned_layers)
-    if base > 0 and not has_skeletons:
-        warnings.warn(f"compact: threshold={threshold} has no effect: the model has no skeletons (a compact model "
-                      "keeps the stripes it holds)", stacklevel=2)
-    if target_macs is not None and not has_skeletons:
-        raise ValueError(
-            f"compact: target_macs={target_macs} needs a model with skeletons (a SWP training model) to choose "
-            "stripes from; this one has none (a compact model, or one never given skeletons). Compact the training "
-            "checkpoint with target_macs instead (python export.py ckpt=<run>/checkpoints/last.pt target_macs=...)"
-        )
-    if target_macs is None:
-        out, macs, dense = _compact_at(model, base, fold_bn, channel_multiple), None, None
-    else:
-        out, base, macs, dense = _compact_to_budget(model, base, fold_bn, target_macs, input_size, channel_multiple)
-    _warn_train_mode(model, fold_bn, base, pruned_layers)
-    fused = _fuse_relu(out) if fuse_relu else []
-    if fuse_relu:
-        fast_max_pools(out)
-    before = getattr(model, "compress_compaction", None)
-    if macs is None and isinstance(before, dict) and before.get("macs") is not None:
-        macs = _macs(out, _input_size(model, input_size))  # a budgeted compact model compacted again: its MACs now
-    record = {
-        "threshold": base if has_skeletons else None,
-        "fold_bn": bool(fold_bn) and _batch_norms(out) < _batch_norms(model),  # what happened (an untraceable model
-        # keeps every BN)
-        "relu_fused": len(fused),
-        "pool_fused": sum(isinstance(m, StripeConv2d) and m.pool for m in out.modules()),
-        "channel_multiple": channel_multiple,
-        "target_macs": target_macs,
-        "macs": macs,
-        "dense_macs": dense,
-        # the convs whose stripes were chosen (export's stripe table; a compact model's: its first compaction's)
-        "skeleton_layers": pruned_layers,
-    }
-    out.compress_compaction = _carried_record(before, record) if isinstance(before, dict) else record
-    return out
+    with LIBRARY_LOCK:  # (see compress._modes.LIBRARY_LOCK)
+        refuse_wrapper("compact", model, "compact")
+        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, numbers.Real)
+                                      or not threshold >= 0):
+            raise ValueError(f"compact: threshold must be a number >= 0 (or None for 0), got {threshold!r}")
+        base = 0.0 if threshold is None else float(threshold)
+        if not isinstance(channel_multiple, int) or isinstance(channel_multiple, bool) or channel_multiple < 1:
+            raise ValueError(f"compact: channel_multiple must be an int >= 1 (8 for GPU tensor cores), got {channel_multiple!r}")
+        if fuse_relu and not fold_bn:
+            raise ValueError("compact: fuse_relu=True needs fold_bn=True (a BatchNorm sits between a conv and its ReLU)")
+        pruned_layers = skeleton_layers(model)
+        for name in pruned_layers:
+            model.get_submodule(name).check_finite(f"compact: layer {name}")
+        has_skeletons = bool(pruned_layers)
+        if base > 0 and not has_skeletons:
+            warnings.warn(f"compact: threshold={threshold} has no effect: the model has no skeletons (a compact model "
+                          "keeps the stripes it holds)", stacklevel=2)
+        if target_macs is not None and not has_skeletons:
+            raise ValueError(
+                f"compact: target_macs={target_macs} needs a model with skeletons (a SWP training model) to choose "
+                "stripes from; this one has none (a compact model, or one never given skeletons). Compact the training "
+                "checkpoint with target_macs instead (python export.py ckpt=<run>/checkpoints/last.pt target_macs=...)"
+            )
+        if target_macs is None:
+            out, macs, dense = _compact_at(model, base, fold_bn, channel_multiple), None, None
+        else:
+            out, base, macs, dense = _compact_to_budget(model, base, fold_bn, target_macs, input_size, channel_multiple)
+        _warn_train_mode(model, fold_bn, base, pruned_layers)
+        fused = _fuse_relu(out) if fuse_relu else []
+        if fuse_relu:
+            fast_max_pools(out)
+        before = getattr(model, "compress_compaction", None)
+        if macs is None and isinstance(before, dict) and before.get("macs") is not None:
+            macs = _macs(out, _input_size(model, input_size))  # a budgeted compact model compacted again: its MACs now
+        record = {
+            "threshold": base if has_skeletons else None,
+            "fold_bn": bool(fold_bn) and _batch_norms(out) < _batch_norms(model),  # what happened (an untraceable model
+            # keeps every BN)
+            "relu_fused": len(fused),
+            "pool_fused": sum(isinstance(m, StripeConv2d) and m.pool for m in out.modules()),
+            "channel_multiple": channel_multiple,
+            "target_macs": target_macs,
+            "macs": macs,
+            "dense_macs": dense,
+            # the convs whose stripes were chosen (export's stripe table; a compact model's: its first compaction's)
+            "skeleton_layers": pruned_layers,
+        }
+        out.compress_compaction = _carried_record(before, record) if isinstance(before, dict) else record
+        return out
 
 
 def _batch_norms(model: nn.Module) -> int:

@@ -56,7 +56,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from compress._checks import check_module, chw
-from compress._modes import evaluating
+from compress._modes import LIBRARY_LOCK, evaluating
 from compress.pix import ResidualReLU, pix_macs
 from compress.stripe import Conv2dReLU, StripeConv2d
 from kernels import DepthwiseConv2d, Im2colConv2d
@@ -537,40 +537,41 @@ def profile(
             pooling, ptflops style; see the module docstring).
         memory_format: of the random inputs (torch.channels_last to time a channels_last deployment).
     """
-    if convention not in CONVENTIONS:
-        raise ValueError(f"profile: convention must be one of {CONVENTIONS}, got {convention!r}")
-    check_module("profile", model)
-    input_size = chw("profile", input_size)
-    if latency and (batch_size < 1 or repeats < 1 or warmup < 0):
-        raise ValueError(f"profile: latency needs batch_size >= 1, repeats >= 1 and warmup >= 0; got batch_size="
-                         f"{batch_size}, repeats={repeats}, warmup={warmup}")
-    model_device, dtype = _model_device_dtype(model)
-    device = torch.device(device) if device is not None else model_device
-    model.to(device)
-    with evaluating(model):
-        gen = torch.Generator().manual_seed(0)  # a private generator: profiling never moves the global RNG
-        x = torch.randn(1, *input_size, dtype=dtype, generator=gen).to(device, memory_format=memory_format)
-        layers, largest, functional_macs = _count(model, x, convention)
-        ms = None
-        if latency:
-            xb = torch.randn(batch_size, *input_size, dtype=dtype, generator=gen).to(device, memory_format=memory_format)
-            (ms,) = measure_latencies([model], xb, warmup=warmup, repeats=repeats)
-            per_layer = _layer_latency(model, xb, repeats, {row.name for row in layers})
-            for row in layers:
-                row.latency_ms = per_layer.get(row.name)
-    return ProfileReport(
-        input_size=list(input_size),
-        params=sum(p.numel() for p in model.parameters()),
-        macs=sum(row.macs for row in layers),
-        weight_bytes=_nbytes(_weight_tensors(model)),
-        activation_bytes={"max": largest, "sum": sum(row.activation_bytes for row in layers)},
-        latency_ms=ms,
-        device=str(device),
-        batch_size=batch_size,
-        layers=layers,
-        convention=convention,
-        functional_macs=functional_macs,
-    )
+    with LIBRARY_LOCK:  # (see compress._modes.LIBRARY_LOCK)
+        if convention not in CONVENTIONS:
+            raise ValueError(f"profile: convention must be one of {CONVENTIONS}, got {convention!r}")
+        check_module("profile", model)
+        input_size = chw("profile", input_size)
+        if latency and (batch_size < 1 or repeats < 1 or warmup < 0):
+            raise ValueError(f"profile: latency needs batch_size >= 1, repeats >= 1 and warmup >= 0; got batch_size="
+                             f"{batch_size}, repeats={repeats}, warmup={warmup}")
+        model_device, dtype = _model_device_dtype(model)
+        device = torch.device(device) if device is not None else model_device
+        model.to(device)
+        with evaluating(model):
+            gen = torch.Generator().manual_seed(0)  # a private generator: profiling never moves the global RNG
+            x = torch.randn(1, *input_size, dtype=dtype, generator=gen).to(device, memory_format=memory_format)
+            layers, largest, functional_macs = _count(model, x, convention)
+            ms = None
+            if latency:
+                xb = torch.randn(batch_size, *input_size, dtype=dtype, generator=gen).to(device, memory_format=memory_format)
+                (ms,) = measure_latencies([model], xb, warmup=warmup, repeats=repeats)
+                per_layer = _layer_latency(model, xb, repeats, {row.name for row in layers})
+                for row in layers:
+                    row.latency_ms = per_layer.get(row.name)
+        return ProfileReport(
+            input_size=list(input_size),
+            params=sum(p.numel() for p in model.parameters()),
+            macs=sum(row.macs for row in layers),
+            weight_bytes=_nbytes(_weight_tensors(model)),
+            activation_bytes={"max": largest, "sum": sum(row.activation_bytes for row in layers)},
+            latency_ms=ms,
+            device=str(device),
+            batch_size=batch_size,
+            layers=layers,
+            convention=convention,
+            functional_macs=functional_macs,
+        )
 
 
 _COMPARED = (

@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 
 from compress._checks import check_module, unwrapped
+from compress._modes import LIBRARY_LOCK
 from compress.surgery import (
     blank_conv,
     conv_bn_pairs,
@@ -172,31 +173,32 @@ def attach_skeletons(
     Build the optimizer after this call: the skeletons are new parameters, and each replaced conv's weight and
     bias are copied into its SkeletonConv2d, so an optimizer built before holds neither.
     """
-    check_module("attach_skeletons", model)
-    stripe_group = check_stripe_group(stripe_group)
-    if type(model) is nn.Conv2d:
-        raise ValueError("attach_skeletons: the model is a bare nn.Conv2d, which cannot be replaced in place; wrap it "
-                         "(nn.Sequential(conv)) or build SkeletonConv2d.from_conv(conv)")
-    regrouped = [n for n, m in _skeleton_convs(model) if m.stripe_group != stripe_group]
-    if regrouped:
-        warnings.warn(f"attach_skeletons: {', '.join(regrouped[:5])}{', ...' if len(regrouped) > 5 else ''} already "
-                      f"have skeletons of another stripe_group and keep them; stripe_group={stripe_group} applies to "
-                      "the new skeletons only", stacklevel=2)
-    names = eligible_convs(model, min_kernel_size, include, exclude, example_input)
-    for name in names:
-        replace_module(model, name, SkeletonConv2d.from_conv(model.get_submodule(name), stripe_group))
-    from compress.stripe import Conv2dReLU
+    with LIBRARY_LOCK:  # (see compress._modes.LIBRARY_LOCK)
+        check_module("attach_skeletons", model)
+        stripe_group = check_stripe_group(stripe_group)
+        if type(model) is nn.Conv2d:
+            raise ValueError("attach_skeletons: the model is a bare nn.Conv2d, which cannot be replaced in place; wrap it "
+                             "(nn.Sequential(conv)) or build SkeletonConv2d.from_conv(conv)")
+        regrouped = [n for n, m in _skeleton_convs(model) if m.stripe_group != stripe_group]
+        if regrouped:
+            warnings.warn(f"attach_skeletons: {', '.join(regrouped[:5])}{', ...' if len(regrouped) > 5 else ''} already "
+                          f"have skeletons of another stripe_group and keep them; stripe_group={stripe_group} applies to "
+                          "the new skeletons only", stacklevel=2)
+        names = eligible_convs(model, min_kernel_size, include, exclude, example_input)
+        for name in names:
+            replace_module(model, name, SkeletonConv2d.from_conv(model.get_submodule(name), stripe_group))
+        from compress.stripe import Conv2dReLU
 
-    subclassed = collections.Counter(
-        type(m).__name__ for n, m in model.named_modules()
-        if isinstance(m, nn.Conv2d) and not isinstance(m, (SkeletonConv2d, Conv2dReLU)) and type(m) is not nn.Conv2d
-        and _prunable(n, m, min_kernel_size, include, exclude)
-    )  # fmt: skip
-    if subclassed:
-        warnings.warn(f"attach_skeletons: {dict(subclassed)} convs get no skeleton: only plain nn.Conv2d do (a "
-                      "subclass's forward may standardise its weight or pad dynamically); their layers stay dense",
-                      stacklevel=2)
-    return names
+        subclassed = collections.Counter(
+            type(m).__name__ for n, m in model.named_modules()
+            if isinstance(m, nn.Conv2d) and not isinstance(m, (SkeletonConv2d, Conv2dReLU)) and type(m) is not nn.Conv2d
+            and _prunable(n, m, min_kernel_size, include, exclude)
+        )  # fmt: skip
+        if subclassed:
+            warnings.warn(f"attach_skeletons: {dict(subclassed)} convs get no skeleton: only plain nn.Conv2d do (a "
+                          "subclass's forward may standardise its weight or pad dynamically); their layers stay dense",
+                          stacklevel=2)
+        return names
 
 
 def eligible_convs(

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from compress._checks import unwrapped
-from compress._modes import evaluating, rng_kept
+from compress._modes import LIBRARY_LOCK, evaluating, rng_kept
 
 __all__ = [
     "conv_config",
@@ -198,7 +198,7 @@ def trace(model: nn.Module, consequence: str | None = "dead filters are kept and
     failure = None
     for target in (t for t in (copied, model) if t is not None):
         try:
-            with evaluating(target):
+            with LIBRARY_LOCK, evaluating(target):  # (fx patches nn.Module.__call__ process-wide while it traces)
                 return _Tracer().trace(target)
         except Exception as err:  # noqa: BLE001 - any tracing failure means: no graph-based surgery
             failure = err

@@ -1062,3 +1062,26 @@ def test_a_timm_model_with_a_reset_classifier_saves_and_loads(tmp_path):
     x = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+
+
+def test_save_while_another_thread_registers_a_module_type(tmp_path, monkeypatch):
+    """save looks each module's type up in the allowlist, importing modules as it goes; a type registered meanwhile
+    (another thread) made that loop fail with "dictionary changed size during iteration"."""
+    from compress import checkpoint
+
+    skeletons = create_model("resnet20")
+    attach_skeletons(skeletons)
+    _randomise(skeletons, keep=0.4)
+    model = compact(skeletons.eval())  # (its stripe convs are looked up in the allowlist)
+    resolve = checkpoint._resolve
+    registered = []
+
+    def resolve_and_register(key, imported_only=False):  # another thread's registration, mid-loop
+        if not registered:
+            registered.append(type("Registered", (nn.Identity,), {"config": lambda self: {}}))
+            monkeypatch.setitem(checkpoint._TYPES, "test.Registered", (registered[0], lambda m: {}))
+        return resolve(key, imported_only)
+
+    monkeypatch.setattr(checkpoint, "_resolve", resolve_and_register)
+    loaded = load(save(model, tmp_path / "m.safetensors"))
+    assert registered and set(loaded.state_dict()) == set(model.state_dict())

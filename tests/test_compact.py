@@ -1141,3 +1141,32 @@ def test_compact_of_a_feature_extractor_keeps_its_eval_mode():
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         torch.testing.assert_close(small(x)["layer2"], features(x)["layer2"], rtol=1e-5, atol=1e-5)
+
+
+def test_library_calls_from_several_threads_take_turns():
+    """torch.fx patches nn.Module.__call__ for the whole process while it traces, so compact in one thread broke
+    the module calls of a compact (or attach_skeletons) in another ("module is not installed as a submodule": 4-6 of
+    8 failed in every trial); profile's hooks counted another thread's forward of the same model (wrong MACs), its
+    mode restore left the model in eval mode, and its save/restore of the attention fast path left it off. They now
+    take turns (compress._modes.LIBRARY_LOCK): the results equal the single-threaded ones."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    models = [skeleton_model("resnet20", 8, seed=20 + i).eval() for i in range(6)]
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(6))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.no_grad():
+            want = [compact(m, fold_bn=True)(x) for m in models]
+        with ThreadPoolExecutor(3) as pool:
+            small = list(pool.map(lambda m: compact(m, fold_bn=True), models))
+            fresh = list(pool.map(lambda i: compress.attach_skeletons(compress.create_model("resnet20")), range(3)))
+    with torch.no_grad():
+        for s, w in zip(small, want):
+            assert torch.equal(s(x), w)
+    assert all(len(f) == 19 for f in fresh)
+    model = compress.create_model("resnet20")  # train mode
+    macs = compress.profile(model, latency=False).macs
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(lambda _: compress.profile(model, latency=False).macs, range(6)))
+    assert got == [macs] * 6 and model.training and torch.backends.mha.get_fastpath_enabled() == fastpath
