@@ -47,7 +47,7 @@ from compress._checks import chw, refuse_wrapper
 from compress._modes import LIBRARY_LOCK, evaluating
 from compress.pix import PiXBlock
 from compress.pooling import MaxPool2d, fast_max_pools
-from compress.skeleton import SkeletonConv2d, skeleton_layers
+from compress.skeleton import SkeletonConv2d, skeleton_layers, skeleton_stats
 from compress.stripe import Conv2dReLU, StripeConv2d, masked_conv, stripe_padding_ok
 from compress.surgery import (
     Chain,
@@ -172,7 +172,7 @@ def compact(
             out, macs, dense = _compact_at(model, base, fold_bn, channel_multiple), None, None
         else:
             out, base, macs, dense = _compact_to_budget(model, base, fold_bn, target_macs, input_size, channel_multiple)
-        _warn_train_mode(model, fold_bn, base, pruned_layers)
+        _warn_train_mode(model, fold_bn, base)
         fused = _fuse_relu(out) if fuse_relu else []
         if fuse_relu:
             fast_max_pools(out)
@@ -200,14 +200,13 @@ def _batch_norms(model: nn.Module) -> int:
     return sum(is_batch_norm(m) for m in model.modules())
 
 
-def _warn_train_mode(model: nn.Module, fold_bn: bool, threshold: float, pruned_layers: list[str]) -> None:
+def _warn_train_mode(model: nn.Module, fold_bn: bool, threshold: float) -> None:
     """Warn where the compact model's train-mode function differs from `model`'s: a BatchNorm of `model` in train mode
     and either BN folding or a dead filter at `threshold` (the one compaction used), whose constant output is folded
     through its BN's running statistics (the eval-mode function) where a train-mode BN gives its bias."""
     if not any(is_batch_norm(m) and m.training for m in model.modules()):
         return
-    dead = any(not bool(model.get_submodule(n).stripe_mask(threshold).flatten(1).any(1).all()) for n in pruned_layers)
-    if fold_bn or dead:
+    if fold_bn or skeleton_stats(model, threshold)["filters_dead"]:
         warnings.warn("compact: the model is in train mode; " + (
             "fold_bn=True folds each BatchNorm's running statistics, so the result computes the eval-mode function "
             "even in train mode" if fold_bn else
