@@ -75,6 +75,7 @@ class SkeletonConv2d(nn.Conv2d):
             raise TypeError(f"SkeletonConv2d.from_conv: expected an nn.Conv2d, got {type(conv).__name__}")
         new = blank_conv(cls, conv, stripe_group=stripe_group)
         with torch.no_grad():
+            new.skeleton.fill_(1.0)
             new.weight.copy_(conv.weight)
             if conv.bias is not None:
                 new.bias.copy_(conv.bias)

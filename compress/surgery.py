@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from compress._checks import unwrapped
-from compress._modes import LIBRARY_LOCK, evaluating, rng_kept
+from compress._modes import LIBRARY_LOCK, evaluating
 
 __all__ = [
     "conv_config",
@@ -60,11 +60,12 @@ def conv_config(conv: nn.Conv2d) -> dict:
 
 
 def blank_conv(cls: type[nn.Conv2d], conv: nn.Conv2d, **kwargs) -> nn.Conv2d:
-    """A `cls` conv with `conv`'s arguments (`conv_config`, plus `kwargs`), device and dtype, whose weights the
-    caller overwrites: built without drawing from the global random stream (`rng_kept`), so that compaction, skeleton
-    attachment and files leave the user's random draws as they were."""
-    with rng_kept(conv.weight.device):
-        return cls(**conv_config(conv), **kwargs, device=conv.weight.device, dtype=conv.weight.dtype)
+    """A `cls` conv with `conv`'s arguments (`conv_config`, plus `kwargs`), device and dtype, whose parameters and
+    buffers the caller overwrites: they are left uninitialised (built on the meta device, then given memory, as
+    `torch.nn.utils.skip_init` does), so compaction and skeleton attachment draw no numbers from the global random
+    stream, nor save and restore it (which would undo another thread's draws), and spend no time initialising."""
+    blank = cls(**conv_config(conv), **kwargs, device="meta", dtype=conv.weight.dtype)
+    return blank.to_empty(device=conv.weight.device)
 
 
 def conv_like(new: nn.Module, old: nn.Module) -> nn.Module:

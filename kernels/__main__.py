@@ -36,7 +36,7 @@ def _arch_flags() -> list[str]:
     return flags
 
 
-def check_compile(jobs: int | None = None) -> int:
+def check_compile() -> int:
     import torch
     import torch.utils.cpp_extension as ce
 

@@ -236,14 +236,15 @@ _pix_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def pix(x: Tensor, p: Tensor, zeta: int, tau: float = 0.5) -> Tensor:
-    """PiX channel fusion.
+    """PiX channel fusion: output channel j of group x[:, j*zeta:(j+1)*zeta] is ``p * max`` of the group where
+    ``p < tau``, else ``p * mean`` (per image and pixel; p per image and output channel).
 
     Args:
         x: (B, C, H, W) float32/float16/bfloat16/float64, NCHW or channels_last (CPU: C++ for float32/float64;
             CUDA: the compiled kernel for the 32- and 16-bit types; the rest takes PyTorch ops).
         p: (B, C // zeta, 1, 1) fusion probabilities (cast to ``x``'s dtype).
         zeta: group size; ``C % zeta`` must be 0.
-        tau: threshold; ``p < tau`` picks the max of the group, otherwise the mean.
+        tau: threshold; ``p < tau`` picks the max of the group, otherwise the mean (either scaled by p).
 
     Returns:
         y: (B, C // zeta, H, W), channels_last if ``x`` is.

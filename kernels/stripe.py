@@ -64,7 +64,6 @@ __all__ = ["stripe_conv2d", "prepare_stripe_conv2d", "stripe_plan", "stripe_to_d
 
 OP = "compress::stripe_conv2d"
 BOP = "compress::stripe_conv2d_backward"
-POP = "compress::stripe_plan"
 
 
 # ----------------------------------------------------------------------------------------------- checks

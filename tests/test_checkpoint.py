@@ -3,6 +3,7 @@ compared against the original model's output, and clear errors for truncated or 
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import subprocess
@@ -995,6 +996,36 @@ def test_the_library_calls_leave_the_global_random_stream_alone(tmp_path):
     }
     for name, call in steps.items():
         assert torch.equal(draws_after(call), untouched), name
+
+
+def test_attach_skeletons_and_compact_neither_draw_nor_restore_the_random_stream(monkeypatch):
+    """Their throwaway convs (skeleton, masked and fused convs, whose tensors are overwritten) were built inside
+    `torch.random.fork_rng`, which also undid the draws another thread made meanwhile (its dropout masks repeated).
+    They are built uninitialised now (on the meta device): no numbers drawn, the global state never put back."""
+    model = create_model("resnet20").eval()
+    reference = copy.deepcopy(model)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the global random state was saved to be put back")
+
+    monkeypatch.setattr(torch.random, "fork_rng", refused)
+    torch.manual_seed(7)
+    untouched = torch.rand(4)
+    torch.manual_seed(7)
+    attach_skeletons(model)
+    assert torch.equal(torch.rand(4), untouched)
+    assert all(torch.equal(m.skeleton, torch.ones_like(m.skeleton)) for m in model.modules() if hasattr(m, "skeleton"))
+    for m in model.modules():
+        if hasattr(m, "skeleton"):
+            m.skeleton.data[:, 0, 0] = 0.0  # every filter's top-left stripe pruned
+    torch.manual_seed(7)
+    small = compact(model, fold_bn=True, fuse_relu=True)
+    assert torch.equal(torch.rand(4), untouched)
+    for m in reference.modules():
+        if isinstance(m, torch.nn.Conv2d) and m.kernel_size == (3, 3):
+            m.weight.data[:, :, 0, 0] = 0.0
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(small(x), reference(x), rtol=1e-4, atol=1e-4)
 
 
 def test_a_module_type_defined_again_replaces_itself_and_another_class_is_refused(tmp_path):
