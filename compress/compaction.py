@@ -32,7 +32,6 @@ could not be traced). A compact model compacted again keeps the record of what c
 
 from __future__ import annotations
 
-import copy
 import math
 import numbers
 import warnings
@@ -41,6 +40,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 from torch.nn.modules.utils import _pair
+from torch.nn.utils.prune import BasePruningMethod
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 import kernels
 from compress._checks import chw, refuse_wrapper
@@ -57,6 +59,7 @@ from compress.surgery import (
     consumer_columns,
     consumers_unpadded,
     conv_bn_pairs_traced,
+    copy_model,
     find_chains,
     fold_constant_inputs,
     get_module,
@@ -230,18 +233,20 @@ def _carried_record(before: dict, after: dict) -> dict:
 
 
 def _compact_at(model: nn.Module, threshold: float, fold: bool, multiple: int = 1) -> nn.Module:
-    out = copy.deepcopy(model)
+    out = copy_model(model)
     for copied, original in zip(out.modules(), model.modules()):  # (torchvision's feature extractors copy into
         copied.training = original.training  # train mode: their BNs would then use batch statistics)
     pruned = []
     for name, m in list(out.named_modules()):
         if isinstance(m, SkeletonConv2d):
+            _refresh_weight(m)
             _replace_keeping_hooks(out, name, m, masked_conv(m, threshold))
             pruned.append(name)
         elif isinstance(m, StripeConv2d) and not (m.relu or m.pool):
             # a compact model compacted again (one exported with fold_bn=false and fine-tuned with init=): its
             # stripe convs go back to zero-filled convs, so that dead filters, BN folding and ReLU fusion see
             # them, and return as stripe convs below. Ones with an epilogue are final already (no BN after them).
+            _refresh_weight(m)
             _replace_keeping_hooks(out, name, m, m.to_dense())
             pruned.append(name)
     kept_dense = sorted(hooked(out) & set(pruned))
@@ -271,11 +276,29 @@ _MODULE_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forwa
                  "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks", "_is_full_backward_hook")
 
 
+# torch's forward pre-hooks that set a module's `weight` from tensors of its own (weight_orig and weight_mask,
+# weight_g and weight_v, ...), which the conv built in its place does not have: it holds the weight they computed
+_WEIGHT_HOOKS = (BasePruningMethod, WeightNorm, SpectralNorm)
+
+
+@torch.no_grad()
+def _refresh_weight(m: nn.Module) -> None:
+    """Run `m`'s `_WEIGHT_HOOKS` (they set `m.weight` only in a forward: an optimizer step since left it stale)."""
+    for hook in list(m._forward_pre_hooks.values()):
+        if isinstance(hook, _WEIGHT_HOOKS):
+            hook(m, ())
+
+
 def _replace_keeping_hooks(model: nn.Module, name: str, old: nn.Module, new: nn.Module) -> None:
     """`replace_module`, with old's forward and backward hooks moved to new (the user's, e.g. feature capture: the
-    masked conv computes what old did, so they see the same values; dropping them changed the model's output)."""
+    masked conv computes what old did, so they see the same values; dropping them changed the model's output),
+    except `_WEIGHT_HOOKS`, whose result new's weight holds."""
+    dropped = {key for key, hook in old._forward_pre_hooks.items() if isinstance(hook, _WEIGHT_HOOKS)}
     for attr in _MODULE_HOOKS:
-        setattr(new, attr, getattr(old, attr))
+        hooks = getattr(old, attr)
+        if isinstance(hooks, dict):
+            hooks = type(hooks)((key, hook) for key, hook in hooks.items() if key not in dropped)
+        setattr(new, attr, hooks)
     replace_module(model, name, new)
 
 

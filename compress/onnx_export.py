@@ -18,7 +18,6 @@ MatMul (`FixedAdaptiveAvgPool2d`; put before timm's VGG head, which pools inside
 
 from __future__ import annotations
 
-import copy
 import os
 import warnings
 from collections.abc import Sequence
@@ -30,7 +29,7 @@ import torch.nn.functional as F
 
 from compress._modes import evaluating
 from compress.stripe import StripeConv2d
-from compress.surgery import imported_classes, replace_module
+from compress.surgery import copy_model, imported_classes, replace_module
 from kernels.pool import max_pool2x2
 
 __all__ = ["ShiftAddConv2d", "FixedAdaptiveAvgPool2d", "onnx_ready", "export_onnx", "check_onnx", "STRIPE_MODES"]
@@ -120,7 +119,7 @@ def onnx_ready(model: nn.Module, stripe_mode: str = "dense", example: torch.Tens
     `FixedAdaptiveAvgPool2d` (exact at that input size only)."""
     if stripe_mode not in STRIPE_MODES:
         raise ValueError(f"stripe_mode must be one of {STRIPE_MODES}, got {stripe_mode!r}")
-    ready = copy.deepcopy(model).eval()
+    ready = copy_model(model).eval()
     stripes = [(n, m) for n, m in ready.named_modules() if isinstance(m, StripeConv2d)]
     for name, m in stripes:
         new = m.to_dense() if stripe_mode == "dense" or m.num_stripes == 0 else ShiftAddConv2d(m)

@@ -53,6 +53,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
+from torch.nn.utils import parametrize
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from compress._checks import check_module, chw
@@ -236,8 +237,9 @@ def _handler(module: nn.Module, convention: str = "layers") -> MacsHandler | Non
 
 
 def _covers_children(module: nn.Module) -> bool:
-    """A module with `macs()` is one layer: its children get no rows of their own."""
-    return callable(getattr(module, "macs", None))
+    """A module with `macs()`, or a parametrized one (torch.nn.utils.parametrize: its weight lives in its
+    `parametrizations` child), is one layer: its children get no rows of their own."""
+    return callable(getattr(module, "macs", None)) or parametrize.is_parametrized(module)
 
 
 def _is_profiled(module: nn.Module) -> bool:

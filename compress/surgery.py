@@ -31,6 +31,7 @@ __all__ = [
     "read_directly",
     "read_outside_their_call",
     "hooked",
+    "copy_model",
     "left_alone",
     "called_once",
     "bn_remainder",
@@ -57,6 +58,15 @@ def conv_config(conv: nn.Conv2d) -> dict:
         "bias": conv.bias is not None,
         "padding_mode": conv.padding_mode,
     }
+
+
+def copy_model(model: nn.Module) -> nn.Module:
+    """``copy.deepcopy(model)``, with the tensors that modules keep as plain attributes and that autograd computed
+    detached (deepcopy refuses such non-leaf tensors: torch.nn.utils.prune's, weight_norm's and spectral_norm's
+    `weight`, which their pre-hooks recompute in every forward, is one after a forward with grad enabled)."""
+    computed = {id(t): t.detach().clone() for m in model.modules() for t in vars(m).values()
+                if isinstance(t, torch.Tensor) and not t.is_leaf}
+    return copy.deepcopy(model, computed)
 
 
 def blank_conv(cls: type[nn.Conv2d], conv: nn.Conv2d, **kwargs) -> nn.Conv2d:
@@ -314,8 +324,9 @@ def _channelwise_step(model: nn.Module, node: fx.Node, src: fx.Node, channels: i
     args, kwargs = tuple(node.args[1:]), dict(node.kwargs)
     if node.op == "call_module":
         m = model.get_submodule(node.target)
-        if _has_hooks(m):  # a hook may read its channels (feature capture, a per-channel scale): left alone
-            return None
+        if _has_hooks(m) or torch.nn.utils.parametrize.is_parametrized(m):
+            return None  # left alone: a hook may read its channels (feature capture, a per-channel scale), and a
+            # parametrized weight cannot be sliced by setting it (that needs an inverse the parametrization may lack)
         if isinstance(m, batch_norm_types()):  # in eval mode a fixed per-channel map, unless it keeps no statistics
             ok = m.running_mean is not None and m.running_mean.numel() == channels and node.target in once
             return Step("module", node.target) if ok else None

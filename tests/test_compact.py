@@ -834,6 +834,69 @@ def test_hooks_added_to_a_skeleton_conv_after_attach_are_kept_and_it_stays_dense
     assert calls == ["pre", "pre"]
 
 
+def test_torchs_weight_recomputing_hooks_compact_exactly_after_training_steps():
+    """torch.nn.utils.prune, and the old weight_norm/spectral_norm, keep `weight` as a tensor their pre-hook
+    recomputes in every forward. After a forward with grad it is a non-leaf tensor, and compact's deepcopy failed
+    ("Only Tensors created explicitly by the user ... support the deepcopy protocol"), as did export; on a skeleton
+    conv the hook moved to the masked conv, which lacks weight_orig/weight_mask (AttributeError in the compact
+    model's forward). Now the copy detaches those tensors, and a skeleton conv's compact layer holds the weight the
+    hook computes from the current tensors (an optimizer step after the last forward leaves `weight` stale)."""
+    from torch.nn.utils import prune, spectral_norm, weight_norm
+
+    from compress.onnx_export import onnx_ready
+
+    gen = torch.Generator().manual_seed(0)
+    model = create_model("resnet20").double().eval()
+    attach_skeletons(model, exclude=["layer1.0.conv1"])
+    random_bn_(model, gen)
+    prune.l1_unstructured(model.layer1[0].conv1, "weight", amount=0.5)  # a plain conv: left as it is
+    prune.random_unstructured(model.layer1[1].conv1, "weight", amount=0.3)  # skeleton convs
+    weight_norm(model.layer2[0].conv1)
+    spectral_norm(model.layer3[0].conv2)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, SkeletonConv2d):
+                m.skeleton[torch.rand(m.skeleton.shape, generator=gen, dtype=m.skeleton.dtype) < 0.4] = 0
+    x = torch.randn(2, 3, 32, 32, generator=gen, dtype=torch.double)
+    model(x).sum().backward()  # every recomputed `weight` is now a non-leaf tensor
+    with torch.no_grad():
+        model.layer1[1].conv1.weight_orig.mul_(1.5)  # a step: `weight` stale until the next forward
+        model.layer2[0].conv1.weight_v.mul_(-1.0)
+    smalls = [compact(model, fold_bn=fold) for fold in (False, True)]
+    ready = onnx_ready(model)
+    with torch.no_grad():
+        expected = model(x)  # (the forward brings `weight` up to date)
+        for small in smalls:
+            torch.testing.assert_close(small(x), expected, rtol=1e-10, atol=1e-10)
+            assert "weight_orig" in dict(small.layer1[0].conv1.named_parameters())  # untouched, hook and all
+            assert not any(hasattr(small.get_submodule(n), "weight_orig") or small.get_submodule(n)._forward_pre_hooks
+                           for n in ("layer1.1.conv1", "layer2.0.conv1", "layer3.0.conv2"))
+        torch.testing.assert_close(ready(x), expected, rtol=1e-10, atol=1e-10)
+
+
+def test_a_parametrized_batchnorm_after_dead_filters_is_left_alone():
+    """A BN whose weight a parametrization without right_inverse computes sat in a chain from a conv with dead
+    filters: compact sliced it by setting its weight and failed deep in torch ("does not implement right_inverse").
+    Parametrized modules are left alone, like hooked ones: the dead filters stay, the output is exact."""
+    class Abs(nn.Module):
+        def forward(self, w):
+            return w.abs()
+
+    gen = torch.Generator().manual_seed(1)
+    model = create_model("resnet20").double().eval()
+    attach_skeletons(model)
+    random_bn_(model, gen)
+    torch.nn.utils.parametrize.register_parametrization(model.layer1[0].bn1, "weight", Abs())
+    with torch.no_grad():
+        model.layer1[0].conv1.skeleton[:4] = 0
+        model.layer2[0].conv1.skeleton[:4] = 0  # (a chain without the parametrized BN: filters go where they can)
+    x = torch.randn(2, 3, 32, 32, generator=gen, dtype=torch.double)
+    small = compact(model)
+    with torch.no_grad():
+        torch.testing.assert_close(small(x), model(x), rtol=1e-10, atol=1e-10)
+    assert small.layer1[0].conv1.out_channels == 16 and small.layer2[0].conv1.out_channels < 32
+
+
 class _HasConfig(nn.Module):
     """A user's block with a method that happens to be called config, reading its conv's weight functionally too."""
 

@@ -390,6 +390,26 @@ def test_modules_with_children_and_tensors_of_their_own_get_rows_that_add_up():
                      "2.conv": elements * 36 + elements}
 
 
+def test_a_parametrized_conv_or_linear_is_one_row_counting_its_work_and_its_parametrizations_tensors():
+    """torch.nn.utils.parametrizations (weight_norm, spectral_norm) move a module's weight into a `parametrizations`
+    child: without a bias such a conv had no tensors of its own, got no row, and its MACs were never counted (a
+    ResNet-20 with weight-normed convs reported 640 MACs)."""
+    from torch.nn.utils import parametrizations
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, bias=False), nn.Conv2d(8, 4, 3), nn.Flatten(), nn.Linear(4 * 26 * 26, 5,
+                                                                                                    bias=False))
+    parametrizations.weight_norm(model[0])  # weight = g * v / |v|: g (8, 1, 1, 1) and v
+    parametrizations.spectral_norm(model[1])  # (its u and v vectors are buffers of the parametrization)
+    parametrizations.weight_norm(model[3])
+    rep = profile(model, (3, 30, 30), latency=False)
+    rows = {row.name: row for row in rep.layers}
+    assert sorted(rows) == ["0", "1", "2", "3"]
+    assert rows["0"].macs == 28 * 28 * 8 * 27 and rows["0"].params == 8 * 27 + 8
+    assert rows["1"].macs == 26 * 26 * 4 * 72 and rows["1"].params == 4 * 72 + 4
+    assert rows["3"].macs == 4 * 26 * 26 * 5 and rows["3"].params == 4 * 26 * 26 * 5 + 5
+    assert rep.macs == sum(r.macs for r in rep.layers) and rep.params == sum(r.params for r in rep.layers)
+
+
 def test_latency_leaves_the_global_rng_alone_and_takes_the_memory_format():
     seen = []
     model = nn.Sequential(nn.Conv2d(3, 4, 3))
