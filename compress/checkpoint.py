@@ -43,7 +43,7 @@ from compress._checks import check_module, refuse_wrapper, same_definition
 from compress._digest import digest
 from compress._files import atomic_write, read_safetensors
 from compress._modes import rng_kept
-from compress.surgery import conv_config, get_module, replace_module
+from compress.surgery import conv_config, get_module, reparametrizations, replace_module
 
 __all__ = ["save", "load", "rebuild", "rebuild_for", "register_module_type", "build_recipe", "FORMAT", "VERSION"]
 
@@ -207,6 +207,22 @@ def _recorded_class(module: nn.Module):
     return getattr(type(module), "recipe_base", type(module))
 
 
+def _removal_hint(model: nn.Module, ref: nn.Module) -> str:
+    """Where the first module of `model` that computes its weight from other tensors in a way the architecture's
+    does not (torch's pruning, weight or spectral norm, a parametrization: a save refuses it) says how to make it
+    plain, that advice ('' where none does)."""
+    for name, module in model.named_modules():
+        calls = reparametrizations(module)
+        try:
+            built = reparametrizations(get_module(ref, name))
+        except AttributeError:
+            built = []
+        if calls and calls != built:
+            return (f". Module {name or '(the model)'!r} computes its weight from other tensors (torch's pruning, "
+                    f"weight or spectral norm, or a parametrization); make it plain first: {'; '.join(calls)}")
+    return ""
+
+
 def _same(model_mod: nn.Module, ref_mod: nn.Module | None) -> bool:
     if ref_mod is None or _recorded_class(model_mod) != _recorded_class(ref_mod):
         return False
@@ -330,6 +346,7 @@ def build_recipe(model: nn.Module) -> dict:
                     f"compress.save: module {name!r} of type {type(module).__name__} differs from the rebuilt "
                     f"architecture and is not an allowed type ({', '.join(sorted(_TYPES))}); register it with "
                     "compress.checkpoint.register_module_type(key, cls) and give it a config() method"
+                    + _removal_hint(model, ref)
                 )
             entry = {"name": name, "type": key, "config": _config(module, key)}
             _apply(ref, [entry], [], "compress.save")
@@ -342,7 +359,7 @@ def build_recipe(model: nn.Module) -> dict:
         diff = sorted(set(_shapes(ref).items()) ^ set(_shapes(model).items()))[:5]
         raise ValueError(
             f"compress.save: the recipe would not rebuild this model (state_dict entries differ: {diff}); "
-            "a module changed in a way its config() does not describe"
+            "a module changed in a way its config() does not describe" + _removal_hint(model, ref)
         )
     recipe = {"format": FORMAT, "version": VERSION, "arch": arch, "replacements": replacements, "removed": removed}
     unsaved = {key: str(buf.dtype).removeprefix("torch.") for key, _, _, buf in _unsaved_float_buffers(model)}

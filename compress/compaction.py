@@ -40,9 +40,6 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 from torch.nn.modules.utils import _pair
-from torch.nn.utils.prune import BasePruningMethod
-from torch.nn.utils.spectral_norm import SpectralNorm
-from torch.nn.utils.weight_norm import WeightNorm
 
 import kernels
 from compress._checks import chw, refuse_wrapper
@@ -52,6 +49,7 @@ from compress.pooling import MaxPool2d, fast_max_pools
 from compress.skeleton import SkeletonConv2d, skeleton_layers, skeleton_stats
 from compress.stripe import Conv2dReLU, StripeConv2d, masked_conv, stripe_padding_ok
 from compress.surgery import (
+    WEIGHT_HOOKS,
     Chain,
     bn_remainder,
     called_once,
@@ -276,24 +274,19 @@ _MODULE_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forwa
                  "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks", "_is_full_backward_hook")
 
 
-# torch's forward pre-hooks that set a module's `weight` from tensors of its own (weight_orig and weight_mask,
-# weight_g and weight_v, ...), which the conv built in its place does not have: it holds the weight they computed
-_WEIGHT_HOOKS = (BasePruningMethod, WeightNorm, SpectralNorm)
-
-
 @torch.no_grad()
 def _refresh_weight(m: nn.Module) -> None:
-    """Run `m`'s `_WEIGHT_HOOKS` (they set `m.weight` only in a forward: an optimizer step since left it stale)."""
+    """Run `m`'s `WEIGHT_HOOKS` (they set `m.weight` only in a forward: an optimizer step since left it stale)."""
     for hook in list(m._forward_pre_hooks.values()):
-        if isinstance(hook, _WEIGHT_HOOKS):
+        if isinstance(hook, WEIGHT_HOOKS):
             hook(m, ())
 
 
 def _replace_keeping_hooks(model: nn.Module, name: str, old: nn.Module, new: nn.Module) -> None:
     """`replace_module`, with old's forward and backward hooks moved to new (the user's, e.g. feature capture: the
     masked conv computes what old did, so they see the same values; dropping them changed the model's output),
-    except `_WEIGHT_HOOKS`, whose result new's weight holds."""
-    dropped = {key for key, hook in old._forward_pre_hooks.items() if isinstance(hook, _WEIGHT_HOOKS)}
+    except `WEIGHT_HOOKS`, whose result new's weight holds (the conv built in old's place lacks their tensors)."""
+    dropped = {key for key, hook in old._forward_pre_hooks.items() if isinstance(hook, WEIGHT_HOOKS)}
     for attr in _MODULE_HOOKS:
         hooks = getattr(old, attr)
         if isinstance(hooks, dict):

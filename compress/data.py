@@ -109,7 +109,7 @@ class EpochSampler(Sampler[int]):
 
     def __iter__(self):
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        rest = torch.randperm(self.size, generator=generator)[self.start:]
+        rest = torch.randperm(self.size, generator=generator, device="cpu")[self.start:]
         taken = self.world_size * len(self)  # every rank's share, padded by repeating the first samples
         padded = rest.repeat(-(-taken // len(rest)))[:taken] if taken else rest[:0]
         return iter(padded[self.rank :: self.world_size].tolist())
@@ -297,7 +297,7 @@ class _ImageTensors(Dataset):
         x = self.images[i]
         if self.pad:
             p, (h, w) = self.pad, x.shape[-2:]
-            dy, dx = torch.randint(0, 2 * p + 1, (2,)).tolist()
+            dy, dx = torch.randint(0, 2 * p + 1, (2,), device="cpu").tolist()
             x = F.pad(x, (p, p, p, p), value=self.fill)[:, dy : dy + h, dx : dx + w]
         return x.expand(self.in_chans, -1, -1), self.labels[i]
 
@@ -511,14 +511,15 @@ class _FakeImages(Dataset):
     def __init__(self, size: int, num_classes: int, shape: tuple[int, int, int], seed: int, first: int,
                  label_seed: int):
         self.shape, self.base = shape, seed * 1_000_003 + 1 + first
-        self.labels = torch.randint(0, num_classes, (size,), generator=torch.Generator().manual_seed(label_seed))
+        self.labels = torch.randint(0, num_classes, (size,), generator=torch.Generator().manual_seed(label_seed),
+                                    device="cpu")
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def __getitem__(self, i: int):
         g = torch.Generator().manual_seed((self.base + i) % 2**32)
-        return torch.randn(self.shape, generator=g), self.labels[i]
+        return torch.randn(self.shape, generator=g, device="cpu"), self.labels[i]
 
 
 def _fake(opts: dict):

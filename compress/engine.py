@@ -772,6 +772,8 @@ def _resume_config(cfg: DictConfig, run_dir: Path, given: set[str] | None = None
             f"resume: {shown}: a resumed run keeps its checkpoint's model, data, prune, optim and pix settings; only "
             f"trainer.* and {', '.join(RESUME_MAY_CHANGE)} may change. Drop those overrides, or start a new run in "
             f"another {_dir_key()} (init=<compact model file> fine-tunes an exported model)"
+            + ("; to lengthen the run, pass trainer.epochs=N (its LR schedule becomes an N-epoch run's)"
+               if "optim.epochs" in conflicts else "")
         )
     # keys the checkpoint lacks (written by an older version) take the current defaults
     merged = OmegaConf.merge(saved, {"trainer": OmegaConf.merge(cfg.trainer, saved.get("trainer", {}))},
@@ -945,7 +947,7 @@ def _check_input_size(raw: nn.Module, data, device: torch.device, name: str) -> 
     data's classes or whose stem takes other channels (a builder of your own that ignores num_classes or in_chans) is
     refused. Another error in the forward (not about sizes) is named as the model `name`'s."""
     gen = torch.Generator().manual_seed(0)  # a private generator: the check never moves the training RNG streams
-    x = torch.randn(1, data.in_chans, data.input_size, data.input_size, generator=gen).to(device)
+    x = torch.randn(1, data.in_chans, data.input_size, data.input_size, generator=gen, device="cpu").to(device)
     try:
         with evaluating(raw), torch.no_grad():
             logits = raw(x)
@@ -1087,8 +1089,10 @@ def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
         except BaseException as err:
             if began:
                 log_failure(err, dist.rank, run_dir)
-            else:  # a command its config refuses leaves the run dir's log as it was (a fresh dir is then removed)
-                forget_warnings()
+            else:  # a command its config refuses leaves the run dir's log and .hydra record as they were (a fresh
+                forget_warnings()  # dir is then removed)
+                if dist.is_main:
+                    _restore_run_record(run_dir)
             raise
 
 
@@ -1234,7 +1238,7 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float, began: Ca
         include, exclude = _patterns(cfg.prune.include), _patterns(cfg.prune.exclude)
         # a random image of the data's size finds direct weight reads in a forward fx cannot trace
         example = torch.randn(1, data.in_chans, data.input_size, data.input_size,
-                              generator=torch.Generator().manual_seed(0))
+                              generator=torch.Generator().manual_seed(0), device="cpu")
         if not attach_skeletons(raw, cfg.prune.min_kernel_size, include, exclude, example,
                                 cfg.prune.get("stripe_group", 1)):
             raise ValueError(
@@ -1278,7 +1282,8 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float, began: Ca
                              "diverged runs, or edited); resume an earlier checkpoint, or start anew")
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler = _resumed_scheduler(scheduler, optimizer, cfg.optim, ckpt, epochs, dist)
-        scaler.load_state_dict(ckpt["scaler"])
+        if ckpt["scaler"]:  # (empty from a run without float16 autocast: a float16 resume starts a new scale)
+            scaler.load_state_dict(ckpt["scaler"])
         first_epoch, step, best, test = ckpt["epoch"], ckpt["step"], ckpt["best_accuracy"], ckpt["test"]
         seconds_before = float(ckpt.get("seconds", 0.0))  # checkpoints before these keys: this process only
         train = {"images_per_s": float("nan") if ckpt.get("images_per_s") is None else ckpt["images_per_s"]}
@@ -1380,7 +1385,8 @@ def _run(cfg: DictConfig, run_dir: Path, dist: DistInfo, start: float, began: Ca
                              "resume=true continues from there", stop.signum)
 
     epochs_trained = first_epoch + (1 if skip or first_sample else 0)  # the last epoch trained in (finished or not), 1-based
-    _say_if_nothing_to_train(first_epoch, epochs, step, max_steps, dist)
+    if _say_if_nothing_to_train(first_epoch, epochs, step, max_steps, dist) and ckpt is not None and dist.is_main:
+        _record_run_config(ckpt["config"], run_dir)  # the run's config: this command changed nothing
     epoch_bar = progress(range(first_epoch, epochs), dist.is_main, desc="epochs")
     with StepStop(_stop_group(dist)) as stop:  # SIGTERM, Ctrl-C: the run stops after a step (see on_step), not inside it
         for epoch in epoch_bar:
@@ -1598,7 +1604,7 @@ def _resumed_scheduler(scheduler, optimizer: torch.optim.Optimizer, optim_cfg: D
     if saved_epochs == epochs:
         scheduler.load_state_dict(ckpt["scheduler"])
         return scheduler
-    if dist.is_main:
+    if dist.is_main and ckpt["epoch"] < epochs:  # (else nothing is trained: `_say_if_nothing_to_train` says so)
         say(f"resume: trainer.epochs {saved_epochs} -> {epochs}: the LR schedule is that of a {epochs}-epoch run, "
               f"going on at epoch {ckpt['epoch'] + 1}")
     for group in optimizer.param_groups:  # back to the base LR, then the new schedule's steps up to the epoch
@@ -1617,16 +1623,20 @@ def _step_schedule(scheduler, times: int = 1) -> None:
             scheduler.step()
 
 
-def _say_if_nothing_to_train(first_epoch: int, epochs: int, step: int, max_steps: int | None, dist: DistInfo) -> None:
-    """Print why a (resumed) run trains no step: its epochs or its max_steps are already reached."""
-    if not dist.is_main:
-        return
+def _say_if_nothing_to_train(first_epoch: int, epochs: int, step: int, max_steps: int | None, dist: DistInfo) -> bool:
+    """Whether a (resumed) run trains no step, its epochs or its max_steps already reached; the main process says
+    why."""
     if first_epoch >= epochs:
-        say(f"nothing to train: the checkpoint has finished {first_epoch} epochs and trainer.epochs={epochs}; "
-              "pass a larger trainer.epochs to train on")
+        reason = (f"the checkpoint has finished {first_epoch} epochs and trainer.epochs={epochs}; pass a larger "
+                  "trainer.epochs to train on")
     elif max_steps is not None and step >= max_steps:
-        say(f"nothing to train: the checkpoint is at step {step} and trainer.max_steps={max_steps}; pass a larger "
-              "trainer.max_steps (or trainer.max_steps=null) to train on")
+        reason = (f"the checkpoint is at step {step} and trainer.max_steps={max_steps}; pass a larger "
+                  "trainer.max_steps (or trainer.max_steps=null) to train on")
+    else:
+        return False
+    if dist.is_main:
+        say(f"nothing to train: {reason}")
+    return True
 
 
 def _gather_rng(state: dict, dist: DistInfo) -> list[dict]:

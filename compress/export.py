@@ -374,7 +374,7 @@ def export_checkpoint(
             weights = next(small.parameters()).dtype
             onnx_model = copy.deepcopy(small).float() if weights != torch.float32 else small
             export_onnx(onnx_model.cpu(), stage / FILES[1], size, stripe_mode=stripe_mode, opset=opset)
-            probe = torch.randn(2, *size, generator=torch.Generator().manual_seed(0))  # the same check every export
+            probe = torch.randn(2, *size, generator=torch.Generator().manual_seed(0), device="cpu")  # the same check every export
             err = check_onnx(stage / FILES[1], onnx_model, probe)
             if not math.isfinite(err):
                 warnings.warn(f"export: the ONNX check of {out / FILES[1]} got NaN or inf: the PyTorch model or "

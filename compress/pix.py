@@ -17,6 +17,7 @@ their class and forward, so checkpoints, torch.fx surgery and skeletons see ordi
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -28,7 +29,7 @@ from compress.models._weight_init import init_weights
 from compress.models.cifar_resnet import BasicBlock as CifarBasicBlock
 from compress.models.cifar_resnet import Bottleneck as CifarBottleneck
 from compress.models.cifar_vgg import CifarVGG
-from compress.surgery import imported_classes, replace_module
+from compress.surgery import hooked, imported_classes, replace_module
 from kernels import residual_relu
 from kernels._utils import (
     check_tau,
@@ -329,6 +330,17 @@ def _record(model: nn.Module, zeta: int, tau: float) -> None:
         arch["pix"] = {"zeta": int(zeta), "tau": float(tau)}
 
 
+def _warn_dropped_hooks(where: str, model: nn.Module, with_hooks: dict[str, nn.Module]) -> None:
+    """Warn naming the modules of `with_hooks` (name: module with hooks of its own, before PiX went in) that are no
+    longer in `model`: PiX replaced or rebuilt them, and their hooks went with them."""
+    present = {id(m) for m in model.modules()}
+    gone = [name for name, m in with_hooks.items() if id(m) not in present]
+    if gone:
+        warnings.warn(f"{where}: {', '.join(gone[:5])}{', ...' if len(gone) > 5 else ''}: PiX replaced or rebuilt "
+                      "these modules, and the forward hooks registered on them went with them; register them again "
+                      "on the new modules", stacklevel=3)
+
+
 def insert_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
     """Channel squeezing mode, in place: in every bottleneck (torchvision, timm, our CIFAR ones) PiX replaces
     the squeeze conv + BN + ReLU, and the bottleneck width becomes out_channels / zeta (conv2, bn2 and conv3 are
@@ -350,9 +362,11 @@ def insert_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
     if not names:
         raise _unsupported(f"insert_pix: {type(model).__name__} has no bottleneck block PiX rebuilds", model)
     widths = [_squeeze_width(name, model.get_submodule(name), zeta) for name in names]
+    with_hooks = {name: model.get_submodule(name) for name in hooked(model)}
     for name, width in zip(names, widths):
         _squeeze_with_pix(model.get_submodule(name), width, tau)
     use_pix_bottlenecks(model)
+    _warn_dropped_hooks("insert_pix", model, with_hooks)
     _record(model, zeta, tau)
     return names
 
@@ -379,9 +393,11 @@ def downscale_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
             raise ValueError(f"{where}: PiX needs a conv with groups=1, got groups={conv.groups}")
         _check_factor(where, conv.in_channels, zeta)
         _check_resizable(conv, where)
+    with_hooks = {name: model.get_submodule(name) for name in hooked(model)}
     for name, conv in targets:
         new_conv = conv if zeta == 1 else _resized(conv, conv.in_channels // zeta, conv.out_channels)
         replace_module(model, name, _like(nn.Sequential(PiXBlock(conv.in_channels, zeta, tau), new_conv), conv))
+    _warn_dropped_hooks("downscale_pix", model, with_hooks)
     _record(model, zeta, tau)
     return [n for n, _ in targets]
 

@@ -552,11 +552,11 @@ def profile(
         model.to(device)
         with evaluating(model):
             gen = torch.Generator().manual_seed(0)  # a private generator: profiling never moves the global RNG
-            x = torch.randn(1, *input_size, dtype=dtype, generator=gen).to(device, memory_format=memory_format)
+            x = torch.randn(1, *input_size, dtype=dtype, generator=gen, device="cpu").to(device, memory_format=memory_format)
             layers, largest, functional_macs = _count(model, x, convention)
             ms = None
             if latency:
-                xb = torch.randn(batch_size, *input_size, dtype=dtype, generator=gen).to(device, memory_format=memory_format)
+                xb = torch.randn(batch_size, *input_size, dtype=dtype, generator=gen, device="cpu").to(device, memory_format=memory_format)
                 (ms,) = measure_latencies([model], xb, warmup=warmup, repeats=repeats)
                 per_layer = _layer_latency(model, xb, repeats, {row.name for row in layers})
                 for row in layers:

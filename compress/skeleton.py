@@ -191,7 +191,7 @@ def attach_skeletons(
         from compress.stripe import Conv2dReLU
 
         subclassed = collections.Counter(
-            type(m).__name__ for n, m in model.named_modules()
+            f"{type(m).__module__}.{type(m).__qualname__}" for n, m in model.named_modules()
             if isinstance(m, nn.Conv2d) and not isinstance(m, (SkeletonConv2d, Conv2dReLU)) and type(m) is not nn.Conv2d
             and _prunable(n, m, min_kernel_size, include, exclude)
         )  # fmt: skip

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import kernels
-from compress.surgery import blank_conv, conv_like
+from compress.surgery import blank_conv, conv_like, uninitialised
 from kernels import stripe_triton, unrolled
 from kernels._utils import (
     autocast_dtype,
@@ -217,6 +217,8 @@ class StripeConv2d(nn.Module):
         relu: bool = False,
         pool: bool = False,
         pool_ceil: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ):
         super().__init__()
         flags = {"bias": bias, "relu": relu, "pool": pool, "pool_ceil": pool_ceil}
@@ -229,10 +231,10 @@ class StripeConv2d(nn.Module):
         self.padding, self.dilation = _pair(padding), _pair(dilation)
         _check_geometry(self)
         self.mode = mode
-        self.weight = nn.Parameter(torch.zeros(num_stripes, in_channels))
-        self.bias = nn.Parameter(torch.zeros(out_channels)) if bias else None
-        self.register_buffer("out_index", torch.zeros(num_stripes, dtype=torch.long))
-        self.register_buffer("offset", torch.zeros(num_stripes, 2, dtype=torch.long))
+        self.weight = nn.Parameter(torch.zeros(num_stripes, in_channels, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(out_channels, device=device, dtype=dtype)) if bias else None
+        self.register_buffer("out_index", torch.zeros(num_stripes, dtype=torch.long, device=device))
+        self.register_buffer("offset", torch.zeros(num_stripes, 2, dtype=torch.long, device=device))
         # kernels.stripe_plan of the indices; built once they are set (from_dense, load_state_dict)
         self.register_buffer("plan", None, persistent=False)
         # kernels.stripe_rows of the indices (where dense_weight scatters each stripe), built with the plan
@@ -290,7 +292,9 @@ class StripeConv2d(nn.Module):
             num_stripes=o.numel(),
             bias=conv.bias is not None,
             mode=mode,
-        ).to(device=conv.weight.device, dtype=conv.weight.dtype)
+            device=conv.weight.device,
+            dtype=conv.weight.dtype,
+        )
         with torch.no_grad():
             new.weight.copy_(conv.weight[o, :, i, j])
             new.out_index.copy_(o)
@@ -317,7 +321,8 @@ class StripeConv2d(nn.Module):
     def to_dense(self) -> nn.Module:
         """An nn.Conv2d (a Conv2dReLU if `relu`; in nn.Sequential with its nn.MaxPool2d if `pool`) with the same
         output: dropped stripes are zeros."""
-        conv = (Conv2dReLU if self.relu else nn.Conv2d)(
+        conv = uninitialised(
+            Conv2dReLU if self.relu else nn.Conv2d,
             self.in_channels,
             self.out_channels,
             self.kernel_size,

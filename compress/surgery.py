@@ -14,6 +14,10 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.utils import parametrize
+from torch.nn.utils.prune import BasePruningMethod
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from compress._checks import unwrapped
 from compress._modes import LIBRARY_LOCK, evaluating
@@ -32,6 +36,9 @@ __all__ = [
     "read_outside_their_call",
     "hooked",
     "copy_model",
+    "uninitialised",
+    "WEIGHT_HOOKS",
+    "reparametrizations",
     "left_alone",
     "called_once",
     "bn_remainder",
@@ -60,6 +67,24 @@ def conv_config(conv: nn.Conv2d) -> dict:
     }
 
 
+# torch's forward pre-hooks that set a module's `weight` from tensors of its own in every forward (weight_orig and
+# weight_mask; weight_g and weight_v; weight_orig, u and v)
+WEIGHT_HOOKS = (BasePruningMethod, WeightNorm, SpectralNorm)
+
+
+def reparametrizations(m: nn.Module) -> list[str]:
+    """The calls that make `m`'s computed weights plain tensors again: one per torch.nn.utils.prune,
+    weight_norm/spectral_norm (old style) hook and torch.nn.utils.parametrize parametrization it has."""
+    removals = {BasePruningMethod: "torch.nn.utils.prune.remove(module, {!r})",
+                WeightNorm: "torch.nn.utils.remove_weight_norm(module, {!r})",
+                SpectralNorm: "torch.nn.utils.remove_spectral_norm(module, {!r})"}
+    calls = [call.format(getattr(hook, "_tensor_name", getattr(hook, "name", "weight")))
+             for hook in m._forward_pre_hooks.values() for kind, call in removals.items() if isinstance(hook, kind)]
+    if parametrize.is_parametrized(m):
+        calls += [f"torch.nn.utils.parametrize.remove_parametrizations(module, {name!r})" for name in m.parametrizations]
+    return calls
+
+
 def copy_model(model: nn.Module) -> nn.Module:
     """``copy.deepcopy(model)``, with the tensors that modules keep as plain attributes and that autograd computed
     detached (deepcopy refuses such non-leaf tensors: torch.nn.utils.prune's, weight_norm's and spectral_norm's
@@ -74,8 +99,13 @@ def blank_conv(cls: type[nn.Conv2d], conv: nn.Conv2d, **kwargs) -> nn.Conv2d:
     buffers the caller overwrites: they are left uninitialised (built on the meta device, then given memory, as
     `torch.nn.utils.skip_init` does), so compaction and skeleton attachment draw no numbers from the global random
     stream, nor save and restore it (which would undo another thread's draws), and spend no time initialising."""
-    blank = cls(**conv_config(conv), **kwargs, device="meta", dtype=conv.weight.dtype)
-    return blank.to_empty(device=conv.weight.device)
+    return uninitialised(cls, **conv_config(conv), **kwargs, device=conv.weight.device, dtype=conv.weight.dtype)
+
+
+def uninitialised(cls: type[nn.Module], *args, device: torch.device | str, **kwargs) -> nn.Module:
+    """``cls(*args, **kwargs)`` on `device` with its tensors left uninitialised: built on the meta device (no numbers
+    drawn from the random stream), then given memory, as `torch.nn.utils.skip_init` does."""
+    return cls(*args, **kwargs, device="meta").to_empty(device=device)
 
 
 def conv_like(new: nn.Module, old: nn.Module) -> nn.Module:
@@ -324,7 +354,7 @@ def _channelwise_step(model: nn.Module, node: fx.Node, src: fx.Node, channels: i
     args, kwargs = tuple(node.args[1:]), dict(node.kwargs)
     if node.op == "call_module":
         m = model.get_submodule(node.target)
-        if _has_hooks(m) or torch.nn.utils.parametrize.is_parametrized(m):
+        if _has_hooks(m) or parametrize.is_parametrized(m):
             return None  # left alone: a hook may read its channels (feature capture, a per-channel scale), and a
             # parametrized weight cannot be sliced by setting it (that needs an inverse the parametrization may lack)
         if isinstance(m, batch_norm_types()):  # in eval mode a fixed per-channel map, unless it keeps no statistics
@@ -461,7 +491,7 @@ def foldable_conv(conv: nn.Module) -> bool:
     """Whether a BN after `conv` folds into its weight and bias: nn.Conv2d itself and timm's Conv2dSame (it only pads
     dynamically) use them as stored. Not weight-standardising subclasses (timm's StdConv2d, ScaledStdConv2d: their
     forward would undo a folded scale) or parametrised weights (weight_norm)."""
-    return (type(conv) is nn.Conv2d or type(conv) in imported_classes("timm.layers", "Conv2dSame")) and not torch.nn.utils.parametrize.is_parametrized(conv)
+    return (type(conv) is nn.Conv2d or type(conv) in imported_classes("timm.layers", "Conv2dSame")) and not parametrize.is_parametrized(conv)
 
 
 def conv_bn_pairs_traced(model: nn.Module, graph: fx.Graph, foldable: bool = True) -> dict[str, str]:

@@ -1028,6 +1028,26 @@ def test_attach_skeletons_and_compact_neither_draw_nor_restore_the_random_stream
     torch.testing.assert_close(small(x), reference(x), rtol=1e-4, atol=1e-4)
 
 
+def test_save_of_a_pruned_or_reparametrized_conv_names_the_call_that_makes_it_plain(tmp_path):
+    """torch's prune, weight_norm and parametrizations keep a conv's weight as other tensors the recipe cannot
+    rebuild; the refusal suggested register_module_type (which cannot help). It names the removal call now, and
+    after that call the model saves and loads."""
+    from torch.nn.utils import parametrizations, prune
+
+    for apply, removal in [(lambda c: prune.l1_unstructured(c, "weight", 0.5), r"torch\.nn\.utils\.prune\.remove"),
+                           (parametrizations.weight_norm, r"torch\.nn\.utils\.parametrize\.remove_parametrizations")]:
+        model = create_model("resnet20")
+        apply(model.layer1[0].conv1)
+        with pytest.raises(ValueError, match=rf"Module 'layer1\.0\.conv1' computes its weight from other tensors .*; "
+                                             rf"make it plain first: {removal}\(module, 'weight'\)"):
+            save(model, tmp_path / "m.safetensors")
+    parametrize = torch.nn.utils.parametrize
+    parametrize.remove_parametrizations(model.layer1[0].conv1, "weight")
+    save(model, tmp_path / "m.safetensors")
+    x = torch.randn(1, 3, 32, 32)
+    torch.testing.assert_close(load(tmp_path / "m.safetensors").eval()(x), model.eval()(x))
+
+
 def test_a_module_type_defined_again_replaces_itself_and_another_class_is_refused(tmp_path):
     """A notebook cell that defines and registers a module type, run twice, failed with "key 'X' is already taken by
     X"; the same definition (module and qualified name) now replaces its earlier self, as register_model does, and

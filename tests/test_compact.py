@@ -874,6 +874,32 @@ def test_torchs_weight_recomputing_hooks_compact_exactly_after_training_steps():
         torch.testing.assert_close(ready(x), expected, rtol=1e-10, atol=1e-10)
 
 
+def test_compact_and_profile_run_under_another_default_device_and_to_dense_draws_nothing():
+    """Code inside ``with torch.device("meta"):`` (or set_default_device("cuda")): StripeConv2d.from_dense built its
+    module on the default device and copied into it ("Cannot copy out of meta tensor"), and profile drew its input
+    with a CPU generator on the default device. StripeConv2d.to_dense drew a conv's initial weights from the global
+    random stream (compact with fold_bn moved it where a layer's output went unread)."""
+    gen = torch.Generator().manual_seed(0)
+    model = create_model("resnet20").eval()
+    attach_skeletons(model)
+    random_bn_(model, gen)
+    with torch.no_grad():
+        model.conv1.skeleton[:, 0, 0] = 0
+    x = torch.randn(2, 3, 32, 32, generator=gen)
+    with torch.device("meta"):
+        small = compact(model)
+        rep = profile(model, (3, 32, 32), latency=True, repeats=1)
+    torch.testing.assert_close(small(x), model(x), rtol=1e-5, atol=1e-5)
+    assert rep.macs == profile(model, (3, 32, 32), latency=False).macs > 0
+    stripe = small.conv1
+    torch.manual_seed(7)
+    untouched = torch.rand(4)
+    torch.manual_seed(7)
+    dense = stripe.to_dense()
+    assert torch.equal(torch.rand(4), untouched)
+    torch.testing.assert_close(dense(x), stripe(x), rtol=1e-5, atol=1e-5)
+
+
 def test_a_parametrized_batchnorm_after_dead_filters_is_left_alone():
     """A BN whose weight a parametrization without right_inverse computes sat in a chain from a conv with dead
     filters: compact sliced it by setting its weight and failed deep in torch ("does not implement right_inverse").

@@ -755,6 +755,29 @@ def test_inserted_modules_fit_the_model_they_join():
     assert vgg(torch.randn(1, 3, 32, 32, dtype=torch.float64)).dtype == torch.float64
 
 
+def test_hooks_on_the_modules_pix_replaces_or_rebuilds_are_named_in_a_warning():
+    """insert_pix and downscale_pix replace or rebuild convs and BNs; a feature-capture hook registered on one went
+    with it and silently stopped firing. The warning names them; hooks on modules PiX keeps stay and say nothing."""
+    model = create_model("resnet29_bottleneck")
+    seen = []
+    for name in ("layer1.0.conv1", "layer2.1.conv2", "layer3.0.bn3"):
+        model.get_submodule(name).register_forward_hook(lambda m, i, o, name=name: seen.append(name))
+    with pytest.warns(UserWarning, match=r"insert_pix: layer1\.0\.conv1, layer2\.1\.conv2: PiX replaced or rebuilt"):
+        insert_pix(model, 8)  # (zeta 8: conv2, bn2 and conv3 rebuilt thinner)
+    model(torch.randn(1, 3, 32, 32))
+    assert seen == ["layer3.0.bn3"]
+    kept = create_model("resnet29_bottleneck")
+    kept.layer3[0].bn3.register_forward_hook(lambda m, i, o: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        insert_pix(kept, 4)
+    vgg = create_model("vgg11")
+    second = [name for name, m in vgg.named_modules() if isinstance(m, nn.Conv2d)][1]  # the first PiX replaces
+    vgg.get_submodule(second).register_forward_pre_hook(lambda m, i: None)
+    with pytest.warns(UserWarning, match=rf"downscale_pix: {second}: PiX replaced or rebuilt"):
+        downscale_pix(vgg, 2)
+
+
 def test_pix_twice_is_refused_and_numpy_ints_are_zetas():
     import numpy as np
 

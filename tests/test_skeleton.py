@@ -281,11 +281,13 @@ def test_a_conv_whose_weight_another_module_holds_gets_no_skeleton_and_stays_tie
 
 
 def test_conv_subclasses_get_no_skeleton_with_a_warning():
-    """timm's StdConv2d (weight standardisation in its forward) is not a plain conv: it stays, and the call says so."""
+    """timm's StdConv2d (weight standardisation in its forward) is not a plain conv: it stays, and the call says so,
+    naming the class with its module (a QAT-prepared conv is torch.ao.nn.qat's "Conv2d")."""
     from timm.layers import StdConv2d
 
     model = nn.Sequential(StdConv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 3, padding=1))
-    with pytest.warns(UserWarning, match=r"\{'StdConv2d': 1\} convs get no skeleton: only plain nn.Conv2d"):
+    with pytest.warns(UserWarning, match=r"\{'timm\.layers\.std_conv\.StdConv2d': 1\} convs get no skeleton: only plain "
+                                         r"nn.Conv2d"):
         assert attach_skeletons(model) == ["2"]
     assert type(model[0]) is StdConv2d
 

@@ -244,6 +244,10 @@ def test_train_py_resume_keeps_the_checkpoints_trainer_settings(tmp_path):
     assert written["model"]["name"] == "resnet20" and written["data"]["name"] == "fake"
     assert yaml.safe_load((tmp_path / ".hydra" / "overrides.yaml").read_text()) == ["resume=true"]
     for refused, message in [(["resume=true", "model=vgg11"], r"model=\{'name': 'vgg11'.*a resumed run keeps its"),
+                             # refused after the resume was accepted (config checks, the data): the record was this
+                             # command's, or the run's config with batch_size 0
+                             (["resume=true", "trainer.log_every=0"], r"trainer.log_every=0 must be an int >= 1"),
+                             (["resume=true", "data.batch_size=0"], r"batch_size"),
                              (TINY, r"already holds a run \(checkpoints/last.pt\); a fresh run.*Pass resume=true"),
                              ([f"resume={other}"], r"already holds a run.*resume=.*\(another checkpoint\) would")]:
         proc = run_script("train.py", *refused, f"hydra.run.dir={tmp_path}")
@@ -271,6 +275,31 @@ def test_train_py_resume_keeps_the_checkpoints_trainer_settings(tmp_path):
     last.write_bytes(intact)
     _, resumed = train("resume=true", "trainer.max_steps=null")
     assert (first["steps"], resumed["steps"], resumed["epochs"]) == (3, 8, 2)
+
+
+def test_a_run_trained_without_float16_resumes_with_float16_autocast(tmp_path, monkeypatch):
+    """trainer.* may change on resume, but a run trained without float16 autocast (bf16, amp=false, a CPU run)
+    resumed with trainer.amp_dtype=float16 failed in GradScaler.load_state_dict ("The source state dict is empty");
+    it now starts a new loss scale. (float16 autocast is CUDA-only in train.py: forced here on the CPU.)"""
+    run(_compose(*TINY, "trainer.max_steps=2"), run_dir=tmp_path)
+    monkeypatch.setattr("compress.engine._amp_dtype", lambda cfg, device: torch.float16)
+    summary = run(_compose(*TINY, "trainer.max_steps=4", "trainer.amp_dtype=float16", "resume=true"), run_dir=tmp_path)
+    assert summary["steps"] == 4
+    scale = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)["scaler"]["scale"]
+    assert 0 < scale <= 2.0**16  # a float16 run's scale, kept for the next resume
+
+
+def test_a_finished_run_resumed_with_fewer_epochs_trains_nothing_and_keeps_its_record(tmp_path):
+    """`resume=true trainer.epochs=1` on a finished 2-epoch run announced an LR schedule of a 1-epoch run "going on
+    at epoch 3", then trained nothing, and left trainer.epochs: 1 in .hydra/config.yaml against its checkpoints'
+    2. It says only that there is nothing to train, and the record keeps the run's config."""
+    cosine = [o for o in TINY if not o.startswith("optim")] + ["optim=sgd_cosine", "optim.epochs=2"]
+    for args in (cosine, ["resume=true", "trainer.epochs=1"]):
+        proc = run_script("train.py", *args, f"hydra.run.dir={tmp_path}")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "nothing to train: the checkpoint has finished 2 epochs and trainer.epochs=1" in proc.stdout
+    assert "LR schedule" not in proc.stdout + proc.stderr
+    assert yaml.safe_load((tmp_path / ".hydra" / "config.yaml").read_text())["trainer"]["epochs"] == 2
 
 
 @pytest.mark.parametrize("optim", [["optim=sgd_cosine"], ["optim=sgd_digits", "optim.warmup_epochs=1"]])
