@@ -128,6 +128,12 @@ def use_kernel(t: torch.Tensor, out_elements: int = 0) -> bool:
             and (t.dim() < 2 or max(t.shape[0], t.shape[1]) <= 65535))
 
 
+def deterministic() -> bool:
+    """Whether the user asked for deterministic algorithms (``torch.use_deterministic_algorithms``): the CUDA kernels
+    whose reductions add in a varying order (float atomics) then hand the call to PyTorch's path."""
+    return torch.are_deterministic_algorithms_enabled()
+
+
 def autocast_dtype(device_type: str) -> torch.dtype | None:
     """The dtype autocast casts to on `device_type` ("cuda", "cpu"), None where autocast is off."""
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None

@@ -26,6 +26,7 @@ from kernels._utils import (
     check_conv_output,
     check_conv_params,
     check_like,
+    deterministic,
     memory_format,
     needs_standard_ops,
     pair,
@@ -110,7 +111,8 @@ def _check_grad(grad, x, weight, stride, padding, dilation) -> None:
 @_dw_backward_op.register_kernel("cuda")
 def _dw_backward_cuda(grad, x, weight, stride, padding, dilation):
     _check_grad(grad, x, weight, stride, padding, dilation)
-    ext = _ext.load() if use_kernel(x, grad.numel()) and not _to_cudnn(x) else None
+    # (the weight gradient adds blocks' shares with float atomics: cuDNN's path where determinism is asked for)
+    ext = _ext.load() if use_kernel(x, grad.numel()) and not _to_cudnn(x) and not deterministic() else None
     if ext is None or x.numel() == 0:
         return _dw_backward_torch(grad, x, weight, stride, padding, dilation)
     fmt = memory_format(x)

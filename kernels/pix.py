@@ -39,6 +39,7 @@ from kernels._utils import (
     check_4d,
     check_like,
     check_tau,
+    deterministic,
     memory_format,
     needs_standard_ops,
     plain_eager,
@@ -205,7 +206,8 @@ def _check_grad(grad: Tensor, x: Tensor, zeta: int, op: str = "compress::pix_bac
 def _pix_backward_cuda(grad: Tensor, x: Tensor, p: Tensor, zeta: int, tau: float) -> tuple[Tensor, Tensor]:
     _check(x, p, zeta, "compress::pix_backward")
     _check_grad(grad, x, zeta)
-    ext = _ext.load() if use_kernel(x) else None
+    # (dp adds per-warp shares with shared-memory float atomics: PyTorch's path where determinism is asked for)
+    ext = _ext.load() if use_kernel(x) and not deterministic() else None
     if ext is None or x.numel() == 0:
         return _backward_torch(grad, x, p, zeta, tau)
     fmt = memory_format(x)
@@ -481,7 +483,7 @@ def _pix_squeeze_backward_cuda(grad: Tensor, x: Tensor, weight: Tensor, pooled: 
     _check_squeeze(x, weight, zeta, SQBOP)
     _check_grad(grad, x, zeta, SQBOP)
     _check_pooled(pooled, x)
-    ext = _ext.load() if use_kernel(x) else None
+    ext = _ext.load() if use_kernel(x) and not deterministic() else None  # (its dp: as pix's backward)
     if ext is None or x.numel() == 0:
         return _squeeze_backward_torch(grad, x, weight, pooled, zeta, tau)
     return _squeeze_backward_ext(ext, grad, x, weight, pooled, zeta, tau)
@@ -538,7 +540,7 @@ def pix_squeeze(x: Tensor, weight: Tensor, zeta: int, tau: float = 0.5) -> Tenso
             _check_squeeze(x, weight, zeta)
             return _squeeze_cpu(x, weight, zeta, tau, keep_pooled=False)[0]
         ext = _ext.load() if x.is_cuda and use_kernel(x) and x.numel() else None
-        if ext is not None:
+        if ext is not None and not (grad and deterministic()):  # (a deterministic backward: the op's)
             _check_squeeze(x, weight, zeta)
             pooled = _attached_mean(x)
             if grad:

@@ -116,8 +116,12 @@ from kernels.stripe import stripe_rows, stripe_to_dense
 
 
 def available(x: torch.Tensor) -> bool:
-    """Whether the Triton kernel runs for ``x`` (CUDA, float32/16/bf16, triton importable)."""
-    return triton is not None and x.is_cuda and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    """Whether the Triton kernel runs for ``x``: CUDA, triton importable, float16/bfloat16, or float32 while
+    ``torch.backends.cudnn.allow_tf32`` lets convs multiply in TF32 as the kernel does (PyTorch's default; a user
+    who turns it off gets full float32 products from PyTorch's paths)."""
+    if triton is None or not x.is_cuda:
+        return False
+    return x.dtype in (torch.float16, torch.bfloat16) or (x.dtype == torch.float32 and torch.backends.cudnn.allow_tf32)
 
 
 if triton is not None:

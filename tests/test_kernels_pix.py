@@ -945,3 +945,36 @@ def test_cpu_library_cache_path_is_fixed_at_start_and_an_unwritable_one_is_named
         assert _cpu.lib() is None
     assert len(caught) == 1 and "file too short" in str(caught[0].message)
     assert "COMPRESS_KERNELS_CACHE" not in str(caught[0].message)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
+def test_backwards_are_deterministic_when_asked_cuda(layout, monkeypatch):
+    """Under torch.use_deterministic_algorithms(True), pix's and pix_squeeze's backward (dp summed with shared-memory
+    float atomics: pix_squeeze's gradients varied by ~4e-5 from run to run) take PyTorch's path: bitwise equal
+    runs, equal to float64."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # (the predictor's product in cuBLAS, deterministic)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.rand(16, 256, 28, 28, generator=gen).cuda().contiguous(memory_format=layout)
+    w = (torch.randn(64, 256, generator=gen) * 0.1).cuda()
+    p = torch.rand(16, 64, 1, 1, generator=gen).cuda()
+    g = torch.randn(16, 64, 28, 28, generator=gen).cuda().contiguous(memory_format=layout)
+
+    def grads():
+        xs, ws, xp, pp = (t.clone().requires_grad_() for t in (x, w, x, p))
+        kernels.pix_squeeze(xs, ws, 4, 0.5).backward(g)
+        kernels.pix(xp, pp, 4, 0.5).backward(g)
+        return xs.grad, ws.grad, xp.grad, pp.grad
+
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = [grads() for _ in range(3)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(run, runs[0]))
+    xs, ws, xp, pp = (t.double().requires_grad_() for t in (x, w, x, p))
+    kernels.pix_reference(xs, torch.sigmoid(xs.mean((2, 3)) @ ws.T)[:, :, None, None], 4, 0.5).backward(g.double())
+    kernels.pix_reference(xp, pp, 4, 0.5).backward(g.double())
+    for got, want in zip(runs[0], (xs.grad, ws.grad, xp.grad, pp.grad)):
+        torch.testing.assert_close(got.double(), want, rtol=1e-3, atol=1e-4)

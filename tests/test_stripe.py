@@ -491,6 +491,33 @@ def test_stripe_mode_passes_its_cached_dense_weight_to_the_kernel_dense_route(dt
     assert _rel(xg.grad, xr.grad) < tol
 
 
+@pytest.mark.cuda
+def test_float32_with_tf32_turned_off_gets_full_float32_products(monkeypatch):
+    """torch.backends.cudnn.allow_tf32 = False asks convs for full float32 products; the stripe kernel multiplies in
+    TF32 regardless (3e-4 from float64 on every call, also in a step's first, kernel-run training forward). With the
+    flag off, float32 layers take cuDNN's dense path and the op PyTorch's path (1e-6 here), a kept launcher
+    included; with it on (PyTorch's default) the kernel runs as before."""
+    gen = torch.Generator().manual_seed(23)
+    conv = nn.Conv2d(16, 32, 3, padding=1).double()
+    mask = _random_mask(32, 3, 3, keep=0.3, gen=gen)
+    s = StripeConv2d.from_dense(conv, mask, mode="stripe").cuda().float().eval()
+    x = torch.randn(8, 16, 20, 20, generator=gen, dtype=torch.float64)
+    xf = x.cuda().float()
+    ref = _masked_reference(conv, mask, x)
+    args = (xf, s.weight, s.out_index, s.offset, s.bias, 32, 3, 1, 1)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    with torch.no_grad():
+        assert 1e-5 < _rel(s(xf), ref) < 1e-3 and 1e-5 < _rel(kernels.stripe_conv2d(*args), ref) < 1e-3  # TF32
+        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+        assert _rel(s(xf), ref) < 1e-5 and _rel(kernels.stripe_conv2d(*args), ref) < 1e-5
+    xg = xf.clone().requires_grad_()
+    s.train()
+    s(xg).sum().backward()  # (a training step's first call for an input runs the op: its PyTorch path here)
+    xr = x.clone().requires_grad_()
+    _masked_reference(conv, mask, xr).sum().backward()
+    assert _rel(xg.grad, xr.grad) < 1e-5
+
+
 @pytest.mark.parametrize("mode, hw", [("dense", 6), ("gemm", 3)])
 def test_kept_weights_follow_a_replaced_weight(mode, hw):
     """A weight replaced by assignment (`.data =`, or a new Parameter), whose storage the allocator may place at
