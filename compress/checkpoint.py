@@ -328,33 +328,12 @@ def build_recipe(model: nn.Module) -> dict:
         warnings.warn(f"compress.save: the model {arch['name']!r} was registered by a script (__main__); only a process "
                       "that registers it again can load the file: move its @compress.register_model builder into a "
                       "module", stacklevel=3)
-    replacements = []
-    with rng_kept():  # (a reference whose weights are never used: it draws no numbers from the user's stream)
-        ref = _reference(arch, "compress.save")
-        for name, module in model.named_modules():
-            if not name:
-                continue
-            try:
-                ref_mod = get_module(ref, name)
-            except AttributeError:
-                ref_mod = None
-            if _same(module, ref_mod):
-                continue
-            key = _type_key(module)
-            if key is None:
-                raise ValueError(
-                    f"compress.save: module {name!r} of type {type(module).__name__} differs from the rebuilt "
-                    f"architecture and is not an allowed type ({', '.join(sorted(_TYPES))}); register it with "
-                    "compress.checkpoint.register_module_type(key, cls) and give it a config() method"
-                    + _removal_hint(model, ref)
-                )
-            entry = {"name": name, "type": key, "config": _config(module, key)}
-            _apply(ref, [entry], [], "compress.save")
-            replacements.append(entry)
-        model_names = {n for n, _ in model.named_modules(remove_duplicate=False)}  # (a module aliased later: not removed)
-        removed = [n for n, _ in ref.named_modules() if n and n not in model_names]
-        removed = [n for n in removed if n.rpartition(".")[0] not in removed]  # deleting a parent is enough
-        _apply(ref, [], removed, "compress.save")
+    try:  # the reference is compared, never run: on the meta device it takes no memory and draws no numbers
+        with torch.device("meta"):
+            ref, replacements, removed = _matched_reference(model, arch)
+    except Exception:  # noqa: BLE001 - a constructor that reads tensor values: built for real, raising the real errors
+        with rng_kept():  # (its weights are never used: it draws no numbers from the user's stream)
+            ref, replacements, removed = _matched_reference(model, arch)
     if _shapes(ref) != _shapes(model):
         diff = sorted(set(_shapes(ref).items()) ^ set(_shapes(model).items()))[:5]
         raise ValueError(
@@ -372,6 +351,38 @@ def build_recipe(model: nn.Module) -> dict:
     # rebuild give the model exactly these ties, also where compaction untied ones its constructor makes
     recipe["tied"] = tied_groups(model)
     return recipe
+
+
+def _matched_reference(model: nn.Module, arch: dict) -> tuple[nn.Module, list[dict], list[str]]:
+    """The architecture's model rebuilt and changed to match `model`'s modules, with the recipe entries that did it
+    (replacements, removed names); ValueError naming a changed module of a type outside the allowlist."""
+    replacements = []
+    ref = _reference(arch, "compress.save")
+    for name, module in model.named_modules():
+        if not name:
+            continue
+        try:
+            ref_mod = get_module(ref, name)
+        except AttributeError:
+            ref_mod = None
+        if _same(module, ref_mod):
+            continue
+        key = _type_key(module)
+        if key is None:
+            raise ValueError(
+                f"compress.save: module {name!r} of type {type(module).__name__} differs from the rebuilt "
+                f"architecture and is not an allowed type ({', '.join(sorted(_TYPES))}); register it with "
+                "compress.checkpoint.register_module_type(key, cls) and give it a config() method"
+                + _removal_hint(model, ref)
+            )
+        entry = {"name": name, "type": key, "config": _config(module, key)}
+        _apply(ref, [entry], [], "compress.save")
+        replacements.append(entry)
+    model_names = {n for n, _ in model.named_modules(remove_duplicate=False)}  # (a module aliased later: not removed)
+    removed = [n for n, _ in ref.named_modules() if n and n not in model_names]
+    removed = [n for n in removed if n.rpartition(".")[0] not in removed]  # deleting a parent is enough
+    _apply(ref, [], removed, "compress.save")
+    return ref, replacements, removed
 
 
 def tied_groups(model: nn.Module) -> list[list[str]]:
