@@ -330,6 +330,12 @@ def _record(model: nn.Module, zeta: int, tau: float) -> None:
         arch["pix"] = {"zeta": int(zeta), "tau": float(tau)}
 
 
+def _modules_with_hooks(model: nn.Module) -> dict[str, nn.Module]:
+    """{name: module} of `model`'s modules with forward hooks of their own (`surgery.hooked`), in model order."""
+    names = hooked(model)
+    return {name: m for name, m in model.named_modules() if name in names}
+
+
 def _warn_dropped_hooks(where: str, model: nn.Module, with_hooks: dict[str, nn.Module]) -> None:
     """Warn naming the modules of `with_hooks` (name: module with hooks of its own, before PiX went in) that are no
     longer in `model`: PiX replaced or rebuilt them, and their hooks went with them."""
@@ -362,7 +368,7 @@ def insert_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
     if not names:
         raise _unsupported(f"insert_pix: {type(model).__name__} has no bottleneck block PiX rebuilds", model)
     widths = [_squeeze_width(name, model.get_submodule(name), zeta) for name in names]
-    with_hooks = {name: model.get_submodule(name) for name in hooked(model)}
+    with_hooks = _modules_with_hooks(model)
     for name, width in zip(names, widths):
         _squeeze_with_pix(model.get_submodule(name), width, tau)
     use_pix_bottlenecks(model)
@@ -393,7 +399,7 @@ def downscale_pix(model: nn.Module, zeta: int, tau: float = 0.5) -> list[str]:
             raise ValueError(f"{where}: PiX needs a conv with groups=1, got groups={conv.groups}")
         _check_factor(where, conv.in_channels, zeta)
         _check_resizable(conv, where)
-    with_hooks = {name: model.get_submodule(name) for name in hooked(model)}
+    with_hooks = _modules_with_hooks(model)
     for name, conv in targets:
         new_conv = conv if zeta == 1 else _resized(conv, conv.in_channels // zeta, conv.out_channels)
         replace_module(model, name, _like(nn.Sequential(PiXBlock(conv.in_channels, zeta, tau), new_conv), conv))

@@ -536,11 +536,13 @@ def chain_constants(model: nn.Module, chain: Chain) -> torch.Tensor:
 
 
 def _set_param(module: nn.Module, name: str, value: torch.Tensor) -> None:
-    """Replace (or add) Parameter `name` of `module` by a copy of `value`, keeping requires_grad (a new bias takes the
-    weight's: a frozen conv stays frozen)."""
+    """Replace (or add) Parameter `name` of `module` by `value`, keeping requires_grad (a new bias takes the
+    weight's: a frozen conv stays frozen). `value` is a tensor of the caller's own (a slice by a mask, a product, a
+    sum; not a view of a tensor a model keeps): it is not copied again (a copy held a large layer three times over,
+    the old weight, the slice and its copy, at compaction's peak)."""
     old = getattr(module, name)
     requires_grad = (old if old is not None else module.weight).requires_grad
-    setattr(module, name, nn.Parameter(value.detach().clone(), requires_grad=requires_grad))
+    setattr(module, name, nn.Parameter(value.detach(), requires_grad=requires_grad))
 
 
 def consumer_columns(model: nn.Module, chain: Chain, name: str) -> torch.Tensor:
@@ -597,7 +599,7 @@ def remove_channels(model: nn.Module, chain: Chain, keep: torch.Tensor) -> None:
                 if isinstance(t, nn.Parameter):
                     _set_param(m, attr, t[keep])
                 elif t is not None:  # a buffer (running statistics; FrozenBatchNorm2d's weight and bias)
-                    setattr(m, attr, t[keep].clone())
+                    setattr(m, attr, t[keep])
             if hasattr(m, "num_features"):
                 m.num_features = int(keep.sum())
     for name in chain.consumers:
