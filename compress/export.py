@@ -362,6 +362,9 @@ def export_checkpoint(
             modes = choose_modes(deployed(copy.deepcopy(small)), xb, timing=timing)
         for name, mode in modes.items():
             small.get_submodule(name).mode = mode
+    # a compact file's: those its first compaction recorded (files before that record: SWP's default picks)
+    stripes = compact_stripes_per_layer(small, arch_model, pruned_layers or record.get("skeleton_layers"))
+    del model, arch_model  # (each as large as the dense model: not held through the ONNX export and the timing)
 
     with _staging(out) as stage:
         save_compact(small, stage / FILES[0])
@@ -388,8 +391,6 @@ def export_checkpoint(
             onnx_info = {"file": FILES[1], "sha256": _file_sha256(stage / FILES[1]), "stripe_mode": stripe_mode,
                          "opset": opset, "max_rel_error": err,
                          "dtype": str(next(onnx_model.parameters()).dtype).removeprefix("torch.")}
-        # a compact file's: those its first compaction recorded (files before that record: SWP's default picks)
-        stripes = compact_stripes_per_layer(small, arch_model, pruned_layers or record.get("skeleton_layers"))
         dense, small = deployed(dense), deployed(small)
         common = {"batch_size": batch_size, "device": device, "latency": latency, "repeats": repeats,
                   "memory_format": memory_format}

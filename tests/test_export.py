@@ -411,6 +411,40 @@ def test_export_warns_when_onnxruntime_disagrees(training_checkpoint, tmp_path, 
         export_checkpoint(path, tmp_path / "nan", latency=False, choose_stripe_modes=False)
 
 
+def test_export_lets_the_skeleton_model_and_the_architecture_go_before_onnx_and_timing(training_checkpoint, tmp_path,
+                                                                                      monkeypatch):
+    """export held the loaded skeleton model and the rebuilt architecture (each the dense model's size) to its end,
+    through the ONNX export and the profiles. Both are released once the compact model, the dense baseline and the
+    stripe counts exist."""
+    import gc
+    import weakref
+
+    import compress.export as export_module
+
+    held = []
+
+    def recording(real):
+        def recorded(*args, **kwargs):
+            out = real(*args, **kwargs)
+            held.append(weakref.ref(out[0] if isinstance(out, tuple) else out))
+            return out
+        return recorded
+
+    for name in ("load_any", "architecture"):
+        monkeypatch.setattr(export_module, name, recording(getattr(export_module, name)))
+    real_export_onnx = export_module.export_onnx
+
+    def checked(*args, **kwargs):
+        gc.collect()
+        assert len(held) >= 2 and all(ref() is None for ref in held)
+        return real_export_onnx(*args, **kwargs)
+
+    monkeypatch.setattr(export_module, "export_onnx", checked)
+    path, _ = training_checkpoint
+    report = export_checkpoint(path, tmp_path, latency=False, choose_stripe_modes=False)
+    assert report["onnx"]["max_rel_error"] < 1e-4
+
+
 def test_latencies_and_compact_figures_land_on_their_own_side(training_checkpoint, tmp_path, monkeypatch):
     """The side-by-side timing's two latencies go to their own models (stubbed here: each model's parameter count),
     and report.md's per-layer rows show each side's MACs."""
