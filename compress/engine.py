@@ -1076,16 +1076,23 @@ def _absolute_paths(cfg: DictConfig) -> None:
 def run(cfg: DictConfig, run_dir: str | os.PathLike | None = None) -> dict:
     """Train as `cfg` says, writing checkpoints/, tensorboard/ and summary.json under `run_dir`.
 
-    `run_dir` defaults to Hydra's output directory. Returns the summary dict (see README).
+    `run_dir` defaults to Hydra's output directory. Returns the summary dict (see README). Runs with gradients
+    enabled whatever the caller's grad mode; refuses a default dtype other than float32 (the models would be built
+    in it while the data stays float32).
     """
     require_sections(cfg, {"trainer": ("max_steps", int), "pix": ("zeta", int)}, "train")
+    if torch.get_default_dtype() != torch.float32:
+        raise ValueError(f"train: torch's default dtype is {torch.get_default_dtype()} (torch.set_default_dtype), so "
+                         "the model would be built in it while the data stays float32; call "
+                         "torch.set_default_dtype(torch.float32) first (trainer.amp sets the training precision)")
     start = time.perf_counter()
     dist = setup_distributed(cfg.trainer.device)
     run_dir = _shared_run_dir(Path(run_dir) if run_dir is not None else _hydra_run_dir(), dist)
     began = []  # set by _run once the run writes its results
     with _run_lock(run_dir, dist, cfg), warnings_in_log_files(dist.is_main, run_dir) as forget_warnings:
         try:
-            return _run(cfg, run_dir, dist, start, lambda: began.append(True))
+            with torch.enable_grad():  # (a caller's torch.no_grad() would leave the loss without a graph)
+                return _run(cfg, run_dir, dist, start, lambda: began.append(True))
         except BaseException as err:
             if began:
                 log_failure(err, dist.rank, run_dir)

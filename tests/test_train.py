@@ -277,6 +277,26 @@ def test_train_py_resume_keeps_the_checkpoints_trainer_settings(tmp_path):
     assert (first["steps"], resumed["steps"], resumed["epochs"]) == (3, 8, 2)
 
 
+def test_run_trains_under_a_callers_no_grad_and_refuses_another_default_dtype(tmp_path):
+    """engine.run called inside torch.no_grad() failed in backward ("element 0 of tensors does not require grad"),
+    and under torch.set_default_dtype(torch.float64) built a float64 model the float32 data could not enter (digits)
+    or trained silently in float64 (fake data)."""
+    with torch.no_grad():
+        summary = run(_compose(*TINY, "trainer.max_steps=2"), run_dir=tmp_path / "nograd")
+        assert not torch.is_grad_enabled()  # (the caller's mode, back after the run)
+    assert summary["steps"] == 2
+    first = torch.load(tmp_path / "nograd" / "checkpoints" / "last.pt", weights_only=True)
+    assert first["optimizer"]["state"]  # momentum buffers: SGD stepped with gradients
+    torch.set_default_dtype(torch.float64)
+    try:
+        with pytest.raises(ValueError, match=r"train: torch's default dtype is torch.float64 .*"
+                                             r"torch.set_default_dtype\(torch.float32\)"):
+            run(_compose(*TINY, "trainer.max_steps=2"), run_dir=tmp_path / "f64")
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert not (tmp_path / "f64").exists()
+
+
 def test_a_run_trained_without_float16_resumes_with_float16_autocast(tmp_path, monkeypatch):
     """trainer.* may change on resume, but a run trained without float16 autocast (bf16, amp=false, a CPU run)
     resumed with trainer.amp_dtype=float16 failed in GradScaler.load_state_dict ("The source state dict is empty");
