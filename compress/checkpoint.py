@@ -650,7 +650,30 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> nn.Modu
     recipe, tensors = _read(path)
     where = f"compress.load({path})"
     _check_dtypes(tensors, where, "export it again with compress.save or export.py")
-    model = rebuild_for(recipe, tensors, where)
+    try:  # the fit check's meta-device model takes the file's tensors: no memory or random numbers for replaced weights
+        model = _assigned(rebuild_for(recipe, tensors, where, meta=True), tensors, where)
+    except ValueError:  # (a file that does not fit: the real build below raises the error again)
+        model = None
+    if model is None or _holds_meta(model):  # a module with tensors outside its state dict, or one that copies into
+        model = _assigned(rebuild_for(recipe, tensors, where), tensors, where)  # its own on load: built for real
+    _cast_unsaved_buffers(model, recipe.get("buffer_dtypes"), {t.dtype for t in tensors.values() if t.is_floating_point()},
+                          where)
+    infinite = [k for k, t in tensors.items() if t.is_floating_point() and not bool(t.isfinite().all())]
+    if infinite:
+        warnings.warn(f"{where}: tensors hold NaN or inf values: {', '.join(infinite[:5])}"
+                      + (", ..." if len(infinite) > 5 else ""), stacklevel=2)
+    return model.to(device).eval()
+
+
+def _holds_meta(model: nn.Module) -> bool:
+    """Whether any parameter, buffer or tensor attribute of `model` is on the meta device."""
+    return any(t.is_meta for m in model.modules()
+               for t in (*m._parameters.values(), *m._buffers.values(), *vars(m).values())
+               if isinstance(t, torch.Tensor))
+
+
+def _assigned(model: nn.Module, tensors: dict[str, torch.Tensor], where: str) -> nn.Module:
+    """`model` holding the file's `tensors` (``load_state_dict(assign=True)``: no copy), ties as the recipe says."""
     tied = tied_groups(model)  # (the recipe's record, or for an older file what `rebuild_for` kept)
     own = model.state_dict()
     for key, t in tensors.items():  # integers were saved narrow (`_narrowest`): back to the module's type
@@ -664,13 +687,7 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> nn.Modu
         detail = " ".join(str(err).split())
         raise ValueError(f"{where}: the tensors do not fit the recipe's model: {detail}") from None
     _tie_loaded(model, tied, tensors, where)
-    _cast_unsaved_buffers(model, recipe.get("buffer_dtypes"), {t.dtype for t in tensors.values() if t.is_floating_point()},
-                          where)
-    infinite = [k for k, t in tensors.items() if t.is_floating_point() and not bool(t.isfinite().all())]
-    if infinite:
-        warnings.warn(f"{where}: tensors hold NaN or inf values: {', '.join(infinite[:5])}"
-                      + (", ..." if len(infinite) > 5 else ""), stacklevel=2)
-    return model.to(device).eval()
+    return model
 
 
 _FLOATS = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
@@ -706,30 +723,33 @@ def _unsaved_float_buffers(model: nn.Module):
                 yield f"{module_name}.{name}".lstrip("."), module, name, buf
 
 
-def rebuild_for(recipe: dict | str, tensors: dict[str, torch.Tensor], where: str) -> nn.Module:
+def rebuild_for(recipe: dict | str, tensors: dict[str, torch.Tensor], where: str, meta: bool = False) -> nn.Module:
     """`rebuild(recipe)` (a dict, or its JSON text) once the recipe's state_dict is known to fit `tensors` (the
-    weights it is built for; see `_check_fit`)."""
+    weights it is built for; see `_check_fit`). With `meta`, the meta-device model of that check where it could be
+    built (no memory, no random numbers: for ``load_state_dict(..., assign=True)``, after which the caller checks
+    that no meta tensor is left)."""
     if isinstance(recipe, str):
         recipe = parse_recipe(recipe, where)
-    _check_fit(recipe, tensors, where)
-    with rng_kept():  # (the weights are overwritten by `tensors`: no numbers drawn from the user's stream)
-        model = rebuild(recipe, where)
+    model = _check_fit(recipe, tensors, where)
+    if model is None or not meta:
+        with rng_kept():  # (the weights are overwritten by `tensors`: no numbers drawn from the user's stream)
+            model = rebuild(recipe, where)
     if "tied" not in recipe:  # written before the record: the constructor's ties whose copies in `tensors` are equal
         _set_ties(model, [g for g in tied_groups(model) if all(n in tensors for n in g) and _copies_agree(g, tensors)])
     return model
 
 
-def _check_fit(recipe: dict, tensors: dict[str, torch.Tensor], where: str) -> None:
-    """ValueError unless the state_dict of the recipe's model, built on the meta device (no memory, whatever sizes the
-    recipe names), has the file's tensor names, shapes and kinds (floating point or not). A model that cannot be
-    built on the meta device, for whatever reason, is left to the real build, which runs the same `rebuild` and
-    raises its errors (an unregistered model, bad arguments): e.g. torchvision's RegNet, whose __init__ reads tensor
-    values (``tolist()``), which meta tensors do not have."""
+def _check_fit(recipe: dict, tensors: dict[str, torch.Tensor], where: str) -> nn.Module | None:
+    """The recipe's model built on the meta device (no memory, whatever sizes the recipe names); ValueError unless
+    its state_dict has the file's tensor names, shapes and kinds (floating point or not). A model that cannot be
+    built on the meta device, for whatever reason, is left to the real build (None), which runs the same `rebuild`
+    and raises its errors (an unregistered model, bad arguments): e.g. torchvision's RegNet, whose __init__ reads
+    tensor values (``tolist()``), which meta tensors do not have."""
     try:
         with torch.device("meta"):
             meta = rebuild(recipe, where)
     except Exception:  # noqa: BLE001 - load_state_dict checks the weights then
-        return
+        return None
     want, have = _shapes(meta), {k: (tuple(t.shape), t.is_floating_point()) for k, t in tensors.items()}
     if want != have:
         missing, extra = sorted(want.keys() - have.keys()), sorted(have.keys() - want.keys())
@@ -738,3 +758,4 @@ def _check_fit(recipe: dict, tensors: dict[str, torch.Tensor], where: str) -> No
                  for label, keys in (("missing", missing), ("unexpected", extra), ("shape or kind differs for", differ))
                  if keys]
         raise ValueError(f"{where}: the tensors do not fit the recipe's model: {'; '.join(parts)}")
+    return meta
