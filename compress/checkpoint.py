@@ -328,11 +328,14 @@ def build_recipe(model: nn.Module) -> dict:
         warnings.warn(f"compress.save: the model {arch['name']!r} was registered by a script (__main__); only a process "
                       "that registers it again can load the file: move its @compress.register_model builder into a "
                       "module", stacklevel=3)
-    try:  # the reference is compared, never run: on the meta device it takes no memory and draws no numbers
-        with torch.device("meta"):
-            ref, replacements, removed = _matched_reference(model, arch)
-    except Exception:  # noqa: BLE001 - a constructor that reads tensor values: built for real, raising the real errors
-        with rng_kept():  # (its weights are never used: it draws no numbers from the user's stream)
+    # the reference is compared, never run: built on the meta device it takes no memory; a constructor that reads
+    # tensor values builds it for real, raising the real errors. Its numbers are never used: the user's random
+    # stream is put back (a constructor may draw on an explicit CPU device even then)
+    with rng_kept():
+        try:
+            with torch.device("meta"):
+                ref, replacements, removed = _matched_reference(model, arch)
+        except Exception:  # noqa: BLE001
             ref, replacements, removed = _matched_reference(model, arch)
     if _shapes(ref) != _shapes(model):
         diff = sorted(set(_shapes(ref).items()) ^ set(_shapes(model).items()))[:5]
@@ -746,7 +749,7 @@ def _check_fit(recipe: dict, tensors: dict[str, torch.Tensor], where: str) -> nn
     and raises its errors (an unregistered model, bad arguments): e.g. torchvision's RegNet, whose __init__ reads
     tensor values (``tolist()``), which meta tensors do not have."""
     try:
-        with torch.device("meta"):
+        with rng_kept(), torch.device("meta"):  # (a constructor may draw on an explicit CPU device even then)
             meta = rebuild(recipe, where)
     except Exception:  # noqa: BLE001 - load_state_dict checks the weights then
         return None

@@ -65,6 +65,7 @@ from compress.surgery import (
     is_batch_norm,
     is_elementwise,
     left_alone,
+    refresh_weight,
     remove_channels,
     replace_module,
     trace,
@@ -237,14 +238,14 @@ def _compact_at(model: nn.Module, threshold: float, fold: bool, multiple: int = 
     pruned = []
     for name, m in list(out.named_modules()):
         if isinstance(m, SkeletonConv2d):
-            _refresh_weight(m)
+            refresh_weight(m)
             _replace_keeping_hooks(out, name, m, masked_conv(m, threshold))
             pruned.append(name)
         elif isinstance(m, StripeConv2d) and not (m.relu or m.pool):
             # a compact model compacted again (one exported with fold_bn=false and fine-tuned with init=): its
             # stripe convs go back to zero-filled convs, so that dead filters, BN folding and ReLU fusion see
             # them, and return as stripe convs below. Ones with an epilogue are final already (no BN after them).
-            _refresh_weight(m)
+            refresh_weight(m)
             _replace_keeping_hooks(out, name, m, m.to_dense())
             pruned.append(name)
     kept_dense = sorted(hooked(out) & set(pruned))
@@ -272,14 +273,6 @@ def _compact_at(model: nn.Module, threshold: float, fold: bool, multiple: int = 
 
 _MODULE_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
                  "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks", "_is_full_backward_hook")
-
-
-@torch.no_grad()
-def _refresh_weight(m: nn.Module) -> None:
-    """Run `m`'s `WEIGHT_HOOKS` (they set `m.weight` only in a forward: an optimizer step since left it stale)."""
-    for hook in list(m._forward_pre_hooks.values()):
-        if isinstance(hook, WEIGHT_HOOKS):
-            hook(m, ())
 
 
 def _replace_keeping_hooks(model: nn.Module, name: str, old: nn.Module, new: nn.Module) -> None:

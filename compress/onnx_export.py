@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from compress._modes import evaluating
 from compress.stripe import StripeConv2d
-from compress.surgery import copy_model, imported_classes, replace_module
+from compress.surgery import copy_model, imported_classes, refresh_weight, replace_module
 from kernels.pool import max_pool2x2
 
 __all__ = ["ShiftAddConv2d", "FixedAdaptiveAvgPool2d", "onnx_ready", "export_onnx", "check_onnx", "STRIPE_MODES"]
@@ -122,6 +122,7 @@ def onnx_ready(model: nn.Module, stripe_mode: str = "dense", example: torch.Tens
     ready = copy_model(model).eval()
     stripes = [(n, m) for n, m in ready.named_modules() if isinstance(m, StripeConv2d)]
     for name, m in stripes:
+        refresh_weight(m)  # (a weight torch's prune or weight norm computes: as of now, not of the last forward)
         new = m.to_dense() if stripe_mode == "dense" or m.num_stripes == 0 else ShiftAddConv2d(m)
         replace_module(ready, name, new.eval())
     if example is not None:

@@ -29,7 +29,7 @@ from compress.models._weight_init import init_weights
 from compress.models.cifar_resnet import BasicBlock as CifarBasicBlock
 from compress.models.cifar_resnet import Bottleneck as CifarBottleneck
 from compress.models.cifar_vgg import CifarVGG
-from compress.surgery import hooked, imported_classes, replace_module
+from compress.surgery import imported_classes, replace_module
 from kernels import residual_relu
 from kernels._utils import (
     check_tau,
@@ -331,9 +331,9 @@ def _record(model: nn.Module, zeta: int, tau: float) -> None:
 
 
 def _modules_with_hooks(model: nn.Module) -> dict[str, nn.Module]:
-    """{name: module} of `model`'s modules with forward hooks of their own (`surgery.hooked`), in model order."""
-    names = hooked(model)
-    return {name: m for name, m in model.named_modules() if name in names}
+    """{name: module} of `model`'s modules with forward or backward hooks of their own, in model order."""
+    return {name: m for name, m in model.named_modules()
+            if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks}
 
 
 def _warn_dropped_hooks(where: str, model: nn.Module, with_hooks: dict[str, nn.Module]) -> None:
@@ -343,7 +343,7 @@ def _warn_dropped_hooks(where: str, model: nn.Module, with_hooks: dict[str, nn.M
     gone = [name for name, m in with_hooks.items() if id(m) not in present]
     if gone:
         warnings.warn(f"{where}: {', '.join(gone[:5])}{', ...' if len(gone) > 5 else ''}: PiX replaced or rebuilt "
-                      "these modules, and the forward hooks registered on them went with them; register them again "
+                      "these modules, and the hooks registered on them went with them; register them again "
                       "on the new modules", stacklevel=3)
 
 

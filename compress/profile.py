@@ -237,9 +237,10 @@ def _handler(module: nn.Module, convention: str = "layers") -> MacsHandler | Non
 
 
 def _covers_children(module: nn.Module) -> bool:
-    """A module with `macs()`, or a parametrized one (torch.nn.utils.parametrize: its weight lives in its
-    `parametrizations` child), is one layer: its children get no rows of their own."""
-    return callable(getattr(module, "macs", None)) or parametrize.is_parametrized(module)
+    """A module with `macs()`, or a parametrized layer (torch.nn.utils.parametrize on a conv, linear, BN: its weight
+    lives in its `parametrizations` child), is one layer: its children get no rows of their own (a parametrized
+    container's other children keep theirs)."""
+    return callable(getattr(module, "macs", None)) or (parametrize.is_parametrized(module) and _handler(module) is not None)
 
 
 def _is_profiled(module: nn.Module) -> bool:

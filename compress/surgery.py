@@ -39,6 +39,7 @@ __all__ = [
     "uninitialised",
     "WEIGHT_HOOKS",
     "reparametrizations",
+    "refresh_weight",
     "left_alone",
     "called_once",
     "bn_remainder",
@@ -70,6 +71,14 @@ def conv_config(conv: nn.Conv2d) -> dict:
 # torch's forward pre-hooks that set a module's `weight` from tensors of its own in every forward (weight_orig and
 # weight_mask; weight_g and weight_v; weight_orig, u and v)
 WEIGHT_HOOKS = (BasePruningMethod, WeightNorm, SpectralNorm)
+
+
+@torch.no_grad()
+def refresh_weight(m: nn.Module) -> None:
+    """Run `m`'s `WEIGHT_HOOKS` (they set `m.weight` only in a forward: an optimizer step since left it stale)."""
+    for hook in list(m._forward_pre_hooks.values()):
+        if isinstance(hook, WEIGHT_HOOKS):
+            hook(m, ())
 
 
 def reparametrizations(m: nn.Module) -> list[str]:

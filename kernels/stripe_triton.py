@@ -110,18 +110,18 @@ try:  # grid dependency control (programmatic dependent launch, Hopper and later
 except ImportError:  # pragma: no cover - a Triton without it
     gdc_wait = None
 
-from kernels._utils import conv_out_size, memory_format
+from kernels._utils import conv_out_size, conv_tf32, memory_format
 from kernels.pool import max_pool2x2
 from kernels.stripe import stripe_rows, stripe_to_dense
 
 
 def available(x: torch.Tensor) -> bool:
-    """Whether the Triton kernel runs for ``x``: CUDA, triton importable, float16/bfloat16, or float32 while
-    ``torch.backends.cudnn.allow_tf32`` lets convs multiply in TF32 as the kernel does (PyTorch's default; a user
-    who turns it off gets full float32 products from PyTorch's paths)."""
+    """Whether the Triton kernel runs for ``x``: CUDA, triton importable, float16/bfloat16, or float32 while convs
+    may multiply in TF32 as the kernel does (`kernels._utils.conv_tf32`: PyTorch's default; a user who turns it off
+    gets full float32 products from PyTorch's paths)."""
     if triton is None or not x.is_cuda:
         return False
-    return x.dtype in (torch.float16, torch.bfloat16) or (x.dtype == torch.float32 and torch.backends.cudnn.allow_tf32)
+    return x.dtype in (torch.float16, torch.bfloat16) or (x.dtype == torch.float32 and conv_tf32())
 
 
 if triton is not None:

@@ -718,23 +718,30 @@ def test_a_model_that_cannot_be_built_on_meta_loads(tmp_path):
 def test_save_and_load_build_no_model_with_weights_of_its_own(tmp_path, monkeypatch):
     """save rebuilt the whole architecture with random weights only to compare module structure, and load built
     one with random weights only to replace them by the file's: both use the meta-device model now, drawing
-    nothing and saving no random state; a constructor that needs tensor values still saves and loads (the test
-    above), as do modules with tensors outside their state dict (BlurPool's filter, buffer_dtypes' test)."""
+    nothing; a constructor that needs tensor values still saves and loads (the test above), as do modules with
+    tensors outside their state dict (BlurPool's filter, buffer_dtypes' test)."""
     model = create_model("vgg11", num_classes=10)
     attach_skeletons(model)
     _randomise(model)
     small = compact(model.eval(), fold_bn=True)
 
-    def refused(*args, **kwargs):
-        raise AssertionError("a real reference was built (inside fork_rng)")
+    import compress.checkpoint as checkpoint_module
 
-    monkeypatch.setattr(torch.random, "fork_rng", refused)
+    built = []
+
+    def recorded(*args, _real=checkpoint_module._reference):
+        ref = _real(*args)
+        built.append({p.device.type for p in ref.parameters()})
+        return ref
+
+    monkeypatch.setattr(checkpoint_module, "_reference", recorded)
     paths = [save(m, tmp_path / f"{i}.safetensors") for i, m in enumerate((model, small))]
     x = torch.randn(2, 3, 32, 32)
     for m, path in zip((model, small), paths):
         loaded = load(path)
         assert {type(a) for a in loaded.modules()} == {type(b) for b in m.modules()}
         torch.testing.assert_close(loaded(x), m.eval()(x), rtol=0, atol=0)
+    assert len(built) == 4 and all(devices == {"meta"} for devices in built)  # (two saves, two loads)
 
 
 def test_paths_that_are_no_regular_file_are_clear_errors(tmp_path):
@@ -1018,6 +1025,38 @@ def test_the_library_calls_leave_the_global_random_stream_alone(tmp_path):
     }
     for name, call in steps.items():
         assert torch.equal(draws_after(call), untouched), name
+
+
+class _DrawsOnTheCPU(nn.Module):
+    """A net whose __init__ draws a buffer on an explicit CPU device (which a meta-device build draws too)."""
+
+    def __init__(self, num_classes: int, in_chans: int):
+        super().__init__()
+        self.conv = nn.Conv2d(in_chans, 8, 3, padding=1)
+        self.register_buffer("proj", torch.randn(8, num_classes, device="cpu"))
+
+    def forward(self, x):
+        return self.conv(x).mean((2, 3)) @ self.proj
+
+
+@compress.register_model
+def _test_draws_on_the_cpu_net(num_classes=10, in_chans=3):
+    return _DrawsOnTheCPU(num_classes, in_chans)
+
+
+def test_save_and_load_of_a_model_whose_constructor_draws_on_the_cpu_leave_the_random_stream(tmp_path):
+    """save and load build their reference on the meta device; a constructor that draws on an explicit CPU device
+    still drew from the user's stream there: both keep it as it was."""
+    model = create_model("_test_draws_on_the_cpu_net", num_classes=4)
+    path = tmp_path / "m.safetensors"
+    for call in (lambda: save(model, path), lambda: load(path)):
+        torch.manual_seed(7)
+        untouched = torch.rand(4)
+        torch.manual_seed(7)
+        call()
+        assert torch.equal(torch.rand(4), untouched)
+    x = torch.randn(2, 3, 8, 8)
+    torch.testing.assert_close(load(path)(x), model(x), rtol=0, atol=0)
 
 
 def test_attach_skeletons_and_compact_neither_draw_nor_restore_the_random_stream(monkeypatch):

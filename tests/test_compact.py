@@ -900,6 +900,33 @@ def test_compact_and_profile_run_under_another_default_device_and_to_dense_draws
     torch.testing.assert_close(dense(x), stripe(x), rtol=1e-5, atol=1e-5)
 
 
+def test_onnx_ready_takes_the_current_weight_of_a_pruned_stripe_conv():
+    """A StripeConv2d pruned with torch.nn.utils.prune after compaction, then stepped: its `weight` attribute is
+    stale until the next forward, and onnx_ready's copy wrote that stale weight into the dense conv it exports."""
+    from torch.nn.utils import prune
+
+    from compress.onnx_export import onnx_ready
+
+    gen = torch.Generator().manual_seed(3)
+    model = create_model("resnet20").double().eval()
+    attach_skeletons(model)
+    random_bn_(model, gen)
+    with torch.no_grad():
+        model.layer1[0].conv1.skeleton[:, 0, 0] = 0
+    small = compact(model)
+    layer = small.layer1[0].conv1
+    assert isinstance(layer, StripeConv2d)
+    prune.l1_unstructured(layer, "weight", amount=0.5)
+    x = torch.randn(2, 3, 32, 32, generator=gen, dtype=torch.double)
+    small(x).sum().backward()
+    with torch.no_grad():
+        layer.weight_orig.mul_(-3.0)  # a step: `weight` stale until the next forward
+    for mode in ("dense", "shift"):
+        ready = onnx_ready(small, stripe_mode=mode)
+        with torch.no_grad():
+            torch.testing.assert_close(ready(x), small(x), rtol=1e-10, atol=1e-10)
+
+
 def test_a_parametrized_batchnorm_after_dead_filters_is_left_alone():
     """A BN whose weight a parametrization without right_inverse computes sat in a chain from a conv with dead
     filters: compact sliced it by setting its weight and failed deep in torch ("does not implement right_inverse").

@@ -760,3 +760,30 @@ def test_pdl_launches_give_bitwise_the_outputs_of_plain_launches(monkeypatch):
             ref = _ref(ref, w.bfloat16().double().cuda(), oi.cuda(), off.cuda(), b_.bfloat16().double().cuda(), N,
                        (3, 3), (1, 1), (1, 1), (1, 1), relu=True).bfloat16().double()
         assert ((a.double() - ref).norm() / ref.norm()).item() < 2e-2
+
+
+def test_tf32_is_read_from_either_of_pytorchs_settings():
+    """The stripe kernel multiplies float32 in TF32, so it runs only while convs may: torch.backends.cudnn.conv.
+    fp32_precision ("ieee" or "tf32"; once set, reading the older allow_tf32 raises, which made every float32
+    forward fail) or, where that says "none", allow_tf32."""
+    import types
+
+    from kernels import stripe_triton
+    from kernels._utils import conv_tf32
+
+    conv = torch.backends.cudnn.conv
+    before = conv.fp32_precision
+    x = types.SimpleNamespace(is_cuda=True, dtype=torch.float32)
+    try:
+        conv.fp32_precision = "ieee"
+        assert not conv_tf32() and not stripe_triton.available(x)
+        conv.fp32_precision = "tf32"
+        assert conv_tf32()
+        torch.backends.cudnn.allow_tf32 = False  # (the older API: the new one reads "none" then)
+        assert not conv_tf32() and not stripe_triton.available(x)
+        torch.backends.cudnn.allow_tf32 = True
+        assert conv_tf32() and stripe_triton.available(x) == (stripe_triton.triton is not None)
+        assert stripe_triton.available(types.SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)) \
+            == (stripe_triton.triton is not None)
+    finally:
+        conv.fp32_precision = before

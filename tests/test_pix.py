@@ -762,7 +762,9 @@ def test_hooks_on_the_modules_pix_replaces_or_rebuilds_are_named_in_a_warning():
     seen = []
     for name in ("layer1.0.conv1", "layer2.1.conv2", "layer3.0.bn3"):
         model.get_submodule(name).register_forward_hook(lambda m, i, o, name=name: seen.append(name))
-    with pytest.warns(UserWarning, match=r"insert_pix: layer1\.0\.conv1, layer2\.1\.conv2: PiX replaced or rebuilt"):
+    model.layer1[1].conv1.register_full_backward_hook(lambda m, gi, go: None)  # (backward hooks go too)
+    with pytest.warns(UserWarning, match=r"insert_pix: layer1\.0\.conv1, layer1\.1\.conv1, layer2\.1\.conv2: PiX "
+                                         r"replaced or rebuilt"):
         insert_pix(model, 8)  # (zeta 8: conv2, bn2 and conv3 rebuilt thinner)
     model(torch.randn(1, 3, 32, 32))
     assert seen == ["layer3.0.bn3"]

@@ -408,6 +408,11 @@ def test_a_parametrized_conv_or_linear_is_one_row_counting_its_work_and_its_para
     assert rows["1"].macs == 26 * 26 * 4 * 72 and rows["1"].params == 4 * 72 + 4
     assert rows["3"].macs == 4 * 26 * 26 * 5 and rows["3"].params == 4 * 26 * 26 * 5 + 5
     assert rep.macs == sum(r.macs for r in rep.layers) and rep.params == sum(r.params for r in rep.layers)
+    # a parametrized container (its own tensor parametrized) is no layer: its children keep their rows
+    block = ScaledBlock()
+    torch.nn.utils.parametrize.register_parametrization(block, "gamma", nn.Softplus())
+    rep = profile(nn.Sequential(block), (4, 5, 6), latency=False)
+    assert {row.name: row.macs for row in rep.layers}["0.conv"] == 5 * 6 * 4 * 36 and rep.params == 148 + 4
 
 
 def test_latency_leaves_the_global_rng_alone_and_takes_the_memory_format():
