@@ -429,8 +429,9 @@ class StripeConv2d(nn.Module):
                 return self._pooled(unrolled.unrolled_conv2d(xg, *self._cached_unrolled(xg), relu=self.relu,
                                                              memory_format=fmt))
         # (where the kernel does not run on CUDA: float64, float32 with TF32 turned off, no Triton: cuDNN, not the
-        # op's PyTorch path of a GEMM and a scatter per offset)
-        if self._mode != "stripe" or self._cuda_training_in_dense_mode(x) or (x.is_cuda and not stripe_triton.available(x)):
+        # op's PyTorch path of a GEMM and a scatter per offset; a compiled graph keeps the op, which checks that itself)
+        if self._mode != "stripe" or self._cuda_training_in_dense_mode(x) \
+                or (x.is_cuda and not tracing_or_compiling() and not stripe_triton.available(x)):
             conv = conv2d_relu if self.relu else F.conv2d
             w, pad = self._dense_mode_weight(fmt)
             if self._mode == "dense" and eager_inference():  # (the condition `_eager_dense_output` runs under)
@@ -620,10 +621,10 @@ class StripeConv2d(nn.Module):
         ordered cheapest first, and the key holds only what can change without `_build_plan` (which drops the
         launcher): the input, the weight and bias storage and version (`.to()` and in-place edits), the epilogue
         flags. The indices move only with the weight (`.to()`/`.cuda()`) or through `_build_plan`."""
-        if self._mode != "stripe" or not stripe_triton.available(x):
+        if self._mode != "stripe" or not x.is_cuda:
             return None
         w, b = self.weight, self.bias
-        if recording(x, w, b) or tracing_or_compiling():
+        if recording(x, w, b) or tracing_or_compiling() or not stripe_triton.available(x):
             return None
         if w.dtype != x.dtype or autocast_dtype("cuda") not in (None, x.dtype):
             return None
