@@ -772,7 +772,9 @@ def test_tf32_is_read_from_either_of_pytorchs_settings():
     from kernels._utils import conv_tf32
 
     conv = torch.backends.cudnn.conv
-    before = conv.fp32_precision
+    settings = [(torch.backends, "fp32_precision"), (torch.backends.cudnn, "fp32_precision"), (conv, "fp32_precision"),
+                (torch.backends.cudnn.rnn, "fp32_precision")]
+    before = [getattr(owner, name) for owner, name in settings]
     x = types.SimpleNamespace(is_cuda=True, dtype=torch.float32)
     try:
         conv.fp32_precision = "ieee"
@@ -785,5 +787,7 @@ def test_tf32_is_read_from_either_of_pytorchs_settings():
         assert conv_tf32() and stripe_triton.available(x) == (stripe_triton.triton is not None)
         assert stripe_triton.available(types.SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)) \
             == (stripe_triton.triton is not None)
-    finally:
-        conv.fp32_precision = before
+    finally:  # (all four: a mix of the two APIs' settings makes PyTorch's own reads of allow_tf32 raise)
+        for (owner, name), value in zip(settings, before):
+            setattr(owner, name, value)
+    assert torch.backends.cudnn.allow_tf32 == (before[2] != "ieee")
