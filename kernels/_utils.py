@@ -128,14 +128,14 @@ def use_kernel(t: torch.Tensor, out_elements: int = 0) -> bool:
             and (t.dim() < 2 or max(t.shape[0], t.shape[1]) <= 65535))
 
 
-def conv_tf32() -> bool:
-    """Whether float32 convs may multiply in TF32, as the user set it: ``torch.backends.cudnn.conv.fp32_precision``
-    ("tf32" or "ieee"; once that API is used, reading the older ``torch.backends.cudnn.allow_tf32`` raises), else
-    (its "none") ``allow_tf32``, PyTorch's default True."""
-    precision = getattr(getattr(torch.backends.cudnn, "conv", None), "fp32_precision", "none")
+def conv_tf32(cudnn=torch.backends.cudnn) -> bool:
+    """Whether float32 convs may multiply in TF32, as the user set it in `cudnn` (PyTorch's settings module):
+    ``conv.fp32_precision`` ("tf32" or "ieee"; once that API is used, reading the older ``allow_tf32`` raises), else
+    (its "none", or an older PyTorch) ``allow_tf32``, PyTorch's default True."""
+    precision = getattr(getattr(cudnn, "conv", None), "fp32_precision", "none")
     if precision in ("tf32", "ieee"):
         return precision == "tf32"
-    return bool(torch.backends.cudnn.allow_tf32)
+    return bool(cudnn.allow_tf32)
 
 
 def deterministic() -> bool:

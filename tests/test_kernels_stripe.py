@@ -762,32 +762,35 @@ def test_pdl_launches_give_bitwise_the_outputs_of_plain_launches(monkeypatch):
         assert ((a.double() - ref).norm() / ref.norm()).item() < 2e-2
 
 
-def test_tf32_is_read_from_either_of_pytorchs_settings():
-    """The stripe kernel multiplies float32 in TF32, so it runs only while convs may: torch.backends.cudnn.conv.
-    fp32_precision ("ieee" or "tf32"; once set, reading the older allow_tf32 raises, which made every float32
-    forward fail) or, where that says "none", allow_tf32."""
+def test_tf32_is_read_from_either_of_pytorchs_settings(monkeypatch):
+    """The stripe kernel multiplies float32 in TF32, so it runs only while convs may: cudnn.conv.fp32_precision
+    ("ieee" or "tf32"; once set, reading the older allow_tf32 raises, which made every float32 forward fail) or,
+    where that says "none", allow_tf32. (Settings modules stand in for PyTorch's: setting the real flags through
+    both APIs leaves a mix that PyTorch's own reads refuse for the rest of the process.)"""
     import types
 
     from kernels import stripe_triton
     from kernels._utils import conv_tf32
 
-    conv = torch.backends.cudnn.conv
-    settings = [(torch.backends, "fp32_precision"), (torch.backends.cudnn, "fp32_precision"), (conv, "fp32_precision"),
-                (torch.backends.cudnn.rnn, "fp32_precision")]
-    before = [getattr(owner, name) for owner, name in settings]
+    def settings(precision, allow):  # allow: what reading allow_tf32 gives (an exception: it raises)
+        class Cudnn:
+            conv = types.SimpleNamespace(fp32_precision=precision)
+
+            @property
+            def allow_tf32(self):
+                if isinstance(allow, Exception):
+                    raise allow
+                return allow
+        return Cudnn()
+
+    mixed = RuntimeError("a mix of the legacy and new APIs")
+    assert conv_tf32(settings("tf32", mixed)) and not conv_tf32(settings("ieee", mixed))
+    assert conv_tf32(settings("none", True)) and not conv_tf32(settings("none", False))
+    assert not conv_tf32(types.SimpleNamespace(allow_tf32=False))  # (a PyTorch without the newer API)
+    assert conv_tf32() == (torch.backends.cudnn.conv.fp32_precision != "ieee")  # PyTorch's own, as they are
     x = types.SimpleNamespace(is_cuda=True, dtype=torch.float32)
-    try:
-        conv.fp32_precision = "ieee"
-        assert not conv_tf32() and not stripe_triton.available(x)
-        conv.fp32_precision = "tf32"
-        assert conv_tf32()
-        torch.backends.cudnn.allow_tf32 = False  # (the older API: the new one reads "none" then)
-        assert not conv_tf32() and not stripe_triton.available(x)
-        torch.backends.cudnn.allow_tf32 = True
-        assert conv_tf32() and stripe_triton.available(x) == (stripe_triton.triton is not None)
+    for allowed in (False, True):
+        monkeypatch.setattr(stripe_triton, "conv_tf32", lambda allowed=allowed: allowed)
+        assert stripe_triton.available(x) == (allowed and stripe_triton.triton is not None)
         assert stripe_triton.available(types.SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)) \
             == (stripe_triton.triton is not None)
-    finally:  # (all four: a mix of the two APIs' settings makes PyTorch's own reads of allow_tf32 raise)
-        for (owner, name), value in zip(settings, before):
-            setattr(owner, name, value)
-    assert torch.backends.cudnn.allow_tf32 == (before[2] != "ieee")
