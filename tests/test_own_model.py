@@ -365,3 +365,20 @@ def test_a_run_finds_direct_weight_reads_in_a_forward_fx_cannot_trace(tmp_path, 
         run(cfg, run_dir=tmp_path / "run")
     model, _ = load_training_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")
     assert isinstance(model.a, compress.SkeletonConv2d) and type(model.b) is torch.nn.Conv2d
+
+
+@compress.register_model
+def _test_sized_net(num_classes=10, in_chans=3, input_size=32):
+    """A builder whose layers depend on the input size (a classifier over the flattened map, as torchvision's
+    maxvit_t(input_size=...))."""
+    return torch.nn.Sequential(torch.nn.Conv2d(in_chans, 4, 3, padding=1), torch.nn.Flatten(),
+                               torch.nn.Linear(4 * input_size * input_size, num_classes))
+
+
+def test_a_builder_with_an_input_size_parameter_is_built_for_the_size_asked():
+    """create_model recorded input_size but never passed it: a builder that takes it was built for its default (and
+    passing it again as a kwarg was Python's 'multiple values' error). Builders without the parameter are unchanged."""
+    model = compress.create_model("_test_sized_net", num_classes=3, input_size=12)
+    assert model[2].in_features == 4 * 12 * 12 and model.compress_arch["kwargs"]["input_size"] == 12
+    assert model(torch.randn(2, 3, 12, 12)).shape == (2, 3)
+    assert compress.create_model("resnet20", input_size=12).compress_arch["kwargs"]["input_size"] == 12

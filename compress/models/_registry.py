@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import importlib
+import inspect
 import re
 import sys
 from collections.abc import Callable, Iterable, Mapping
@@ -136,7 +137,8 @@ def create_model(
             `model.compress_arch` for profiling/export; the registered CNNs accept any size (the
             CIFAR nets are built for 32, torchvision ImageNet nets for 224), except torchvision's vgg*_bn,
             whose five 2x2 max-pools need at least 32 px. timm models that need a
-            size at construction (e.g. ViTs) take it as `img_size=` in kwargs.
+            size at construction (e.g. ViTs) take it as `img_size=` in kwargs; a registered builder
+            with an `input_size` parameter of its own is given it.
         in_chans: input channels.
         kwargs: passed to the model's entry point (e.g. `conv_layer=`, `norm_layer=` for our CIFAR
             nets, torchvision or timm constructor arguments). Keep them JSON-compatible for models
@@ -168,7 +170,10 @@ def create_model(
             name[len(TIMM_PREFIX) :], num_classes=num_classes, in_chans=in_chans, **kwargs
         )
     elif name in _entrypoints:
-        model = _entrypoints[name](num_classes=num_classes, in_chans=in_chans, **kwargs)
+        builder = _entrypoints[name]
+        # a builder that names input_size among its parameters is built for it (it was only recorded)
+        sized = {"input_size": input_size} if "input_size" in inspect.signature(builder).parameters else {}
+        model = builder(num_classes=num_classes, in_chans=in_chans, **sized, **kwargs)
         if not isinstance(model, nn.Module):
             raise ValueError(f"create_model: the builder {_entrypoints[name].__module__}.{name} returned a "
                              f"{type(model).__name__}, not a torch.nn.Module; return the model it builds")
