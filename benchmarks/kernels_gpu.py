@@ -31,8 +31,6 @@ from _host import require_cuda  # noqa: E402
 import kernels  # noqa: E402
 from kernels import _ext  # noqa: E402
 
-torch.backends.cuda.matmul.allow_tf32 = False
-torch.backends.cudnn.allow_tf32 = False
 DEV = "cuda"
 L2 = 60 * 2**20
 RESULTS: dict = {"correctness": [], "copy": {}, "pix": [], "depthwise": [], "conv2d": []}
@@ -411,6 +409,10 @@ def main():
     ap.add_argument("--pix-sizes", default="56,28,14,7", help="comma list of the PiX rows' plane sizes to time")
     args = ap.parse_args()
     require_cuda(__file__)
+    # full float32 products in the references (set here, not on import: a test that imports this script keeps its
+    # own process's settings)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
     skip = set(filter(None, args.skip.split(",")))
     if _ext.load() is None:
         sys.exit("kernels_gpu.py: the CUDA extension did not build (see the messages above)")

@@ -163,14 +163,22 @@ GPU_SCRIPTS = ["compact_profile_gpu", "kernels_gpu", "pix_ncu_gpu", "pix_profile
 @pytest.mark.parametrize("script", GPU_SCRIPTS)
 def test_gpu_benchmarks_without_cuda_say_so(script, monkeypatch):
     """Run on a machine without CUDA, each GPU benchmark stops at once with a message naming itself (not a
-    traceback from deep inside its first timing)."""
+    traceback from deep inside its first timing), and importing it leaves the process's TF32 settings alone
+    (kernels_gpu.py turned them off on import, for the rest of a test run)."""
     import importlib
 
+    def tf32_settings():
+        backends = torch.backends
+        return (backends.cudnn.conv.fp32_precision, backends.cudnn.rnn.fp32_precision,
+                backends.cuda.matmul.fp32_precision)
+
+    before = tf32_settings()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(sys, "argv", [f"{script}.py"])
     module = importlib.import_module(script)
     with pytest.raises(SystemExit, match=rf"{script}.py times GPU kernels and needs a CUDA device; none was found"):
         module.main()
+    assert tf32_settings() == before
 
 
 def test_pix_cpu_breakdown_runs(tmp_path):
