@@ -232,6 +232,34 @@ def _same(model_mod: nn.Module, ref_mod: nn.Module | None) -> bool:
     return _config(model_mod, key) == _config(ref_mod, key)
 
 
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _plain_settings(module: nn.Module) -> dict[str, str]:
+    """{name: repr} of `module`'s own public attributes holding plain values (bool, int, float, str, None, or tuples
+    and lists of them): settings a forward may read (``if self.use_aux:``) that neither the state dict nor, for a
+    user's module, the printed settings hold. ``training`` is left out (load returns eval mode)."""
+    def plain(v):
+        return isinstance(v, _PLAIN) or (isinstance(v, (tuple, list)) and all(plain(e) for e in v))
+
+    return {k: repr(v) for k, v in vars(module).items() if not k.startswith("_") and k != "training" and plain(v)}
+
+
+def _changed_settings(model: nn.Module, ref: nn.Module) -> list[str]:
+    """'module.attr = value (rebuilt: value)' for each plain attribute (`_plain_settings`) of a module of `model`
+    whose value differs from, or is missing in, the same module of the rebuilt reference `ref` (same class)."""
+    changed = []
+    ref_modules = dict(ref.named_modules())
+    for name, module in model.named_modules():
+        ref_mod = ref_modules.get(name)
+        if ref_mod is None or type(ref_mod) is not type(module):
+            continue
+        mine, theirs = _plain_settings(module), _plain_settings(ref_mod)
+        changed += [f"{name + '.' if name else ''}{k} = {v} (rebuilt: {theirs.get(k, 'absent')})"
+                    for k, v in mine.items() if theirs.get(k) != v]
+    return changed
+
+
 def _shapes(model: nn.Module) -> dict[str, tuple[tuple[int, ...], bool]]:
     """{state_dict key: (shape, floating point?)}: what a recipe must rebuild. The precision is not part of it:
     `load` assigns the saved tensors, so a float16/bfloat16 model comes back in its own dtypes."""
@@ -337,6 +365,12 @@ def build_recipe(model: nn.Module) -> dict:
                 ref, replacements, removed = _matched_reference(model, arch)
         except Exception:  # noqa: BLE001
             ref, replacements, removed = _matched_reference(model, arch)
+    changed = _changed_settings(model, ref)
+    if changed:
+        warnings.warn(f"compress.save: attributes set after construction are not saved: {', '.join(changed[:5])}"
+                      + (", ..." if len(changed) > 5 else "") + "; load gives the constructor's values. If they change "
+                      "the forward, make them arguments of the model's builder (create_model kwargs) and save again",
+                      stacklevel=3)
     if _shapes(ref) != _shapes(model):
         diff = sorted(set(_shapes(ref).items()) ^ set(_shapes(model).items()))[:5]
         raise ValueError(

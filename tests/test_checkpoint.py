@@ -676,6 +676,42 @@ def test_save_refuses_wrappers_and_warns_of_hooks(tmp_path):
         save(odd, tmp_path / "odd.safetensors")
 
 
+class _OptionalHead(nn.Module):
+    """A net whose forward reads a plain attribute, as a user's model may (``if self.use_head:``)."""
+
+    def __init__(self, num_classes: int, in_chans: int):
+        super().__init__()
+        self.use_head, self.scale = False, 1.0
+        self.conv = nn.Conv2d(in_chans, 8, 3, padding=1)
+        self.head = nn.Conv2d(8, 8, 1)
+        self.fc = nn.Linear(8, num_classes)
+
+    def forward(self, x):
+        x = self.conv(x)
+        return self.fc((self.head(x) if self.use_head else x).mean((2, 3))) * self.scale
+
+
+@compress.register_model
+def _test_optional_head_net(num_classes=10, in_chans=3):
+    return _OptionalHead(num_classes, in_chans)
+
+
+def test_save_warns_of_attributes_set_after_construction(tmp_path, recwarn):
+    """An attribute set after construction (not a constructor argument, not a tensor, not in a module's printed
+    settings) was dropped without a word: load rebuilt the constructor's value and the loaded model computed another
+    function. save names each such attribute with both values."""
+    model = create_model("_test_optional_head_net", num_classes=4).eval()
+    save(model, tmp_path / "plain.safetensors")
+    assert not [w for w in recwarn if "attributes set after construction" in str(w.message)]
+    model.use_head, model.conv.padding_mode_note = True, "kept?"
+    with pytest.warns(UserWarning, match=r"attributes set after construction are not saved: use_head = True "
+                      r"\(rebuilt: False\), conv.padding_mode_note = 'kept\?' \(rebuilt: absent\); load gives"):
+        save(model, tmp_path / "m.safetensors")
+    x = torch.randn(2, 3, 8, 8)
+    loaded = load(tmp_path / "m.safetensors")
+    assert loaded.use_head is False and not torch.allclose(loaded(x), model(x))
+
+
 class _TensorValuedWidth(nn.Module):
     """A conv net whose __init__ computes its width with tensors, as torchvision's RegNet does (BlockParams:
     ``.tolist()``); meta tensors hold no values, so it cannot be built on the meta device."""
