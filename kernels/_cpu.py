@@ -28,7 +28,7 @@ of their input).
 
 PiX, semantics as ``compress::pix`` / ``compress::pix_squeeze`` and the CUDA kernels:
 ``y[b,g] = p[b,g] * max_k x[b,g*Z+k]`` if ``p[b,g] < tau`` (tau cast to x's dtype) else
-``p[b,g] * (sum_k x[b,g*Z+k] / Z)``; the max keeps the first value on ties and NaNs (``v > m ? v : m``), the sum
+``p[b,g] * (sum_k x[b,g*Z+k] / Z)``; the max keeps the first value on ties and lets a NaN win, as PyTorch's (``nan_max``), the sum
 runs over k in order. x and y are contiguous in the same layout (NCHW or channels_last).
 
 - ``pix_{nchw,cl}_{f32,f64}(x, p, y, B, G, Z, HW, tau)``: the fusion for a given p (B, G), one pass.
@@ -102,13 +102,20 @@ static void share(int64_t n, int64_t& a, int64_t& b) {
   b = n * (t + 1) / nt;
 }
 
-// Max (first value wins ties and NaNs: `a > m ? a : m`) and in-order sum of one group's Z contiguous values.
+// max(m, v) as PyTorch's max: a NaN wins (`v > m || v != v`); branch-free, a select, or for GCC vector types a
+// blend. (`v > m ? v : m` alone kept a group's earlier value against a later NaN: a finite output for NaN input.)
+template <typename T>
+INL T nan_max(T m, T v) {
+  return ((v > m) | (v != v)) ? v : m;
+}
+
+// Max (NaN wins, `nan_max`; the first value on ties) and in-order sum of one group's Z contiguous values.
 template <typename T>
 INL void group_max_sum(const T* __restrict__ v, int Z, T& m, T& s) {
   m = s = v[0];
   for (int k = 1; k < Z; ++k) {
     const T a = v[k];
-    m = a > m ? a : m;
+    m = nan_max(m, a);
     s += a;
   }
 }
@@ -135,7 +142,7 @@ INL void nchw_row(const T* __restrict__ xr, T* __restrict__ yr, int64_t HW, int 
     if (pick) {
       for (int k = 1; k < Z; ++k) {
         const T* __restrict__ xk = x0 + k * HW;
-        for (int64_t i = 0; i < n; ++i) out[i] = xk[i] > out[i] ? xk[i] : out[i];
+        for (int64_t i = 0; i < n; ++i) out[i] = nan_max(out[i], xk[i]);
       }
       for (int64_t i = 0; i < n; ++i) out[i] = pv * out[i];
     } else {
@@ -216,7 +223,7 @@ INL void sq1_nchw(const T* x, T* pooled, T* ym, T* ys, double* lanes, int Zr, in
           for (int k = 1; k < Z; ++k) {
             V v;
             memcpy(&v, xr + k * HW + i, sizeof(V));
-            m = v > m ? v : m;
+            m = nan_max(m, v);
             s += v;
             lk[k] += v;
           }
@@ -231,7 +238,7 @@ INL void sq1_nchw(const T* x, T* pooled, T* ym, T* ys, double* lanes, int Zr, in
         tot[0] += (double)xr[i];
         for (int k = 1; k < Z; ++k) {
           const T v = xr[k * HW + i];
-          m = v > m ? v : m;
+          m = nan_max(m, v);
           s += v;
           tot[k] += (double)v;
         }
@@ -258,7 +265,7 @@ INL void sq1_nchw(const T* x, T* pooled, T* ym, T* ys, double* lanes, int Zr, in
         const T* __restrict__ xk = x0 + k * HW;
         for (int64_t i = 0; i < n; ++i) {
           const T v = xk[i];
-          mo[i] = v > mo[i] ? v : mo[i];
+          mo[i] = nan_max(mo[i], v);
           so[i] += v;
         }
         acc16(lanes + k * 16, xk, n);
@@ -398,11 +405,6 @@ struct PoolShape {
   int64_t H, W, OH, OW, kh, kw, sh, sw, ph, pw, dh, dw;
 };
 
-template <typename T>
-INL T nan_max(T m, T v) {  // branch-free (a select; a vector blend in the row loop)
-  const bool take = (v > m) | (v != v);
-  return take ? v : m;
-}
 
 // Outputs [0, n) of one row from `col`: those in [lo, hi), whose windows lie inside the row, take no bounds checks;
 // the window (KW, SW; dilation 1) is known at compile time for the common pools (0: read from q).

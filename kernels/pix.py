@@ -22,8 +22,8 @@ On CPU (float32/float64, NCHW or channels_last) both ops run small C++ kernels (
 first use, PyTorch ops where no compiler is found): ``pix`` one fused pass; ``pix_squeeze`` one call that reads x
 once for the pool and every group's max and sum, runs the predictor GEMV and then selects and scales (its CPU
 backward recomputes p with the same GEMV). Eager CPU inference calls the CPU kernel without the dispatcher.
-NaN: the C++ max keeps a group's first value against a later NaN (``v > m ? v : m``, which vectorises), where
-PyTorch's amax (the fallback, CUDA reference paths) propagates it; outputs for NaN inputs may differ between paths.
+NaN: every path takes the max as PyTorch's amax does (a NaN in a group makes its max NaN, and its first NaN the
+arg-max that the backward sends the gradient to); a NaN in the upstream gradient stays on its arg-max channel.
 """
 
 from __future__ import annotations
@@ -150,13 +150,14 @@ def _backward_torch(grad: Tensor, x: Tensor, p: Tensor, zeta: int, tau: float) -
     acc = acc_dtype(x.dtype)
     xg = x.unflatten(1, (C // zeta, zeta)).to(acc)  # (B, G, zeta, H, W)
     mx = xg.amax(2, keepdim=True)
-    is_max = xg == mx
+    is_max = (xg == mx) | (xg.isnan() & mx.isnan())  # (a NaN max: the NaN channels, as torch.max's argmax)
     first = is_max & (is_max.cumsum(2) == 1)  # first arg-max channel only
     pf = p.to(acc)  # (B, G, 1, 1)
     use_max = pf < tau
     g = grad.to(acc)
     pg = (pf * g).unsqueeze(2)  # (B, G, 1, H, W)
-    dx = torch.where(use_max.unsqueeze(2), first.to(acc) * pg, (pg / zeta).expand_as(xg))
+    picked = torch.where(first, pg, 0.0)  # (a select, not first * pg: a NaN gradient stays on its channel)
+    dx = torch.where(use_max.unsqueeze(2), picked, (pg / zeta).expand_as(xg))
     dx = dx.flatten(1, 2).to(x.dtype).contiguous(memory_format=memory_format(x))
     sel = torch.where(use_max, mx.squeeze(2), xg.mean(2))
     dp = (sel * g).sum((2, 3), keepdim=True).to(p.dtype)

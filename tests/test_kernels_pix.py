@@ -17,7 +17,8 @@ from kernels.pix import _pix_backward_op, _pix_op
 
 
 def ref_pix(x, p, zeta, tau):
-    """Loop over groups and channels; max with a strict '>' keeps the FIRST arg-max (as the official kernel)."""
+    """Loop over groups and channels; max with a strict '>' keeps the FIRST arg-max (as the official kernel), and a
+    NaN is above every number (as torch.max: a group holding one has max NaN, its first NaN the arg-max)."""
     x, p = x.double(), p.double()
     B, C, H, W = x.shape
     ys, dmask = [], torch.zeros_like(x, dtype=torch.bool)
@@ -25,7 +26,7 @@ def ref_pix(x, p, zeta, tau):
         mx, idx = x[:, g * zeta].clone(), torch.full((B, H, W), g * zeta, dtype=torch.long)
         s = x[:, g * zeta].clone()
         for c in range(g * zeta + 1, (g + 1) * zeta):
-            better = x[:, c] > mx
+            better = (x[:, c] > mx) | (x[:, c].isnan() & ~mx.isnan())
             mx = torch.where(better, x[:, c], mx)
             idx = torch.where(better, torch.full_like(idx, c), idx)
             s = s + x[:, c]
@@ -48,17 +49,20 @@ def ref_pix_backward(dy, x, p, zeta, tau):
         use_max = (p[:, g, 0, 0].float() < tau).view(B, 1, 1)
         grp = x[:, g * zeta:(g + 1) * zeta]
         for c in range(g * zeta, (g + 1) * zeta):
-            dx[:, c] = torch.where(use_max, first[:, c] * pg * dy[:, g], pg * dy[:, g] / zeta)
+            dx[:, c] = torch.where(use_max & first[:, c], pg * dy[:, g], 0.0) + torch.where(use_max, 0.0, pg * dy[:, g] / zeta)
         sel = torch.where(use_max, grp.max(1).values, grp.mean(1))
         dp[:, g, 0, 0] = (sel * dy[:, g]).sum((1, 2))
     return dx, dp
 
 
-def make(B=2, C=8, H=5, W=6, zeta=4, dtype=torch.float32, device="cpu", layout="contiguous", ties=False, seed=0):
+def make(B=2, C=8, H=5, W=6, zeta=4, dtype=torch.float32, device="cpu", layout="contiguous", ties=False, seed=0,
+         nans=False):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(B, C, H, W, generator=g, dtype=torch.float64)
     if ties:  # many equal values inside a group: checks the first-arg-max rule
         x = (x * 1.5).round()
+    if nans:  # NaN in about one group in five, at any channel of it: checks that NaN wins the max
+        x[torch.rand(x.shape, generator=g) < 0.05] = float("nan")
     p = torch.rand(B, C // zeta, 1, 1, generator=g, dtype=torch.float64)
     p[0, 0] = 0.1  # make sure both branches appear
     p[-1, -1] = 0.9
@@ -75,12 +79,15 @@ TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 1e-2, torch.fl
 
 
 def rel_err(a, b):
+    """Relative error of `a` against the reference `b`, which must hold NaN at the same positions (compared there)."""
     a, b = a.double(), b.double()
+    assert torch.equal(a.isnan(), b.isnan()), f"NaN at {a.isnan().sum()} positions, the reference's at {b.isnan().sum()}"
+    a, b = a.nan_to_num(0.0), b.nan_to_num(0.0)
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def check_all(device, dtype, layout, ties):
-    x, p = make(dtype=dtype, device=device, layout=layout, ties=ties)
+def check_all(device, dtype, layout, ties, nans=False):
+    x, p = make(dtype=dtype, device=device, layout=layout, ties=ties, nans=nans)
     x.requires_grad_(True)
     p.requires_grad_(True)
     y = kernels.pix(x, p, 4, 0.5)
@@ -89,7 +96,10 @@ def check_all(device, dtype, layout, ties):
     if layout == "channels_last":
         assert y.is_contiguous(memory_format=torch.channels_last)
     assert rel_err(y.cpu(), yr) < TOL[dtype]
-    dy = torch.randn(y.shape, dtype=torch.float64).to(device, dtype)
+    dy = torch.randn(y.shape, dtype=torch.float64)
+    if nans:  # a NaN gradient reaches its group's arg-max channel only in the max branch
+        dy[0, 0, 1, 2] = dy[-1, -1, 3, 4] = float("nan")
+    dy = dy.to(device, dtype)
     dx, dp = torch.autograd.grad(y, (x, p), dy)
     dxr, dpr = ref_pix_backward(dy.cpu(), x.detach().cpu(), p.detach().cpu(), 4, 0.5)
     assert rel_err(dx.cpu(), dxr) < TOL[dtype]
@@ -110,6 +120,21 @@ def test_first_argmax_with_ties():
     dx, = torch.autograd.grad(kernels.pix(x, p, 4).sum(), x)
     # exactly one channel per group and position receives the gradient in the max branch
     assert torch.equal((dx != 0).unflatten(1, (2, 4)).sum(2), torch.ones(2, 2, 5, 6, dtype=torch.long))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_nan_wins_the_max_cpu(dtype, layout):
+    """A NaN in a group: its max is NaN (the C++ max kept an earlier finite value: 0.3 for p = 0.1 and the group
+    (1, NaN, 2, 3), where PyTorch's amax and the 16-bit path gave NaN); its first NaN takes the max branch's
+    gradient, and a NaN upstream gradient stays on the arg-max channel (it was multiplied into every channel)."""
+    check_all("cpu", dtype, layout, ties=False, nans=True)
+    x = torch.tensor([1.0, float("nan"), 2.0, float("nan")], dtype=dtype).view(1, 4, 1, 1).requires_grad_(True)
+    p = torch.full((1, 1, 1, 1), 0.1, dtype=dtype)
+    y = kernels.pix(x, p, 4)
+    assert y.isnan().all()
+    (dx,) = torch.autograd.grad(y, x, torch.ones_like(y))
+    assert dx.flatten().tolist() == [0.0, p.item(), 0.0, 0.0]
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
@@ -228,10 +253,10 @@ def test_autocast_bf16_and_compile():
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last", "noncontiguous"])
-@pytest.mark.parametrize("ties", [False, True])
-def test_matches_reference_cuda(dtype, layout, ties):
+@pytest.mark.parametrize("ties,nans", [(False, False), (True, False), (False, True)])
+def test_matches_reference_cuda(dtype, layout, ties, nans):
     assert _ext.load() is not None, "CUDA extension failed to build"
-    check_all("cuda", dtype, layout, ties)
+    check_all("cuda", dtype, layout, ties, nans)
 
 
 @pytest.mark.cuda
@@ -267,8 +292,8 @@ def test_cuda_staged_and_direct_paths(monkeypatch, dtype, shape, switch):
     B, C, H, W, zeta = shape
     big = 2 * torch.cuda.get_device_properties(0).multi_processor_count + 1
     for layout, b in (("contiguous", B), ("channels_last", big)):
-        for ties in (False, True):
-            x, p = make(b, C, H, W, zeta, dtype, "cuda", layout, ties=ties, seed=2)
+        for ties, nans in ((False, False), (True, False), (False, True)):
+            x, p = make(b, C, H, W, zeta, dtype, "cuda", layout, ties=ties, seed=2, nans=nans)
             x.requires_grad_(True)
             p.requires_grad_(True)
             y = kernels.pix(x, p, zeta)

@@ -58,6 +58,10 @@ __device__ __forceinline__ void seg_add(float* red, int lp, float part, bool val
   if (valid && (lane == 31 || lnext != lp)) atomicAdd(&red[lp], part);
 }
 
+// Whether `a` is above `b` in PyTorch's max: a NaN is above every number, so the max of a group holding one is
+// NaN and its first NaN the arg-max (a plain `a > b` kept a finite max against a later NaN).
+__device__ __forceinline__ bool above(float a, float b) { return a > b || (a != a && b == b); }
+
 template <typename T, int VEC, int ZETA>
 __global__ void __launch_bounds__(kThreads) pix_fwd_nchw(const T* __restrict__ x, const T* __restrict__ p,
                                                          T* __restrict__ y, int planes, int zeta_rt, int HW,
@@ -83,7 +87,7 @@ __global__ void __launch_bounds__(kThreads) pix_fwd_nchw(const T* __restrict__ x
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         float f = to_f(u.v[j]);
-        acc[j] = use_max ? (f > acc[j] ? f : acc[j]) : acc[j] + f;
+        acc[j] = use_max ? (above(f, acc[j]) ? f : acc[j]) : acc[j] + f;
       }
     }
     Vec<T, VEC> o;
@@ -148,7 +152,7 @@ __global__ void __launch_bounds__(kThreads) pix_bwd_nchw(const T* __restrict__ d
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
           float f = to_f(u.v[j]);
-          if (f > best[j]) { best[j] = f; arg[j] = k; }
+          if (above(f, best[j])) { best[j] = f; arg[j] = k; }
           sum[j] += f;
         }
       }
@@ -197,7 +201,7 @@ __device__ __forceinline__ float fuse_group(const float (&v)[ZETA], bool use_max
   float mx = v[0], sum = v[0];  // both, then one select: no branch per value
 #pragma unroll
   for (int k = 1; k < ZETA; ++k) {
-    mx = v[k] > mx ? v[k] : mx;
+    mx = above(v[k], mx) ? v[k] : mx;
     sum += v[k];
   }
   return use_max ? pv * mx : pv * (sum / (float)ZETA);
@@ -278,7 +282,7 @@ __global__ void __launch_bounds__(kThreads) pix_bwd_nchw_staged(const T* __restr
 #pragma unroll
     for (int k = 1; k < ZETA; ++k) {
       const float f = to_f(xp[k * HW + i]);
-      if (f > best) { best = f; arg = k; }
+      if (above(f, best)) { best = f; arg = k; }
       sum += f;
     }
     part += (use_max ? best : sum / (float)ZETA) * gv;
@@ -323,7 +327,7 @@ __global__ void pix_fwd_cl(const T* __restrict__ x, const T* __restrict__ p, T* 
 #pragma unroll
         for (int k = 1; k < ZN; ++k) {
           const float f = to_f(v.v[j * ZN + k]);
-          mx[j] = f > mx[j] ? f : mx[j];
+          mx[j] = above(f, mx[j]) ? f : mx[j];
           s[j] += f;
         }
       }
@@ -332,7 +336,7 @@ __global__ void pix_fwd_cl(const T* __restrict__ x, const T* __restrict__ p, T* 
       mx[0] = s[0] = to_f(xp[0]);
       for (int k = 1; k < zeta; ++k) {
         const float f = to_f(xp[k]);
-        mx[0] = f > mx[0] ? f : mx[0];
+        mx[0] = above(f, mx[0]) ? f : mx[0];
         s[0] += f;
       }
     }
@@ -385,7 +389,7 @@ __global__ void pix_bwd_cl(const T* __restrict__ dy, const T* __restrict__ x, co
 #pragma unroll
           for (int k = 1; k < ZN; ++k) {
             const float f = to_f(v.v[j * ZN + k]);
-            if (f > best) { best = f; arg = k; }
+            if (above(f, best)) { best = f; arg = k; }
             s += f;
           }
 #pragma unroll
@@ -403,7 +407,7 @@ __global__ void pix_bwd_cl(const T* __restrict__ dy, const T* __restrict__ x, co
         int arg = 0;
         for (int k = 1; k < zeta; ++k) {
           const float f = to_f(xp[k]);
-          if (f > best) { best = f; arg = k; }
+          if (above(f, best)) { best = f; arg = k; }
           s += f;
         }
         if (MODE != kDp) {
