@@ -74,3 +74,13 @@ def unwrapped(model: nn.Module) -> nn.Module:
             model = model.module
         else:
             return model
+
+
+def non_finite(tensors) -> list[str]:
+    """Names of the floating-point tensors of `tensors` ({name: tensor}) that hold NaN or inf values."""
+    return [k for k, t in tensors.items() if t.is_floating_point() and not bool(t.isfinite().all())]
+
+
+def listed(names: list[str], most: int = 5) -> str:
+    """'a, b, c' of the first `most` names, with ', ...' when there are more."""
+    return ", ".join(names[:most]) + (", ..." if len(names) > most else "")

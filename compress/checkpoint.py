@@ -39,7 +39,7 @@ import torch.nn as nn
 from safetensors.torch import save as safetensors_bytes
 from torch.nn.utils import parametrize
 
-from compress._checks import check_module, refuse_wrapper, same_definition
+from compress._checks import check_module, listed, non_finite, refuse_wrapper, same_definition
 from compress._digest import digest
 from compress._files import atomic_write, read_safetensors
 from compress._modes import rng_kept
@@ -695,10 +695,9 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> nn.Modu
         model = _assigned(rebuild_for(recipe, tensors, where), tensors, where)  # its own on load: built for real
     _cast_unsaved_buffers(model, recipe.get("buffer_dtypes"), {t.dtype for t in tensors.values() if t.is_floating_point()},
                           where)
-    infinite = [k for k, t in tensors.items() if t.is_floating_point() and not bool(t.isfinite().all())]
+    infinite = non_finite(tensors)
     if infinite:
-        warnings.warn(f"{where}: tensors hold NaN or inf values: {', '.join(infinite[:5])}"
-                      + (", ..." if len(infinite) > 5 else ""), stacklevel=2)
+        warnings.warn(f"{where}: tensors hold NaN or inf values: {listed(infinite)}", stacklevel=2)
     return model.to(device).eval()
 
 

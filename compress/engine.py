@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch.utils.data import DistributedSampler
 
+from compress._checks import listed, non_finite
 from compress._files import atomic_write, json_text, launch_path, lock_file, remove_if_only_hydra, unlock_file
 from compress._logging import RunLogger, format_summary, log_failure, progress, say, warnings_in_log_files
 from compress._macs import estimate_macs
@@ -988,8 +989,14 @@ def _build_model(cfg: DictConfig, data, ckpt: dict | None = None, announce: bool
     was loaded (the main process)."""
     if cfg.init is not None:
         recipe = (ckpt or {}).get("init_recipe")
-        model = (rebuild_for(recipe, ckpt["model"], f"resume: init_recipe of {cfg.init}") if recipe
-                 else load_compact(str(cfg.init)))
+        if recipe:  # (its weights come from the checkpoint, which resume checks)
+            model = rebuild_for(recipe, ckpt["model"], f"resume: init_recipe of {cfg.init}")
+        else:
+            model = load_compact(str(cfg.init))
+            bad = non_finite(model.state_dict())
+            if bad:
+                raise ValueError(f"init={cfg.init}: the file holds NaN or inf values in {listed(bad)}; fine-tune a "
+                                 "compact model of finite weights (export an earlier checkpoint of its run)")
         classes = model.compress_arch["kwargs"].get("num_classes")
         if classes is not None and classes != data.num_classes:
             raise ValueError(

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from compress._checks import listed, non_finite
 from compress._files import json_text, lock_file, process_alive, unlock_file
 from compress._trainstate import _is_safetensors, check_weight_kinds, load_checkpoint
 from compress.checkpoint import load, rebuild_for, unregistered_module
@@ -289,6 +290,10 @@ def export_checkpoint(
         raise ValueError(f"export: out={out} would overwrite the input {ckpt} with the new {written}; give "
                          "another out=")
     model, cfg = load_any(ckpt)
+    bad = non_finite(model.state_dict())
+    if bad:  # (the trainer saves none since it checks at each save; an older or edited file)
+        raise ValueError(f"export: the weights in {ckpt} hold NaN or inf values in {listed(bad)} (a diverged run, or "
+                         "an edited file): its model would compute NaN; export an earlier checkpoint")
     init = cfg.get("init")  # the compact file an init= run fine-tuned: the user's too, never written over
     if init is not None and _output_named(out, init):
         raise ValueError(f"export: out={out} would overwrite {init}, the compact model the run fine-tuned (init=); "

@@ -374,11 +374,13 @@ def skeleton_stats(model: nn.Module, threshold: float) -> dict:
     """Stripe statistics at `threshold`.
 
     Returns {"layers": {name: {stripes_total, stripes_kept, filters_total, filters_dead}},
-    "stripes_total", "stripes_kept", "filters_total", "filters_dead"} (counts are ints).
+    "stripes_total", "stripes_kept", "filters_total", "filters_dead"} (counts are ints). ValueError naming the
+    layer for a skeleton with NaN or inf values (its NaN stripes counted as pruned, as compact refuses it).
     """
     check_nonnegative(threshold=threshold)
     layers = {}
     for name, conv in _skeleton_convs(model):
+        conv.check_finite(f"skeleton_stats: layer {name}")
         mask = conv.stripe_mask(threshold)
         layers[name] = {
             "stripes_total": mask.numel(),

@@ -411,6 +411,24 @@ def test_export_warns_when_onnxruntime_disagrees(training_checkpoint, tmp_path, 
         export_checkpoint(path, tmp_path / "nan", latency=False, choose_stripe_modes=False)
 
 
+def test_export_refuses_weights_with_nan_or_inf(training_checkpoint, tmp_path):
+    """A checkpoint or compact file with NaN weights (an older version saved diverged runs; an edited file) exported
+    without a word when ONNX was off: its model computes NaN. export refuses it, naming the tensor, as resume does."""
+    path, model = training_checkpoint
+    state = torch.load(path, weights_only=True)
+    state["model"]["layer1.0.conv1.weight"][0, 0, 0, 0] = float("inf")
+    torch.save(state, tmp_path / "bad.pt")
+    with pytest.raises(ValueError, match=r"bad.pt hold NaN or inf values in layer1.0.conv1.weight .*export an earlier"):
+        export_checkpoint(tmp_path / "bad.pt", tmp_path / "out", latency=False, onnx=False)
+    assert not (tmp_path / "out" / FILES[0]).exists()
+    small = compact(model.eval(), fold_bn=True)
+    with torch.no_grad():
+        small.fc.bias[0] = float("nan")
+    compress.save(small, tmp_path / "bad.safetensors")
+    with pytest.warns(UserWarning, match="tensors hold NaN"), pytest.raises(ValueError, match=r"in fc.bias"):
+        export_checkpoint(tmp_path / "bad.safetensors", tmp_path / "out", latency=False, onnx=False)
+
+
 def test_export_lets_the_skeleton_model_and_the_architecture_go_before_onnx_and_timing(training_checkpoint, tmp_path,
                                                                                       monkeypatch):
     """export held the loaded skeleton model and the rebuilt architecture (each the dense model's size) to its end,

@@ -420,6 +420,8 @@ def test_a_diverged_skeleton_and_bad_thresholds_are_refused_not_compacted_silent
         conv.skeleton[0, 1, 1] = float("nan")
     with pytest.raises(ValueError, match=r"compact: layer layer1\.0\.conv1: the skeleton holds 1 NaN or inf values"):
         compact(model)
+    with pytest.raises(ValueError, match=r"skeleton_stats: layer layer1\.0\.conv1: the skeleton holds 1 NaN or inf"):
+        skeleton_stats(model, 0.01)  # (it counted the NaN stripe as pruned)
     with pytest.raises(ValueError, match=r"StripeConv2d\.from_skeleton: the skeleton holds 1 NaN"):
         StripeConv2d.from_skeleton(conv, 0.0)
     with pytest.raises(ValueError, match=r"swp_update: the model has no skeleton convs; call "

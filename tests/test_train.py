@@ -602,6 +602,23 @@ def test_init_naming_a_directory_or_nothing_says_which(tmp_path):
         run(_compose(*TINY, f"init={tmp_path / 'missing.safetensors'}"), run_dir=tmp_path / "b")
 
 
+def test_init_refuses_a_file_with_non_finite_weights(tmp_path):
+    """init= of a compact file holding NaN warned (compress.load), trained, and then stopped with "the run diverged
+    ... with a lower optim.lr": no learning rate helps a file that was NaN from the start; it is refused up front,
+    naming the tensor, as model.weights= refuses such a file."""
+    import compress
+
+    small = compress.compact(compress.create_model("resnet20", num_classes=3, input_size=8).eval(), fold_bn=True)
+    with torch.no_grad():
+        small.fc.weight[0, 0] = float("nan")
+    compress.save(small, tmp_path / "nan.safetensors")
+    no_model = [o for o in TINY if not o.startswith("model=")]
+    with pytest.warns(UserWarning, match="tensors hold NaN"), \
+            pytest.raises(ValueError, match=r"init=.*nan.safetensors: the file holds NaN or inf values in fc.weight"):
+        run(_compose(*no_model, f"init={tmp_path / 'nan.safetensors'}"), run_dir=tmp_path / "ft")
+    assert not (tmp_path / "ft" / "checkpoints").exists()
+
+
 def test_init_refuses_a_model_from_the_command_line_that_it_would_ignore(tmp_path, monkeypatch):
     """init= sets the architecture: a model= naming another one is refused (it would be ignored, and the run's
     .hydra record would name it); naming the file's own model passes."""

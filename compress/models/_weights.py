@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from compress._checks import listed, non_finite
+
 __all__ = ["load_weights", "read_weights", "weights_problems"]
 
 # dicts that wrap a state dict in common training scripts (timm's train.py, torchvision's references, Lightning)
@@ -62,10 +64,9 @@ def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         for prefix in _PREFIXES:
             if all(k.startswith(prefix) for k in state):
                 state, stripped = {k[len(prefix):]: v for k, v in state.items()}, True
-    bad = [k for k, v in state.items() if v.is_floating_point() and not bool(v.isfinite().all())]
+    bad = non_finite(state)
     if bad:
-        raise ValueError(f"model.weights: {path} holds NaN or inf values in {', '.join(bad[:5])}"
-                         f"{', ...' if len(bad) > 5 else ''}; give a file of finite weights")
+        raise ValueError(f"model.weights: {path} holds NaN or inf values in {listed(bad)}; give a file of finite weights")
     return state
 
 
