@@ -181,7 +181,8 @@ def export_onnx(
     opset: int = 17,
 ) -> Path:
     """Write `model` as ONNX (input "input" (B, C, H, W), output "output"; B dynamic) and check it
-    with onnx.checker. `input_size`: (C, H, W) of one image. Returns the path."""
+    with onnx.checker. `input_size`: (C, H, W) of one image. A model returning a tuple, list or dict of tensors gets
+    one output per tensor, in `output_tensors` order: "output", "output1", ... Returns the path."""
     import onnx
 
     check_opset(opset)
@@ -204,6 +205,9 @@ def export_onnx(
                          "express; export without ONNX (export.py onnx.enabled=false)")
     x = torch.randn(1, *input_size, device=param.device, dtype=param.dtype)
     ready = onnx_ready(model, stripe_mode, example=x)
+    with torch.no_grad():
+        outputs = len(output_tensors(ready(x), "export_onnx"))
+    names = ["output"] + [f"output{i}" for i in range(1, outputs)]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with torch.no_grad(), warnings.catch_warnings():
@@ -215,8 +219,8 @@ def export_onnx(
                 (x,),
                 str(path),
                 input_names=["input"],
-                output_names=["output"],
-                dynamic_axes={"input": {0: "batch"}, "output": {0: "batch"}},
+                output_names=names,
+                dynamic_axes={name: {0: "batch"} for name in ["input", *names]},
                 opset_version=opset,
                 dynamo=False,
             )
@@ -232,12 +236,30 @@ def export_onnx(
     return path
 
 
+def output_tensors(out, where: str) -> list[torch.Tensor]:
+    """The tensors of a model's output `out`: itself, or the leaves of a tuple, list or dict of them (nested, in
+    order), as torch.onnx flattens them into outputs. ValueError naming `where` for anything else (a dataclass, a
+    number), which torch.onnx cannot export."""
+    from torch.utils._pytree import tree_leaves
+
+    container = isinstance(out, (tuple, list, dict))
+    leaves = tree_leaves(out) if container else [out]
+    if not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
+        held = sorted({type(t).__name__ for t in leaves if not isinstance(t, torch.Tensor)})
+        raise ValueError(f"{where}: the model returns {type(out).__name__}"
+                         f"{' holding ' + ', '.join(held) if container and held else ''}{' (empty)' if not leaves else ''}; "
+                         "ONNX export takes a tensor, or a tuple, list or dict of tensors: wrap the model in a module "
+                         "whose forward returns those (or export without ONNX: export.py onnx.enabled=false)")
+    return leaves
+
+
 def _rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
 
 
 def check_onnx(path: str | os.PathLike, model: nn.Module, x: torch.Tensor) -> float:
-    """Relative error of onnxruntime's output for `x` (batch >= 2) against `model(x)` in eval mode (CPU).
+    """Relative error of onnxruntime's output for `x` (batch >= 2) against `model(x)` in eval mode (CPU); for a model
+    returning several tensors (`output_tensors`), the largest over its outputs.
 
     The larger of max|ort - torch| / max|torch| and the same for the batch-centred outputs
     (output minus its batch mean), so that large constant outputs (biases) cannot hide errors in
@@ -250,20 +272,28 @@ def check_onnx(path: str | os.PathLike, model: nn.Module, x: torch.Tensor) -> fl
         raise ValueError(f"check_onnx: needs a batch of >= 2 inputs to compare centred outputs, got {x.shape[0]}")
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     dtype = {"tensor(float16)": torch.float16}.get(session.get_inputs()[0].type, torch.float32)  # the graph's
-    (got,) = session.run(None, {"input": x.detach().cpu().to(dtype).numpy()})
-    got = torch.from_numpy(got).float()
+    gots = [torch.from_numpy(g).float() for g in session.run(None, {"input": x.detach().cpu().to(dtype).numpy()})]
     weights = next((t.dtype for t in model.parameters() if t.is_floating_point()), x.dtype)
-    with evaluating(model), torch.no_grad():
-        want = model(x.to(weights)).float().cpu()  # (in the model's dtype: a float16 model took float32 x)
+    with evaluating(model), torch.no_grad():  # (in the model's dtype: a float16 model took float32 x)
+        wants = [t.float().cpu() for t in output_tensors(model(x.to(weights)), "check_onnx")]
+    if len(gots) != len(wants):
+        raise ValueError(f"check_onnx: {path} has {len(gots)} outputs and the model returns {len(wants)} tensors; "
+                         "check the ONNX file of this model (compress.onnx_export.export_onnx writes one per tensor)")
+    return max(_output_error(got, want, model, x.shape[0], f"output {i}" if len(wants) > 1 else "output")
+               for i, (got, want) in enumerate(zip(gots, wants)))
+
+
+def _output_error(got: torch.Tensor, want: torch.Tensor, model: nn.Module, batch: int, which: str) -> float:
+    """`check_onnx`'s measure for one output: onnxruntime's `got` against PyTorch's `want` (batch first)."""
     spread = (want - want.mean(0)).abs().max()
     if want.isfinite().all() and not spread > FLAT_OUTPUT * want.abs().max():
         empty = [n for n, m in model.named_modules() if isinstance(m, StripeConv2d) and m.num_stripes == 0]
         why = (f"; its stripe convs {', '.join(empty[:5])}{', ...' if len(empty) > 5 else ''} kept no stripe (their "
                "output is their bias alone, whatever the input): a lower threshold or a larger target_macs keeps "
                "some" if empty else " (an untrained model?)")
-        warnings.warn(f"check_onnx: the model gives (nearly) the same output for each of the {x.shape[0]} check inputs "
+        warnings.warn(f"check_onnx: the model gives (nearly) the same {which} for each of the {batch} check inputs "
                       f"(batch spread {float(spread):.1e} against outputs up to {float(want.abs().max()):.1e}), so the "
-                      f"check compares little more than its biases; check the model's weights{why}", stacklevel=2)
+                      f"check compares little more than its biases; check the model's weights{why}", stacklevel=3)
     centred = (got - got.mean(0) - (want - want.mean(0))).abs().max()
     scale = torch.maximum(spread, CENTRED_FLOOR * want.abs().max()).clamp_min(1e-12)
     return max(_rel_error(got, want), float(centred / scale))

@@ -172,6 +172,70 @@ def test_onnx_export_of_an_op_torch_onnx_lacks_says_how_to_export_without_it(tmp
     assert not (tmp_path / "m.onnx").exists()
 
 
+class _TwoHeads(nn.Module):
+    """A compact-able net returning (logits, {"features": pooled, "map": a feature map}): several outputs."""
+
+    def __init__(self, num_classes: int = 10, in_chans: int = 3):
+        super().__init__()
+        self.conv = nn.Conv2d(in_chans, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, num_classes)
+
+    def forward(self, x):
+        f = self.bn(self.conv(x)).relu()
+        pooled = f.mean((2, 3))
+        return self.fc(pooled), {"features": pooled, "map": f}
+
+
+@compress.register_model
+def _test_two_heads_net(num_classes=10, in_chans=3):
+    return _TwoHeads(num_classes, in_chans)
+
+
+def test_onnx_of_a_model_with_several_outputs(tmp_path):
+    """A model returning a tuple/dict of tensors: export_onnx gave only the first output a dynamic batch, and
+    check_onnx (so export.py with ONNX on) failed with "too many values to unpack". Each tensor is an output now
+    ("output", "output1", ...; batch dynamic in all), compared one by one; an output torch.onnx cannot take (a
+    dataclass) is named before it runs, and a file with other outputs than the model is refused."""
+    import dataclasses
+
+    model = create_model("_test_two_heads_net", num_classes=4, input_size=8)
+    compress.attach_skeletons(model)
+    random_bn_(model, torch.Generator().manual_seed(0))
+    small = compact(model.eval(), fold_bn=True)
+    path = export_onnx(small, tmp_path / "m.onnx", (3, 8, 8))
+    import onnx
+
+    assert [o.name for o in onnx.load(str(path)).graph.output] == ["output", "output1", "output2"]
+    assert check_onnx(path, small, torch.randn(3, 3, 8, 8)) < 1e-5  # (exported at batch 1: checked at 3)
+    with torch.no_grad():  # an error in the last output alone is seen
+        wrong = copy.deepcopy(small)
+        wrong.conv.bias += 1.0
+    assert check_onnx(path, wrong, torch.randn(3, 3, 8, 8)) > 1e-2
+    with pytest.raises(ValueError, match=r"m.onnx has 3 outputs and the model returns 1 tensors"):
+        check_onnx(path, nn.Sequential(small.conv, nn.Flatten()), torch.randn(3, 3, 8, 8))
+
+    @dataclasses.dataclass
+    class Output:
+        logits: torch.Tensor
+
+    class Wrapped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+
+        def forward(self, x):
+            return Output(self.conv(x))
+
+    with pytest.raises(ValueError, match=r"export_onnx: the model returns Output; ONNX export takes a tensor, or a "
+                                         r"tuple, list or dict of tensors.*onnx.enabled=false"):
+        export_onnx(Wrapped().eval(), tmp_path / "d.onnx", (3, 8, 8))
+    assert not (tmp_path / "d.onnx").exists()
+    compress.save(small, tmp_path / "small.safetensors")
+    export_checkpoint(tmp_path / "small.safetensors", tmp_path / "out", latency=False)  # (checks its ONNX file)
+    assert "onnxruntime" in (tmp_path / "out" / FILES[3]).read_text()
+
+
 def test_onnx_shift_mode_uses_no_stripe_ops(tmp_path):
     import onnx
 
