@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import numbers
 import os
 from collections.abc import Sequence
@@ -44,6 +45,21 @@ def check_module(where: str, model) -> None:
         shown = (f"{type(model).__name__} {model!r:.80}" if model is None or isinstance(model, (str, os.PathLike, numbers.Number))
                  else f"an object of type {type(model).__name__}")
         raise TypeError(f"{where}: expected a model (an nn.Module), got {shown}{hint}")
+
+
+def check_one_input(where: str, model: nn.Module) -> None:
+    """ValueError naming `where` when `model`'s forward needs more than one argument: `where` runs it on one
+    (B, C, H, W) batch (a ``forward(x, y)`` failed there with a raw TypeError about a missing argument)."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):  # (a forward inspect cannot read: its call says what it lacks)
+        return
+    required = [p.name for p in params if p.default is p.empty
+                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if len(required) > 1:
+        raise ValueError(f"{where}: the model's forward takes {len(required)} inputs ({', '.join(required)}) and "
+                         f"{where.split(':')[0]} runs it on one (B, C, H, W) batch; wrap the model in a module whose "
+                         "forward takes that batch alone and supplies the others")
 
 
 def refuse_wrapper(where: str, model: nn.Module, verb: str) -> None:

@@ -42,7 +42,7 @@ import torch.nn as nn
 from torch.nn.modules.utils import _pair
 
 import kernels
-from compress._checks import chw, refuse_wrapper
+from compress._checks import check_one_input, chw, refuse_wrapper
 from compress._modes import LIBRARY_LOCK, evaluating
 from compress.pix import PiXBlock
 from compress.pooling import MaxPool2d, fast_max_pools
@@ -469,6 +469,7 @@ def choose_modes(model: nn.Module, x: torch.Tensor, repeats: int = 5, timing: st
     refuse_wrapper("choose_modes", model, "choose the modes of")  # (a compiled graph would skip the input hooks)
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"choose_modes: repeats must be an int >= 1, got {repeats!r}")
+    check_one_input("choose_modes", model)
     layers = {n: m for n, m in model.named_modules() if isinstance(m, StripeConv2d) and m.num_stripes}
     inputs: dict[str, torch.Tensor] = {}
     hooks = [
@@ -532,6 +533,7 @@ def _compact_to_budget(model, base, fold, target, input_size, multiple=1):
     """Smallest threshold >= base among base and the |skeleton| values above it whose compact model meets
     the budget (bisection: MACs fall as the threshold rises). Returns (model, threshold, macs, dense)."""
     check_target_macs(target)
+    check_one_input("compact: target_macs", model)
     size = _input_size(model, input_size)
     try:
         dense = _macs(model, size)

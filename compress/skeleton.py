@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
-from compress._checks import check_module, unwrapped
+from compress._checks import check_module, check_one_input, unwrapped
 from compress._modes import LIBRARY_LOCK
 from compress.surgery import (
     blank_conv,
@@ -176,6 +176,11 @@ def attach_skeletons(
     """
     with LIBRARY_LOCK:  # (see compress._modes.LIBRARY_LOCK)
         check_module("attach_skeletons", model)
+        if example_input is not None:
+            if not isinstance(example_input, torch.Tensor):
+                raise TypeError(f"attach_skeletons: example_input must be one tensor, a (B, C, H, W) batch the model "
+                                f"takes; got {type(example_input).__name__}")
+            check_one_input("attach_skeletons: example_input", model)
         stripe_group = check_stripe_group(stripe_group)
         if type(model) is nn.Conv2d:
             raise ValueError("attach_skeletons: the model is a bare nn.Conv2d, which cannot be replaced in place; wrap it "
@@ -239,7 +244,11 @@ def eligible_convs(
                       "hooks (torch.nn.utils.weight_norm and spectral_norm recompute the weight in one; their "
                       "torch.nn.utils.parametrizations versions keep working); those layers stay dense", stacklevel=3)
     eligible = [(name, m) for name, m in candidates if name not in padded and name not in hooked_convs]
-    graph = trace(model, None) if eligible else None  # an untraceable forward: compaction says so itself
+    # an untraceable forward: compaction says so itself; without an input its direct weight reads go unseen
+    unseen = (None if example_input is not None else "convs whose weight the forward reads itself (F.conv2d(x, "
+              "conv.weight)) cannot be found without example_input=<a batch the model takes>, and a skeleton on one "
+              "would not act there")
+    graph = trace(model, unseen) if eligible else None
     if graph is not None:
         direct = sorted(read_directly(graph) & {name for name, _ in eligible})
     else:

@@ -749,11 +749,46 @@ def test_direct_reads_in_a_forward_fx_cannot_trace_are_found_in_one_forward_of_t
     with pytest.warns(UserWarning, match=r"attach_skeletons: b, conv2: the forward also reads the weight"):
         assert attach_skeletons(copy.deepcopy(model), example_input=torch.randn(1, 3, 6, 6)) == ["conv1", "a"]
     assert model.training  # the probe's eval forward restored the mode
-    # without an input the reads go unseen (README, "Not done yet"); a forward that fails says the check was skipped
-    assert attach_skeletons(copy.deepcopy(model)) == ["conv1", "conv2", "a", "b"]
+    # without an input the reads go unseen (README, "Not done yet"), which a warning says (it was silent), naming
+    # the argument; a forward that fails says the check was skipped
+    with pytest.warns(UserWarning, match=r"fx cannot trace _ReadsWeightsUntraceably .*convs whose weight the forward "
+                                         r"reads itself .* cannot be found without example_input="):
+        assert attach_skeletons(copy.deepcopy(model)) == ["conv1", "conv2", "a", "b"]
     with pytest.warns(UserWarning, match=r"one forward of a \(1, 4, 6, 6\) input failed .* were not looked for"):
         assert attach_skeletons(copy.deepcopy(model), example_input=torch.randn(1, 4, 6, 6)) == ["conv1", "conv2",
                                                                                                  "a", "b"]
+
+
+def test_a_model_of_several_inputs_is_named_where_one_batch_is_run():
+    """profile, choose_modes, compact(target_macs=) and attach_skeletons' example_input run the model on one batch:
+    a forward(x, y) failed with a raw TypeError (or an AttributeError for an example_input tuple); each names the
+    inputs and the fix. Optional arguments (defaults) are fine."""
+    from compress.compaction import choose_modes
+
+    class TwoInputs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 8, 3, padding=1)
+            self.fc = nn.Linear(8, 10)
+
+        def forward(self, x, y, scale=1.0):
+            return self.fc((self.conv(x) + self.conv(y)).mean((2, 3))) * scale
+
+    fix = r"forward takes 2 inputs \(x, y\) and {} runs it on one \(B, C, H, W\) batch; wrap the model"
+    x = torch.randn(1, 3, 8, 8)
+    with pytest.raises(TypeError, match=r"example_input must be one tensor, a \(B, C, H, W\) batch .*got tuple"):
+        attach_skeletons(TwoInputs(), example_input=(x, x))
+    with pytest.raises(ValueError, match="attach_skeletons: example_input: the model's " + fix.format("attach_skeletons")):
+        attach_skeletons(TwoInputs(), example_input=x)
+    with pytest.raises(ValueError, match="profile: the model's " + fix.format("profile")):
+        profile(TwoInputs(), (3, 8, 8))
+    model = TwoInputs()
+    assert attach_skeletons(model) == ["conv"]
+    with pytest.raises(ValueError, match="compact: target_macs: the model's " + fix.format("compact")):
+        compact(model, target_macs=0.5, input_size=(3, 8, 8))
+    with pytest.raises(ValueError, match="choose_modes: the model's " + fix.format("choose_modes")):
+        choose_modes(compact(model), x)
+    assert profile(nn.Sequential(nn.Conv2d(3, 4, 3)), (3, 8, 8)).macs == 4 * 3 * 9 * 36  # one input: as before
 
 
 def test_the_forward_probe_sees_views_and_leaves_hooks_of_the_conv_inside_its_call():
