@@ -749,6 +749,12 @@ def test_a_model_that_cannot_be_built_on_meta_loads(tmp_path):
     _rewrite(path, edit_tensors=lambda t: t.update({"fc.weight": t["fc.weight"][:3].clone()}))
     with pytest.raises(ValueError, match=r"m.safetensors.*fc\.weight"):
         load(path)
+    # a tensor missing or one too many: the strict load is the only check (no meta-device model to compare with)
+    for edit, key in ((lambda t: t.pop("fc.bias"), "fc.bias"), (lambda t: t.update({"extra": t["fc.bias"] * 2}), "extra")):
+        path = save(model, tmp_path / "m.safetensors")
+        _rewrite(path, edit_tensors=edit)
+        with pytest.raises(ValueError, match=rf"m.safetensors.*do not fit the recipe's model.*{key}"):
+            load(path)
 
 
 def test_save_and_load_build_no_model_with_weights_of_its_own(tmp_path, monkeypatch):

@@ -430,13 +430,14 @@ def test_latency_leaves_the_global_rng_alone_and_takes_the_memory_format():
 class FunctionalOps(nn.Module):
     """Convolutions and products its forward calls itself: F.conv2d on a child conv's weight (4 -> 6, 3x3, pad 1),
     a transposed conv on a weight of its own, a matrix product, an einsum, fused self- and cross-attention (keys and
-    values of other sizes than the queries), mv, dot, baddbmm and addbmm."""
+    values of other sizes than the queries), mv, dot, baddbmm, addbmm and F.linear with a bias (addmm)."""
 
     def __init__(self):
         super().__init__()
         self.conv = nn.Conv2d(4, 6, 3, padding=1)
         self.up = nn.Parameter(torch.randn(6, 2, 2, 2))  # conv_transpose2d weight (C_in 6, C_out 2, 2x2)
         self.proj = nn.Parameter(torch.randn(5, 3))
+        self.lin_w, self.lin_b = nn.Parameter(torch.randn(5, 48)), nn.Parameter(torch.randn(5))
 
     def forward(self, x):  # x (1, 4, 5, 5)
         y = self.conv(x)  # a module call: counted by the conv's row
@@ -453,13 +454,14 @@ class FunctionalOps(nn.Module):
         mat, vec, b1, b2 = x[0, 0, :3, :4], x[0, 1, 0, :4], x[0, :2, :3, :4], x[0, 2:, :4, :]
         products = (torch.mv(mat, vec).sum() + torch.dot(vec, vec)  # 3 * 4 + 4 = 16
                     + torch.baddbmm(torch.zeros(2, 3, 5), b1, b2).sum()  # 2 * 3 * 5 * 4 = 120
-                    + torch.addbmm(torch.zeros(3, 5), b1, b2).sum())  # 120
+                    + torch.addbmm(torch.zeros(3, 5), b1, b2).sum()  # 120
+                    + F.linear(x.flatten(1)[:, :48], self.lin_w, self.lin_b).sum())  # 48 -> 5: 240 (not 5 * 1)
         return e.mean() + a.mean() + c.mean() + products
 
 
 def test_functional_convs_and_products_count_in_the_row_of_the_module_that_calls_them():
     model = FunctionalOps()
-    functional = 5400 + 1200 + 1500 + 30000 + 60000 + 112 + 16 + 120 + 120
+    functional = 5400 + 1200 + 1500 + 30000 + 60000 + 112 + 16 + 120 + 120 + 240
     for convention in ("layers", "paper"):
         rep = profile(model, (4, 5, 5), latency=False, convention=convention)
         rows = {row.name: row for row in rep.layers}
@@ -467,7 +469,7 @@ def test_functional_convs_and_products_count_in_the_row_of_the_module_that_calls
         assert rows["conv"].macs == conv  # the module call only
         assert rows[""].macs == functional and rows[""].type == "FunctionalOps"
         assert rep.functional_macs == functional and rep.macs == conv + functional
-    assert (rows[""].params, rows[""].weight_bytes) == (48 + 15, 4 * 63)  # its own up and proj, as before
+    assert (rows[""].params, rows[""].weight_bytes) == (48 + 15 + 245, 4 * 308)  # its own up, proj and lin_w/b
     assert "in ops forward code calls itself" in str(rep)
 
 
@@ -653,3 +655,17 @@ def test_flop_counter_mode_counts_the_compress_ops():
     wp = torch.randn(3, 6, 1, 1, generator=gen, requires_grad=True)  # zeta 2
     pooled_product = flops(lambda: torch.sigmoid(x.mean((2, 3)) @ wp.flatten(1).t()), x, wp)
     assert flops(lambda: kernels.pix_squeeze(x, wp, 2), x, wp) == pooled_product == 3 * 2 * 2 * 6 * 3
+
+
+def test_estimate_macs_scales_each_skeleton_conv_by_its_kept_stripes_by_hand():
+    """train.py's macs/pruned_estimate (and summary.json's): conv 3 -> 4 3x3 on 8x8 (4 * 36 * 27 = 3888 MACs) keeps
+    filter 0's 9 of 36 stripes, a quarter; the Linear 144 -> 5 (720) has no skeleton and counts whole."""
+    from compress._macs import estimate_macs
+    from compress.skeleton import attach_skeletons
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(144, 5))
+    attach_skeletons(model)
+    with torch.no_grad():
+        model[0].skeleton.copy_(torch.rand(4, 3, 3) * 0.5 + 0.5)
+        model[0].skeleton[1:] = 0.005  # below the threshold
+    assert estimate_macs(model, (3, 8, 8), 0.01) == (3888 + 720, 3888 // 4 + 720)

@@ -244,6 +244,20 @@ def test_macs_counts_kept_stripes():
     assert s.macs(x, s(x)) == 2 * 4 * 4 * int(mask.sum()) * 5
 
 
+def test_stripe_counts_of_square_and_non_square_kernels_by_hand():
+    """summary.json's compact_stripes: a 1x3 conv of 4 filters has 4 * 1 * 3 = 12 stripes (its centre column kept:
+    4), a 3x3 conv of 2 filters 18 (5 kept); the plain conv counts no layer."""
+    from compress.stripe import stripe_counts
+
+    wide = torch.zeros(4, 1, 3, dtype=torch.bool)
+    wide[:, :, 1] = True
+    square = torch.zeros(2, 3, 3, dtype=torch.bool)
+    square.view(-1)[[0, 4, 8, 9, 13]] = True
+    model = nn.Sequential(StripeConv2d.from_dense(nn.Conv2d(2, 4, (1, 3), padding=(0, 1)), wide),
+                          StripeConv2d.from_dense(nn.Conv2d(4, 2, 3), square), nn.Conv2d(2, 2, 1))
+    assert stripe_counts(model) == {"layers": 2, "stripes_kept": 4 + 5, "stripes_total": 12 + 18}
+
+
 @pytest.mark.parametrize("mode", ["stripe", "dense"])
 @pytest.mark.parametrize("hw, ceil", [(8, False), (9, True), (9, False)])
 def test_pool_is_relu_then_max_pool_and_survives_config_and_to_dense(mode, hw, ceil):
