@@ -4,6 +4,7 @@ torch.fx, remove output channels along them, fold constant inputs and BatchNorm 
 from __future__ import annotations
 
 import copy
+import inspect
 import sys
 import warnings
 from collections import Counter, defaultdict
@@ -249,7 +250,7 @@ def trace(model: nn.Module, consequence: str | None = "dead filters are kept and
     for target in (t for t in (copied, model) if t is not None):
         try:
             with LIBRARY_LOCK, evaluating(target):  # (fx patches nn.Module.__call__ process-wide while it traces)
-                return _Tracer().trace(target)
+                return _Tracer().trace(target, concrete_args=_default_arguments(target) or None)
         except Exception as err:  # noqa: BLE001 - any tracing failure means: no graph-based surgery
             failure = err
     if consequence is not None:
@@ -259,6 +260,19 @@ def trace(model: nn.Module, consequence: str | None = "dead filters are kept and
             stacklevel=3,
         )
     return None
+
+
+def _default_arguments(model: nn.Module) -> dict[str, Any]:
+    """{name: default} of the forward's optional arguments after the first that hold a plain value (bool, number,
+    string, None): fx traces them as those constants, as surgery runs the model (one batch, nothing else), so a
+    branch on one (``forward(x, return_features=False)`` with ``if return_features:``) traces instead of failing."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return {}
+    return {p.name: p.default for p in params
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is not p.empty
+            and isinstance(p.default, (bool, int, float, str, type(None)))}
 
 
 def _only_input(node: fx.Node, src: fx.Node) -> bool:

@@ -759,6 +759,41 @@ def test_direct_reads_in_a_forward_fx_cannot_trace_are_found_in_one_forward_of_t
                                                                                                  "a", "b"]
 
 
+def test_a_forward_with_optional_flags_traces_and_compacts_fully():
+    """forward(x, return_features=False, scale=None) branching on the flags: fx could not trace it ("symbolically
+    traced variables cannot be used as inputs to control flow"), so compaction kept dead filters and BN unfolded.
+    Traced at the defaults (as surgery runs the model), it compacts fully; the flags still work on the result."""
+
+    class Flagged(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1, self.bn1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+            self.conv2, self.bn2 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+            self.fc = nn.Linear(8, 5)
+
+        def forward(self, x, return_features=False, scale=None):
+            f = self.bn2(self.conv2(self.bn1(self.conv1(x)).relu())).relu().mean((2, 3))
+            out = self.fc(f) if scale is None else self.fc(f) * scale
+            return (out, f) if return_features else out
+
+    model = Flagged().double()
+    random_bn_(model, torch.Generator().manual_seed(0))
+    attach_skeletons(model)
+    with torch.no_grad():
+        model.conv1.skeleton[:3] = 0  # dead filters: conv2 loses those input channels
+    model.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no "torch.fx cannot trace" warning)
+        out = compact(model, fold_bn=True)
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in out.modules())
+    assert out.conv1.out_channels < 8 and out.conv2.in_channels == out.conv1.out_channels  # (a dead filter whose
+    # constant survives BN and ReLU stays: conv2 pads)
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    torch.testing.assert_close(out(x), model(x), rtol=1e-10, atol=1e-10)
+    for got, want in zip(out(x, return_features=True, scale=2.0), model(x, return_features=True, scale=2.0)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
 def test_a_model_of_several_inputs_is_named_where_one_batch_is_run():
     """profile, choose_modes, compact(target_macs=) and attach_skeletons' example_input run the model on one batch:
     a forward(x, y) failed with a raw TypeError (or an AttributeError for an example_input tuple); each names the
