@@ -115,6 +115,23 @@ def test_errors():
         kernels.conv2d(x, w, b, groups=1.0)
     with pytest.raises(ValueError, match=r"compress::conv2d: the kernel \(3, 0\) is empty"):
         kernels.conv2d(x, w[..., :0], b)
+    x4 = torch.randn(1, 4, 5, 5)
+    with pytest.raises(ValueError, match=r"groups=2 must divide the channels of 'x' \(4\) and of 'weight' \(5\)"):
+        kernels.conv2d(x4, torch.randn(5, 2, 3, 3), groups=2)
+    for kwargs, message in (({"padding": -1}, r"padding must be two ints >= 0, got \[-1, -1\]"),
+                            ({"dilation": [1, 0]}, r"dilation must be two ints >= 1, got \[1, 0\]")):
+        for op, args in ((kernels.conv2d, (x4, torch.randn(6, 4, 3, 3))),
+                         (kernels.depthwise_conv2d, (x4, torch.randn(4, 1, 3, 3))),
+                         (kernels.stripe_conv2d, (x4, torch.randn(1, 4), torch.tensor([0]), torch.tensor([[1, 1]]),
+                                                  None, 2, 3))):
+            with pytest.raises(ValueError, match=message):  # (F.conv2d refuses them too; a stripe conv returned a
+                op(*args, **kwargs)  # smaller or larger output)
+
+
+def test_one_element_lists_mean_both_sides_as_in_f_conv2d():
+    x, w = torch.randn(1, 4, 9, 9, dtype=torch.float64), torch.randn(6, 2, 3, 3, dtype=torch.float64)
+    want = F.conv2d(x, w, None, stride=[2], padding=[1], dilation=[1], groups=2)
+    torch.testing.assert_close(kernels.conv2d(x, w, None, stride=[2], padding=[1], dilation=[1], groups=2), want)
 
 
 def test_opcheck_cpu():

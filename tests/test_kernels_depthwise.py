@@ -100,6 +100,8 @@ def test_errors():
     x, w, b = make(3, 6, 6, (3, 3))
     with pytest.raises(ValueError, match=r"compress::depthwise_conv2d: tensor 'weight' must have shape \(3, 1, kh, kw\)"):
         kernels.depthwise_conv2d(x, w[:2], b)
+    with pytest.raises(ValueError, match=r"tensor 'weight' must have shape \(3, 1, kh, kw\) .*got \(3, 2, 3, 3\)"):
+        kernels.depthwise_conv2d(x, torch.cat([w, w], 1), b)  # (PyTorch's error blamed the input's channels)
     with pytest.raises(ValueError, match=r"compress::depthwise_conv2d: tensor 'bias' must have shape \(3,\)"):
         kernels.depthwise_conv2d(x, w, b[:2])
     with pytest.raises(TypeError, match=r"compress::depthwise_conv2d: tensor 'weight' has dtype torch.float64"):

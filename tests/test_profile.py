@@ -651,6 +651,8 @@ def test_flop_counter_mode_counts_the_compress_ops():
     ws = torch.randn(len(out_index), 6, generator=gen, requires_grad=True)
     stripe = flops(lambda: kernels.stripe_conv2d(x, ws, out_index, offset, None, 5, 3, 2, 1), x, ws)
     assert stripe == 3 * 2 * (2 * 4 * 5) * len(out_index) * 6  # each kept stripe: a 6-long product per pixel
+    frozen = x.detach()  # no grad_x: forward + grad_weight only (the stripe backward computes only what is needed)
+    assert flops(lambda: kernels.stripe_conv2d(frozen, ws, out_index, offset, None, 5, 3, 2, 1), ws) == 2 * stripe // 3
 
     wp = torch.randn(3, 6, 1, 1, generator=gen, requires_grad=True)  # zeta 2
     pooled_product = flops(lambda: torch.sigmoid(x.mean((2, 3)) @ wp.flatten(1).t()), x, wp)
