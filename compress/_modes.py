@@ -18,16 +18,21 @@ LIBRARY_LOCK = threading.RLock()
 
 
 @contextmanager
-def evaluating(model: nn.Module) -> Iterator[nn.Module]:
-    """`model` in eval mode inside the block; afterwards every module is back in its own mode (``model.train(flag)``
-    would also switch a BatchNorm the user froze with ``.eval()`` back to training)."""
+def in_mode(model: nn.Module, training: bool) -> Iterator[nn.Module]:
+    """`model` in training (`training`) or eval mode inside the block; afterwards every module is back in its own
+    mode (``model.train(flag)`` would also switch a BatchNorm the user froze with ``.eval()`` back to training)."""
     modes = [(m, m.training) for m in model.modules()]
-    model.eval()
+    model.train(training)
     try:
         yield model
     finally:
-        for m, training in modes:
-            m.training = training
+        for m, was in modes:
+            m.training = was
+
+
+def evaluating(model: nn.Module):
+    """`in_mode(model, False)`: `model` in eval mode inside the block, every module's own mode back after it."""
+    return in_mode(model, False)
 
 
 @contextmanager

@@ -54,21 +54,21 @@ from compress.surgery import (
     bn_remainder,
     called_once,
     chain_constants,
+    common_chains,
+    common_pairs,
     consumer_columns,
     consumers_unpadded,
-    conv_bn_pairs_traced,
     copy_model,
-    find_chains,
     fold_constant_inputs,
     get_module,
     hooked,
     is_batch_norm,
     is_elementwise,
     left_alone,
+    mode_graphs,
     refresh_weight,
     remove_channels,
     replace_module,
-    trace,
 )
 from compress.surgery import fold_bn as fold_bn_into_conv
 from kernels._utils import memory_format
@@ -254,19 +254,19 @@ def _compact_at(model: nn.Module, threshold: float, fold: bool, multiple: int = 
                       "hooks of their own keep them and stay nn.Conv2d with the pruned stripes zeroed (surgery leaves "
                       "hooked modules alone: a hook may read their tensors); remove the hooks to compact them",
                       stacklevel=3)
-    graph = trace(out)
-    direct = set() if graph is None else left_alone(graph, out)
-    if graph is not None:
-        chains = find_chains(out, graph)
+    graphs = mode_graphs(out)  # (eval, and training where its forward differs: surgery holds in both)
+    direct = set().union(*(left_alone(graph, out) for graph in graphs))
+    if graphs:
+        chains = common_chains(out, graphs)
         while any([_shrink(out, chain, multiple) for chain in chains]):
             pass
         if fold:
-            for conv_name, bn_name in conv_bn_pairs_traced(out, graph).items():
+            for conv_name, bn_name in common_pairs(out, graphs).items():
                 bn = get_module(out, bn_name)
                 fold_bn_into_conv(get_module(out, conv_name), bn)
                 replace_module(out, bn_name, bn_remainder(bn))
     _to_stripe_convs(out, pruned, direct)
-    if graph is not None:
+    if graphs:
         _drop_unread_work(out, direct)
     return out
 
@@ -295,11 +295,11 @@ def _drop_unread_work(model: nn.Module, direct: set[str]) -> None:
     PiX model a fully pruned branch's earlier convs and PiX blocks, which channel removal cannot reach through the
     blocks). Convs surgery leaves alone (`direct`) keep their work."""
     while True:
-        graph = trace(model, "layers whose output only convs with no stripe left read keep running")
-        if graph is None:
+        graphs = mode_graphs(model, "layers whose output only convs with no stripe left read keep running")
+        if not graphs:
             return
-        calls: dict[str, list[bool]] = {}
-        for node in graph.nodes:
+        calls: dict[str, list[bool]] = {}  # (every call in either mode's graph)
+        for node in (node for graph in graphs for node in graph.nodes):
             if node.op != "call_module" or node.target in direct:
                 continue
             m = get_module(model, node.target)
@@ -402,11 +402,30 @@ def _fuse_relu(model: nn.Module) -> list[str]:
     nn.Identity modules (folded BNs) to a once-called nn.ReLU (a module shared by several call sites, as
     torchvision's Bottleneck ReLU, is left alone). A StripeConv2d also takes the 2x2 max-pool that is that ReLU's
     only consumer (`_is_pool2x2`; VGG's pools), which its kernel computes in the epilogue."""
-    graph = trace(model)
-    if graph is None:
-        return []
-    once = called_once(graph, model)
+    graphs = mode_graphs(model)
+    plans = [_relu_fusions(model, graph) for graph in graphs]  # the same in both modes' graphs, or not fused
     fused = []
+    for name, (relu, pool) in (plans[0] if plans else {}).items():
+        if any(plan.get(name) != (relu, pool) for plan in plans[1:]):
+            continue
+        conv = get_module(model, name)
+        if isinstance(conv, StripeConv2d):
+            conv.relu = True
+            if pool is not None:
+                conv.pool, conv.pool_ceil = True, get_module(model, pool).ceil_mode
+                replace_module(model, pool, nn.Identity())
+        else:
+            replace_module(model, name, Conv2dReLU.from_conv(conv))
+        replace_module(model, relu, nn.Identity())
+        fused.append(name)
+    return fused
+
+
+def _relu_fusions(model: nn.Module, graph) -> dict[str, tuple[str, str | None]]:
+    """{conv: (its ReLU, the 2x2 max-pool a StripeConv2d takes too, or None)} of the fusions `_fuse_relu` makes by
+    fx graph `graph`."""
+    once = called_once(graph, model)
+    plan = {}
     for node in graph.nodes:
         if node.op != "call_module" or node.target not in once:
             continue
@@ -416,17 +435,10 @@ def _fuse_relu(model: nn.Module) -> list[str]:
         relu = _sole_consumer(model, node, once)
         if relu is None or type(get_module(model, relu.target)) is not nn.ReLU:
             continue
-        if isinstance(conv, StripeConv2d):
-            conv.relu = True
-            pool = _sole_consumer(model, relu, once)
-            if pool is not None and _is_pool2x2(get_module(model, pool.target)):
-                conv.pool, conv.pool_ceil = True, get_module(model, pool.target).ceil_mode
-                replace_module(model, pool.target, nn.Identity())
-        else:
-            replace_module(model, node.target, Conv2dReLU.from_conv(conv))
-        replace_module(model, relu.target, nn.Identity())
-        fused.append(node.target)
-    return fused
+        pool = _sole_consumer(model, relu, once) if isinstance(conv, StripeConv2d) else None
+        plan[node.target] = (relu.target, pool.target if pool is not None and
+                             _is_pool2x2(get_module(model, pool.target)) else None)
+    return plan
 
 
 def _sole_consumer(model: nn.Module, node, once: set[str]):

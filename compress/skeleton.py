@@ -39,10 +39,10 @@ from compress.surgery import (
     conv_bn_pairs,
     conv_like,
     hooked,
+    mode_graphs,
     read_directly,
     read_outside_their_call,
     replace_module,
-    trace,
 )
 from kernels._utils import fx_tracing
 
@@ -248,9 +248,9 @@ def eligible_convs(
     unseen = (None if example_input is not None else "convs whose weight the forward reads itself (F.conv2d(x, "
               "conv.weight)) cannot be found without example_input=<a batch the model takes>, and a skeleton on one "
               "would not act there")
-    graph = trace(model, unseen) if eligible else None
-    if graph is not None:
-        direct = sorted(read_directly(graph) & {name for name, _ in eligible})
+    graphs = mode_graphs(model, unseen) if eligible else []  # (training is where a skeleton must act)
+    if graphs:
+        direct = sorted(set().union(*(read_directly(graph) for graph in graphs)) & {name for name, _ in eligible})
     else:
         direct = sorted(_read_in_forward(model, example_input, [name for name, _ in eligible]))
     if direct:

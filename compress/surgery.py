@@ -21,7 +21,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
 from compress._checks import unwrapped
-from compress._modes import LIBRARY_LOCK, evaluating
+from compress._modes import LIBRARY_LOCK, evaluating, in_mode
 
 __all__ = [
     "conv_config",
@@ -32,6 +32,9 @@ __all__ = [
     "Chain",
     "trace",
     "find_chains",
+    "mode_graphs",
+    "common_chains",
+    "common_pairs",
     "conv_bn_pairs_traced",
     "read_directly",
     "read_outside_their_call",
@@ -152,8 +155,8 @@ def conv_bn_pairs(model: nn.Module) -> dict[str, str]:
     model torch.fx cannot trace. A torch.compile, DataParallel or DDP wrapper is looked through (names as in the
     model inside, as `swp_update` uses them)."""
     model = unwrapped(model)
-    graph = trace(model, "no BatchNorm channel is zeroed with its dead filter")
-    return {} if graph is None else conv_bn_pairs_traced(model, graph, foldable=False)
+    graphs = mode_graphs(model, "no BatchNorm channel is zeroed with its dead filter")
+    return common_pairs(model, graphs, foldable=False) if graphs else {}
 
 
 # ---- graph analysis ------------------------------------------------------------------------------
@@ -232,10 +235,10 @@ class _Tracer(fx.Tracer):
         )
 
 
-def trace(model: nn.Module, consequence: str | None = "dead filters are kept and BatchNorm is not folded"
-          ) -> fx.Graph | None:
-    """The torch.fx graph of `model` traced in eval mode, or None (with a warning saying the `consequence`; none
-    when it is None) if tracing fails. Traced on a copy of the modules that shares their tensors (parameters,
+def trace(model: nn.Module, consequence: str | None = "dead filters are kept and BatchNorm is not folded",
+          training: bool = False) -> fx.Graph | None:
+    """The torch.fx graph of `model` traced in eval mode (`training`: in training mode), or None (with a warning
+    saying the `consequence`; none when it is None) if tracing fails. Traced on a copy of the modules that shares their tensors (parameters,
     buffers, tensor attributes: none is copied): tracing runs the forward on proxies, and a forward that keeps values
     on its modules (timm's feature hooks, a cached activation) left proxies in the caller's model, which then failed
     to copy, save or compact. A model that cannot be copied, or whose copy does not trace (a weak reference back to
@@ -249,7 +252,7 @@ def trace(model: nn.Module, consequence: str | None = "dead filters are kept and
     failure = None
     for target in (t for t in (copied, model) if t is not None):
         try:
-            with LIBRARY_LOCK, evaluating(target):  # (fx patches nn.Module.__call__ process-wide while it traces)
+            with LIBRARY_LOCK, in_mode(target, training):  # (fx patches nn.Module.__call__ process-wide meanwhile)
                 return _Tracer().trace(target, concrete_args=_default_arguments(target) or None)
         except Exception as err:  # noqa: BLE001 - any tracing failure means: no graph-based surgery
             failure = err
@@ -260,6 +263,35 @@ def trace(model: nn.Module, consequence: str | None = "dead filters are kept and
             stacklevel=3,
         )
     return None
+
+
+def mode_graphs(model: nn.Module, consequence: str | None = "dead filters are kept and BatchNorm is not folded"
+                ) -> list[fx.Graph]:
+    """[the eval-mode graph (`trace`)], followed by the training-mode graph where the forward differs in training
+    (it branches on ``self.training``: an auxiliary head that reads a layer in training only). Surgery must hold in
+    both: a change made by the eval graph alone broke such a model's training forward (a conv shrunk under a head
+    that still read all its channels). [] where the eval forward does not trace; the training graph is left out
+    where it does not trace (surgery then goes by the eval graph, as before)."""
+    graph = trace(model, consequence)
+    if graph is None:
+        return []
+    training = trace(model, None, training=True)
+    return [graph] if training is None or str(training) == str(graph) else [graph, training]
+
+
+def common_pairs(model: nn.Module, graphs: list[fx.Graph], foldable: bool = True) -> dict[str, str]:
+    """`conv_bn_pairs_traced` of the first graph, less the pairs that another of `graphs` (`mode_graphs`) lacks."""
+    pairs = conv_bn_pairs_traced(model, graphs[0], foldable)
+    for graph in graphs[1:]:
+        other = conv_bn_pairs_traced(model, graph, foldable)
+        pairs = {conv: bn for conv, bn in pairs.items() if other.get(conv) == bn}
+    return pairs
+
+
+def common_chains(model: nn.Module, graphs: list[fx.Graph]) -> list[Chain]:
+    """`find_chains` of the first graph that every other of `graphs` (`mode_graphs`) has too, step for step."""
+    others = [find_chains(model, graph) for graph in graphs[1:]]
+    return [chain for chain in find_chains(model, graphs[0]) if all(chain in chains for chains in others)]
 
 
 def _default_arguments(model: nn.Module) -> dict[str, Any]:

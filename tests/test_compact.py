@@ -794,6 +794,47 @@ def test_a_forward_with_optional_flags_traces_and_compacts_fully():
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
+class _TrainOnlyHead(nn.Module):
+    """An auxiliary head that reads the stem's output in training mode only (as Inception-style aux logits)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.c2 = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.aux = nn.Conv2d(8, 10, 3, padding=1)
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x):
+        f = self.stem(x)
+        out = self.fc(self.c2(f).mean((2, 3)))
+        return (out, self.aux(f).mean((2, 3))) if self.training else out
+
+
+def test_surgery_holds_for_a_layer_read_in_training_mode_only():
+    """Compaction traced the eval forward only: a dead stem filter was removed, shrinking the stem under the aux
+    head, and the compact model's training forward failed ("expected input[2, 7, 16, 16] to have 8 channels"; a
+    fully pruned c2 cut the stem to one channel). Surgery now holds in the training graph too (`mode_graphs`):
+    the compact model trains as the skeleton model does, in eval and training mode, BN kept or folded."""
+    torch.manual_seed(0)
+    model = _TrainOnlyHead().double()
+    random_bn_(model, torch.Generator().manual_seed(1))
+    attach_skeletons(model)
+    with torch.no_grad():
+        model.stem[0].skeleton[0] = 0  # a dead filter: the aux head still reads its channel in training
+        model.stem[1].bias[0] = -10.0  # (its constant, after BN and ReLU, 0: removable for the eval path alone)
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    for fold in (False, True):
+        out = compact(model.eval(), fold_bn=fold)
+        assert out.stem[0].out_channels == 8
+        torch.testing.assert_close(out.eval()(x), model.eval()(x), rtol=1e-10, atol=1e-10)
+        logits, aux = out.train()(x)
+        assert aux.shape == (2, 10)
+        if not fold:  # (a folded BN normalises by its running statistics in training too)
+            for got, want in zip((logits, aux), model.train()(x)):
+                torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    assert compact(_TrainOnlyHead().eval(), fold_bn=True, fuse_relu=True)(x.float()).shape == (2, 10)
+
+
 def test_a_model_of_several_inputs_is_named_where_one_batch_is_run():
     """profile, choose_modes, compact(target_macs=) and attach_skeletons' example_input run the model on one batch:
     a forward(x, y) failed with a raw TypeError (or an AttributeError for an example_input tuple); each names the

@@ -993,6 +993,7 @@ def test_onnx_of_torchvision_vgg_below_224(tmp_path):
     pool; the export writes it as a fixed MatMul, exact at that size."""
     import onnx
 
+    torch.manual_seed(0)  # (the heads' init and the check's inputs: not left to the tests run before)
     model = _skeleton_model("vgg11_bn", keep=0.5, num_classes=10)
     for i, (n_in, n_out) in zip((0, 3), ((512 * 7 * 7, 64), (64, 64))):  # a 64-wide head: a small file
         model.classifier[i] = nn.Linear(n_in, n_out)
