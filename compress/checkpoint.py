@@ -360,10 +360,13 @@ def build_recipe(model: nn.Module) -> dict:
     # tensor values builds it for real, raising the real errors. Its numbers are never used: the user's random
     # stream is put back (a constructor may draw on an explicit CPU device even then)
     with rng_kept():
+        ref = None
         try:
             with torch.device("meta"):
                 ref, replacements, removed = _matched_reference(model, arch)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - the real build below raises the errors that concern the user
+            pass
+        if ref is None or _names_meta(ref):  # (a constructor that kept its device: compared as built for real)
             ref, replacements, removed = _matched_reference(model, arch)
     changed = _changed_settings(model, ref)
     if changed:
@@ -702,10 +705,19 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> nn.Modu
 
 
 def _holds_meta(model: nn.Module) -> bool:
-    """Whether any parameter, buffer or tensor attribute of `model` is on the meta device."""
-    return any(t.is_meta for m in model.modules()
-               for t in (*m._parameters.values(), *m._buffers.values(), *vars(m).values())
-               if isinstance(t, torch.Tensor))
+    """Whether any parameter, buffer or tensor attribute of `model` is on the meta device, or a module names that
+    device in an attribute (`_names_meta`)."""
+    return _names_meta(model) or any(t.is_meta for m in model.modules()
+                                     for t in (*m._parameters.values(), *m._buffers.values(), *vars(m).values())
+                                     if isinstance(t, torch.Tensor))
+
+
+def _names_meta(model: nn.Module) -> bool:
+    """Whether a module of `model` keeps the meta device in a plain attribute (a constructor that records
+    ``self.device_type = self.conv.weight.device.type``, read by its forward's ``torch.autocast(self.device_type)``):
+    built on the meta device, such a model differs from one built for real beyond its tensors."""
+    return any(isinstance(v, torch.device) and v.type == "meta" or isinstance(v, str) and v == "meta"
+               for m in model.modules() for v in vars(m).values())
 
 
 def _assigned(model: nn.Module, tensors: dict[str, torch.Tensor], where: str) -> nn.Module:

@@ -295,7 +295,8 @@ def _drop_unread_work(model: nn.Module, direct: set[str]) -> None:
     PiX model a fully pruned branch's earlier convs and PiX blocks, which channel removal cannot reach through the
     blocks). Convs surgery leaves alone (`direct`) keep their work."""
     while True:
-        graphs = mode_graphs(model, "layers whose output only convs with no stripe left read keep running")
+        graphs = mode_graphs(model, "layers whose output only convs with no stripe left read keep running",
+                             quiet=True)  # (compaction's first trace warned of a forward it could not trace)
         if not graphs:
             return
         calls: dict[str, list[bool]] = {}  # (every call in either mode's graph)
@@ -402,7 +403,7 @@ def _fuse_relu(model: nn.Module) -> list[str]:
     nn.Identity modules (folded BNs) to a once-called nn.ReLU (a module shared by several call sites, as
     torchvision's Bottleneck ReLU, is left alone). A StripeConv2d also takes the 2x2 max-pool that is that ReLU's
     only consumer (`_is_pool2x2`; VGG's pools), which its kernel computes in the epilogue."""
-    graphs = mode_graphs(model)
+    graphs = mode_graphs(model, quiet=True)  # (compaction's first trace warned of a forward it could not trace)
     plans = [_relu_fusions(model, graph) for graph in graphs]  # the same in both modes' graphs, or not fused
     fused = []
     for name, (relu, pool) in (plans[0] if plans else {}).items():

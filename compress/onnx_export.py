@@ -284,7 +284,10 @@ def check_onnx(path: str | os.PathLike, model: nn.Module, x: torch.Tensor) -> fl
 
 
 def _output_error(got: torch.Tensor, want: torch.Tensor, model: nn.Module, batch: int, which: str) -> float:
-    """`check_onnx`'s measure for one output: onnxruntime's `got` against PyTorch's `want` (batch first)."""
+    """`check_onnx`'s measure for one output: onnxruntime's `got` against PyTorch's `want` (batch first; an output
+    without the batch dimension, a scalar, is compared as it is)."""
+    if want.dim() == 0 or want.shape[0] != batch:
+        return _rel_error(got, want)
     spread = (want - want.mean(0)).abs().max()
     if want.isfinite().all() and not spread > FLAT_OUTPUT * want.abs().max():
         empty = [n for n, m in model.named_modules() if isinstance(m, StripeConv2d) and m.num_stripes == 0]

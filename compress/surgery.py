@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import itertools
 import sys
 import warnings
 from collections import Counter, defaultdict
@@ -236,13 +237,28 @@ class _Tracer(fx.Tracer):
 
 
 def trace(model: nn.Module, consequence: str | None = "dead filters are kept and BatchNorm is not folded",
-          training: bool = False) -> fx.Graph | None:
+          training: bool = False, flags: dict[str, bool] | None = None) -> fx.Graph | None:
     """The torch.fx graph of `model` traced in eval mode (`training`: in training mode), or None (with a warning
-    saying the `consequence`; none when it is None) if tracing fails. Traced on a copy of the modules that shares their tensors (parameters,
-    buffers, tensor attributes: none is copied): tracing runs the forward on proxies, and a forward that keeps values
-    on its modules (timm's feature hooks, a cached activation) left proxies in the caller's model, which then failed
-    to copy, save or compact. A model that cannot be copied, or whose copy does not trace (a weak reference back to
-    the original), is traced itself."""
+    saying the `consequence`; none when it is None) if tracing fails. `flags`: the forward's bool arguments fixed
+    to these values (fx ``concrete_args``; default: the first of `flag_settings`, their defaults).
+
+    Traced on a copy of the modules that shares their tensors (parameters, buffers, tensor attributes: none is
+    copied): tracing runs the forward on proxies, and a forward that keeps values on its modules (timm's feature
+    hooks, a cached activation) left proxies in the caller's model, which then failed to copy, save or compact. A
+    model that cannot be copied, or whose copy does not trace (a weak reference back to the original), is traced
+    itself."""
+    graph, failure = _trace(model, training, flag_settings(model)[0] if flags is None else flags)
+    if graph is None and consequence is not None:
+        warnings.warn(
+            f"torch.fx cannot trace {type(model).__name__} ({type(failure).__name__}: {failure}); {consequence}. "
+            "Make the forward traceable to enable that.",
+            stacklevel=3,
+        )
+    return graph
+
+
+def _trace(model: nn.Module, training: bool, flags: dict[str, bool]) -> tuple[fx.Graph | None, Exception | None]:
+    """(`trace`'s graph, None), or (None, the error of the last attempt)."""
     shared = {id(t): t for m in model.modules() for t in (*m._parameters.values(), *m._buffers.values(),
                                                           *vars(m).values()) if isinstance(t, torch.Tensor)}
     try:
@@ -253,30 +269,61 @@ def trace(model: nn.Module, consequence: str | None = "dead filters are kept and
     for target in (t for t in (copied, model) if t is not None):
         try:
             with LIBRARY_LOCK, in_mode(target, training):  # (fx patches nn.Module.__call__ process-wide meanwhile)
-                return _Tracer().trace(target, concrete_args=_default_arguments(target) or None)
+                return _Tracer().trace(target, concrete_args=flags or None), None
         except Exception as err:  # noqa: BLE001 - any tracing failure means: no graph-based surgery
             failure = err
-    if consequence is not None:
-        warnings.warn(
-            f"torch.fx cannot trace {type(model).__name__} ({type(failure).__name__}: {failure}); {consequence}. "
-            "Make the forward traceable to enable that.",
-            stacklevel=3,
-        )
-    return None
+    return None, failure
 
 
-def mode_graphs(model: nn.Module, consequence: str | None = "dead filters are kept and BatchNorm is not folded"
-                ) -> list[fx.Graph]:
-    """[the eval-mode graph (`trace`)], followed by the training-mode graph where the forward differs in training
-    (it branches on ``self.training``: an auxiliary head that reads a layer in training only). Surgery must hold in
-    both: a change made by the eval graph alone broke such a model's training forward (a conv shrunk under a head
-    that still read all its channels). [] where the eval forward does not trace; the training graph is left out
-    where it does not trace (surgery then goes by the eval graph, as before)."""
-    graph = trace(model, consequence)
+MAX_FLAGS = 3  # bool forward arguments traced at every combination of values (2 ** 3 settings per mode at most)
+
+
+def flag_settings(model: nn.Module) -> list[dict[str, bool]]:
+    """Every combination of values of the forward's bool arguments (after the first; those with a bool default),
+    the defaults first: fx traces a branch on one (``forward(x, return_features=False)`` with ``if
+    return_features:``) only as a constant, and surgery must hold for each value, since the compact model keeps the
+    argument. [{}] for none, or for more than MAX_FLAGS (left to fx as before: such a branch does not trace)."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return [{}]
+    defaults = {p.name: p.default for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                and isinstance(p.default, bool)}
+    if not defaults or len(defaults) > MAX_FLAGS:
+        return [{}]
+    names = list(defaults)
+    combos = [dict(zip(names, values)) for values in itertools.product((False, True), repeat=len(names))]
+    return sorted(combos, key=lambda c: c != defaults)  # (stable: the defaults first, then the rest in order)
+
+
+def mode_graphs(model: nn.Module, consequence: str | None = "dead filters are kept and BatchNorm is not folded",
+                quiet: bool = False) -> list[fx.Graph]:
+    """The forward's graphs that surgery must hold in: the eval-mode graph at the bool arguments' defaults
+    (`trace`) first, then each other one that differs from those before it: training mode (a forward that
+    branches on ``self.training``: an auxiliary head that reads a layer in training only; a change made by the
+    eval graph alone broke such a model's training forward) and the other values of its bool arguments
+    (`flag_settings`). [] where the first does not trace; another that does not trace is left out with a warning
+    naming it unless `quiet` (surgery then holds in the forwards that traced)."""
+    settings = flag_settings(model)
+    graph = trace(model, consequence, flags=settings[0])
     if graph is None:
         return []
-    training = trace(model, None, training=True)
-    return [graph] if training is None or str(training) == str(graph) else [graph, training]
+    graphs, untraced = [graph], []
+    for training, flags in itertools.product((False, True), settings):
+        if not training and flags is settings[0]:
+            continue
+        other, failure = _trace(model, training, flags)
+        if other is None:
+            untraced.append((" in training mode" if training else "")
+                            + "".join(f" with {k}={v}" for k, v in flags.items() if v != settings[0][k])
+                            + f" ({type(failure).__name__}: {str(failure).splitlines()[0] if str(failure) else ''})")
+        elif all(str(other) != str(g) for g in graphs):
+            graphs.append(other)
+    if untraced and not quiet:
+        warnings.warn(f"torch.fx cannot trace {type(model).__name__}'s forward{'; nor'.join(untraced)}: what compress "
+                      "changes by the graph holds in the forward it traced (eval mode, the defaults) but may break "
+                      "that one; make it traceable", stacklevel=3)
+    return graphs
 
 
 def common_pairs(model: nn.Module, graphs: list[fx.Graph], foldable: bool = True) -> dict[str, str]:
@@ -292,19 +339,6 @@ def common_chains(model: nn.Module, graphs: list[fx.Graph]) -> list[Chain]:
     """`find_chains` of the first graph that every other of `graphs` (`mode_graphs`) has too, step for step."""
     others = [find_chains(model, graph) for graph in graphs[1:]]
     return [chain for chain in find_chains(model, graphs[0]) if all(chain in chains for chains in others)]
-
-
-def _default_arguments(model: nn.Module) -> dict[str, Any]:
-    """{name: default} of the forward's optional arguments after the first that hold a plain value (bool, number,
-    string, None): fx traces them as those constants, as surgery runs the model (one batch, nothing else), so a
-    branch on one (``forward(x, return_features=False)`` with ``if return_features:``) traces instead of failing."""
-    try:
-        params = list(inspect.signature(model.forward).parameters.values())[1:]
-    except (TypeError, ValueError):
-        return {}
-    return {p.name: p.default for p in params
-            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is not p.empty
-            and isinstance(p.default, (bool, int, float, str, type(None)))}
 
 
 def _only_input(node: fx.Node, src: fx.Node) -> bool:

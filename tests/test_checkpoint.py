@@ -712,6 +712,38 @@ def test_save_warns_of_attributes_set_after_construction(tmp_path, recwarn):
     assert loaded.use_head is False and not torch.allclose(loaded(x), model(x))
 
 
+class _KeepsItsDevice(nn.Module):
+    """A net whose constructor records its device (as some models do, for torch.autocast in their forward)."""
+
+    def __init__(self, num_classes: int, in_chans: int):
+        super().__init__()
+        self.conv = nn.Conv2d(in_chans, 8, 3)
+        self.fc = nn.Linear(8, num_classes)
+        self.device_type, self.device = self.conv.weight.device.type, self.conv.weight.device
+
+    def forward(self, x):
+        with torch.autocast(self.device_type, enabled=False):
+            return self.fc(self.conv(x).mean((2, 3)))
+
+
+@compress.register_model
+def _test_keeps_its_device_net(num_classes=10, in_chans=3):
+    return _KeepsItsDevice(num_classes, in_chans)
+
+
+def test_a_model_that_records_its_device_loads_with_it_and_saves_without_a_warning(tmp_path, recwarn):
+    """load built the model on the meta device and kept its constructor's device_type 'meta' (its forward then
+    failed: "unsupported scalarType"), and save's check of attributes set after construction named it. Such a model
+    is built for real in both."""
+    model = create_model("_test_keeps_its_device_net", num_classes=4)
+    path = save(model, tmp_path / "m.safetensors")
+    assert not [w for w in recwarn if "attributes set after construction" in str(w.message)]
+    loaded = load(path)
+    assert (loaded.device_type, loaded.device) == ("cpu", torch.device("cpu"))
+    x = torch.randn(2, 3, 8, 8)
+    torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+
+
 class _TensorValuedWidth(nn.Module):
     """A conv net whose __init__ computes its width with tensors, as torchvision's RegNet does (BlockParams:
     ``.tolist()``); meta tensors hold no values, so it cannot be built on the meta device."""

@@ -759,35 +759,39 @@ def test_direct_reads_in_a_forward_fx_cannot_trace_are_found_in_one_forward_of_t
                                                                                                  "a", "b"]
 
 
-def test_a_forward_with_optional_flags_traces_and_compacts_fully():
-    """forward(x, return_features=False, scale=None) branching on the flags: fx could not trace it ("symbolically
-    traced variables cannot be used as inputs to control flow"), so compaction kept dead filters and BN unfolded.
-    Traced at the defaults (as surgery runs the model), it compacts fully; the flags still work on the result."""
+def test_a_forward_with_bool_flags_is_traced_at_every_value_and_compacts_fully():
+    """forward(x, return_features=False, scale=None) branching on the flag: fx could not trace it ("symbolically
+    traced variables cannot be used as inputs to control flow"), so compaction kept dead filters and left BN
+    unfolded. Traced at the default alone, BN was folded into conv1 although the features path returns conv1's own
+    output (off by 5 there); traced at each value (`flag_settings`), surgery holds for both: conv2's dead filters
+    go, bn2 folds, bn1 stays, and the compact model equals the skeleton model with the flag either way."""
 
     class Flagged(nn.Module):
         def __init__(self):
             super().__init__()
             self.conv1, self.bn1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
             self.conv2, self.bn2 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+            self.conv3 = nn.Conv2d(8, 8, 3, padding=1)
             self.fc = nn.Linear(8, 5)
 
         def forward(self, x, return_features=False, scale=None):
-            f = self.bn2(self.conv2(self.bn1(self.conv1(x)).relu())).relu().mean((2, 3))
-            out = self.fc(f) if scale is None else self.fc(f) * scale
+            f = self.conv1(x)
+            y = self.conv3(self.bn2(self.conv2(self.bn1(f).relu())).relu()).mean((2, 3))
+            out = self.fc(y) if scale is None else self.fc(y) * scale
             return (out, f) if return_features else out
 
     model = Flagged().double()
     random_bn_(model, torch.Generator().manual_seed(0))
     attach_skeletons(model)
     with torch.no_grad():
-        model.conv1.skeleton[:3] = 0  # dead filters: conv2 loses those input channels
+        model.conv2.skeleton[:3] = 0  # dead filters whose constant ReLU zeroes: conv3 loses those input channels
+        model.bn2.bias[:3] = -10.0
     model.eval()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # (no "torch.fx cannot trace" warning)
         out = compact(model, fold_bn=True)
-    assert not any(isinstance(m, nn.BatchNorm2d) for m in out.modules())
-    assert out.conv1.out_channels < 8 and out.conv2.in_channels == out.conv1.out_channels  # (a dead filter whose
-    # constant survives BN and ReLU stays: conv2 pads)
+    assert isinstance(out.bn1, nn.BatchNorm2d) and isinstance(out.bn2, nn.Identity)
+    assert out.conv2.out_channels == 5 and out.conv3.in_channels == 5
     x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
     torch.testing.assert_close(out(x), model(x), rtol=1e-10, atol=1e-10)
     for got, want in zip(out(x, return_features=True, scale=2.0), model(x, return_features=True, scale=2.0)):
@@ -833,6 +837,17 @@ def test_surgery_holds_for_a_layer_read_in_training_mode_only():
             for got, want in zip((logits, aux), model.train()(x)):
                 torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     assert compact(_TrainOnlyHead().eval(), fold_bn=True, fuse_relu=True)(x.float()).shape == (2, 10)
+
+    class Guarded(_TrainOnlyHead):  # a training forward fx cannot trace: said, not silently left to break
+        def forward(self, x):
+            out = super().forward(x)
+            if self.training and float(out[1].abs().max()) > 1e6:
+                raise FloatingPointError("aux logits overflow")
+            return out
+
+    with pytest.warns(UserWarning, match=r"torch.fx cannot trace Guarded's forward in training mode \(TypeError: .*\): "
+                                         r"what compress changes by the graph holds in the forward it traced"):
+        compact(Guarded().eval())
 
 
 def test_a_model_of_several_inputs_is_named_where_one_batch_is_run():

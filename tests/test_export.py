@@ -215,6 +215,22 @@ def test_onnx_of_a_model_with_several_outputs(tmp_path):
     with pytest.raises(ValueError, match=r"m.onnx has 3 outputs and the model returns 1 tensors"):
         check_onnx(path, nn.Sequential(small.conv, nn.Flatten()), torch.randn(3, 3, 8, 8))
 
+
+    class WithScalar(nn.Module):  # an output without the batch dimension: compared as it is, no "flat" warning
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+
+        def forward(self, x):
+            y = self.conv(x)
+            return y.mean((2, 3)), y.sum()
+
+    scalar = WithScalar().eval()
+    scalar_path = export_onnx(scalar, tmp_path / "s.onnx", (3, 8, 8))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="check_onnx")
+        assert check_onnx(scalar_path, scalar, torch.randn(3, 3, 8, 8)) < 1e-5
+
     @dataclasses.dataclass
     class Output:
         logits: torch.Tensor
