@@ -95,6 +95,21 @@ def test_digits_augmentation_is_a_shift_not_a_flip(digits):
     assert (torch.stack(views).amin((1, 2)) >= background - 1e-5).all()
 
 
+def test_digits_shifts_reach_every_offset_up_to_the_pad():
+    """The shifts run from -pad to +pad pixels in each direction (a draw from [0, 2 * pad) never moved +pad)."""
+    from compress.data import _ImageTensors
+
+    image = torch.zeros(1, 1, 9, 9)
+    image[0, 0, 4, 4] = 1.0  # one lit pixel: its position after the shift gives the offset
+    ds = _ImageTensors(image, torch.zeros(1, dtype=torch.long), 1, pad=2)
+    torch.manual_seed(0)
+    seen = set()
+    for _ in range(300):
+        (y, x), = (ds[0][0][0] == 1).nonzero().tolist()
+        seen.add((y - 4, x - 4))
+    assert {dy for dy, _ in seen} == {dx for _, dx in seen} == {-2, -1, 0, 1, 2}
+
+
 def test_digits_deterministic():
     def first_batch(seed):
         data = build_data({"name": "digits", "batch_size": 32, "seed": seed})
@@ -798,3 +813,11 @@ def test_a_process_with_a_live_worker_iterator_exits():
     root = str(Path(__file__).resolve().parents[1])
     done = subprocess.run([sys.executable, "-c", script], cwd=root, timeout=120, capture_output=True, text=True)
     assert done.returncode == 3, done.stderr
+
+
+def test_normalisation_constants_are_the_published_ones():
+    """The tests above compare against the constants they import, which a typo or a channel swap (BGR) in the table
+    would pass: they must be the published per-channel statistics (RGB order), as timm and torchvision use."""
+    assert (IMAGENET_MEAN, IMAGENET_STD) == ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+    assert _CIFAR["cifar10"][3:] == ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
+    assert _CIFAR["cifar100"][3:] == ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762))

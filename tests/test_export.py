@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from cli import run_script
 from randomize import random_bn_
 
@@ -136,6 +137,32 @@ def test_shift_add_conv_equals_stripe_conv(stride, padding, dilation):
     x = torch.randn(2, 5, 11, 9)
     with torch.no_grad():
         torch.testing.assert_close(ShiftAddConv2d(stripe)(x), stripe(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel, stride, padding, dilation", [((1, 3), 1, (0, 1), 1), ((3, 1), (2, 1), (1, 0), 1),
+                                                               ((3, 3), (1, 2), (1, 2), (1, 2))])
+def test_shift_add_conv_of_non_square_geometry_and_a_fused_ceil_pool(kernel, stride, padding, dilation):
+    """The shift-add form against F.conv2d on the masked weight where height and width differ in kernel, stride,
+    padding or dilation (each swapped in turn crashed or shifted it), and with the ReLU and the 2x2 ceil-mode pool
+    fused on an odd map (a floor pool gave 4x4 where the stripe conv gives 5x5)."""
+    gen = torch.Generator().manual_seed(0)
+    conv = nn.Conv2d(5, 6, kernel, stride=stride, padding=padding, dilation=dilation).double()
+    mask = torch.rand(6, *conv.kernel_size, generator=gen) < 0.6
+    stripe = StripeConv2d.from_dense(conv, mask).eval()
+    x = torch.randn(2, 5, 9, 10, generator=gen, dtype=torch.float64)
+    masked = conv.weight * mask.unsqueeze(1)
+    want = F.conv2d(x, masked, conv.bias, conv.stride, conv.padding, conv.dilation)
+    with torch.no_grad():
+        torch.testing.assert_close(ShiftAddConv2d(stripe)(x), want, rtol=1e-12, atol=1e-12)
+        dense, kept = nn.Conv2d(5, 6, 3, padding=1).double(), torch.rand(6, 3, 3, generator=gen) < 0.6
+        square = StripeConv2d.from_dense(dense, kept)
+        square.relu, square.pool, square.pool_ceil = True, True, True
+        odd = torch.randn(2, 5, 9, 9, generator=gen, dtype=torch.float64)
+        fused = ShiftAddConv2d(square.eval())(odd)
+        want = F.max_pool2d(F.conv2d(odd, dense.weight * kept.unsqueeze(1), dense.bias, padding=1).relu(), 2,
+                            ceil_mode=True)
+        assert fused.shape == want.shape == (2, 6, 5, 5)
+        torch.testing.assert_close(fused, want, rtol=1e-12, atol=1e-12)
 
 
 def test_onnx_export_of_an_op_torch_onnx_lacks_says_how_to_export_without_it(tmp_path):
@@ -294,6 +321,19 @@ def training_checkpoint(tmp_path_factory):
     return path, model
 
 
+def test_the_dense_baseline_is_folded_and_fused_as_the_compact_model(tmp_path):
+    """The report's dense baseline gets the compact model's treatment: BN folded and each conv's ReLU fused (a
+    baseline left unfused ran separate ReLUs: a speedup that was not the pruning's)."""
+    model = _skeleton_model("vgg11", num_classes=10, input_size=32)
+    config = {"model": {"name": "vgg11", "kwargs": {}}, "data": {"name": "digits", "input_size": 32, "batch_size": 8},
+              "prune": {"name": "swp", "alpha": 1e-5, "threshold": 0.01, "target_flops": None}}
+    path = tmp_path / "last.pt"
+    torch.save({"model": model.state_dict(), "config": config, "epoch": 1, "step": 1}, path)
+    data = export_checkpoint(path, tmp_path / "out", onnx=False, latency=False, choose_stripe_modes=False)
+    dense = [row["type"] for row in data["dense"]["layers"]]
+    assert "ReLU" not in dense and "BatchNorm2d" not in dense and dense.count("Conv2dReLU") == 8  # vgg11's 8 convs
+
+
 def test_export_of_a_swp_pix_run_keeps_pix_and_a_full_dense_baseline(tmp_path):
     """A SWP + PiX checkpoint (CIFAR resnet29_bottleneck, zeta 4; config as compress.engine writes it, no "arch"):
     export rebuilds PiX before the skeletons, the compact model keeps the PiX blocks and computes the skeleton
@@ -437,7 +477,10 @@ def test_export_flow(training_checkpoint, tmp_path):
     assert 0.3 < kept < 0.6
     assert data["compact"]["macs"] < 0.6 * data["dense"]["macs"]
     text = (tmp_path / FILES[3]).read_text()
-    assert f"| MACs | 40.55 M | {data['compact']['macs'] / 1e6:.2f} M |" in text
+    ratio = data["compact"]["macs"] / data["dense"]["macs"]  # compact / dense: below 1 (its inverse read as growth)
+    assert f"| MACs | 40.55 M | {data['compact']['macs'] / 1e6:.2f} M | {ratio:.3f}x |" in text
+    pruned = next(name for name, s in data["stripes"].items() if s["kept"] < s["total"])
+    assert re.search(rf"\| `{re.escape(pruned)}` \| StripeConv2d \|", text)  # the compact layer's type, not the dense's
     n_kept, n_total = (sum(s[key] for s in data["stripes"].values()) for key in ("kept", "total"))
     assert f"Stripes kept: {n_kept} / {n_total} ({n_kept / n_total:.1%}) in {len(data['stripes'])} layers (totals: " in text
     assert data["file_bytes"] == {name: (tmp_path / name).stat().st_size for name in FILES[:2]}  # the ONNX file too
