@@ -985,6 +985,12 @@ def test_a_diverged_run_stops_without_writing_over_its_checkpoints(tmp_path, mon
     with pytest.raises(FloatingPointError, match=message.format(7)):
         run(_compose(*TINY, "trainer.log_every=1"), run_dir=tmp_path / "b")
     assert len(steps) == 7
+    # a checkpoint due at the poisoned step itself (checkpoint_every=1, no logged step first): refused, not written
+    steps.clear()
+    with pytest.raises(FloatingPointError, match=message.format(6)):
+        run(_compose(*TINY, "trainer.checkpoint_every=1"), run_dir=tmp_path / "c")
+    saved = torch.load(tmp_path / "c" / "checkpoints" / "last.pt", weights_only=True)
+    assert saved["step"] == 5 and all(v.isfinite().all() for v in saved["model"].values() if v.is_floating_point())
 
 
 def test_train_log_holds_the_runs_warnings_and_the_error_that_stopped_it(tmp_path):
@@ -1082,6 +1088,25 @@ def test_a_runs_logs_summary_and_best_pt_say_what_it_trained(tmp_path, monkeypat
     assert summary["params"] == sum(p.numel() for p in model.parameters())
     assert torch.load(tmp_path / "checkpoints" / "best.pt", weights_only=True)["step"] == 4
     assert all(t.is_contiguous() for t in _weights(tmp_path).values())
+
+
+def test_best_pt_keeps_the_best_epoch_and_resume_continues_from_last_pt(tmp_path, monkeypatch):
+    """Test accuracies 0.6, 0.4, 0.5 over three epochs: best.pt and best_test_accuracy stay at the first epoch's
+    (a "best" that followed the last accuracy passed a test whose accuracy never changed), and a run stopped after
+    epoch 2 resumes from last.pt (step 8), not from best.pt (step 4): it evaluates once more, not twice."""
+    import compress.engine as engine
+
+    real_evaluate = engine.evaluate
+    accuracies = [0.6, 0.4, 0.5]
+    monkeypatch.setattr(engine, "evaluate",
+                        lambda *args, **kwargs: {**real_evaluate(*args, **kwargs), "accuracy": accuracies.pop(0)})
+    run(_compose(*TINY, "optim.epochs=3", "trainer.max_steps=8"), run_dir=tmp_path)
+    assert accuracies == [0.5]
+    best = torch.load(tmp_path / "checkpoints" / "best.pt", weights_only=True)
+    assert (best["step"], best["best_accuracy"]) == (4, 0.6)
+    summary = run(_compose(*TINY, "optim.epochs=3", "resume=true"), run_dir=tmp_path)
+    assert accuracies == [] and summary["steps"] == 12 and summary["best_test_accuracy"] == 0.6
+    assert torch.load(tmp_path / "checkpoints" / "best.pt", weights_only=True)["step"] == 4
 
 
 def test_eval_every_evaluates_every_nth_epoch_and_the_last(tmp_path):
