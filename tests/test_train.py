@@ -118,6 +118,19 @@ def test_a_run_stopped_inside_an_epoch_resumes_where_it_stopped(tmp_path, worker
     assert _epoch_metrics(tmp_path / "parts", 8) == pytest.approx(_epoch_metrics(tmp_path / "full", 8), rel=1e-6)
 
 
+def test_a_run_with_dropout_stopped_inside_an_epoch_resumes_to_the_uninterrupted_weights(tmp_path):
+    """Dropout draws from the global RNG in every step: resume restores the checkpoint's random state after replaying
+    the epoch's skipped batches (without it, a model with no dropout still matched, since skipping the batches alone
+    replays the draws; with dropout the weights differed)."""
+    dropout = [*TINY, "model=timm", "model.name=resnet18", "+model.kwargs.drop_rate=0.5", "data.input_size=16"]
+    run(_compose(*dropout), run_dir=tmp_path / "full")
+    run(_compose(*dropout, "trainer.max_steps=5"), run_dir=tmp_path / "parts")
+    run(_compose(*dropout, "resume=true"), run_dir=tmp_path / "parts")
+    a, b = _weights(tmp_path / "full"), _weights(tmp_path / "parts")
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
 def test_a_checkpoint_without_its_epoch_position_resumes_with_the_epochs_remaining_samples(tmp_path, capsys):
     """A single-process checkpoint written inside an epoch by a version before data.EpochSampler (no epoch_samples)
     cannot replay its loader's own shuffle: the epoch goes on with the samples of today's order after as many as it
