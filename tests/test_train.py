@@ -823,6 +823,21 @@ def test_resume_from_a_file_into_a_new_run_dir_carries_its_best_pt(tmp_path, cap
         run(_compose(*TINY, "trainer.max_steps=4", f"resume={source}"), run_dir=tmp_path / name)  # trains nothing
         assert (tmp_path / name / "checkpoints" / "best.pt").read_bytes() == best.read_bytes()
         assert f"resume: copied {best}" in capsys.readouterr().out
+    # a best.pt beside the file that another run wrote (its best accuracy differs) is not that checkpoint's best
+    import compress.engine as engine
+
+    real_evaluate = engine.evaluate
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine, "evaluate", lambda *a, **k: {**real_evaluate(*a, **k), "accuracy": 0.99})
+        run(_compose(*TINY, "trainer.max_steps=4"), run_dir=tmp_path / "other")
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    shutil.copyfile(tmp_path / "a" / "checkpoints" / "last.pt", mixed / "last.pt")
+    shutil.copyfile(tmp_path / "other" / "checkpoints" / "best.pt", mixed / "best.pt")
+    capsys.readouterr()
+    run(_compose(*TINY, "trainer.max_steps=4", f"resume={mixed / 'last.pt'}"), run_dir=tmp_path / "e")
+    assert not (tmp_path / "e" / "checkpoints" / "best.pt").exists()
+    assert "resume: no best.pt with the checkpoint's best test accuracy" in capsys.readouterr().out
     best.unlink()
     run(_compose(*TINY, "trainer.max_steps=4", f"resume={tmp_path / 'a' / 'checkpoints' / 'last.pt'}"),
         run_dir=tmp_path / "d")
