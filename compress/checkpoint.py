@@ -370,10 +370,9 @@ def build_recipe(model: nn.Module) -> dict:
             ref, replacements, removed = _matched_reference(model, arch)
     changed = _changed_settings(model, ref)
     if changed:
-        warnings.warn(f"compress.save: attributes set after construction are not saved: {', '.join(changed[:5])}"
-                      + (", ..." if len(changed) > 5 else "") + "; load gives the constructor's values. If they change "
-                      "the forward, make them arguments of the model's builder (create_model kwargs) and save again",
-                      stacklevel=3)
+        warnings.warn(f"compress.save: attributes set after construction are not saved: {listed(changed)}; load gives "
+                      "the constructor's values. If they change the forward, make them arguments of the model's "
+                      "builder (create_model kwargs) and save again", stacklevel=3)
     if _shapes(ref) != _shapes(model):
         diff = sorted(set(_shapes(ref).items()) ^ set(_shapes(model).items()))[:5]
         raise ValueError(
