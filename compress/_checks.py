@@ -62,6 +62,18 @@ def check_one_input(where: str, model: nn.Module) -> None:
                          "forward takes that batch alone and supplies the others")
 
 
+def check_real(where: str, model: nn.Module, other_fix: str = "") -> None:
+    """ValueError naming `where` and the first such tensor when `model` holds meta-device tensors (built under
+    ``torch.device("meta")``): they have shapes but no values, which `where` reads (a raw "Tensor.item() cannot be
+    called on meta tensors" or "Cannot copy out of meta tensor" before). `other_fix`: a remedy named first."""
+    for name, t in (*model.named_parameters(), *model.named_buffers()):
+        if t.is_meta:
+            raise ValueError(f"{where}: the model's tensors are on the meta device ({name}, ...): they hold shapes but "
+                             f"no values; {other_fix + ', or ' if other_fix else ''}give them values first: "
+                             "model.to_empty(device='cpu') then model.load_state_dict(state), or "
+                             "model.load_state_dict(state, assign=True)")
+
+
 def refuse_wrapper(where: str, model: nn.Module, verb: str) -> None:
     """A ValueError naming the inner model where a torch.compile, DataParallel, DDP or CUDAGraphModel wrapper was
     given (their module tree is the wrapper's, not the model's: compaction could not trace it, and a file would not

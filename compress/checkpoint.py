@@ -39,7 +39,7 @@ import torch.nn as nn
 from safetensors.torch import save as safetensors_bytes
 from torch.nn.utils import parametrize
 
-from compress._checks import check_module, listed, non_finite, refuse_wrapper, same_definition
+from compress._checks import check_module, check_real, listed, non_finite, refuse_wrapper, same_definition
 from compress._digest import digest
 from compress._files import atomic_write, read_safetensors
 from compress._modes import rng_kept
@@ -510,6 +510,7 @@ def save(model: nn.Module, path: str | os.PathLike) -> Path:
     if isinstance(path, nn.Module):
         raise TypeError("compress.save: the arguments are swapped; call compress.save(model, path)")
     check_module("compress.save", model)
+    check_real("compress.save", model)
     given, path = path, _home_expanded(path, "compress.save")
     if str(given).endswith(("/", os.sep)) or path.is_dir():
         raise ValueError(f"compress.save: {given} is a directory; give a file path, e.g. {path / 'model.safetensors'}")

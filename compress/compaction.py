@@ -42,7 +42,7 @@ import torch.nn as nn
 from torch.nn.modules.utils import _pair
 
 import kernels
-from compress._checks import check_one_input, chw, refuse_wrapper
+from compress._checks import check_one_input, check_real, chw, refuse_wrapper
 from compress._modes import LIBRARY_LOCK, evaluating
 from compress.pix import PiXBlock
 from compress.pooling import MaxPool2d, fast_max_pools
@@ -149,6 +149,7 @@ def compact(
     """
     with LIBRARY_LOCK:  # (see compress._modes.LIBRARY_LOCK)
         refuse_wrapper("compact", model, "compact")
+        check_real("compact", model)
         if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, numbers.Real)
                                       or not threshold >= 0):
             raise ValueError(f"compact: threshold must be a number >= 0 (or None for 0), got {threshold!r}")
@@ -483,6 +484,7 @@ def choose_modes(model: nn.Module, x: torch.Tensor, repeats: int = 5, timing: st
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"choose_modes: repeats must be an int >= 1, got {repeats!r}")
     check_one_input("choose_modes", model)
+    check_real("choose_modes", model)
     layers = {n: m for n, m in model.named_modules() if isinstance(m, StripeConv2d) and m.num_stripes}
     inputs: dict[str, torch.Tensor] = {}
     hooks = [

@@ -56,7 +56,7 @@ import torch.nn as nn
 from torch.nn.utils import parametrize
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from compress._checks import check_module, check_one_input, chw
+from compress._checks import check_module, check_one_input, check_real, chw
 from compress._modes import LIBRARY_LOCK, evaluating
 from compress.pix import ResidualReLU, pix_macs
 from compress.stripe import Conv2dReLU, StripeConv2d
@@ -545,6 +545,8 @@ def profile(
             raise ValueError(f"profile: convention must be one of {CONVENTIONS}, got {convention!r}")
         check_module("profile", model)
         check_one_input("profile", model)
+        if latency:  # (counts run on meta tensors: shapes are all they need)
+            check_real("profile: latency=True", model, "pass latency=False to count MACs, parameters and bytes")
         input_size = chw("profile", input_size)
         if latency and (batch_size < 1 or repeats < 1 or warmup < 0):
             raise ValueError(f"profile: latency needs batch_size >= 1, repeats >= 1 and warmup >= 0; got batch_size="

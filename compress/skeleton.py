@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
-from compress._checks import check_module, check_one_input, unwrapped
+from compress._checks import check_module, check_one_input, check_real, listed, unwrapped
 from compress._modes import LIBRARY_LOCK
 from compress.surgery import (
     blank_conv,
@@ -89,8 +89,10 @@ class SkeletonConv2d(nn.Conv2d):
         multiply plus a cast, and the same for its backward. torch.compile fuses it into one kernel.
         """
         weight, skeleton = self.weight, self.skeleton
-        # (autocast casts float32 only; under torch.fx tracing x is a Proxy, and F.conv2d casts at run time)
-        if not fx_tracing() and weight.dtype == torch.float32 and torch.is_autocast_enabled(x.device.type):
+        # (autocast casts float32 only; under torch.fx tracing x is a Proxy, and F.conv2d casts at run time; meta
+        # tensors, which profile counts, have no autocast state)
+        if not fx_tracing() and weight.dtype == torch.float32 and not x.is_meta \
+                and torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)
             weight, skeleton = weight.to(dtype), skeleton.to(dtype)
         return self._conv_forward(x, weight * self.per_filter(skeleton)[:, None], self.bias)
@@ -341,6 +343,11 @@ def swp_update(model: nn.Module, alpha: float, threshold: float, bn_pairs: dict[
     if not convs:  # (training with no skeleton would prune nothing, and compaction find nothing to remove)
         raise ValueError("swp_update: the model has no skeleton convs; call compress.attach_skeletons(model) before "
                          "training (or leave swp_update out of a run that does not prune)")
+    parametrized = [name for name, conv in convs if torch.nn.utils.parametrize.is_parametrized(conv, "skeleton")]
+    if parametrized:  # (each read of conv.skeleton is then a new tensor: the masks would zero a temporary)
+        raise ValueError(f"swp_update: the skeleton of {listed(parametrized)} has a parametrization "
+                         "(torch.nn.utils.parametrize); SWP updates the stored skeleton itself: remove it with "
+                         "parametrize.remove_parametrizations(conv, 'skeleton')")
     fss = list({id(conv.skeleton): conv.skeleton for _, conv in convs}.values())  # (one shared by convs: once)
     trained = [fs for fs in fss if fs.requires_grad]  # a frozen skeleton gets no gradient: an optimizer would step it
     if alpha and trained and all(fs.grad is None for fs in trained):  # (alpha 0: a call that only applies masks)
@@ -387,6 +394,7 @@ def skeleton_stats(model: nn.Module, threshold: float) -> dict:
     layer for a skeleton with NaN or inf values (its NaN stripes counted as pruned, as compact refuses it).
     """
     check_nonnegative(threshold=threshold)
+    check_real("skeleton_stats", model)
     layers = {}
     for name, conv in _skeleton_convs(model):
         conv.check_finite(f"skeleton_stats: layer {name}")

@@ -749,9 +749,13 @@ class StripeConv2d(nn.Module):
         if len(error_msgs) > errors:  # shapes that do not fit (another stripe count): load_state_dict raises with
             restore()  # PyTorch's size-mismatch message
             return
+        for name in ("out_index", "offset"):  # assign=True keeps the given tensor: a compact file's int8/int16 indices
+            t = self._buffers[name]
+            if t is not None and t.dtype != torch.int64 and not t.is_floating_point() and t.dtype != torch.bool:
+                self._buffers[name] = t.to(torch.int64)
         try:
             self._build_plan()
-        except ValueError:  # invalid indices
+        except (ValueError, TypeError):  # invalid indices (TypeError: assigned ones of a float or bool dtype)
             restore()
             raise
 

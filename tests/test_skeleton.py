@@ -206,6 +206,51 @@ def test_swp_update_rejects_negative_nan_and_non_numbers(alpha, threshold, key):
     assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
 
 
+def test_swp_update_refuses_a_parametrized_skeleton_naming_the_layer():
+    """Each read of a parametrized skeleton is a new tensor: the masks zeroed a temporary (a raw KeyError before)."""
+
+    class Double(nn.Module):
+        def forward(self, t):
+            return 2 * t
+
+    net = _net_with_bn()
+    names = attach_skeletons(net)
+    torch.nn.utils.parametrize.register_parametrization(net.get_submodule(names[-1]), "skeleton", Double())
+    before = [p.clone() for p in net.parameters()]
+    with pytest.raises(ValueError, match=rf"swp_update: the skeleton of {re.escape(names[-1])} has a parametrization"
+                                         r".*remove_parametrizations\(conv, 'skeleton'\)"):
+        swp_update(net, alpha=1e-3, threshold=0.005)
+    assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
+
+
+def test_entry_points_that_read_values_refuse_a_meta_model_and_profile_counts_it(tmp_path):
+    """A model built on the meta device has shapes but no values: compact, skeleton_stats, save, choose_modes and a
+    timed profile name the problem and the fix (raw "Tensor.item() cannot be called on meta tensors", "Cannot copy
+    out of meta tensor" or autocast errors before); profile's counts need shapes only and equal a real model's."""
+    import compress
+
+    with torch.device("meta"):
+        meta = create_model("resnet20", num_classes=10)
+    real = create_model("resnet20", num_classes=10)
+    for m in (meta, real):
+        attach_skeletons(m)
+    fix = r"they hold shapes but no values; .*to_empty\(device='cpu'\) then model.load_state_dict"
+    calls = {"compact": lambda: compress.compact(meta.eval(), threshold=0.01),
+             "skeleton_stats": lambda: skeleton_stats(meta, 0.01),
+             "compress.save": lambda: compress.save(meta, tmp_path / "m.safetensors"),
+             "choose_modes": lambda: compress.choose_modes(meta, torch.randn(1, 3, 32, 32)),
+             "profile: latency=True": lambda: compress.profile(meta, (3, 32, 32))}
+    for where, call in calls.items():
+        with pytest.raises(ValueError, match=rf"{re.escape(where)}: the model's tensors are on the meta device "
+                                             rf"\(conv1.weight, ...\): {fix}"):
+            call()
+    with pytest.raises(ValueError, match="pass latency=False to count"):
+        compress.profile(meta, (3, 32, 32))
+    counted, want = (compress.profile(m, (3, 32, 32), latency=False) for m in (meta, real))
+    assert (counted.macs, counted.params, counted.weight_bytes) == (want.macs, want.params, want.weight_bytes)
+    assert counted.macs > 0 and [r.macs for r in counted.layers] == [r.macs for r in want.layers]
+
+
 def test_attach_skeletons_torchvision_resnet18():
     model = torchvision.models.resnet18(num_classes=10)
     names = attach_skeletons(model)

@@ -190,6 +190,33 @@ def test_corrupt_indices_are_rejected():
         torch.testing.assert_close(s(x), want)
 
 
+
+@pytest.mark.parametrize("index_dtype", [torch.int8, torch.int16, torch.int32])
+def test_assign_load_of_narrow_indices_widens_them_and_float_indices_leave_the_module_as_it_was(index_dtype):
+    """A compact file stores its indices as int8/int16; load_state_dict(assign=True) (the meta / to_empty flow) puts
+    the state dict's own tensors in place: they become int64 as a copying load makes them. Indices of a float dtype
+    are refused with the module restored, not left half loaded."""
+    gen = torch.Generator().manual_seed(12)
+    conv = nn.Conv2d(5, 7, 3, padding=1, bias=True)
+    mask = _random_mask(7, 3, 3, keep=0.4, gen=gen)
+    s = StripeConv2d.from_dense(conv, mask)
+    x = torch.randn(2, 5, 6, 6, generator=gen)
+    ref = _masked_reference(conv, mask, x)
+    narrow = {k: v.to(index_dtype) if k in ("out_index", "offset") else v.clone() for k, v in s.state_dict().items()}
+    with torch.device("meta"):
+        fresh = StripeConv2d(**s.config())
+    fresh.load_state_dict(narrow, assign=True)
+    assert fresh.out_index.dtype == fresh.offset.dtype == torch.int64
+    for mode in ("stripe", "dense", "gemm"):
+        fresh.mode = mode
+        torch.testing.assert_close(fresh(x), ref, rtol=1e-5, atol=1e-5)
+    floats = {k: v.float() if k in ("out_index", "offset") else v + 1 for k, v in s.state_dict().items()}
+    good = {k: v.clone() for k, v in s.state_dict().items()}
+    with pytest.raises(TypeError, match="out_index"):
+        s.load_state_dict(floats, assign=True)
+    assert all(torch.equal(v, good[k]) and v.dtype == good[k].dtype for k, v in s.state_dict().items())
+    torch.testing.assert_close(s(x), ref, rtol=1e-5, atol=1e-5)
+
 @pytest.mark.parametrize("mode", ["dense", "gemm"])
 def test_kept_weights_built_in_inference_mode_follow_a_load(mode):
     """Tensors made under inference_mode have no version counter: a load of other stripes must still drop the kept
