@@ -247,6 +247,8 @@ class StripeConv2d(nn.Module):
         self._launch_cache: tuple | None = None  # (key, launcher or None, relayout): _inference_launch
         self._eager_dense: tuple | None = None  # `_eager_dense_output`'s (layout, weight, its data_ptr and version,
         # bias, the call `_direct_dense` bound to them)
+        self._indexed: tuple | None = None  # (out_index, offset, plan): the tensors the plan was built from
+        # (`_check_indexed`)
         self._op_trained: set[tuple] = set()  # inputs an eager training step ran the op for
         # (_cuda_training_in_dense_mode)
 
@@ -398,6 +400,7 @@ class StripeConv2d(nn.Module):
         y = self._eager_dense_output(x)
         if y is not None:
             return y
+        self._check_indexed()
         if x.dim() == 3 and x.shape[0] == self.in_channels:
             return self.forward(x.unsqueeze(0)).squeeze(0)
         if x.dim() != 4 or (not torch.jit.is_tracing() and x.shape[1] != self.in_channels):
@@ -491,13 +494,16 @@ class StripeConv2d(nn.Module):
 
     def __setattr__(self, name: str, value) -> None:
         """As nn.Module's; after construction, setting stride, padding or dilation checks the new geometry and
-        rebuilds what depends on it (dense mode's trim, every kept weight and call), and setting relu, pool or
-        pool_ceil drops the direct dense call that bound them."""
+        rebuilds what depends on it (dense mode's trim, every kept weight and call), setting relu, pool or
+        pool_ceil drops the direct dense call that bound them, and setting out_index or offset drops every kept
+        weight and call (the next forward refuses indices the plan was not built from: `_check_indexed`)."""
         built = "_op_trained" in self.__dict__  # (__init__ sets it last)
         if not (built and name in _GEOMETRY):
             super().__setattr__(name, value)
             if built and name in _EPILOGUE:
                 self._eager_dense = None
+            if built and name in ("out_index", "offset"):  # (the next call checks them: `_check_indexed`)
+                self._drop_caches()
             return
         old = self.__dict__[name]
         super().__setattr__(name, _pair(value))
@@ -655,6 +661,27 @@ class StripeConv2d(nn.Module):
         size, which replaces them, cannot free memory the graph reads)."""
         return self._dense_cache, self._trim_cache, self._gemm_cache, self._launch_cache, self._eager_dense
 
+    def _check_indexed(self) -> None:
+        """ValueError when `out_index` or `offset` is not the tensor the plan was built from while the plan is
+        (torch.func.functional_call with another layer's state dict, or an assignment `layer.out_index = ...`): the
+        plan, `rows` and the kept weights would still place the old indices' stripes, a silently wrong output. A
+        call that swaps in the plan and rows too (functional_call with `named_buffers()`) takes them as given."""
+        indexed, buffers = self._indexed, self._buffers
+        if indexed is not None and buffers["plan"] is indexed[2] and (
+                buffers["out_index"] is not indexed[0] or buffers["offset"] is not indexed[1]):
+            raise ValueError(
+                "StripeConv2d: its out_index/offset are not the tensors its index plan was built from (functional_call"
+                " or an assignment with other indices); the plan would place the old stripes. Load other indices "
+                "with load_state_dict, which rebuilds the plan, or pass functional_call the layer's own indices (or "
+                "its plan and rows buffers too)")
+
+    def _apply(self, fn, recurse: bool = True):
+        """As nn.Module's (.to, .cuda, .half: new index tensors), and the plan's record follows them."""
+        out = super()._apply(fn, recurse)
+        if self._indexed is not None:
+            self._indexed = (self.out_index, self.offset, self.plan)
+        return out
+
     def _drop_caches(self) -> None:
         self._dense_cache = self._trim_cache = self._gemm_cache = self._launch_cache = self._eager_dense = None
 
@@ -770,6 +797,7 @@ class StripeConv2d(nn.Module):
             ) from None
         self.plan = plan
         self.rows = kernels.stripe_rows(self.out_index, self.offset, self.kernel_size)
+        self._indexed = (self.out_index, self.offset, self.plan)
         self._tile_keep = kernels.stripe_tile_keep(plan, self.out_channels)
         self._trim = kernels.dense_trim(self.offset, self.kernel_size, self.padding, self.dilation)
         self._drop_caches()

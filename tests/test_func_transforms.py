@@ -328,3 +328,34 @@ def test_a_traced_stripe_conv_runs_under_autocast_and_on_unbatched_inputs_as_eag
     with torch.no_grad():
         torch.testing.assert_close(torch.fx.symbolic_trace(stripe)(x[0, :1].expand(8, 10, 10)),
                                    stripe(x[0, :1].expand(8, 10, 10)))
+
+
+def test_functional_call_with_other_indices_is_refused_and_with_their_plan_matches_them():
+    """The plan and rows buffers (not in the state dict) place the stripes: a functional_call with another layer's
+    state dict, or an assignment of other indices, ran the old plan (outputs off by O(1)); now it is refused, and a
+    call that also swaps in the other layer's plan and rows (its named_buffers) computes the other layer."""
+    gen = torch.Generator().manual_seed(21)
+    conv = nn.Conv2d(6, 8, 3, padding=1)
+    masks = [torch.rand(8, 3, 3, generator=gen) < 0.5 for _ in range(2)]
+    masks[1] = masks[0].flatten()[torch.randperm(72, generator=gen)].view(8, 3, 3)  # the same count, other places
+    a, b = (StripeConv2d.from_dense(conv, m).eval() for m in masks)
+    x = torch.randn(2, 6, 7, 7, generator=gen)
+    want = F.conv2d(x, conv.weight * masks[1][:, None], conv.bias, padding=1)
+    for mode in ("stripe", "dense", "gemm"):
+        a.mode = b.mode = mode
+        a(x)  # (dense mode's direct call bound to a's weight)
+        with pytest.raises(ValueError, match="out_index/offset are not the tensors its index plan was built from"):
+            torch.func.functional_call(a, b.state_dict(), (x,))
+        got = torch.func.functional_call(a, {**dict(b.named_parameters()), **dict(b.named_buffers())}, (x,))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a(x), F.conv2d(x, conv.weight * masks[0][:, None], conv.bias, padding=1),
+                                   rtol=1e-5, atol=1e-5)  # a itself is unchanged after both calls
+    c = StripeConv2d.from_dense(conv, masks[0]).eval()
+    c(x)
+    c.out_index, c.offset = b.out_index.clone(), b.offset.clone()
+    with pytest.raises(ValueError, match="Load other indices with load_state_dict"):
+        c(x)
+    c.load_state_dict(b.state_dict())
+    torch.testing.assert_close(c(x), want, rtol=1e-5, atol=1e-5)
+    d = copy.deepcopy(c).double()  # copies and conversions keep the record of the plan's indices
+    torch.testing.assert_close(d(x.double()), want.double(), rtol=1e-5, atol=1e-5)
