@@ -23,6 +23,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 
 from compress._checks import unwrapped
 from compress._modes import LIBRARY_LOCK, evaluating, in_mode
+from kernels._utils import is_channels_last
 
 __all__ = [
     "conv_config",
@@ -109,11 +110,13 @@ def copy_model(model: nn.Module) -> nn.Module:
 
 
 def blank_conv(cls: type[nn.Conv2d], conv: nn.Conv2d, **kwargs) -> nn.Conv2d:
-    """A `cls` conv with `conv`'s arguments (`conv_config`, plus `kwargs`), device and dtype, whose parameters and
-    buffers the caller overwrites: they are left uninitialised (built on the meta device, then given memory, as
-    `torch.nn.utils.skip_init` does), so compaction and skeleton attachment draw no numbers from the global random
-    stream, nor save and restore it (which would undo another thread's draws), and spend no time initialising."""
-    return uninitialised(cls, **conv_config(conv), **kwargs, device=conv.weight.device, dtype=conv.weight.dtype)
+    """A `cls` conv with `conv`'s arguments (`conv_config`, plus `kwargs`), device, dtype and weight memory format
+    (channels_last stays so), whose parameters and buffers the caller overwrites: they are left uninitialised (built
+    on the meta device, then given memory, as `torch.nn.utils.skip_init` does), so compaction and skeleton attachment
+    draw no numbers from the global random stream, nor save and restore it (which would undo another thread's
+    draws), and spend no time initialising."""
+    new = uninitialised(cls, **conv_config(conv), **kwargs, device=conv.weight.device, dtype=conv.weight.dtype)
+    return new.to(memory_format=torch.channels_last) if is_channels_last(conv.weight) else new
 
 
 def uninitialised(cls: type[nn.Module], *args, device: torch.device | str, **kwargs) -> nn.Module:
@@ -631,6 +634,8 @@ def _set_param(module: nn.Module, name: str, value: torch.Tensor) -> None:
     the old weight, the slice and its copy, at compaction's peak)."""
     old = getattr(module, name)
     requires_grad = (old if old is not None else module.weight).requires_grad
+    if old is not None and is_channels_last(old) and value.dim() == 4:  # (a channels_last model stays so)
+        value = value.contiguous(memory_format=torch.channels_last)
     setattr(module, name, nn.Parameter(value.detach(), requires_grad=requires_grad))
 
 

@@ -239,6 +239,37 @@ def test_a_hooked_layer_before_a_dead_conv_keeps_what_it_sees():
     assert not isinstance(small.a, StripeConv2d) or small.a.num_stripes > 0
 
 
+@pytest.mark.parametrize("name,excluded", [("resnet18", "layer1.0.conv2"), ("vgg11_bn", "features.4")])
+def test_a_channels_last_model_keeps_channels_last_weights_through_attach_and_compaction(name, excluded):
+    """The convs attach_skeletons and compaction rebuild or shrink (skeleton convs; a plain conv whose input loses
+    the dead filters before it, BN folded, fused ReLU) kept device and dtype but came back NCHW in a channels_last
+    model."""
+
+    def nchw(model):
+        return [n for n, p in model.named_parameters() if p.dim() == 4 and p.shape[2] * p.shape[3] > 1
+                and not p.is_contiguous(memory_format=torch.channels_last)]
+
+    gen = torch.Generator().manual_seed(3)
+    model = create_model(name, num_classes=10).to(memory_format=torch.channels_last)
+    attach_skeletons(model, exclude=[excluded])
+    assert nchw(model) == []
+    random_bn_(model, gen)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, SkeletonConv2d):
+                m.skeleton.mul_(torch.rand(m.skeleton.shape, generator=gen) > 0.4)
+                m.skeleton[: m.out_channels // 4] = 0  # dead filters
+    swp_update(model, alpha=0.0, threshold=0.0)
+    model.eval()
+    x = torch.randn(2, 3, 32, 32, generator=gen).to(memory_format=torch.channels_last)
+    for kwargs in ({}, {"fold_bn": True, "fuse_relu": True}):
+        out = compact(model, **kwargs)
+        shrunk = out.get_submodule(excluded)
+        assert shrunk.in_channels < model.get_submodule(excluded).in_channels  # the plain conv was cut
+        assert nchw(out) == []
+        assert_same_output(model, out, x)
+
+
 def test_compaction_keeps_frozen_parameters_frozen():
     """A frozen model compacts frozen: the biases BN folding and dead-filter removal add do not train."""
     model = _DeadFilterNet("leaky_relu(0.2)").requires_grad_(False)
