@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import fnmatch
+import functools
 import math
 import numbers
 import warnings
@@ -335,7 +336,8 @@ def swp_update(model: nn.Module, alpha: float, threshold: float, bn_pairs: dict[
 
     All layers at once with torch._foreach_* ops (a few multi-tensor kernels instead of ~8 per layer,
     which made a CIFAR ResNet-56 step launch-bound on a GPU) and no host sync: keep = clamp_min(sign(
-    |FS| - threshold), 0) is 1 exactly where |FS| > threshold, and value and gradient are multiplied by it.
+    |FS| - t), 0), with t the largest value of FS's dtype <= threshold, is 1 exactly where |FS| > threshold (as
+    `stripe_mask` compares, in float64), and value and gradient are multiplied by it.
     """
     check_nonnegative(alpha=alpha, threshold=threshold)
     model = unwrapped(model)  # (DataParallel, DDP, torch.compile: the BN pairs are traced in the model inside)
@@ -361,7 +363,7 @@ def swp_update(model: nn.Module, alpha: float, threshold: float, bn_pairs: dict[
     if alpha and grads:
         torch._foreach_add_(grads, torch._foreach_sign(trained), alpha=alpha)
     keep = torch._foreach_abs(fss)
-    torch._foreach_sub_(keep, threshold)
+    torch._foreach_sub_(keep, [_at_most(threshold, fs.dtype) for fs in fss])
     keep = torch._foreach_sign(keep)
     torch._foreach_clamp_min_(keep, 0.0)
     torch._foreach_mul_(fss, keep)
@@ -383,6 +385,18 @@ def swp_update(model: nn.Module, alpha: float, threshold: float, bn_pairs: dict[
                     bn_alive[id(t)] = (t, filter_alive if shared is None else torch.maximum(shared[1], filter_alive))
     if bn_alive:
         torch._foreach_mul_([t for t, _ in bn_alive.values()], [a.to(t.dtype) for t, a in bn_alive.values()])
+
+
+@functools.lru_cache(maxsize=64)  # (one per threshold and dtype: swp_update runs every step)
+def _at_most(threshold: float, dtype: torch.dtype) -> float:
+    """The largest `dtype` value <= threshold: a `dtype` value v is > threshold exactly where v > it, so swp_update
+    keeps what stripe_mask (float64) keeps. The threshold itself rounded to the dtype may lie above it (0.01 in
+    bfloat16 is 0.010009765625): an entry equal to that was zeroed, and compact and skeleton_stats kept it."""
+    exact = torch.tensor(threshold, dtype=torch.float64)
+    value = exact.to(dtype)
+    if value.double() > exact:
+        value = torch.nextafter(value, torch.tensor(float("-inf"), dtype=dtype))
+    return float(value)
 
 
 @torch.no_grad()

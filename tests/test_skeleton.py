@@ -206,6 +206,31 @@ def test_swp_update_rejects_negative_nan_and_non_numbers(alpha, threshold, key):
     assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("threshold", [0.01, 0.1, 0.3])
+def test_swp_update_keeps_what_stripe_mask_keeps_at_the_threshold_in_every_dtype(dtype, threshold):
+    """The threshold rounded to the skeleton's dtype can lie above it (0.01 in bfloat16 is 0.010009765625, 0.1 in
+    float32 0.10000000149): an entry equal to that is above the threshold, kept by stripe_mask, compact and
+    skeleton_stats (float64), and swp_update zeroed it."""
+    net = nn.Sequential(nn.Conv2d(3, 4, 3)).to(dtype)
+    attach_skeletons(net)
+    conv = net[0]
+    rounded = torch.tensor(threshold, dtype=torch.float64).to(dtype)
+    up, down = (torch.nextafter(rounded, torch.tensor(v, dtype=dtype)) for v in (1.0, -1.0))
+    values = torch.stack([rounded, up, down, -rounded, -up, -down]).repeat(2)
+    with torch.no_grad():
+        fs = torch.rand(conv.skeleton.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+        fs = (fs * 3 * threshold).to(dtype).flatten()
+        fs[: values.numel()] = values
+        conv.skeleton.copy_(fs.view_as(conv.skeleton))
+    exact = conv.skeleton.detach().double().abs() > threshold  # an independent float64 comparison
+    assert exact.any() and not exact.all()
+    assert torch.equal(conv.stripe_mask(threshold), exact)
+    swp_update(net, alpha=0.0, threshold=threshold)
+    assert torch.equal(conv.skeleton.detach() != 0, exact)
+    assert skeleton_stats(net, threshold)["stripes_kept"] == int(exact.sum())
+
+
 def test_swp_update_refuses_a_parametrized_skeleton_naming_the_layer():
     """Each read of a parametrized skeleton is a new tensor: the masks zeroed a temporary (a raw KeyError before)."""
 
