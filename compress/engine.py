@@ -997,6 +997,13 @@ def _build_model(cfg: DictConfig, data, ckpt: dict | None = None, announce: bool
             if bad:
                 raise ValueError(f"init={cfg.init}: the file holds NaN or inf values in {listed(bad)}; fine-tune a "
                                  "compact model of finite weights (export an earlier checkpoint of its run)")
+            dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in model.state_dict().values()
+                             if t.is_floating_point() and t.dtype != torch.float32})
+            if dtypes:  # (a bfloat16 model's conv met float32 images: "Input type (float) and bias type ... differ")
+                model.float()
+                if announce:
+                    say(f"init={cfg.init}: its {' and '.join(dtypes)} tensors were cast to float32, the dtype training "
+                        "keeps its weights in (trainer.amp sets the compute dtype on a GPU)")
         classes = model.compress_arch["kwargs"].get("num_classes")
         if classes is not None and classes != data.num_classes:
             raise ValueError(

@@ -632,6 +632,32 @@ def test_init_refuses_a_file_with_non_finite_weights(tmp_path):
     assert not (tmp_path / "ft" / "checkpoints").exists()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_init_casts_a_compact_file_of_another_dtype_to_float32_and_says_so(tmp_path, monkeypatch, dtype):
+    """A compact file saved in bfloat16/float16/float64 (compress.save keeps the dtype) failed with "the model's
+    forward failed on one 3x8x8 image: Input type (float) and bias type (c10::BFloat16) should be the same", which
+    blamed the input size; it is cast to float32, the dtype training keeps its weights in, with a note."""
+    import compress
+    import compress.engine as engine
+    from compress.export import load_training_checkpoint
+
+    skeleton = compress.create_model("resnet20", num_classes=3, input_size=8)
+    compress.attach_skeletons(skeleton)
+    compact = compress.compact(skeleton.eval(), threshold=0.0).to(dtype)
+    compress.save(compact, tmp_path / "small.safetensors")
+    said = []
+    monkeypatch.setattr(engine, "say", lambda text, *args: said.append(text))
+    no_model = [o for o in TINY if not o.startswith(("model=", "prune"))]
+    init = f"init={tmp_path / 'small.safetensors'}"
+    assert run(_compose(*no_model, init, "trainer.max_steps=1"), run_dir=tmp_path / "ft")["steps"] == 1
+    name = str(dtype).removeprefix("torch.")
+    assert any(t.startswith(f"init={tmp_path / 'small.safetensors'}: its {name} tensors were cast to float32")
+               for t in said), said
+    assert run(_compose(*no_model, init, "trainer.max_steps=2", "resume=true"), run_dir=tmp_path / "ft")["steps"] == 2
+    model, _ = load_training_checkpoint(tmp_path / "ft" / "checkpoints" / "last.pt")
+    assert {t.dtype for t in model.state_dict().values() if t.is_floating_point()} == {torch.float32}
+
+
 def test_init_refuses_a_model_from_the_command_line_that_it_would_ignore(tmp_path, monkeypatch):
     """init= sets the architecture: a model= naming another one is refused (it would be ignored, and the run's
     .hydra record would name it); naming the file's own model passes."""
