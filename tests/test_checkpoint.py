@@ -641,6 +641,55 @@ def test_an_edited_recipe_is_detected_by_its_digest(saved):
         load(saved)
 
 
+def test_a_header_that_changes_a_tensors_dtype_is_detected_by_its_digest(tmp_path):
+    """A float16 compact file whose safetensors header says BF16 for one tensor (its bytes unchanged, so the
+    file still parses and every shape fits) holds other numbers: the tensors' SHA-256 covers each dtype, so load
+    refuses it as corrupt instead of loading bfloat16 garbage."""
+    from compress._digest import digest
+
+    t = torch.randn(3, 4, dtype=torch.float16)
+    assert digest(t) != digest(t.view(torch.bfloat16))
+    model = create_model("resnet20")
+    attach_skeletons(model)
+    path = save(compact(_randomise(model, keep=0.4), fold_bn=True).half(), tmp_path / "m.safetensors")
+    data = path.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + size])
+    assert header["fc.weight"]["dtype"] == "F16"
+    header["fc.weight"]["dtype"] = "BF16"
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= size
+    path.write_bytes(data[:8] + text.ljust(size, b" ") + data[8 + size:])
+    with safe_open(str(path), framework="pt") as f:  # the edit parses: only the digest can tell
+        assert f.get_tensor("fc.weight").dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"m.safetensors is corrupt"):
+        load(path)
+
+
+def test_the_digest_tells_apart_nestings_and_shapes_of_the_same_values():
+    """The digest of a checkpoint hashes each list's length and each tensor's shape: without them, [[1], 2] and
+    [[1, 2]] (or a tensor and the same bytes reshaped) had one SHA-256, so an edit that regrouped values or
+    reshaped a tensor went unnoticed."""
+    from compress._digest import digest
+
+    assert digest([[1], 2]) != digest([[1, 2]])
+    assert digest(([1, 2], [3])) != digest(([1], [2, 3])) != digest([[1, 2, 3]])
+    t = torch.randn(6)
+    assert digest(t) != digest(t.reshape(2, -1)) and digest(t) == digest(t.clone())
+
+
+def test_a_recipe_tying_tensors_of_different_shapes_is_malformed(tmp_path):
+    """A recipe whose "tied" record groups two tensors of different shapes (fc.weight and fc.bias) cannot be the
+    record save wrote: refused as malformed, naming the file (tying them made one name hold the other's shape)."""
+    model = create_model("resnet20")
+    attach_skeletons(model)
+    path = save(compact(_randomise(model, keep=0.4), fold_bn=True), tmp_path / "m.safetensors")
+    _rewrite(path, edit_recipe=lambda r: r.update(tied=[["fc.weight", "fc.bias"]]))
+    with pytest.raises(ValueError, match=r"m.safetensors\): the recipe is incomplete or malformed \(tied is "
+                                         r"\[\['fc.weight', 'fc.bias'\]\]\)"):
+        load(path)
+
+
 @pytest.mark.parametrize("key, value, match", [
     ("fc.weight", lambda t: t.to(torch.float8_e4m3fn), r"unsupported dtypes: fc.weight \(torch.float8_e4m3fn\)"),
     ("fc.weight", lambda t: t.to(torch.complex64), r"unsupported dtypes: fc.weight \(torch.complex64\)"),
@@ -789,6 +838,20 @@ def test_a_model_that_cannot_be_built_on_meta_loads(tmp_path):
             load(path)
 
 
+def test_load_of_a_model_that_cannot_be_built_on_meta_leaves_the_random_stream(tmp_path):
+    """A model whose __init__ reads tensor values is built for real by load (no meta-device build), drawing
+    initial weights that the file's then replace: without the random state kept around that build, every load
+    moved the user's stream (a later dropout or shuffle changed)."""
+    model = _randomise(create_model("_test_tensor_valued_width_net", num_classes=4))
+    path = save(model, tmp_path / "m.safetensors")
+    torch.manual_seed(11)
+    before = torch.get_rng_state()
+    loaded = load(path)
+    assert torch.equal(torch.get_rng_state(), before)
+    x = torch.randn(2, 3, 8, 8)
+    torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+
+
 def test_save_and_load_build_no_model_with_weights_of_its_own(tmp_path, monkeypatch):
     """save rebuilt the whole architecture with random weights only to compare module structure, and load built
     one with random weights only to replace them by the file's: both use the meta-device model now, drawing
@@ -915,6 +978,18 @@ def test_json_text_writes_non_finite_numbers_as_null():
     assert strict == {"test_loss": None, "onnx": {"max_rel_error": None, "opset": 17}, "ms": [1.5, None],
                       "name": "resnet50", "ok": True, "none": None}
     assert text.endswith("}\n") and json_text({"a": 0.25}) == '{\n  "a": 0.25\n}\n'
+
+
+def test_json_text_writes_non_finite_numbers_in_tuples_as_null():
+    """A tuple of metrics (a NaN loss beside an accuracy) is written as a list with null: json.dumps(allow_nan=False)
+    raised ValueError on the bare NaN inside the tuple."""
+    import json
+
+    from compress._files import json_text
+
+    value = {"a": (float("nan"), 1.0), "b": [(2.5, float("-inf"))]}
+    strict = json.loads(json_text(value), parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+    assert strict == {"a": [None, 1.0], "b": [[2.5, None]]}
 
 
 def test_saving_a_model_again_gives_the_same_bytes(tmp_path):

@@ -514,6 +514,30 @@ def test_sigterm_during_training_saves_the_step_and_stops_with_status_143(tmp_pa
     assert (ckpt["step"], ckpt["epoch"], ckpt["epoch_batches"]) == (8, 1, 0)
 
 
+def test_a_process_forked_inside_sigterm_raises_ignores_sigterm(sigterm_caught):
+    """sigterm_raises' handler is inherited by forked processes (DataLoader workers), which must not raise
+    Terminated on the batch system's SIGTERM (a worker that stopped failed the parent's next batch): the forked
+    child ignores it and runs on (here to its normal exit, status 0)."""
+    from compress._stop import Terminated, sigterm_raises
+
+    with sigterm_raises():
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into pytest
+            code = 0
+            try:
+                time.sleep(1.5)
+            except Terminated:
+                code = 7
+            except BaseException:
+                code = 8
+            os._exit(code)
+        time.sleep(0.5)
+        os.kill(pid, signal.SIGTERM)
+        _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    assert not sigterm_caught
+
+
 def test_pix_zeta_trains_a_bottleneck_resnet_with_pix_blocks(tmp_path):
     from compress.pix import PiXBlock
 
@@ -751,6 +775,40 @@ def test_every_single_byte_flip_of_a_checkpoint_loads_unchanged_or_is_a_clear_er
     assert errors > len(good) // 4
 
 
+def test_a_complex_tensor_is_of_the_wrong_kind_even_for_a_non_float_entry():
+    """check_weight_kinds refuses complex tensors outright: a complex step counter is no more floating point than
+    the model's int64 one, so the float/non-float comparison alone let it through, and load_state_dict dropped its
+    imaginary part without a word."""
+    from compress._trainstate import check_weight_kinds
+
+    bn = torch.nn.BatchNorm1d(3)
+    weights = {k: v.clone() for k, v in bn.state_dict().items()}
+    weights["weight"] = torch.randn(3)
+    check_weight_kinds(bn, weights, "w.pt")  # the model's own kinds: accepted
+    weights["num_batches_tracked"] = torch.tensor(complex(*torch.randn(2).tolist()), dtype=torch.complex64)
+    with pytest.raises(ValueError, match=r"w.pt: tensors of the wrong kind: num_batches_tracked \(torch.complex64; "
+                                         r"the model's is torch.int64\)"):
+        check_weight_kinds(bn, weights, "w.pt")
+
+
+def test_set_rng_state_restores_the_python_and_numpy_streams():
+    """resume restores every random stream a checkpoint captured: the draws of Python's `random` (the data's
+    augmentations) and NumPy after set_rng_state repeat those after rng_state, as torch's do."""
+    import random
+
+    import numpy as np
+
+    from compress._trainstate import rng_state, set_rng_state
+
+    random.seed(torch.randint(1 << 30, ()).item())
+    np.random.seed(torch.randint(1 << 30, ()).item())
+    state = rng_state()
+    first = (random.random(), np.random.rand(), random.gauss(0, 1), np.random.randn(), torch.rand(2))
+    set_rng_state(state)
+    again = (random.random(), np.random.rand(), random.gauss(0, 1), np.random.randn(), torch.rand(2))
+    assert first[:4] == again[:4] and torch.equal(first[4], again[4])
+
+
 def _crash_in_step_4(monkeypatch, cfg, run_dir) -> None:
     """Run `cfg` into `run_dir` until its 4th training step raises, as a crash there would."""
     import compress.engine as engine
@@ -983,6 +1041,33 @@ def test_a_ranks_own_hydra_dir_is_removed_only_when_it_holds_nothing_else(tmp_pa
     for d, kept in cases.items():
         remove_if_only_hydra(d, "train.log")
         assert d.exists() == kept, d.name
+
+
+def test_an_emptied_run_dirs_parents_are_removed_only_inside_the_launch_dir(tmp_path, monkeypatch):
+    """After removing a run dir that holds only Hydra's start-up files, the emptied folders above it go too, but
+    only inside the directory the command was started in: an empty folder elsewhere (the user's) stays. A .hydra
+    holding anything but .yaml files is not Hydra's start-up record: the run dir stays."""
+    from compress import _files as files
+    from compress._files import remove_if_only_hydra
+
+    launch = tmp_path / "launch"
+    launch.mkdir()
+    monkeypatch.chdir(launch)
+    monkeypatch.setattr(files, "_launch_dir", lambda: launch)  # (as Hydra reports it, with its default run dir)
+    monkeypatch.setattr(files, "_named_by_hydra", lambda: True)
+
+    def make(run_dir, name="config.yaml"):
+        (run_dir / ".hydra").mkdir(parents=True)
+        (run_dir / ".hydra" / name).write_text(f"seed: {torch.randint(100, ()).item()}\n")
+        return run_dir
+
+    inside = make(launch / "outputs" / "2024-01-01" / "12-00-00")
+    assert remove_if_only_hydra(inside) and not (launch / "outputs").exists() and launch.is_dir()
+    outside = make(tmp_path / "elsewhere" / "a" / "run")
+    assert remove_if_only_hydra(outside) and not outside.exists()
+    assert (tmp_path / "elsewhere" / "a").is_dir()
+    notes = make(launch / "outputs" / "2024-01-02" / "12-00-00", "notes.txt")
+    assert not remove_if_only_hydra(notes) and (notes / ".hydra" / "notes.txt").is_file()
 
 
 def test_train_py_resumes_with_its_own_command_line_repeated(tmp_path):
@@ -1555,6 +1640,52 @@ def test_the_run_lock_survives_write_errors_other_users_files_and_forks(tmp_path
     _release_run_lock(tmp_path / "b")
 
 
+def test_lock_file_locks_the_file_at_the_path_when_its_holder_recreated_it(tmp_path, monkeypatch):
+    """Between lock_file's open and its flock the previous holder can release (unlink) the lock file and a third
+    process create a new one: the lock then taken is on a file no longer at the path, which the next process would
+    lock too. lock_file must notice and lock the file now at the path."""
+    import fcntl
+
+    from compress._files import lock_file, unlock_file
+
+    path = tmp_path / ".lock"
+    real_flock, calls = fcntl.flock, []
+
+    def holder_recreates_it(fd, op):
+        calls.append(fd)
+        if len(calls) == 1:
+            os.unlink(path)
+            path.write_bytes(os.urandom(8))
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", holder_recreates_it)
+    fd = lock_file(path)
+    assert fd is not None
+    try:
+        assert os.path.samestat(os.fstat(fd), os.stat(path)) and len(calls) == 2
+    finally:
+        unlock_file(path, fd)
+
+
+def test_process_alive_counts_another_users_process_as_alive(monkeypatch):
+    """os.kill(pid, 0) on another user's live process raises PermissionError: that process exists (its lock or
+    temporary file must be kept); only ProcessLookupError means none runs."""
+    from compress import _files as files
+
+    pid = int(torch.randint(2, 1 << 20, ()).item())
+
+    def kill(error):
+        def raising(p, sig):
+            assert (p, sig) == (pid, 0)
+            raise error
+        return raising
+
+    monkeypatch.setattr(files.os, "kill", kill(PermissionError(1, "Operation not permitted")))
+    assert files.process_alive(pid) is True
+    monkeypatch.setattr(files.os, "kill", kill(ProcessLookupError(3, "No such process")))
+    assert files.process_alive(pid) is False
+
+
 def test_a_run_dir_in_use_by_another_process_is_refused(tmp_path):
     """While a train.py process works in a run dir it holds a lock on .train.lock there: a second run started in the
     same dir (before the first wrote checkpoints/last.pt, which the overwrite check looks for) is refused instead of
@@ -1725,6 +1856,21 @@ def test_a_run_dir_hydra_cannot_create_is_one_clear_error_before_the_run(tmp_pat
     assert resumed.returncode == 1 and f"cannot write into the run directory {tmp_path / 'old run'} " \
         "(Permission denied)" in resumed.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mnt", "old run"] and not any((tmp_path / "old run").iterdir())
+
+
+def test_a_run_dir_that_is_a_file_is_named_as_such(tmp_path, monkeypatch):
+    """hydra.run.dir naming a file (or a folder under one): the error says that path is a file, not that the run
+    directory cannot be written into (the probe's NotADirectoryError)."""
+    from compress._run_dir import check_run_dir
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "taken").write_bytes(os.urandom(16))
+    for value in ("taken", "taken/r1"):
+        with pytest.raises(ValueError, match=rf"^hydra.run.dir={value}: {tmp_path / 'taken'} is a file, not a folder; "
+                                             r"give another hydra.run.dir$"):
+            check_run_dir(value, "hydra.run.dir")
+    check_run_dir("fresh/r1", "hydra.run.dir")  # creatable: no error, nothing left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
 
 
 def test_the_run_that_holds_the_dir_writes_its_own_hydra_record(tmp_path, monkeypatch):
