@@ -29,6 +29,7 @@ from kernels._utils import (
     fx_tracing,
     is_channels_last,
     needs_standard_ops,
+    pair,
     recording,
     tensor_version,
     tracing_or_compiling,
@@ -62,8 +63,10 @@ _GEOMETRY = frozenset({"stride", "padding", "dilation"})
 _EPILOGUE = frozenset({"relu", "pool", "pool_ceil"})
 
 
-def _pair(v) -> tuple[int, int]:
-    return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
+def _pair(v, name: str) -> tuple[int, int]:
+    """An int or a pair of ints as a pair; a ValueError naming the argument otherwise (a string padding, a float,
+    three values: an IndexError, a TypeError or a silent cut before)."""
+    return tuple(pair(v, f"StripeConv2d: {name}"))
 
 
 MAX_PLAN_ROWS = 2**24  # kernel area x output channels: the index table's size (ResNet-50's largest: 9 x 512)
@@ -160,7 +163,7 @@ def conv_padding(conv: nn.Conv2d) -> tuple[int, int]:
                 "asymmetrically; use explicit symmetric padding for stripe compaction"
             )
         return (total[0] // 2, total[1] // 2)
-    return _pair(conv.padding)
+    return _pair(conv.padding, "padding")
 
 
 @torch.no_grad()
@@ -227,8 +230,8 @@ class StripeConv2d(nn.Module):
             raise TypeError(f"StripeConv2d: {', '.join(bad)}: must be True or False")
         self.relu, self.pool, self.pool_ceil = relu, pool, pool_ceil
         self.in_channels, self.out_channels = int(in_channels), int(out_channels)
-        self.kernel_size, self.stride = _pair(kernel_size), _pair(stride)
-        self.padding, self.dilation = _pair(padding), _pair(dilation)
+        self.kernel_size, self.stride = _pair(kernel_size, "kernel_size"), _pair(stride, "stride")
+        self.padding, self.dilation = _pair(padding, "padding"), _pair(dilation, "dilation")
         _check_geometry(self)
         self.mode = mode
         self.weight = nn.Parameter(torch.zeros(num_stripes, in_channels, device=device, dtype=dtype))
@@ -506,7 +509,7 @@ class StripeConv2d(nn.Module):
                 self._drop_caches()
             return
         old = self.__dict__[name]
-        super().__setattr__(name, _pair(value))
+        super().__setattr__(name, _pair(value, name))
         try:
             _check_geometry(self)
         except ValueError:

@@ -318,6 +318,28 @@ def test_pool_is_relu_then_max_pool_and_survives_config_and_to_dense(mode, hw, c
     torch.testing.assert_close(empty(x), torch.relu(empty.bias)[None, :, None, None].expand(2, 10, side, side))
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    ({"padding": "same"}, r"padding must be an int or a pair of ints, got 'same': string padding"),
+    ({"kernel_size": 3.5}, r"kernel_size must be an int or a pair of ints, got 3.5"),
+    ({"stride": (1, 2, 3)}, r"stride must be an int or a pair of ints, got \[1, 2, 3\]"),
+    ({"dilation": "2"}, r"dilation must be an int or a pair of ints, got '2'"),
+])
+def test_bad_geometry_arguments_are_named(kwargs, match):
+    """The constructor and the geometry setters name the argument (a string padding gave "invalid literal for int()
+    with base 10: 's'", a float kernel a TypeError, a 1-tuple an IndexError, and three strides were cut to two)."""
+    args = {"in_channels": 3, "out_channels": 4, "kernel_size": 3, **kwargs}
+    with pytest.raises(ValueError, match=rf"^StripeConv2d: {match}"):
+        StripeConv2d(**args)
+    layer = StripeConv2d(3, 4, 3)
+    name, value = next(iter(kwargs.items()))
+    if name != "kernel_size":  # (the geometry a built layer may change)
+        with pytest.raises(ValueError, match=rf"^StripeConv2d: {match}"):
+            setattr(layer, name, value)
+        assert getattr(layer, name) == ((0, 0) if name == "padding" else (1, 1))  # unchanged
+    one = StripeConv2d(3, 4, (3,), stride=[2], padding=(1,))  # one-element sequences: both sides, as F.conv2d
+    assert (one.kernel_size, one.stride, one.padding) == ((3, 3), (2, 2), (1, 1))
+
+
 def test_bad_mode_and_grouped_conv_errors():
     with pytest.raises(ValueError, match="mode must be one of"):
         StripeConv2d(3, 4, 3, mode="fast")
