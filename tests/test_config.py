@@ -305,6 +305,17 @@ def test_adding_overrides_tells_a_forced_existing_key_from_a_forced_new_one():
     assert added("+pix.zeta=4", "+init=x.safetensors", "+pix.zeta_=4") == ["+pix.zeta_"]  # null-valued keys exist
 
 
+def test_has_key_counts_a_mandatory_missing_value_as_present():
+    """has_key tells whether a dotted key exists: a key whose value is missing ("???", a mandatory setting) exists,
+    at the top level and nested (OmegaConf's `in` is False for it, so adding_overrides would take a '++' on it for an
+    added key); an absent key, or one under a missing node, does not."""
+    from compress._overrides import has_key
+
+    cfg = OmegaConf.create({"a": {"b": "???", "d": 1}, "c": "???"})
+    assert has_key(cfg, "a.b") and has_key(cfg, "c") and has_key(cfg, "a.d") and has_key(cfg, "a")
+    assert not has_key(cfg, "a.x") and not has_key(cfg, "x") and not has_key(cfg, "x.b")
+
+
 def test_runs_started_in_one_second_get_run_dirs_of_their_own():
     """train.py's default run dir (and a sweep's) is named to the microsecond, as export's: named to the second, two
     runs started together (a job array, a script) got one dir, and all but the first were refused as in use."""

@@ -440,3 +440,29 @@ def test_load_weights_takes_a_state_dict_file_and_keeps_a_classifier_of_other_cl
     (tmp_path / "half.safetensors").write_bytes(whole[:len(whole) // 2])
     with pytest.raises(ValueError, match=r"half.safetensors is a damaged .safetensors file \(.*incomplete .*copy "):
         load_weights(create_model("resnet18"), tmp_path / "half.safetensors")
+
+
+def test_load_weights_strips_a_module_prefix_only_when_every_key_has_it(tmp_path):
+    """The "module." prefix (DataParallel/DDP) is cut only where every key carries it: a model whose own child is
+    named `module` (beside a `head`) keeps its keys, and its file loads as saved; cutting 7 characters off every key
+    as soon as one has the prefix mangled both children's names."""
+    from collections import OrderedDict
+
+    from compress.models import load_weights
+
+    def build(seed):
+        net = nn.Sequential(OrderedDict(module=nn.Conv2d(3, 4, 3), head=nn.Linear(4, 5)))
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in net.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen))
+        return net
+
+    source = build(0)
+    torch.save(source.state_dict(), tmp_path / "own_module.pth")
+    fresh = build(1)
+    assert not torch.equal(fresh.module.weight, source.module.weight)
+    assert load_weights(fresh, tmp_path / "own_module.pth") == []
+    got, want = fresh.state_dict(), source.state_dict()
+    assert got.keys() == want.keys() == {"module.weight", "module.bias", "head.weight", "head.bias"}
+    assert all(torch.equal(got[k], want[k]) for k in want)

@@ -1198,3 +1198,116 @@ def test_caches_are_read_once_so_threads_serving_one_layer_get_their_own_entry(m
     assert got.shape == want.shape and torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
     if mode == "dense":
         assert got.is_contiguous()  # the NCHW entry's weight, not the channels_last one
+
+
+@pytest.mark.parametrize("kwargs", [{"padding": 1, "padding_mode": "reflect"}, {"padding": "same"}])
+def test_conv2d_relu_with_a_padding_mode_or_string_padding_still_applies_its_relu(kwargs):
+    """Conv2dReLU hands a conv with padding_mode other than "zeros", or string padding, to nn.Conv2d's forward (which
+    conv2d_relu cannot run): its ReLU must still follow, else the fused module outputs negative values."""
+    from compress.stripe import Conv2dReLU
+
+    gen = torch.Generator().manual_seed(61)
+    conv = nn.Conv2d(3, 4, 3, **kwargs)
+    with torch.no_grad():
+        conv.weight.copy_(torch.randn(conv.weight.shape, generator=gen))
+        conv.bias.copy_(torch.randn(4, generator=gen))
+    fused = Conv2dReLU.from_conv(conv)
+    x = torch.randn(2, 3, 6, 7, generator=gen)
+    want = conv(x)
+    assert (want < 0).any()  # the ReLU has something to do
+    torch.testing.assert_close(fused(x), want.relu())
+
+
+def test_same_padding_of_a_non_square_kernel_pads_each_side_by_its_own_half():
+    """padding="same" with a (3, 5) kernel is (1, 2): a padding of (1, 1) (the height's half for both sides) would
+    give a narrower output with the wrong columns."""
+    from compress.stripe import conv_padding
+
+    gen = torch.Generator().manual_seed(62)
+    conv = nn.Conv2d(2, 3, (3, 5), padding="same")
+    assert conv_padding(conv) == (1, 2)
+    mask = _random_mask(3, 3, 5, keep=0.5, gen=gen)
+    x = torch.randn(2, 2, 7, 9, generator=gen)
+    s = StripeConv2d.from_dense(conv, mask)
+    assert s.padding == (1, 2)
+    want = F.conv2d(x, conv.weight * mask[:, None], conv.bias, padding=(1, 2))
+    torch.testing.assert_close(s(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_same_padding_asymmetric_in_one_dimension_only_is_refused():
+    """A (2, 3) kernel with padding="same" pads the height asymmetrically (1 row in total) while the width is
+    symmetric: one odd total is enough to refuse it (requiring both odd would take it as padding (0, 1))."""
+    from compress.stripe import stripe_padding_ok
+
+    conv = nn.Conv2d(2, 3, (2, 3), padding="same")
+    with pytest.raises(ValueError, match="asymmetrically"):
+        StripeConv2d.from_dense(conv, torch.ones(3, 2, 3, dtype=torch.bool))
+    assert not stripe_padding_ok(conv)
+
+
+def test_masked_conv_and_from_skeleton_keep_the_skeleton_conv_bias():
+    """masked_conv builds an uninitialised conv and copies weight and bias in: without the bias copy the compact
+    layer's bias is whatever the memory held. Checked on a random, large bias, against the masked reference."""
+    from compress.stripe import masked_conv
+
+    gen = torch.Generator().manual_seed(63)
+    conv = nn.Conv2d(4, 6, 3, padding=1, bias=True)
+    with torch.no_grad():
+        conv.bias.copy_(torch.randn(6, generator=gen) * 100)
+    sk = SkeletonConv2d.from_conv(conv)
+    with torch.no_grad():
+        sk.skeleton.copy_(torch.rand(sk.skeleton.shape, generator=gen) * 2 - 1)
+    dense = masked_conv(sk, 0.0)
+    stripe = StripeConv2d.from_skeleton(sk, 0.0)
+    assert torch.equal(dense.bias, sk.bias) and torch.equal(stripe.bias, sk.bias)
+    x = torch.randn(2, 4, 7, 7, generator=gen)
+    want = F.conv2d(x, sk.weight * sk.skeleton[:, None], sk.bias, padding=1).detach()
+    torch.testing.assert_close(dense(x).detach(), want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(stripe(x).detach(), want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["dense", "stripe", "gemm"])
+@pytest.mark.parametrize("pool", [False, True])
+def test_repeated_eval_calls_with_relu_and_ceil_pool_match_the_reference(mode, pool):
+    """Dense mode binds a direct call on its first call under torch.no_grad and runs it from the second on: that call
+    must apply the ReLU (off CUDA: F.conv2d(...).relu_()) and pool with the layer's ceil mode (a 7x7 output pools to
+    4x4 with ceil_mode=True, 3x3 without). Each of three calls against conv + ReLU (+ max_pool2d with ceil_mode)."""
+    gen = torch.Generator().manual_seed(64)
+    conv = nn.Conv2d(5, 6, 3, padding=1)
+    mask = _random_mask(6, 3, 3, keep=0.5, gen=gen)
+    s = StripeConv2d.from_dense(conv, mask, mode=mode).eval()
+    s.relu, s.pool, s.pool_ceil = True, pool, True
+    x = torch.randn(2, 5, 7, 7, generator=gen)
+    want = _masked_reference(conv, mask, x).detach().relu()
+    if pool:
+        want = F.max_pool2d(want, 2, ceil_mode=True)
+    assert want.shape[-1] == (4 if pool else 7)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(s(x), want, rtol=1e-5, atol=1e-5)
+    if mode == "dense":
+        assert s._eager_dense is not None  # the later calls took the direct path
+
+
+def test_a_size_mismatched_load_leaves_every_entry_as_it_was_including_the_fitting_bias():
+    """A state dict of another stripe count fails with PyTorch's size mismatch; its bias has the layer's shape and is
+    loaded before the error is known, so the module restores it (copying load and assign=True alike). The other
+    layer's bias differs, so that a bias left loaded shows."""
+    gen = torch.Generator().manual_seed(65)
+    conv = nn.Conv2d(3, 4, 3, padding=1)
+    s = StripeConv2d.from_dense(conv, _random_mask(4, 3, 3, keep=0.7, gen=gen))
+    other = nn.Conv2d(3, 4, 3, padding=1)
+    with torch.no_grad():
+        other.bias.copy_(torch.randn(4, generator=gen) * 10)
+    fewer = StripeConv2d.from_dense(other, torch.eye(4, 9, dtype=torch.bool).view(4, 3, 3))
+    assert fewer.num_stripes != s.num_stripes and not torch.equal(fewer.bias, s.bias)
+    x = torch.randn(2, 3, 6, 6, generator=gen)
+    want, good = s(x).detach(), {k: v.clone() for k, v in s.state_dict().items()}
+    for assign in (False, True):
+        with pytest.raises(RuntimeError, match="size mismatch"):
+            s.load_state_dict(fewer.state_dict(), assign=assign)
+        now = s.state_dict()
+        assert now.keys() == good.keys()
+        for k, v in now.items():
+            assert torch.equal(v, good[k]), k
+        torch.testing.assert_close(s(x).detach(), want)
