@@ -1443,3 +1443,90 @@ def test_library_calls_from_several_threads_take_turns():
     with ThreadPoolExecutor(2) as pool:
         got = list(pool.map(lambda _: compress.profile(model, latency=False).macs, range(6)))
     assert got == [macs] * 6 and model.training and torch.backends.mha.get_fastpath_enabled() == fastpath
+
+
+def test_target_macs_warns_when_the_only_lower_threshold_is_the_base():
+    """Every skeleton at 0.5: the candidate thresholds are [0, 0.5]; 0 keeps everything, 0.5 drops every stripe and
+    meets a 40% budget with far less, so compact warns though the threshold met is only the second candidate."""
+    model = skeleton_model("resnet20", 8, seed=3, dead=0.0)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, SkeletonConv2d):
+                m.skeleton.fill_(0.5)
+    with pytest.warns(UserWarning, match=r"threshold 0.5 meets the budget.*next lower one \(0\).*"
+                                         r"no threshold lands nearer"):
+        out = compact(model, target_macs=0.4, input_size=(3, 8, 8))
+    assert out.compress_compaction["threshold"] == 0.5
+
+
+def test_compact_sets_each_stripe_convs_mode_by_the_cost_model():
+    """Without choose_modes, each StripeConv2d compaction makes runs in the mode kernels.stripe_cost predicts
+    faster: "stripe" below a ratio of 1, else "dense" (VGG16's random skeletons give layers of both)."""
+    import kernels
+
+    out = compact(skeleton_model("vgg16", 32, seed=1))
+    modes = {}
+    for name, m in out.named_modules():
+        if isinstance(m, StripeConv2d):
+            ratio = kernels.stripe_cost(m.in_channels, m.out_channels, m.num_stripes, m.kernel_size,
+                                        m.weight.device.type, m.tile_keep)
+            modes[name] = m.mode
+            assert m.mode == ("stripe" if ratio < 1 else "dense"), name
+    assert set(modes.values()) == {"stripe", "dense"}
+
+
+def test_choose_modes_times_only_stripe_convs_with_stripes():
+    """A conv with no stripe left (an emptied residual branch's conv2) has nothing to time: choose_modes returns
+    the StripeConv2d layers with stripes and no other."""
+    model = skeleton_model("resnet20", 8, seed=6)
+    with torch.no_grad():
+        model.layer2[1].conv2.skeleton.zero_()
+    swp_update(model, alpha=0.0, threshold=0.0)
+    small = compact(model)
+    assert small.layer2[1].conv2.num_stripes == 0
+    modes = compress.choose_modes(small, torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(6)),
+                                  repeats=1)
+    with_stripes = {n for n, m in small.named_modules() if isinstance(m, StripeConv2d) and m.num_stripes > 0}
+    assert set(modes) == with_stripes and "layer2.1.conv2" not in modes
+
+
+class _SharedProducer(nn.Module):
+    """3x3 convs (padding 1) a (3 -> 4), z (4 -> 4) and head (4 -> 4); a is called twice: z(relu(a(x))) +
+    head(a(x)). With z pruned to nothing, a's first call feeds only a conv that reads its shape, its second the
+    head, which reads its values."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.z, self.head = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1), \
+            nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.z(F.relu(self.a(x))) + self.head(self.a(x))
+
+
+def test_a_layer_called_twice_keeps_its_work_when_one_call_is_read():
+    """A layer's work is dropped only when every call's output goes unread: here one call of `a` feeds a conv with
+    no stripe left, the other a live head, so `a` must keep its weights."""
+    torch.manual_seed(11)
+    model = _SharedProducer()
+    attach_skeletons(model)
+    gen = torch.Generator().manual_seed(12)
+    with torch.no_grad():
+        for name in ("a", "head"):
+            m = model.get_submodule(name)
+            assert isinstance(m, SkeletonConv2d)
+            m.skeleton.copy_(torch.rand(m.skeleton.shape, generator=gen) + 0.5)
+        model.z.skeleton.zero_()
+    model.eval()
+    out = compact(model)
+    assert out.z.num_stripes == 0
+    assert_same_output(model, out, torch.randn(2, 3, 8, 8, generator=gen))
+
+
+def test_a_fractional_target_macs_above_one_is_an_error():
+    """target_macs=1.5 is neither a share (at most 1) nor a whole MAC count: compact refuses it rather than read it
+    as a count of 1 or 2 MACs."""
+    model = skeleton_model("resnet20", 8, seed=2)
+    with pytest.raises(ValueError, match=r"target_macs=1.5 is neither a fraction in \(0, 1\] of the dense model's "
+                                         r"MACs nor a whole count of MACs"):
+        compact(model, target_macs=1.5, input_size=(3, 8, 8))

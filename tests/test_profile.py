@@ -671,3 +671,75 @@ def test_estimate_macs_scales_each_skeleton_conv_by_its_kept_stripes_by_hand():
         model[0].skeleton.copy_(torch.rand(4, 3, 3) * 0.5 + 0.5)
         model[0].skeleton[1:] = 0.005  # below the threshold
     assert estimate_macs(model, (3, 8, 8), 0.01) == (3888 + 720, 3888 // 4 + 720)
+
+
+def test_a_strided_depthwise_conv_counts_its_outputs_not_its_inputs():
+    """kernels.DepthwiseConv2d costs prod(kernel_size) MACs per output element: with stride 2 an 8x10x10 input gives
+    8x5x5 outputs, 8*5*5*9 MACs (counting per input element would give 4x that)."""
+    import kernels
+
+    dw = kernels.DepthwiseConv2d(8, 3, stride=2, padding=1, bias=False)
+    assert profile(dw, (8, 10, 10), latency=False).macs == 8 * 5 * 5 * 9
+
+
+def test_paper_convention_counts_a_stripe_convs_fused_relu_and_pool_as_the_modules_they_replace():
+    """A StripeConv2d keeping every stripe, with a ReLU and a 2x2 max-pool fused in, counts in the paper convention
+    what conv + nn.ReLU + nn.MaxPool2d(2) count: conv 8x6x6 * 36 + bias 288 + ReLU 288 + pool 288 (per input)."""
+    from compress.stripe import StripeConv2d
+
+    torch.manual_seed(0)
+    conv = nn.Conv2d(4, 8, 3, padding=1)
+    stripe = StripeConv2d.from_dense(conv, torch.ones(8, 3, 3, dtype=torch.bool))
+    stripe.relu = stripe.pool = True
+    dense = nn.Sequential(conv, nn.ReLU(), nn.MaxPool2d(2))
+    want = profile(dense, (4, 6, 6), latency=False, convention="paper").macs
+    assert want == 288 * 36 + 3 * 288 == 11232
+    assert profile(stripe, (4, 6, 6), latency=False, convention="paper").macs == want
+
+
+class _FunctionalConv(nn.Module):
+    """Calls F.conv2d itself on a weight of its own (3 -> 3, 3x3, padding 1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 3, 3, 3, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x):
+        return F.conv2d(x, self.w, padding=1)
+
+
+def test_functional_ops_of_a_module_called_twice_count_in_its_row_for_each_call():
+    """The second call of a module adds its functional ops to its row too: 2 calls * 3x4x4 outputs * 27 MACs."""
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.t = _FunctionalConv()
+
+        def forward(self, x):
+            return self.t(self.t(x))
+
+    rep = profile(Twice(), (3, 4, 4), latency=False)
+    rows = {row.name: row for row in rep.layers}
+    assert rows["t"].macs == 2 * 3 * 16 * 27
+    assert rep.macs == rep.functional_macs == 2 * 3 * 16 * 27
+
+
+class _ClaimsSevenWithAChild(_ClaimsSeven):
+    """Counts itself (7 MACs) and holds a child that its count covers (so its name is among the covered ones)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Identity()
+
+
+def test_a_sibling_whose_name_extends_a_covering_modules_name_keeps_its_row():
+    """Module "1" has a child and macs(): its descendants ("1.inner") get no rows, but sibling "10" is not one of
+    them (a bare prefix test on "1" would skip it). On 3x5x5: 1x1 convs 3 -> 4 (4*25*3 = 300) and 4 -> 2 (200)."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), _ClaimsSevenWithAChild(), *[nn.Identity() for _ in range(8)],
+                          nn.Conv2d(4, 2, 1, bias=False))
+    rep = profile(model, (3, 5, 5), latency=False)
+    rows = {row.name: row for row in rep.layers}
+    assert "1.inner" not in rows and rows["1"].macs == 7
+    assert rows["10"].macs == 2 * 25 * 4
+    assert rep.macs == 300 + 7 + 200
