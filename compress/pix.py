@@ -35,6 +35,7 @@ from kernels._utils import (
     check_tau,
     eager_inference,
     fx_tracing,
+    is_channels_last,
     plain_eager,
     unobserved,
 )
@@ -186,9 +187,8 @@ def _like(new: nn.Module, old: nn.Module) -> nn.Module:
     tensors = [*old.parameters(), *old.buffers()]
     ref = next((t for t in tensors if t.is_floating_point()), tensors[0] if tensors else None)
     if ref is not None:
-        cl = ref.dim() == 4 and not ref.is_contiguous() and ref.is_contiguous(memory_format=torch.channels_last)
         new.to(device=ref.device, dtype=ref.dtype if ref.is_floating_point() else None,
-               memory_format=torch.channels_last if cl else torch.preserve_format)
+               memory_format=torch.channels_last if is_channels_last(ref) else torch.preserve_format)
     params = list(old.parameters())
     if params and not any(p.requires_grad for p in params):
         new.requires_grad_(False)
